@@ -1,0 +1,280 @@
+// The only file that sees both pybind11 and ATen. C++ errors leave here as
+// Python exceptions (c10::ValueError -> ValueError, c10::TypeError -> TypeError,
+// anything else -> RuntimeError, through torch's translators); input checks
+// inside name the argument and the rule.
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "collectives/compressed.h"
+#include "engine/bucket_reducer.h"
+#include "engine/worker.h"
+#include "ops/cpu_ops.h"
+#include "transport/pg_transport.h"
+
+namespace py = pybind11;
+using namespace hetcomm;
+
+namespace {
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+py::object wrap_future(const FuturePtr& fut) {
+  return py::cast(std::make_shared<torch::jit::PythonFutureWrapper>(fut));
+}
+
+// Comm engine of one HookState: a transport, the reducer and its FIFO thread.
+// Once a job fails every later job fails at once with the first error: after
+// a failed collective the ranks are out of step, and going on would hang.
+class Engine {
+ public:
+  explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg)
+      : transport_(std::make_shared<ProcessGroupTransport>(std::move(pg))), reducer_(transport_) {}
+
+  ~Engine() { worker_.close(); }
+
+  // Posts fn to the comm thread; the Future's value (a Python object) is fn's result.
+  py::object run(std::function<at::Tensor()> fn) {
+    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
+    worker_.post([this, fut, fn = std::move(fn)] {
+      std::string earlier;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        earlier = failure_;
+      }
+      if (!earlier.empty()) {
+        fut->setError(std::make_exception_ptr(std::runtime_error(
+            "hetcomm: not run because an earlier collective failed: " + earlier)));
+        return;
+      }
+      at::Tensor result;
+      try {
+        result = fn();
+      } catch (const std::exception& e) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          failure_ = e.what();
+        }
+        fut->setError(std::current_exception());
+        return;
+      }
+      py::gil_scoped_acquire gil;
+      fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));
+    });
+    return wrap_future(fut);
+  }
+
+  py::object submit_bucket(int64_t index, at::Tensor buffer, int codec, int64_t chunk, double ratio, bool exact,
+                           c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last) {
+    TORCH_CHECK_VALUE(codec >= 0 && codec <= static_cast<int>(Codec::kTopK), "hetcomm: unknown codec id ", codec);
+    ops::check_float_vector(buffer, "bucket buffer");
+    TORCH_CHECK_VALUE(buffer.is_contiguous(), "hetcomm: bucket buffer must be contiguous");
+    BucketJob job;
+    job.index = index;
+    job.buffer = buffer.view({-1});
+    job.codec = static_cast<Codec>(codec);
+    job.chunk = chunk;
+    job.topk_ratio = ratio;
+    job.topk_exact = exact;
+    job.residual = residual.value_or(at::Tensor());
+    job.server_residual = server_residual.value_or(at::Tensor());
+    job.last = last;
+    return run([this, job]() mutable { return reducer_.reduce(job); });
+  }
+
+  py::object submit_batch_size(double local) {
+    TORCH_CHECK_VALUE(std::isfinite(local) && local > 0, "hetcomm: local batch size must be > 0, got ", local);
+    return run([this, local] {
+      reducer_.set_batch_size(local);
+      return at::full({1}, reducer_.divisor(), at::kDouble);
+    });
+  }
+
+  py::object submit_config(at::Tensor config) {
+    TORCH_CHECK_VALUE(config.dim() == 1, "hetcomm: config must be 1-D");
+    return run([this, config] { return reducer_.gather_config(config); });
+  }
+
+  void set_divisor(double d) {
+    TORCH_CHECK_VALUE(std::isfinite(d) && d > 0, "hetcomm: divisor must be > 0");
+    run([this, d] {
+      reducer_.set_divisor(d);
+      return at::full({1}, d, at::kDouble);
+    });
+  }
+
+  void drain() { worker_.drain(); }
+  void close() { worker_.close(); }
+  bool closed() const { return worker_.closed(); }
+  int rank() const { return transport_->rank(); }
+  int size() const { return transport_->size(); }
+
+  py::dict stats() {
+    auto to_dict = [](const ReduceTotals& t) {
+      py::dict d;
+      d["bytes_sent"] = t.bytes_sent;
+      d["bytes_recv"] = t.bytes_recv;
+      d["comm_s"] = t.comm_ns * 1e-9;
+      d["codec_s"] = t.codec_ns * 1e-9;
+      d["numel"] = t.numel;
+      d["buckets"] = t.buckets;
+      d["fp32_bytes"] = t.fp32_bytes;
+      d["compression_ratio"] = t.bytes_sent > 0 ? static_cast<double>(t.fp32_bytes) / t.bytes_sent : 1.0;
+      return d;
+    };
+    py::dict d;
+    d["total"] = to_dict(reducer_.totals());
+    d["last_step"] = to_dict(reducer_.last_step());
+    return d;
+  }
+
+ private:
+  std::shared_ptr<ProcessGroupTransport> transport_;
+  BucketReducer reducer_;
+  std::mutex mu_;
+  std::string failure_;
+  Worker worker_;  // last: its thread stops before the members it uses go away
+};
+
+py::dict build_info() {
+  py::dict d;
+  const std::string cuda = HETCOMM_CUDA_STATE;
+  d["cuda"] = cuda == "linked";
+  d["cuda_compiled"] = cuda != "none";
+  d["cuda_state"] = cuda;
+  d["cuda_archs"] = std::string(HETCOMM_CUDA_ARCHS);
+  d["nccl_version"] = std::string(HETCOMM_NCCL_VERSION);
+  d["torch_version"] = std::string(TORCH_VERSION);
+  return d;
+}
+
+at::ScalarType wire_dtype(const std::string& name) {
+  if (name == "float16" || name == "fp16") return at::kHalf;
+  if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
+  throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                        "hetcomm: wire must be 'float16' or 'bfloat16', got '" + name + "'");
+}
+
+at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hetcomm C++ core: torch-free kernels, transports, the comm engine";
+  m.def("build_info", &build_info, "What this build of hetcomm contains (cuda, archs, nccl version).");
+
+  // ---- kernels -------------------------------------------------------------
+  m.def(
+      "sign_encode",
+      [](const at::Tensor& grad, c10::optional<at::Tensor> residual, double divisor, int64_t chunk) {
+        return ops::sign_encode(grad, opt(residual), divisor, chunk);
+      },
+      py::arg("grad"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("chunk") = 2048,
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "sign_decode",
+      [](const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+         c10::optional<at::Tensor> out, bool accumulate) {
+        return ops::sign_decode(words, scales, n, chunk, alpha, opt(out), accumulate);
+      },
+      py::arg("words"), py::arg("scales"), py::arg("n"), py::arg("chunk") = 2048, py::arg("alpha") = 1.0,
+      py::arg("out") = py::none(), py::arg("accumulate") = false, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "topk_encode",
+      [](const at::Tensor& grad, c10::optional<at::Tensor> residual, double divisor, int64_t k, bool exact) {
+        return ops::topk_encode(grad, opt(residual), divisor, k, exact);
+      },
+      py::arg("grad"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("k") = 1,
+      py::arg("exact") = true, py::call_guard<py::gil_scoped_release>());
+  m.def("topk_count", &ops::topk_count, py::arg("n"), py::arg("ratio"));
+  m.def("scatter_add", &ops::scatter_add, py::arg("idx"), py::arg("val"), py::arg("out"), py::arg("alpha") = 1.0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "cast_encode",
+      [](const at::Tensor& x, double divisor, const std::string& wire) {
+        return ops::cast_encode(x, divisor, wire_dtype(wire));
+      },
+      py::arg("x"), py::arg("divisor") = 1.0, py::arg("wire") = "float16", py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "cast_decode",
+      [](const at::Tensor& h, double mul, c10::optional<at::Tensor> out) { return ops::cast_decode(h, mul, opt(out)); },
+      py::arg("h"), py::arg("mul") = 1.0, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("onebit_segment_numel", &collectives::onebit_segment_numel, py::arg("n"), py::arg("world"), py::arg("rank"));
+
+  // ---- transport (blocking calls; the GIL is released around every one) ----
+  py::class_<ProcessGroupTransport, std::shared_ptr<ProcessGroupTransport>>(m, "ProcessGroupTransport")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
+      .def_property_readonly("rank", &ProcessGroupTransport::rank)
+      .def_property_readonly("size", &ProcessGroupTransport::size)
+      .def_property_readonly("name", &ProcessGroupTransport::name)
+      .def("send", &ProcessGroupTransport::send, py::arg("tensor"), py::arg("dst"), py::arg("tag") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "recv", [](ProcessGroupTransport& t, at::Tensor tensor, int src, int tag) { t.recv(tensor, src, tag); },
+          py::arg("tensor"), py::arg("src"), py::arg("tag") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_reduce_sum", [](ProcessGroupTransport& t, at::Tensor x) { t.all_reduce_sum(x); }, py::arg("tensor"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_gather", [](ProcessGroupTransport& t, at::Tensor out, const at::Tensor& in) { t.all_gather(out, in); },
+          py::arg("out"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_to_all", [](ProcessGroupTransport& t, at::Tensor out, const at::Tensor& in) { t.all_to_all(out, in); },
+          py::arg("out"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &ProcessGroupTransport::barrier, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "allreduce_onebit",
+          [](ProcessGroupTransport& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
+             c10::optional<at::Tensor> sres) {
+            collectives::CodecTimer timer;
+            ops::check_float_vector(x, "x");
+            TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
+            at::Tensor flat = x.view({-1});
+            collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer);
+          },
+          py::arg("x"), py::arg("divisor"), py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(),
+          py::arg("server_residual") = py::none(), py::call_guard<py::gil_scoped_release>(),
+          "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately).")
+      .def(
+          "allreduce_topk",
+          [](ProcessGroupTransport& t, at::Tensor x, double divisor, double ratio, bool exact,
+             c10::optional<at::Tensor> res) {
+            collectives::CodecTimer timer;
+            ops::check_float_vector(x, "x");
+            TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
+            at::Tensor flat = x.view({-1});
+            collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer);
+          },
+          py::arg("x"), py::arg("divisor"), py::arg("ratio"), py::arg("exact") = true, py::arg("residual") = py::none(),
+          py::call_guard<py::gil_scoped_release>(), "Top-k all-gather all-reduce of x in place.")
+      .def("counters", [](ProcessGroupTransport& t) {
+        py::dict d;
+        d["bytes_sent"] = t.counters().bytes_sent.load();
+        d["bytes_recv"] = t.counters().bytes_recv.load();
+        d["comm_s"] = t.counters().comm_ns.load() * 1e-9;
+        d["calls"] = t.counters().calls.load();
+        return d;
+      });
+
+  // ---- engine ----------------------------------------------------------------
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
+      .def("submit_bucket", &Engine::submit_bucket, py::arg("index"), py::arg("buffer"), py::arg("codec"),
+           py::arg("chunk"), py::arg("topk_ratio"), py::arg("topk_exact"), py::arg("residual"),
+           py::arg("server_residual"), py::arg("last"))
+      .def("submit_batch_size", &Engine::submit_batch_size, py::arg("local_batch_size"))
+      .def("submit_config", &Engine::submit_config, py::arg("config"))
+      .def("set_divisor", &Engine::set_divisor, py::arg("divisor"))
+      .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &Engine::closed)
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("size", &Engine::size)
+      .def("stats", &Engine::stats);
+}

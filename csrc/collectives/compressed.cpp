@@ -1,0 +1,170 @@
+#include "collectives/compressed.h"
+
+#include <chrono>
+
+#include "kernels/sign.h"
+#include "ops/cpu_ops.h"
+
+namespace hetcomm {
+namespace collectives {
+
+namespace {
+
+class Timed {
+ public:
+  explicit Timed(CodecTimer& t) : timer_(t), start_(std::chrono::steady_clock::now()) {}
+  ~Timed() {
+    timer_.ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  CodecTimer& timer_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Segment r of the bucket is [r * seg, min(n, (r + 1) * seg)); seg is a
+// multiple of 32 so each segment's sign words start on a word boundary.
+int64_t segment_stride(int64_t n, int world) {
+  const int64_t per = (n + world - 1) / world;
+  return std::max<int64_t>(32, (per + 31) / 32 * 32);
+}
+
+int64_t segment_len(int64_t n, int64_t seg, int r) {
+  const int64_t begin = std::min<int64_t>(n, r * seg);
+  return std::min<int64_t>(n, begin + seg) - begin;
+}
+
+// One segment's message: [words (seg/32 int32) | scales (ceil(seg/chunk) float32 bits)].
+struct SignBlock {
+  int64_t words_cap, scales_cap;
+  int64_t ints() const { return words_cap + scales_cap; }
+  at::Tensor words(at::Tensor& block, int64_t len) const {
+    return block.narrow(0, 0, kernels::sign_num_words(len));
+  }
+  at::Tensor scales(at::Tensor& block, int64_t len, int64_t chunk) const {
+    return block.narrow(0, words_cap, kernels::sign_num_chunks(len, chunk)).view(at::kFloat);
+  }
+};
+
+at::Tensor narrow_or_empty(const at::Tensor& t, int64_t begin, int64_t len) {
+  return t.defined() ? t.narrow(0, begin, len) : at::Tensor();
+}
+
+}  // namespace
+
+void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType wire, CodecTimer& timer) {
+  if (wire == at::kFloat || wire == x.scalar_type()) {
+    // Same op as PyTorch's allreduce_hook (div_ then sum): equal batches match it bit for bit.
+    if (divisor != 1.0) x.div_(divisor);
+    t.all_reduce_sum(x);
+    return;
+  }
+  TORCH_CHECK_VALUE(wire == at::kHalf || wire == at::kBFloat16, "hetcomm: wire dtype must be float32, float16 or bfloat16");
+  at::Tensor h = at::empty({x.numel()}, x.options().dtype(wire));
+  {
+    Timed _(timer);
+    ops::cast_encode_into(x, divisor, h);
+  }
+  t.all_reduce_sum(h);
+  Timed _(timer);
+  if (x.scalar_type() == at::kFloat) {
+    ops::cast_decode(h, 1.0, x);
+  } else {
+    x.copy_(h);
+  }
+}
+
+int64_t onebit_segment_numel(int64_t n, int world, int rank) {
+  return segment_len(n, segment_stride(n, world), rank);
+}
+
+void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                      const at::Tensor& server_residual, CodecTimer& timer) {
+  const int w = t.size();
+  const int me = t.rank();
+  const int64_t n = x.numel();
+  const int64_t seg = segment_stride(n, w);
+  const SignBlock blk{seg / 32, kernels::sign_num_chunks(seg, chunk)};
+  const int64_t my_len = segment_len(n, seg, me);
+  TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == my_len,
+                    "hetcomm: server residual must have ", my_len, " elements, got ", server_residual.numel());
+
+  // Phase 1: each rank compresses every segment (worker error feedback) and
+  // sends segment r to rank r.
+  at::Tensor send = at::zeros({w * blk.ints()}, at::kInt);
+  at::Tensor recv = at::empty({w * blk.ints()}, at::kInt);
+  {
+    Timed _(timer);
+    for (int r = 0; r < w; ++r) {
+      const int64_t len = segment_len(n, seg, r);
+      if (len == 0) continue;
+      at::Tensor block = send.narrow(0, r * blk.ints(), blk.ints());
+      at::Tensor words = blk.words(block, len);
+      at::Tensor scales = blk.scales(block, len, chunk);
+      ops::sign_encode_into(x.narrow(0, r * seg, len), narrow_or_empty(worker_residual, r * seg, len), divisor, chunk,
+                            words, scales);
+    }
+  }
+  t.all_to_all(recv, send);
+
+  // This rank sums its segment from every rank (in rank order), then
+  // compresses the sum again (server error feedback).
+  at::Tensor mine = at::zeros({blk.ints()}, at::kInt);
+  {
+    Timed _(timer);
+    if (my_len > 0) {
+      at::Tensor acc = at::zeros({my_len}, at::kFloat);
+      for (int r = 0; r < w; ++r) {
+        at::Tensor block = recv.narrow(0, r * blk.ints(), blk.ints());
+        ops::sign_decode(blk.words(block, my_len), blk.scales(block, my_len, chunk), my_len, chunk, 1.0, acc, true);
+      }
+      at::Tensor words = blk.words(mine, my_len);
+      at::Tensor scales = blk.scales(mine, my_len, chunk);
+      ops::sign_encode_into(acc, server_residual, 1.0, chunk, words, scales);
+    }
+  }
+
+  // Phase 2: everyone gathers every segment's message and decodes the same bytes.
+  at::Tensor all = at::empty({w * blk.ints()}, at::kInt);
+  t.all_gather(all, mine);
+  Timed _(timer);
+  for (int r = 0; r < w; ++r) {
+    const int64_t len = segment_len(n, seg, r);
+    if (len == 0) continue;
+    at::Tensor block = all.narrow(0, r * blk.ints(), blk.ints());
+    ops::sign_decode(blk.words(block, len), blk.scales(block, len, chunk), len, chunk, 1.0, x.narrow(0, r * seg, len),
+                     false);
+  }
+}
+
+void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,
+                    CodecTimer& timer) {
+  const int w = t.size();
+  const int64_t n = x.numel();
+  const int64_t k = ops::topk_count(n, ratio);
+  // Message: [count | k indices | k value bits], fixed size so all_gather works.
+  const int64_t ints = 1 + 2 * k;
+  at::Tensor msg = at::zeros({ints}, at::kInt);
+  {
+    Timed _(timer);
+    auto [idx, val] = ops::topk_encode(x, residual, divisor, k, exact);
+    const int64_t count = idx.numel();
+    msg[0] = static_cast<int32_t>(count);
+    msg.narrow(0, 1, count).copy_(idx);
+    msg.narrow(0, 1 + k, count).view(at::kFloat).copy_(val);
+  }
+  at::Tensor all = at::empty({w * ints}, at::kInt);
+  t.all_gather(all, msg);
+  Timed _(timer);
+  x.zero_();
+  const int32_t* base = all.data_ptr<int32_t>();
+  for (int r = 0; r < w; ++r) {
+    const int64_t count = base[r * ints];
+    TORCH_CHECK(count >= 0 && count <= k, "hetcomm: corrupt top-k message from rank ", r);
+    at::Tensor block = all.narrow(0, r * ints, ints);
+    ops::scatter_add(block.narrow(0, 1, count), block.narrow(0, 1 + k, count).view(at::kFloat), x, 1.0);
+  }
+}
+
+}  // namespace collectives
+}  // namespace hetcomm

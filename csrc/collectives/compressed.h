@@ -1,0 +1,37 @@
+// Bucket all-reduce with a wire format, written once against a Transport.
+// Every function leaves the same bytes on every rank: the dense paths use the
+// transport's sum; the compressed paths have every rank decode identical
+// gathered messages in rank order.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+
+#include "transport/transport.h"
+
+namespace hetcomm {
+namespace collectives {
+
+// Time spent in encode/decode kernels, added to by every call below.
+struct CodecTimer {
+  std::atomic<int64_t> ns{0};
+};
+
+// x = sum_i x_i / divisor_i in the wire dtype (float32, float16 or bfloat16).
+void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType wire, CodecTimer& timer);
+
+// Two-phase 1-bit all-reduce (x float32, contiguous). worker_residual: numel
+// x.numel(); server_residual: numel onebit_segment_numel(...) for this rank.
+// Either may be undefined (no error feedback).
+void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                      const at::Tensor& server_residual, CodecTimer& timer);
+// Elements of the segment this rank averages (its server residual's size).
+int64_t onebit_segment_numel(int64_t n, int world, int rank);
+
+// Top-k all-gather all-reduce (x float32, contiguous). residual may be undefined.
+void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,
+                    CodecTimer& timer);
+
+}  // namespace collectives
+}  // namespace hetcomm

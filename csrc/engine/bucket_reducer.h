@@ -1,0 +1,61 @@
+// What the comm thread does with one DDP bucket: apply the step's weight and
+// reduce it with the bucket's codec. Also the small control collectives of a
+// step (batch sizes, the first-step configuration check). Not thread-safe:
+// only the comm thread calls it (stats() reads atomics).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+
+#include "collectives/compressed.h"
+#include "transport/transport.h"
+
+namespace hetcomm {
+
+enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4 };
+
+struct BucketJob {
+  int64_t index = 0;
+  at::Tensor buffer;  // DDP's flat bucket, reduced in place
+  Codec codec = Codec::kNone;
+  int64_t chunk = 2048;
+  double topk_ratio = 0.01;
+  bool topk_exact = true;
+  at::Tensor residual;         // worker / top-k residual, float32, may be undefined
+  at::Tensor server_residual;  // onebit only, may be undefined
+  bool last = false;           // last bucket of the step
+};
+
+struct ReduceTotals {
+  int64_t bytes_sent = 0, bytes_recv = 0, comm_ns = 0, codec_ns = 0, numel = 0, buckets = 0, fp32_bytes = 0;
+};
+
+class BucketReducer {
+ public:
+  explicit BucketReducer(std::shared_ptr<Transport> t);
+
+  Transport& transport() { return *transport_; }
+  // All-reduces the local batch size; the step's divisor becomes sum(b) / b.
+  void set_batch_size(double local);
+  void set_divisor(double d) { divisor_ = d; }
+  double divisor() const { return divisor_; }
+  at::Tensor reduce(BucketJob& job);
+  // All-gathers an int64 vector: returns [world, numel].
+  at::Tensor gather_config(const at::Tensor& config);
+
+  ReduceTotals totals() const;
+  ReduceTotals last_step() const;
+
+ private:
+  std::shared_ptr<Transport> transport_;
+  double divisor_;
+  collectives::CodecTimer codec_;
+  std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0};
+  ReduceTotals step_start_, last_step_;
+  mutable std::mutex snap_mu_;
+};
+
+}  // namespace hetcomm

@@ -1,0 +1,66 @@
+#include "engine/worker.h"
+
+#include <ATen/Parallel.h>
+
+#include <stdexcept>
+
+namespace hetcomm {
+
+Worker::Worker() : thread_([this] { loop(); }) {}
+
+Worker::~Worker() { close(); }
+
+void Worker::post(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) throw std::runtime_error("hetcomm: the comm worker is closed (HookState.close() was called)");
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+void Worker::drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+}
+
+void Worker::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
+}
+
+bool Worker::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stop_;
+}
+
+void Worker::loop() {
+  // Take the intra-op thread count set by torch.set_num_threads.
+  at::init_num_threads();
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) {
+        idle_cv_.notify_all();
+        return;
+      }
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    job();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+}  // namespace hetcomm

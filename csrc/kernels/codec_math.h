@@ -1,0 +1,168 @@
+// Per-element math shared by the CPU loops and the CUDA kernels.
+// Torch-free: plain floats and integers. Every function here is used by both
+// sides, so the CPU tests check the arithmetic the GPU runs.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define HC_HD __host__ __device__ __forceinline__
+#else
+#define HC_HD inline
+#endif
+
+namespace hetcomm {
+namespace kernels {
+
+// Elements per uint32 word of packed signs.
+constexpr int64_t kBitsPerWord = 32;
+// Partial sums per chunk: the reduction order of the chunk mean is fixed (32
+// lane-strided partial sums, then an xor butterfly) so that the CPU and a CUDA
+// warp produce bit-identical scales.
+constexpr int kLanes = 32;
+
+HC_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+HC_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// Correctly rounded a*b + c without contraction into an FMA (host builds use
+// -ffp-contract=off; on the device the _rn intrinsics are never fused).
+HC_HD float mul_add_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(__fmul_rn(a, b), c);
+#else
+  return a * b + c;
+#endif
+}
+
+HC_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+HC_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// The error-feedback input: the weighted gradient plus what earlier steps owe.
+// Divide before anything else (weights are 1/divisor; division keeps equal
+// batch sizes bit-identical to PyTorch's `div_(world_size)`).
+HC_HD float ef_input(float grad, float divisor, float residual) {
+  return add_rn(div_rn(grad, divisor), residual);
+}
+
+// ---- 1-bit sign codec -----------------------------------------------------
+// x >= 0 (including -0.0) encodes as 1 (+scale); x < 0 as 0 (-scale).
+HC_HD uint32_t sign_bit(float x) { return x >= 0.0f ? 1u : 0u; }
+
+HC_HD float sign_value(uint32_t bit, float scale) { return bit ? scale : -scale; }
+
+// New residual: what the 1-bit message did not carry.
+HC_HD float sign_residual(float x, uint32_t bit, float scale) {
+  return add_rn(x, -sign_value(bit, scale));
+}
+
+// out (+)= alpha * (+-scale)
+HC_HD float sign_decode(float prev, uint32_t bit, float scale, float alpha) {
+  return mul_add_rn(alpha, sign_value(bit, scale), prev);
+}
+
+// Partial sums p[0..31] -> one float by the fixed xor butterfly a CUDA warp
+// runs with __shfl_xor_sync(16, 8, 4, 2, 1); lane 0's value is the result.
+HC_HD float butterfly_sum32(float* p) {
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
+    float next[kLanes];
+    for (int i = 0; i < kLanes; ++i) next[i] = add_rn(p[i], p[i ^ offset]);
+    for (int i = 0; i < kLanes; ++i) p[i] = next[i];
+  }
+  return p[0];
+}
+
+// ---- fp16 / bf16 conversions (round to nearest even, like torch) ---------
+HC_HD uint16_t float_to_bf16(float f) {
+  uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN -> canonical quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+HC_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+HC_HD uint16_t float_to_half(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (a < 0x38800000u) {
+    // Result is subnormal (or zero): adding 0.5f aligns the half mantissa to
+    // the float's low bits and the FPU does the round-to-nearest-even.
+    const float t = add_rn(bits_float(a), 0.5f);
+    return static_cast<uint16_t>(sign | (float_bits(t) - 0x3f000000u));
+  }
+  const uint32_t odd = (a >> 13) & 1u;
+  a += 0xc8000fffu + odd;  // rebias exponent by (15 - 127) and round to nearest even
+  return static_cast<uint16_t>(sign | (a >> 13));
+}
+
+HC_HD float half_to_float(uint16_t h) {
+  const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  if (em >= 0x7c00u) return bits_float(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
+  if (em < 0x400u) {
+    // Subnormal: em * 2^-24 is exact in float.
+    const float v = static_cast<float>(em) * 5.9604644775390625e-8f;
+    return bits_float(sign | float_bits(v));
+  }
+  return bits_float(sign | ((em << 13) + 0x38000000u));
+}
+
+// Scaled casts: divide before the cast, so large gradients do not overflow fp16.
+HC_HD uint16_t scaled_to_half(float x, float divisor) { return float_to_half(div_rn(x, divisor)); }
+HC_HD uint16_t scaled_to_bf16(float x, float divisor) { return float_to_bf16(div_rn(x, divisor)); }
+HC_HD float half_scaled(uint16_t h, float mul) { return half_to_float(h) * mul; }
+HC_HD float bf16_scaled(uint16_t h, float mul) { return bf16_to_float(h) * mul; }
+
+// ---- top-k ------------------------------------------------------------------
+HC_HD float magnitude(float x) { return x < 0.0f ? -x : x; }
+
+// out[idx] (+)= alpha * value
+HC_HD float topk_decode(float prev, float value, float alpha) { return mul_add_rn(alpha, value, prev); }
+
+// Deterministic sample position j of m over n elements (stratified: one
+// pseudo-random element per stride), shared so CPU and GPU sample the same.
+HC_HD int64_t sample_position(int64_t j, int64_t m, int64_t n) {
+  const int64_t lo = j * n / m;
+  const int64_t hi = (j + 1) * n / m;
+  uint32_t h = static_cast<uint32_t>(j) * 2654435761u;
+  h ^= h >> 16;
+  const int64_t width = hi - lo;
+  return width > 0 ? lo + static_cast<int64_t>(h % static_cast<uint32_t>(width)) : lo;
+}
+
+}  // namespace kernels
+}  // namespace hetcomm

@@ -1,0 +1,42 @@
+// Top-k sparsification with error feedback. Torch-free.
+//
+//   x = grad / divisor + residual       (ef_accumulate writes x into the residual buffer)
+//   select the k entries of largest |x| -> (int32 index ascending, value) pairs
+//   residual keeps everything not sent  (topk_clear zeroes the sent entries)
+// Exact selection takes exactly k; ties at the threshold go to the lowest indices.
+// Sampled selection (as in DGC) estimates the threshold from a deterministic
+// stratified sample and returns about k (never more than k) entries.
+#pragma once
+
+#include <cstdint>
+
+namespace hetcomm {
+namespace kernels {
+
+// x[i] = grad[i] / divisor + x[i] for i in [begin, end)   (x == residual)
+void ef_accumulate_cpu(const float* grad, float divisor, float* x, int64_t begin, int64_t end);
+// x[i] = grad[i] / divisor                               (no error feedback)
+void scale_copy_cpu(const float* grad, float divisor, float* x, int64_t begin, int64_t end);
+
+// Returns the count written (k for exact; <= k for sampled). idx/val hold k slots.
+int64_t topk_select_exact_cpu(const float* x, int64_t n, int64_t k, int32_t* idx, float* val);
+int64_t topk_select_sampled_cpu(const float* x, int64_t n, int64_t k, int32_t* idx, float* val);
+// Sample size used by the sampled selection (shared with the CUDA version).
+int64_t topk_sample_size(int64_t n, int64_t k);
+
+void topk_clear_cpu(float* residual, const int32_t* idx, int64_t count);
+// out[idx[j]] += alpha * val[j] for j in order (sequential: deterministic).
+void scatter_add_cpu(const int32_t* idx, const float* val, int64_t count, float alpha, float* out);
+
+// CUDA versions (stream is a cudaStream_t). The CUDA selection is the sampled
+// threshold plus an exact refinement among the candidates; *count_out is a
+// device int64.
+void ef_accumulate_cuda(const float* grad, float divisor, float* x, int64_t n, void* stream);
+void topk_clear_cuda(float* residual, const int32_t* idx, int64_t count, void* stream);
+void scatter_add_cuda(const int32_t* idx, const float* val, int64_t count, float alpha, float* out,
+                      void* stream);
+void topk_threshold_select_cuda(const float* x, int64_t n, float threshold, int64_t capacity,
+                                int32_t* idx, float* val, unsigned long long* count_out, void* stream);
+
+}  // namespace kernels
+}  // namespace hetcomm

@@ -1,0 +1,76 @@
+// CUDA twin of topk_cpu.cpp's elementwise parts, plus the threshold
+// compaction used by the sampled selection on the GPU.
+#include "kernels/codec_math.h"
+#include "kernels/cuda_check.cuh"
+#include "kernels/topk.h"
+
+namespace hetcomm {
+namespace kernels {
+
+namespace {
+
+__global__ void ef_accumulate_kernel(const float* grad, float divisor, float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] = ef_input(grad[i], divisor, x[i]);
+}
+
+__global__ void clear_kernel(float* residual, const int32_t* idx, int64_t count) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < count;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    residual[idx[j]] = 0.0f;
+}
+
+// Indices within one rank's list are unique, so one launch per list needs no
+// atomics and the sum over lists keeps the CPU's order.
+__global__ void scatter_add_kernel(const int32_t* idx, const float* val, int64_t count, float alpha, float* out) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < count;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[idx[j]] = topk_decode(out[idx[j]], val[j], alpha);
+}
+
+__global__ void threshold_select_kernel(const float* x, int64_t n, float threshold, int64_t capacity,
+                                        int32_t* idx, float* val, unsigned long long* count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (magnitude(x[i]) >= threshold) {
+      const unsigned long long slot = atomicAdd(count, 1ull);
+      if (slot < static_cast<unsigned long long>(capacity)) {
+        idx[slot] = static_cast<int32_t>(i);
+        val[slot] = x[i];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void ef_accumulate_cuda(const float* grad, float divisor, float* x, int64_t n, void* stream) {
+  if (n == 0) return;
+  ef_accumulate_kernel<<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(grad, divisor, x, n);
+  cuda_check_launch("ef_accumulate");
+}
+
+void topk_clear_cuda(float* residual, const int32_t* idx, int64_t count, void* stream) {
+  if (count == 0) return;
+  clear_kernel<<<grid_for(count, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(residual, idx, count);
+  cuda_check_launch("topk_clear");
+}
+
+void scatter_add_cuda(const int32_t* idx, const float* val, int64_t count, float alpha, float* out, void* stream) {
+  if (count == 0) return;
+  scatter_add_kernel<<<grid_for(count, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(idx, val, count, alpha, out);
+  cuda_check_launch("scatter_add");
+}
+
+void topk_threshold_select_cuda(const float* x, int64_t n, float threshold, int64_t capacity, int32_t* idx,
+                                float* val, unsigned long long* count_out, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaMemsetAsync(count_out, 0, sizeof(unsigned long long), s);
+  if (n == 0) return;
+  threshold_select_kernel<<<grid_for(n, 256), 256, 0, s>>>(x, n, threshold, capacity, idx, val, count_out);
+  cuda_check_launch("topk_threshold_select");
+}
+
+}  // namespace kernels
+}  // namespace hetcomm

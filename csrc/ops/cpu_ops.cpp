@@ -1,0 +1,215 @@
+#include "ops/cpu_ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "kernels/cast.h"
+#include "kernels/sign.h"
+#include "kernels/topk.h"
+
+namespace hetcomm {
+namespace ops {
+
+namespace k = hetcomm::kernels;
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 15;
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "hetcomm: ", name, " must be a CPU tensor (got ", t.device(),
+                    "); CUDA tensors need a CUDA build of hetcomm (see hetcomm.build_info())");
+}
+
+void check_divisor(double divisor) {
+  TORCH_CHECK_VALUE(std::isfinite(divisor) && divisor > 0.0, "hetcomm: divisor must be finite and > 0, got ",
+                    divisor);
+}
+
+void check_chunk(int64_t chunk) {
+  TORCH_CHECK_VALUE(chunk > 0 && chunk % 32 == 0, "hetcomm: chunk must be a positive multiple of 32, got ", chunk);
+}
+
+void check_residual(const at::Tensor& residual, int64_t n) {
+  if (!residual.defined()) return;
+  check_cpu(residual, "residual");
+  TORCH_CHECK_TYPE(residual.scalar_type() == at::kFloat, "hetcomm: residual must be float32, got ",
+                   residual.scalar_type());
+  TORCH_CHECK_VALUE(residual.is_contiguous(), "hetcomm: residual must be contiguous");
+  TORCH_CHECK_VALUE(residual.numel() == n, "hetcomm: residual must have the gradient's numel (", n, "), got ",
+                    residual.numel());
+}
+
+float* opt_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+}  // namespace
+
+void check_float_vector(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), "hetcomm: ", name, " is undefined");
+  check_cpu(t, name);
+  TORCH_CHECK_TYPE(t.is_floating_point(), "hetcomm: ", name,
+                   " must be a floating-point tensor (float32, float16 or bfloat16), got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.numel() < (int64_t{1} << 31), "hetcomm: ", name, " must have fewer than 2^31 elements, got ",
+                    t.numel());
+}
+
+at::Tensor as_float32(const at::Tensor& t, const char* name) {
+  check_float_vector(t, name);
+  return t.reshape({-1}).to(at::kFloat).contiguous();
+}
+
+int64_t topk_count(int64_t n, double ratio) {
+  TORCH_CHECK_VALUE(ratio > 0.0 && ratio <= 1.0, "hetcomm: topk ratio must be in (0, 1], got ", ratio);
+  return std::min<int64_t>(n, static_cast<int64_t>(std::ceil(ratio * static_cast<double>(n))));
+}
+
+void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                      at::Tensor& words, at::Tensor& scales) {
+  check_divisor(divisor);
+  check_chunk(chunk);
+  const at::Tensor g = as_float32(grad, "grad");
+  const int64_t n = g.numel();
+  check_residual(residual, n);
+  const int64_t nchunks = k::sign_num_chunks(n, chunk);
+  TORCH_CHECK_VALUE(words.numel() == k::sign_num_words(n) && words.scalar_type() == at::kInt && words.is_contiguous(),
+                    "hetcomm: words must be contiguous int32 with ceil(n/32) elements");
+  TORCH_CHECK_VALUE(scales.numel() == nchunks && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+                    "hetcomm: scales must be contiguous float32 with ceil(n/chunk) elements");
+  k::SignEncodeParams p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
+                        reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), scales.data_ptr<float>()};
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / chunk);
+  at::parallel_for(0, nchunks, grain, [&](int64_t b, int64_t e) { k::sign_encode_cpu(p, b, e); });
+}
+
+std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                               int64_t chunk) {
+  check_chunk(chunk);
+  check_float_vector(grad, "grad");
+  const int64_t n = grad.numel();
+  at::Tensor words = at::zeros({k::sign_num_words(n)}, at::kInt);
+  at::Tensor scales = at::empty({k::sign_num_chunks(n, chunk)}, at::kFloat);
+  sign_encode_into(grad, residual, divisor, chunk, words, scales);
+  return {words, scales};
+}
+
+at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+                       at::Tensor out, bool accumulate) {
+  check_chunk(chunk);
+  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
+  check_cpu(words, "words");
+  check_cpu(scales, "scales");
+  TORCH_CHECK_TYPE(words.scalar_type() == at::kInt, "hetcomm: words must be int32, got ", words.scalar_type());
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "hetcomm: scales must be float32, got ",
+                   scales.scalar_type());
+  TORCH_CHECK_VALUE(words.numel() >= k::sign_num_words(n), "hetcomm: words must hold ceil(n/32) = ",
+                    k::sign_num_words(n), " words, got ", words.numel());
+  const int64_t nchunks = k::sign_num_chunks(n, chunk);
+  TORCH_CHECK_VALUE(scales.numel() >= nchunks, "hetcomm: scales must hold ceil(n/chunk) = ", nchunks,
+                    " values, got ", scales.numel());
+  if (!out.defined()) {
+    TORCH_CHECK_VALUE(!accumulate, "hetcomm: accumulate=True needs an out tensor");
+    out = at::empty({n}, at::kFloat);
+  }
+  check_cpu(out, "out");
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "hetcomm: out must be float32, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.is_contiguous() && out.numel() == n, "hetcomm: out must be contiguous with n = ", n,
+                    " elements, got ", out.numel());
+  const at::Tensor w = words.contiguous();
+  const at::Tensor s = scales.contiguous();
+  k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>()), s.data_ptr<float>(),
+                        out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / chunk);
+  at::parallel_for(0, nchunks, grain, [&](int64_t b, int64_t e) { k::sign_decode_cpu(p, b, e); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                               int64_t kk, bool exact) {
+  check_divisor(divisor);
+  const at::Tensor g = as_float32(grad, "grad");
+  const int64_t n = g.numel();
+  check_residual(residual, n);
+  TORCH_CHECK_VALUE(kk >= 0, "hetcomm: k must be >= 0, got ", kk);
+  kk = std::min(kk, n);
+  at::Tensor x = residual.defined() ? residual : at::empty({n}, at::kFloat);
+  float* xp = x.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const float d = static_cast<float>(divisor);
+  at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) {
+    if (residual.defined())
+      k::ef_accumulate_cpu(gp, d, xp, b, e);
+    else
+      k::scale_copy_cpu(gp, d, xp, b, e);
+  });
+  at::Tensor idx = at::empty({kk}, at::kInt);
+  at::Tensor val = at::empty({kk}, at::kFloat);
+  const int64_t count = exact ? k::topk_select_exact_cpu(xp, n, kk, idx.data_ptr<int32_t>(), val.data_ptr<float>())
+                              : k::topk_select_sampled_cpu(xp, n, kk, idx.data_ptr<int32_t>(), val.data_ptr<float>());
+  if (residual.defined()) k::topk_clear_cpu(xp, idx.data_ptr<int32_t>(), count);
+  return {idx.narrow(0, 0, count), val.narrow(0, 0, count)};
+}
+
+at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha) {
+  check_cpu(idx, "idx");
+  check_cpu(val, "val");
+  check_cpu(out, "out");
+  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt, "hetcomm: idx must be int32, got ", idx.scalar_type());
+  TORCH_CHECK_TYPE(val.scalar_type() == at::kFloat, "hetcomm: val must be float32, got ", val.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "hetcomm: out must be float32, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(idx.numel() == val.numel(), "hetcomm: idx and val must have the same numel, got ", idx.numel(),
+                    " and ", val.numel());
+  TORCH_CHECK_VALUE(out.is_contiguous(), "hetcomm: out must be contiguous");
+  const at::Tensor i = idx.contiguous();
+  const at::Tensor v = val.contiguous();
+  if (i.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(i);
+    TORCH_CHECK_VALUE(lo.item<int32_t>() >= 0 && hi.item<int32_t>() < out.numel(),
+                      "hetcomm: idx must lie in [0, out.numel() = ", out.numel(), ")");
+  }
+  k::scatter_add_cpu(i.data_ptr<int32_t>(), v.data_ptr<float>(), i.numel(), static_cast<float>(alpha),
+                     out.data_ptr<float>());
+  return out;
+}
+
+void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out) {
+  check_divisor(divisor);
+  const at::Tensor f = as_float32(x, "x");
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16,
+                   "hetcomm: wire dtype must be float16 or bfloat16, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.is_contiguous() && out.numel() == f.numel(), "hetcomm: out must be contiguous with x's numel");
+  const auto fmt = out.scalar_type() == at::kHalf ? k::Wire16::kHalf : k::Wire16::kBFloat16;
+  const float* in = f.data_ptr<float>();
+  auto* o = static_cast<uint16_t*>(out.data_ptr());
+  const float d = static_cast<float>(divisor);
+  at::parallel_for(0, f.numel(), kGrainElements,
+                   [&](int64_t b, int64_t e) { k::cast_encode_cpu(fmt, in, d, o, b, e); });
+}
+
+at::Tensor cast_encode(const at::Tensor& x, double divisor, at::ScalarType wire) {
+  check_float_vector(x, "x");
+  at::Tensor out = at::empty({x.numel()}, at::TensorOptions().dtype(wire));
+  cast_encode_into(x, divisor, out);
+  return out;
+}
+
+at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out) {
+  check_cpu(h, "h");
+  TORCH_CHECK_TYPE(h.scalar_type() == at::kHalf || h.scalar_type() == at::kBFloat16,
+                   "hetcomm: h must be float16 or bfloat16, got ", h.scalar_type());
+  const at::Tensor hc = h.reshape({-1}).contiguous();
+  if (!out.defined()) out = at::empty({hc.numel()}, at::kFloat);
+  check_cpu(out, "out");
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "hetcomm: out must be float32, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.is_contiguous() && out.numel() == hc.numel(), "hetcomm: out must be contiguous with h's numel");
+  const auto fmt = h.scalar_type() == at::kHalf ? k::Wire16::kHalf : k::Wire16::kBFloat16;
+  const auto* in = static_cast<const uint16_t*>(hc.data_ptr());
+  float* o = out.data_ptr<float>();
+  const float m = static_cast<float>(mul);
+  at::parallel_for(0, hc.numel(), kGrainElements,
+                   [&](int64_t b, int64_t e) { k::cast_decode_cpu(fmt, in, m, o, b, e); });
+  return out;
+}
+
+}  // namespace ops
+}  // namespace hetcomm

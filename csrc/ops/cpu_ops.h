@@ -1,0 +1,42 @@
+// ATen wrappers around the torch-free kernels: argument checks that name the
+// argument and the rule, output allocation, and at::parallel_for over chunks.
+// Used by the Python ops (bindings.cpp) and by the collectives.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace hetcomm {
+namespace ops {
+
+// Returns (words: int32[ceil(n/32)] holding uint32 bit patterns, scales: float32[ceil(n/chunk)]).
+// residual (float32, numel n) is updated in place when defined.
+std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at::Tensor& residual,
+                                               double divisor, int64_t chunk);
+// Encodes into caller-provided words/scales (sizes as above); used on the hot path.
+void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                      at::Tensor& words, at::Tensor& scales);
+// out (numel n, float32) = or += alpha * decoded. Returns out (allocated when undefined).
+at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk,
+                       double alpha, at::Tensor out, bool accumulate);
+
+// x = grad / divisor + residual; the k largest |x| -> (idx int32, val float32), ascending index.
+// The residual keeps the rest. exact=false uses the sampled threshold (about k, at most k).
+std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual,
+                                               double divisor, int64_t k, bool exact);
+// out[idx] += alpha * val, sequentially. Returns out.
+at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha);
+
+// float32 -> float16/bfloat16 of x / divisor; and 16-bit -> float32 times mul.
+at::Tensor cast_encode(const at::Tensor& x, double divisor, at::ScalarType wire);
+void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out);
+at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out);
+
+// Shared checks.
+void check_float_vector(const at::Tensor& t, const char* name);
+at::Tensor as_float32(const at::Tensor& t, const char* name);
+int64_t topk_count(int64_t n, double ratio);
+
+}  // namespace ops
+}  // namespace hetcomm

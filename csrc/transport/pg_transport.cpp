@@ -1,0 +1,114 @@
+#include "transport/pg_transport.h"
+
+#include <stdexcept>
+
+namespace hetcomm {
+
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
+
+void check_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined() && t.is_contiguous(), "hetcomm: ", name, " must be a defined contiguous tensor");
+}
+
+}  // namespace
+
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
+  TORCH_CHECK_VALUE(pg_, "hetcomm: process_group is None");
+}
+
+std::string ProcessGroupTransport::name() const { return "pg:" + pg_->getBackendName(); }
+
+void ProcessGroupTransport::check_peer(int peer, const char* name) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < size() && peer != rank(), "hetcomm: ", name,
+                    " must be another rank in [0, ", size(), "), got ", peer);
+}
+
+void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t sent,
+                                 int64_t recv, std::chrono::steady_clock::time_point start) {
+  try {
+    // The process group's own timeout bounds this: a dead peer raises.
+    work->wait();
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("hetcomm: ") + what + " on " + name() + " failed (rank " +
+                             std::to_string(rank()) + "/" + std::to_string(size()) + "): " + e.what());
+  }
+  const auto ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  counters_.bytes_sent += sent;
+  counters_.bytes_recv += recv;
+  counters_.comm_ns += ns;
+  counters_.calls += 1;
+}
+
+void ProcessGroupTransport::send(const at::Tensor& t, int dst, int tag) {
+  check_contiguous(t, "send tensor");
+  check_peer(dst, "dst");
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<at::Tensor> v{t};
+  wait(pg_->send(v, dst, tag), "send", nbytes(t), 0, start);
+}
+
+void ProcessGroupTransport::recv(at::Tensor& t, int src, int tag) {
+  check_contiguous(t, "recv tensor");
+  check_peer(src, "src");
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<at::Tensor> v{t};
+  wait(pg_->recv(v, src, tag), "recv", 0, nbytes(t), start);
+}
+
+void ProcessGroupTransport::all_reduce_sum(at::Tensor& t) {
+  check_contiguous(t, "all_reduce tensor");
+  const int w = size();
+  const auto start = std::chrono::steady_clock::now();
+  if (w == 1) return;
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  const int64_t ring = 2 * (w - 1) * nbytes(t) / w;
+  wait(pg_->allreduce(v, opts), "all_reduce", ring, ring, start);
+}
+
+void ProcessGroupTransport::all_gather(at::Tensor& out, const at::Tensor& in) {
+  check_contiguous(in, "all_gather input");
+  check_contiguous(out, "all_gather output");
+  const int w = size();
+  TORCH_CHECK_VALUE(out.numel() == in.numel() * w && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: all_gather output must hold world_size * input.numel() elements of the input's dtype");
+  const auto start = std::chrono::steady_clock::now();
+  if (w == 1) {
+    out.copy_(in);
+    return;
+  }
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (int r = 0; r < w; ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
+  std::vector<at::Tensor> ins{in};
+  const int64_t b = (w - 1) * nbytes(in);
+  wait(pg_->allgather(outs, ins), "all_gather", b, b, start);
+}
+
+void ProcessGroupTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
+  check_contiguous(in, "all_to_all input");
+  check_contiguous(out, "all_to_all output");
+  const int w = size();
+  TORCH_CHECK_VALUE(in.numel() == out.numel() && in.numel() % w == 0 && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: all_to_all input and output must have equal numel and dtype, divisible by world_size");
+  const auto start = std::chrono::steady_clock::now();
+  if (w == 1) {
+    out.copy_(in);
+    return;
+  }
+  std::vector<int64_t> splits;  // empty: equal splits
+  at::Tensor in_mut = in;
+  const int64_t b = (w - 1) * nbytes(in) / w;
+  wait(pg_->all_to_all_single(out, in_mut, splits, splits), "all_to_all", b, b, start);
+}
+
+void ProcessGroupTransport::barrier() {
+  const auto start = std::chrono::steady_clock::now();
+  if (size() == 1) return;
+  wait(pg_->barrier(), "barrier", 0, 0, start);
+}
+
+}  // namespace hetcomm

@@ -1,0 +1,37 @@
+// Transport over any c10d ProcessGroup (gloo on CPU, NCCL on GPU).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+
+#include "transport/transport.h"
+
+namespace hetcomm {
+
+class ProcessGroupTransport : public Transport {
+ public:
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+
+  int rank() const override { return pg_->getRank(); }
+  int size() const override { return pg_->getSize(); }
+  std::string name() const override;
+
+  void send(const at::Tensor& t, int dst, int tag) override;
+  void recv(at::Tensor& t, int src, int tag) override;
+  void all_reduce_sum(at::Tensor& t) override;
+  void all_gather(at::Tensor& out, const at::Tensor& in) override;
+  void all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void barrier() override;
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+
+ private:
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t sent, int64_t recv,
+            std::chrono::steady_clock::time_point start);
+  void check_peer(int peer, const char* name) const;
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+};
+
+}  // namespace hetcomm

@@ -1,0 +1,72 @@
+"""Python entry points to hetcomm's kernels, for tests and advanced users.
+
+All take and return torch tensors on the CPU (CUDA tensors need a CUDA build,
+see :func:`hetcomm.build_info`). Gradients may be float32, float16 or
+bfloat16 (the 16-bit ones are upcast; residuals are always float32).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+
+DEFAULT_CHUNK = 2048
+
+
+def sign_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0,
+                chunk: int = DEFAULT_CHUNK) -> Tuple[torch.Tensor, torch.Tensor]:
+    """1-bit sign compression with error feedback.
+
+    ``x = grad / divisor + residual``; per chunk of ``chunk`` elements (a multiple
+    of 32) ``scale = mean(|x|)``; sign bits (1 for ``x >= 0``) packed 32 per
+    word. ``residual`` (float32, same numel) becomes ``x - scale * sign(x)`` in
+    place. Returns ``(words, scales)``: int32 words holding uint32 bit patterns
+    (``ceil(n/32)``) and float32 scales (``ceil(n/chunk)``).
+    """
+    return _C.sign_encode(grad, residual, float(divisor), int(chunk))
+
+
+def sign_decode(words: torch.Tensor, scales: torch.Tensor, n: int, chunk: int = DEFAULT_CHUNK, alpha: float = 1.0,
+                out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """Inverse of :func:`sign_encode`: ``out (+)= alpha * scale * (+1 or -1)``."""
+    return _C.sign_decode(words, scales, int(n), int(chunk), float(alpha), out, bool(accumulate))
+
+
+def topk_count(n: int, ratio: float) -> int:
+    """``k = ceil(ratio * n)`` (at most n), the number of entries top-k sends."""
+    return _C.topk_count(int(n), float(ratio))
+
+
+def topk_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0, k: int = 1,
+                exact: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k with error feedback: ``x = grad / divisor + residual``; returns
+    ``(idx int32, val float32)`` of the k largest ``|x|`` in ascending index order
+    (ties go to the lowest index). ``residual`` keeps everything not sent.
+    ``exact=False`` estimates the threshold from a sample (as DGC does) and
+    returns about k, never more."""
+    return _C.topk_encode(grad, residual, float(divisor), int(k), bool(exact))
+
+
+def scatter_add(idx: torch.Tensor, val: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``out[idx] += alpha * val`` in order; returns ``out``."""
+    return _C.scatter_add(idx, val, out, float(alpha))
+
+
+def cast_encode(x: torch.Tensor, divisor: float = 1.0, wire: str = "float16") -> torch.Tensor:
+    """``(x / divisor).to(wire)`` with round-to-nearest-even; divides before the
+    cast so large values do not overflow float16. ``wire`` is 'float16' or 'bfloat16'."""
+    return _C.cast_encode(x, float(divisor), wire)
+
+
+def cast_decode(h: torch.Tensor, mul: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h.float() * mul`` into ``out`` (allocated when None)."""
+    return _C.cast_decode(h, float(mul), out)
+
+
+def onebit_segment_numel(n: int, world: int, rank: int) -> int:
+    """Elements of an n-element bucket that ``rank`` averages in the two-phase
+    1-bit all-reduce (the size of its server residual)."""
+    return _C.onebit_segment_numel(int(n), int(world), int(rank))

@@ -1,0 +1,319 @@
+"""HookState: the options and the per-run state of :func:`hetcomm.hook`."""
+
+from __future__ import annotations
+
+import atexit
+import math
+import weakref
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+# Codec ids shared with csrc/engine/bucket_reducer.h (enum class Codec).
+CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "topk": 4}
+COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk")
+_STATE_DICT_VERSION = 1
+
+_live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    # Stop comm threads before the interpreter goes away (they take the GIL
+    # to complete futures).
+    for engine in list(_live_engines):
+        engine.close()
+
+
+def _device_supports_bf16(device: torch.device) -> bool:
+    """CPU counts as bf16-capable; CUDA needs compute capability >= 8.0."""
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return major >= 8
+    return True
+
+
+class HookState:
+    r"""State and options of :func:`hetcomm.hook`, the DDP communication hook.
+
+    ``ddp.register_comm_hook(HookState(...), hetcomm.hook)`` makes DDP reduce
+    each gradient bucket on hetcomm's comm thread, in FIFO order, with the
+    chosen wire format. Construct it on every rank, after
+    ``torch.distributed.init_process_group`` and with the same arguments:
+    differing options are a ``ValueError`` on every rank at the first step.
+
+    Args:
+        compression: wire format of each bucket.
+            ``"none"``: fp32 all-reduce (bit-identical to PyTorch's
+            ``allreduce_hook`` when batch sizes are equal).
+            ``"fp16"`` / ``"bf16"``: divide by the weight, cast, all-reduce in
+            the 16-bit format, cast back.
+            ``"auto-precision"``: bf16 when every rank's device supports it
+            natively (CPU, or CUDA with compute capability >= 8.0), else fp16;
+            decided collectively at the first step.
+            ``"onebit"``: two-phase 1-bit all-reduce (sign + scale per chunk,
+            worker and server error feedback), about 2 bits per element on the
+            wire instead of 64.
+            ``"topk"``: each rank sends its ``topk_ratio`` largest entries of
+            gradient + residual as (int32 index, float32 value) pairs, all-gathered.
+        process_group: group to reduce over. ``None`` (default) creates a new
+            group over all ranks with the default backend, so hetcomm's
+            collectives never interleave with DDP's own (buffer broadcasts,
+            ``find_unused_parameters``) or the user's. Creating it is a
+            collective: construct the state on every rank.
+        start_iter: steps reduced in fp32 before compression starts. Must be
+            >= 2 with error feedback: DDP rebuilds its buckets after the first
+            iteration, and residuals are kept per bucket index.
+        error_feedback: keep what compression did not send and add it to the
+            next step's gradient (default True). ``False`` exists to show why
+            it matters.
+        chunk_size: elements per 1-bit scale (a positive multiple of 32).
+        min_compress_numel: buckets with fewer elements go uncompressed (fp32).
+        topk_ratio: fraction of entries top-k sends, in (0, 1].
+        topk_exact: exact top-k selection (default) or, with ``False``, the
+            sampled-threshold selection of DGC (about k entries, faster).
+
+    Batch-size weighting: call :meth:`set_local_batch_size` before every step
+    (starting before the first) on every rank, and the reduced gradient is
+    ``sum_i b_i g_i / sum_i b_i``: ranks with different batch sizes give exactly
+    the full-batch gradient. It costs one 8-byte all-reduce per step. Without
+    it, gradients are averaged over ranks.
+
+    Save ``state_dict()`` per rank (residuals are per rank) next to the model
+    and optimizer to resume a run bit for bit.
+    """
+
+    def __init__(
+        self,
+        compression: str = "none",
+        *,
+        process_group: Optional[dist.ProcessGroup] = None,
+        start_iter: int = 2,
+        error_feedback: bool = True,
+        chunk_size: int = 2048,
+        min_compress_numel: int = 8192,
+        topk_ratio: float = 0.01,
+        topk_exact: bool = True,
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if not isinstance(start_iter, int) or isinstance(start_iter, bool) or start_iter < 0:
+            raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
+        if error_feedback and compression in ("onebit", "topk") and start_iter < 2:
+            raise ValueError(
+                f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
+                "after the first iteration, and residuals are kept per bucket index")
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0 or chunk_size % 32:
+            raise ValueError(f"chunk_size must be a positive multiple of 32, got {chunk_size!r}")
+        if not isinstance(min_compress_numel, int) or isinstance(min_compress_numel, bool) or min_compress_numel < 0:
+            raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
+        if not isinstance(topk_ratio, (int, float)) or isinstance(topk_ratio, bool) or not (
+                0.0 < float(topk_ratio) <= 1.0):
+            raise ValueError(f"topk_ratio must be a number in (0, 1], got {topk_ratio!r}")
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
+        if not isinstance(topk_exact, bool):
+            raise ValueError(f"topk_exact must be a bool, got {topk_exact!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
+
+        self.compression = compression
+        self.start_iter = start_iter
+        self.error_feedback = error_feedback
+        self.chunk_size = chunk_size
+        self.min_compress_numel = min_compress_numel
+        self.topk_ratio = float(topk_ratio)
+        self.topk_exact = topk_exact
+        #: Steps completed (a step ends with the hook call for DDP's last bucket).
+        self.iter = 0
+        #: The wire format "auto-precision" settled on at the first step.
+        self.resolved_compression: Optional[str] = None if compression == "auto-precision" else compression
+
+        self._process_group = process_group
+        self._engine: Optional[Any] = None
+        self._residuals: Dict[int, torch.Tensor] = {}
+        self._server_residuals: Dict[int, torch.Tensor] = {}
+        self._local_batch: Optional[float] = None
+        self._weighted: Optional[bool] = None  # decided at the first step
+        self._step_open = False
+        self._negotiated = False
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            self._process_group = dist.new_group()
+
+    # ---- public API ----------------------------------------------------------
+    def set_local_batch_size(self, batch_size: int) -> None:
+        """This rank's number of samples in the coming step (> 0). Call it on
+        every rank before every step, starting before the first one."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)) or not (
+                math.isfinite(batch_size) and batch_size > 0):
+            raise ValueError(f"batch_size must be a finite number > 0, got {batch_size!r}")
+        if self._weighted is False:
+            raise RuntimeError(
+                "set_local_batch_size was first called after the first step; call it on every rank before the "
+                "first backward so all ranks agree on batch-size weighting")
+        self._local_batch = float(batch_size)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Residuals and the step counter of this rank (waits for queued work)."""
+        self._drain()
+        return {
+            "version": _STATE_DICT_VERSION,
+            "compression": self.compression,
+            "resolved_compression": self.resolved_compression,
+            "iter": self.iter,
+            "rank": self._rank(),
+            "world_size": self._world(),
+            "residuals": {i: t.clone() for i, t in self._residuals.items()},
+            "server_residuals": {i: t.clone() for i, t in self._server_residuals.items()},
+        }
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved on this rank."""
+        if not isinstance(sd, dict) or sd.get("version") != _STATE_DICT_VERSION:
+            raise ValueError(f"state_dict is not a hetcomm HookState state (version {_STATE_DICT_VERSION})")
+        if sd["compression"] != self.compression:
+            raise ValueError(f"state_dict compression {sd['compression']!r} != this state's {self.compression!r}")
+        if sd["rank"] != self._rank() or sd["world_size"] != self._world():
+            raise ValueError(
+                f"state_dict was saved by rank {sd['rank']} of {sd['world_size']}, this is rank {self._rank()} of "
+                f"{self._world()}: load each rank's own state")
+        self._drain()
+        self.iter = int(sd["iter"])
+        if sd.get("resolved_compression") is not None:
+            self.resolved_compression = sd["resolved_compression"]
+        self._residuals = {int(i): t.detach().clone().float().contiguous() for i, t in sd["residuals"].items()}
+        self._server_residuals = {int(i): t.detach().clone().float().contiguous()
+                                  for i, t in sd["server_residuals"].items()}
+
+    def stats(self) -> Dict[str, Any]:
+        """Bytes and time of the last complete step and of the whole run:
+        ``bytes_sent`` / ``bytes_recv`` (algorithmic, the ring-equivalent volume
+        of each collective), ``fp32_bytes`` (what an fp32 ring all-reduce of the
+        same buckets sends), ``compression_ratio``, ``comm_s`` (inside
+        collectives), ``codec_s`` (compressing and decompressing), ``numel``,
+        ``buckets``; plus ``iter`` and the ``compression`` in use."""
+        out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
+        if self._engine is not None:
+            out.update(self._engine.stats())
+        return out
+
+    def close(self) -> None:
+        """Finish queued work and stop the comm thread."""
+        if self._engine is not None:
+            self._engine.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- used by the hook ------------------------------------------------------
+    def _rank(self) -> int:
+        return dist.get_rank(self._group()) if dist.is_initialized() else 0
+
+    def _world(self) -> int:
+        return dist.get_world_size(self._group()) if dist.is_initialized() else 1
+
+    def _group(self) -> dist.ProcessGroup:
+        if self._process_group is None:
+            if not dist.is_initialized():
+                raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
+            self._process_group = dist.new_group()
+        return self._process_group
+
+    def _drain(self) -> None:
+        if self._engine is not None:
+            self._engine.drain()
+
+    def _ensure_engine(self):
+        if self._engine is None:
+            self._engine = _C.Engine(self._group())
+            _live_engines.add(self._engine)
+        return self._engine
+
+    def _config_vector(self, bf16_capable: bool) -> torch.Tensor:
+        fields = [
+            _STATE_DICT_VERSION,
+            COMPRESSIONS.index(self.compression),
+            self.start_iter,
+            int(self.error_feedback),
+            self.chunk_size,
+            self.min_compress_numel,
+            round(self.topk_ratio * 1e9),
+            int(self.topk_exact),
+            int(self._local_batch is not None),
+            self.iter,
+            int(bf16_capable),
+        ]
+        return torch.tensor(fields, dtype=torch.int64)
+
+    _CONFIG_NAMES = ("hetcomm version", "compression", "start_iter", "error_feedback", "chunk_size",
+                     "min_compress_numel", "topk_ratio", "topk_exact",
+                     "batch-size weighting (set_local_batch_size called before the first step)",
+                     "iter (steps done; was the state restored on every rank?)")
+
+    def _negotiate(self, bucket_device: torch.device) -> None:
+        """First step: all-gather the options and device capabilities; every
+        rank raises the same ValueError if any option differs."""
+        engine = self._ensure_engine()
+        capable = _device_supports_bf16(bucket_device)
+        gathered = engine.submit_config(self._config_vector(capable)).wait()
+        decoders = {1: lambda v: COMPRESSIONS[v], 6: lambda v: v / 1e9}
+        for col, name in enumerate(self._CONFIG_NAMES):
+            column = gathered[:, col].tolist()
+            if len(set(column)) > 1:
+                show = decoders.get(col, lambda v: v)
+                per_rank = ", ".join(f"rank {r}: {show(v)!r}" for r, v in enumerate(column))
+                raise ValueError(f"hetcomm: HookState option {name} differs across ranks ({per_rank}); "
+                                 "construct HookState with the same arguments on every rank")
+        self._weighted = bool(gathered[0, 8])
+        if self.compression == "auto-precision":
+            self.resolved_compression = "bf16" if bool(gathered[:, 10].all()) else "fp16"
+        self._negotiated = True
+
+    def _residual(self, store: Dict[int, torch.Tensor], index: int, numel: int) -> torch.Tensor:
+        r = store.get(index)
+        if r is None or r.numel() != numel:
+            # New bucket or a rebuilt one of another size: start from zero.
+            r = torch.zeros(numel, dtype=torch.float32)
+            store[index] = r
+        return r
+
+    def _submit(self, bucket) -> torch.futures.Future:
+        buf = bucket.buffer()
+        if not buf.is_floating_point():
+            raise ValueError(f"hetcomm.hook: bucket dtype must be floating point, got {buf.dtype}")
+        engine = self._ensure_engine()
+        if not self._step_open:
+            if not self._negotiated:
+                self._negotiate(buf.device)
+            self._step_open = True
+            if self._weighted:
+                if self._local_batch is None:
+                    raise RuntimeError("hetcomm: batch-size weighting is on but no batch size was set")
+                engine.submit_batch_size(self._local_batch)
+        mode = self.resolved_compression
+        index = bucket.index()
+        last = bucket.is_last()
+        numel = buf.numel()
+        compressed = mode in ("onebit", "topk") and self.iter >= self.start_iter and numel >= self.min_compress_numel
+        residual = server = None
+        if not compressed:
+            codec = CODEC_IDS["none"] if mode in ("onebit", "topk") else CODEC_IDS[mode]
+        else:
+            codec = CODEC_IDS[mode]
+            if self.error_feedback:
+                residual = self._residual(self._residuals, index, numel)
+                if mode == "onebit":
+                    seg = _C.onebit_segment_numel(numel, engine.size, engine.rank)
+                    server = self._residual(self._server_residuals, index, seg)
+        fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
+                                   server, last)
+        if last:
+            self._step_open = False
+            self.iter += 1
+        return fut
