@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import math
 import weakref
+from datetime import timedelta
 from typing import Any, Dict, Optional
 
 import torch
@@ -26,6 +27,15 @@ def _close_engines() -> None:
     # to complete futures).
     for engine in list(_live_engines):
         engine.close()
+
+
+def _default_group_timeout() -> Optional[timedelta]:
+    """The default process group's timeout (None where the backend hides it)."""
+    try:
+        pg = dist.group.WORLD
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return None
 
 
 def _device_supports_bf16(device: torch.device) -> bool:
@@ -75,6 +85,9 @@ class HookState:
         topk_ratio: fraction of entries top-k sends, in (0, 1].
         topk_exact: exact top-k selection (default) or, with ``False``, the
             sampled-threshold selection of DGC (about k entries, faster).
+        timeout: how long a collective of hetcomm's own group may wait before
+            it fails (a dead peer is an error, not a hang). ``None`` takes the
+            default group's timeout.
 
     Batch-size weighting: call :meth:`set_local_batch_size` before every step
     (starting before the first) on every rank, and the reduced gradient is
@@ -97,6 +110,7 @@ class HookState:
         min_compress_numel: int = 8192,
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -117,6 +131,8 @@ class HookState:
             raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
         if not isinstance(topk_exact, bool):
             raise ValueError(f"topk_exact must be a bool, got {topk_exact!r}")
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+            raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
 
@@ -133,6 +149,7 @@ class HookState:
         self.resolved_compression: Optional[str] = None if compression == "auto-precision" else compression
 
         self._process_group = process_group
+        self._timeout = timeout
         self._engine: Optional[Any] = None
         self._residuals: Dict[int, torch.Tensor] = {}
         self._server_residuals: Dict[int, torch.Tensor] = {}
@@ -141,7 +158,7 @@ class HookState:
         self._step_open = False
         self._negotiated = False
         if process_group is None and dist.is_available() and dist.is_initialized():
-            self._process_group = dist.new_group()
+            self._group()
 
     # ---- public API ----------------------------------------------------------
     def set_local_batch_size(self, batch_size: int) -> None:
@@ -222,7 +239,7 @@ class HookState:
         if self._process_group is None:
             if not dist.is_initialized():
                 raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
-            self._process_group = dist.new_group()
+            self._process_group = dist.new_group(timeout=self._timeout or _default_group_timeout())
         return self._process_group
 
     def _drain(self) -> None:

@@ -1,0 +1,82 @@
+"""Pure-torch references of hetcomm's codecs, written from the definitions
+(independent of the C++ code) for the tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ef_input(grad, residual, divisor):
+    x = grad.float().reshape(-1) / divisor
+    return x + residual if residual is not None else x
+
+
+def sign_encode(grad, residual, divisor, chunk):
+    """Returns (words as int64 uint32 values, scales, new residual or None)."""
+    x = ef_input(grad, residual, divisor)
+    n = x.numel()
+    nchunks = math.ceil(n / chunk)
+    scales = torch.stack([x[c * chunk:(c + 1) * chunk].abs().mean() for c in range(nchunks)]) if n else torch.zeros(0)
+    bits = (x >= 0).long()
+    pad = (-n) % 32
+    bits = torch.cat([bits, torch.zeros(pad, dtype=torch.long)]).view(-1, 32)
+    words = (bits << torch.arange(32)).sum(1)
+    per_elem = scales.repeat_interleave(chunk)[:n]
+    decoded = torch.where(x >= 0, per_elem, -per_elem)
+    new_res = x - decoded if residual is not None else None
+    return words, scales, new_res, decoded
+
+
+def words_as_uint32(words_int32: torch.Tensor) -> torch.Tensor:
+    return words_int32.long() & 0xFFFFFFFF
+
+
+def topk(grad, residual, divisor, k):
+    """Exact top-k by |x|, ties to the lowest index; returns (idx ascending, val, new residual)."""
+    x = ef_input(grad, residual, divisor)
+    order = torch.sort(x.abs(), descending=True, stable=True).indices[:k]
+    idx = torch.sort(order).values
+    new_res = None
+    if residual is not None:
+        new_res = x.clone()
+        new_res[idx] = 0
+    return idx, x[idx], new_res
+
+
+def onebit_allreduce(inputs, worker_res, server_res, divisors, chunk):
+    """Two-phase 1-bit all-reduce of a list of per-rank vectors, simulated in one
+    process. Returns (output, new worker residuals, new server residuals, the
+    server-side sums before the second compression)."""
+    world = len(inputs)
+    n = inputs[0].numel()
+    seg = max(32, math.ceil(math.ceil(n / world) / 32) * 32)
+    bounds = [(min(n, r * seg), min(n, (r + 1) * seg)) for r in range(world)]
+    new_w = [None if w is None else w.clone() for w in worker_res]
+    # phase 1: every rank compresses every segment of its own vector
+    decoded = [[None] * world for _ in range(world)]  # decoded[src][segment]
+    for src in range(world):
+        for r, (b, e) in enumerate(bounds):
+            if e == b:
+                continue
+            res = None if new_w[src] is None else new_w[src][b:e]
+            _, _, nr, dec = sign_encode(inputs[src][b:e], res, divisors[src], chunk)
+            if nr is not None:
+                new_w[src][b:e] = nr
+            decoded[src][r] = dec
+    out = torch.zeros(n)
+    sums = torch.zeros(n)
+    new_s = [None if s is None else s.clone() for s in server_res]
+    for r, (b, e) in enumerate(bounds):
+        if e == b:
+            continue
+        acc = torch.zeros(e - b)
+        for src in range(world):
+            acc += decoded[src][r]
+        sums[b:e] = acc
+        _, _, ns, dec = sign_encode(acc, new_s[r], 1.0, chunk)
+        if ns is not None:
+            new_s[r] = ns
+        out[b:e] = dec
+    return out, new_w, new_s, sums

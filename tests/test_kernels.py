@@ -1,0 +1,166 @@
+"""Kernels against the pure-torch references in tests/reference.py."""
+
+import math
+
+import pytest
+import torch
+
+import hetcomm
+from hetcomm import ops
+
+from . import reference as ref
+
+SIZES = [1, 31, 33, 2049, 10**6]
+
+
+def _data(n, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed + n)
+    return torch.randn(n, generator=g).mul_(3).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [32, 2048])
+def test_sign_encode_matches_reference(device, n, dtype, chunk):
+    g = _data(n, dtype, device=device)
+    e = _data(n, seed=7, device=device) * 0.1
+    divisor = 3.0
+    want_words, want_scales, want_res, want_dec = ref.sign_encode(g.cpu(), e.cpu(), divisor, chunk)
+    res = e.clone()
+    words, scales = ops.sign_encode(g, res, divisor, chunk)
+    assert words.dtype == torch.int32 and words.numel() == (n + 31) // 32
+    assert torch.equal(ref.words_as_uint32(words.cpu()), want_words)
+    torch.testing.assert_close(scales.cpu(), want_scales, rtol=2e-6, atol=0)
+    dec = ops.sign_decode(words, scales, n, chunk)
+    torch.testing.assert_close(dec.cpu(), want_dec, rtol=2e-6, atol=0)
+    torch.testing.assert_close(res.cpu(), want_res, rtol=1e-5, atol=1e-5)
+    # The exact invariant of error feedback: what was sent + what is kept == g/d + e.
+    x = g.float() / divisor + e
+    torch.testing.assert_close(dec + res, x, rtol=0, atol=4 * torch.finfo(torch.float32).eps * x.abs().max().item())
+
+
+def test_sign_encode_without_residual_and_decode_accumulate(device):
+    n, chunk = 5000, 64
+    g = _data(n, device=device)
+    words, scales = ops.sign_encode(g, None, 2.0, chunk)
+    want_words, want_scales, _, want_dec = ref.sign_encode(g.cpu(), None, 2.0, chunk)
+    assert torch.equal(ref.words_as_uint32(words.cpu()), want_words)
+    out = torch.ones(n, device=device)
+    ops.sign_decode(words, scales, n, chunk, alpha=0.5, out=out, accumulate=True)
+    torch.testing.assert_close(out.cpu(), 1 + 0.5 * want_dec, rtol=1e-6, atol=1e-6)
+
+
+def test_sign_zero_and_negative_zero_encode_as_plus(device):
+    g = torch.tensor([0.0, -0.0, -1.0, 1.0], device=device)
+    words, scales = ops.sign_encode(g, None, 1.0, 32)
+    assert ref.words_as_uint32(words.cpu()).item() == 0b1011
+    assert scales.item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("bad", [dict(chunk=48), dict(chunk=0), dict(divisor=0.0), dict(divisor=float("nan"))])
+def test_sign_encode_rejects_bad_arguments(bad):
+    kwargs = dict(chunk=64, divisor=1.0)
+    kwargs.update(bad)
+    with pytest.raises(ValueError, match="chunk|divisor"):
+        ops.sign_encode(torch.randn(100), None, **kwargs)
+
+
+def test_kernels_reject_bad_tensors():
+    with pytest.raises(TypeError, match="grad must be a floating-point"):
+        ops.sign_encode(torch.arange(10))
+    with pytest.raises(ValueError, match="residual must have the gradient's numel"):
+        ops.sign_encode(torch.randn(10), torch.zeros(9))
+    with pytest.raises(TypeError, match="residual must be float32"):
+        ops.topk_encode(torch.randn(10), torch.zeros(10, dtype=torch.float64), k=2)
+    with pytest.raises(ValueError, match="idx must lie in"):
+        ops.scatter_add(torch.tensor([0, 10], dtype=torch.int32), torch.ones(2), torch.zeros(10))
+    with pytest.raises(ValueError, match="wire must be"):
+        ops.cast_encode(torch.randn(3), 1.0, "int8")
+    with pytest.raises(ValueError, match="words must hold"):
+        ops.sign_decode(torch.zeros(1, dtype=torch.int32), torch.ones(1), 64, 64)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("ratio", [0.01, 0.3])
+def test_topk_exact_matches_reference(device, n, ratio):
+    g = _data(n, device=device)
+    e = _data(n, seed=3, device=device) * 0.5
+    k = ops.topk_count(n, ratio)
+    assert k == min(n, math.ceil(ratio * n))
+    want_idx, want_val, want_res = ref.topk(g.cpu(), e.cpu(), 2.0, k)
+    res = e.clone()
+    idx, val = ops.topk_encode(g, res, 2.0, k, exact=True)
+    assert idx.numel() == k
+    assert torch.equal(idx.cpu().long(), want_idx)
+    assert torch.equal(val.cpu(), want_val)
+    assert torch.equal(res.cpu(), want_res)
+    # every sent magnitude >= every kept one
+    if k < n:
+        assert val.abs().min() >= res.abs().max()
+
+
+def test_topk_ties_go_to_lowest_index(device):
+    g = torch.tensor([1.0, -2.0, 2.0, 0.5, -2.0, 2.0], device=device)
+    idx, val = ops.topk_encode(g, None, 1.0, 3, exact=True)
+    assert idx.cpu().tolist() == [1, 2, 4]
+    assert val.cpu().tolist() == [-2.0, 2.0, -2.0]
+
+
+@pytest.mark.parametrize("n,ratio", [(10**6, 0.01), (10**6, 0.001), (200_000, 0.05), (2049, 0.1)])
+def test_topk_sampled_returns_about_k_of_the_largest(device, n, ratio):
+    g = _data(n, device=device)
+    k = ops.topk_count(n, ratio)
+    res = torch.zeros(n, device=device)
+    idx, val = ops.topk_encode(g, res, 1.0, k, exact=False)
+    assert 0.8 * k <= idx.numel() <= k
+    assert torch.all(idx[1:] > idx[:-1])  # ascending, unique
+    # it is a top set: nothing kept is larger than anything sent
+    assert val.abs().min() >= res.abs().max()
+    torch.testing.assert_close(res[idx.long()], torch.zeros_like(val))
+    torch.testing.assert_close(g[idx.long()], val)
+
+
+def test_scatter_add(device):
+    out = torch.arange(6, dtype=torch.float32, device=device)
+    idx = torch.tensor([5, 0, 2], dtype=torch.int32, device=device)
+    ops.scatter_add(idx, torch.tensor([1.0, 2.0, 3.0], device=device), out, alpha=2.0)
+    assert out.cpu().tolist() == [4.0, 1.0, 8.0, 3.0, 4.0, 7.0]
+
+
+SPECIALS = torch.tensor([0.0, -0.0, 1e-8, -1e-8, 6e-5, 6.1e-5, 65504.0, 65519.0, 65520.0, 1e6, -1e6,
+                         float("inf"), float("-inf"), 3.0e38, 1.17e-38, 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -24])
+
+
+@pytest.mark.parametrize("wire,dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)])
+@pytest.mark.parametrize("n", SIZES)
+def test_cast_encode_bit_exact_vs_torch(device, wire, dtype, n):
+    x = _data(n, device=device) * 1000
+    for divisor in (1.0, 3.0, 1e-3):
+        got = ops.cast_encode(x, divisor, wire)
+        want = (x.cpu() / divisor).to(dtype)
+        assert got.dtype == dtype
+        assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+        back = ops.cast_decode(got, 2.0)
+        assert torch.equal(back.cpu(), want.float() * 2.0)
+
+
+@pytest.mark.parametrize("wire,dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_cast_special_values(device, wire, dtype):
+    x = torch.cat([SPECIALS, -SPECIALS, torch.tensor([float("nan")])]).to(device)
+    got = ops.cast_encode(x, 1.0, wire).cpu()
+    want = x.cpu().to(dtype)
+    assert torch.equal(got[:-1].view(torch.int16), want[:-1].view(torch.int16))
+    assert torch.isnan(got[-1].float())
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    dec = ops.cast_decode(every.to(device)).cpu()
+    finite = ~torch.isnan(every.float())
+    assert torch.equal(dec[finite], every.float()[finite])
+    assert torch.isnan(dec[~finite]).all()
+
+
+def test_build_info():
+    info = hetcomm.build_info()
+    assert set(info) >= {"cuda", "cuda_compiled", "cuda_archs", "nccl_version", "torch_version"}
+    assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
+    if info["cuda_compiled"]:
+        assert info["cuda_archs"] == "75,80,90"

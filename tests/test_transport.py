@@ -1,0 +1,125 @@
+"""ProcessGroupTransport and the compressed all-reduce algorithms on 2 and 4
+gloo ranks, against closed-form sums and the single-process reference."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hetcomm
+from hetcomm import _C
+
+from . import reference as ref
+from .dist_harness import run_ranks
+
+
+def _transport_ops(rank, world):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    assert (t.rank, t.size) == (rank, world) and t.name == "pg:gloo"
+    out = {}
+    x = torch.full((1000,), float(rank + 1))
+    t.all_reduce_sum(x)
+    out["all_reduce"] = x
+    g = torch.empty(world * 3)
+    t.all_gather(g, torch.full((3,), float(rank)))
+    out["all_gather"] = g
+    send = torch.tensor([rank * 100 + j for j in range(world)], dtype=torch.int32)
+    recv = torch.empty_like(send)
+    t.all_to_all(recv, send)
+    out["all_to_all"] = recv
+    # ring: send to the right, receive from the left
+    right, left = (rank + 1) % world, (rank - 1) % world
+    buf = torch.empty(5, dtype=torch.float64)
+    if rank % 2 == 0:
+        t.send(torch.full((5,), float(rank), dtype=torch.float64), right, 7)
+        t.recv(buf, left, 7)
+    else:
+        t.recv(buf, left, 7)
+        t.send(torch.full((5,), float(rank), dtype=torch.float64), right, 7)
+    out["recv"] = buf
+    t.barrier()
+    try:
+        t.send(torch.zeros(1), rank, 0)
+    except ValueError as e:
+        out["self_send_error"] = str(e)
+    out["counters"] = t.counters()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transport_collectives_closed_form(world):
+    results = run_ranks(_transport_ops, world)
+    for rank, r in enumerate(results):
+        assert torch.equal(r["all_reduce"], torch.full((1000,), world * (world + 1) / 2))
+        assert torch.equal(r["all_gather"], torch.arange(world).float().repeat_interleave(3))
+        assert r["all_to_all"].tolist() == [i * 100 + rank for i in range(world)]
+        assert torch.equal(r["recv"], torch.full((5,), float((rank - 1) % world), dtype=torch.float64))
+        assert "dst must be another rank" in r["self_send_error"]
+        c = r["counters"]
+        # all_reduce 4000 B ring volume + all_gather (w-1)*12 + all_to_all (w-1)*4 + send 40
+        assert c["bytes_sent"] == 2 * (world - 1) * 4000 // world + (world - 1) * 12 + (world - 1) * 4 + 40
+        assert c["calls"] == 6
+
+
+def _compressed_allreduce(rank, world, n, chunk, ratio):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    g = torch.Generator().manual_seed(100 + rank)
+    xs = [torch.randn(n, generator=g) for _ in range(3)]
+    divisor = float(rank + 2)
+    wres = torch.zeros(n)
+    sres = torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, rank))
+    onebit, whist, shist = [], [], []
+    for x in xs:
+        y = x.clone()
+        t.allreduce_onebit(y, divisor, chunk, wres, sres)
+        onebit.append(y)
+        whist.append(wres.clone())
+        shist.append(sres.clone())
+    tres = torch.zeros(n)
+    topk = []
+    for x in xs:
+        y = x.clone()
+        t.allreduce_topk(y, divisor, ratio, True, tres)
+        topk.append(y)
+    return {"xs": xs, "divisor": divisor, "onebit": onebit, "whist": whist, "shist": shist, "topk": topk, "tres": tres}
+
+
+@pytest.mark.parametrize("world,n", [(2, 5000), (4, 100_003), (3, 70)])
+def test_compressed_allreduce_matches_single_process_reference(world, n):
+    chunk, ratio = 256, 0.05
+    results = run_ranks(_compressed_allreduce, world, n, chunk, ratio)
+    divisors = [r["divisor"] for r in results]
+    # every rank holds the same bytes
+    for r in results[1:]:
+        for a, b in zip(r["onebit"] + r["topk"], results[0]["onebit"] + results[0]["topk"]):
+            assert torch.equal(a, b)
+    # onebit: replay each step of the two-phase algorithm from the residuals the
+    # ranks held before it. The reference sums chunk scales in another order, so
+    # a server-side sum within rounding of zero may take the other sign: allow
+    # exactly those elements to differ.
+    wres = [torch.zeros(n) for _ in range(world)]
+    sres = [torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, r)) for r in range(world)]
+    for step in range(3):
+        want, want_w, want_s, sums = ref.onebit_allreduce([r["xs"][step] for r in results], wres, sres, divisors,
+                                                          chunk)
+        got = results[0]["onebit"][step]
+        close = torch.isclose(got, want, rtol=1e-5, atol=1e-6)
+        assert (~close).sum() <= max(1, n // 10_000)
+        assert torch.all(sums[~close].abs() <= 1e-5 * sums.abs().max())
+        seg = max(32, -(-(-(-n // world)) // 32) * 32)
+        for r, res in enumerate(results):
+            torch.testing.assert_close(res["whist"][step], want_w[r], rtol=1e-5, atol=1e-5)
+            ok = close[r * seg:(r + 1) * seg]
+            torch.testing.assert_close(res["shist"][step][ok], want_s[r][ok], rtol=1e-5, atol=1e-5)
+        wres = [res["whist"][step] for res in results]
+        sres = [res["shist"][step] for res in results]
+    # top-k: sum of every rank's top-k of (x/d + residual)
+    k = hetcomm.ops.topk_count(n, ratio)
+    tres = [torch.zeros(n) for _ in range(world)]
+    for step in range(3):
+        want = torch.zeros(n)
+        for r in range(world):
+            idx, val, tres[r] = ref.topk(results[r]["xs"][step], tres[r], divisors[r], k)
+            want[idx] += val
+        torch.testing.assert_close(results[0]["topk"][step], want, rtol=1e-6, atol=1e-6)
+    for r, res in enumerate(results):
+        assert torch.equal(res["tres"], tres[r])
