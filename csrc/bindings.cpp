@@ -101,14 +101,6 @@ class Engine {
     return run([this, config] { return reducer_.gather_config(config); });
   }
 
-  void set_divisor(double d) {
-    TORCH_CHECK_VALUE(std::isfinite(d) && d > 0, "hetcomm: divisor must be > 0");
-    run([this, d] {
-      reducer_.set_divisor(d);
-      return at::full({1}, d, at::kDouble);
-    });
-  }
-
   void drain() { worker_.drain(); }
   void close() { worker_.close(); }
   bool closed() const { return worker_.closed(); }
@@ -270,7 +262,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("server_residual"), py::arg("last"))
       .def("submit_batch_size", &Engine::submit_batch_size, py::arg("local_batch_size"))
       .def("submit_config", &Engine::submit_config, py::arg("config"))
-      .def("set_divisor", &Engine::set_divisor, py::arg("divisor"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Engine::closed)

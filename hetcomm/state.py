@@ -151,8 +151,11 @@ class HookState:
         self._process_group = process_group
         self._timeout = timeout
         self._engine: Optional[Any] = None
-        self._residuals: Dict[int, torch.Tensor] = {}
-        self._server_residuals: Dict[int, torch.Tensor] = {}
+        self._residuals: Dict[str, torch.Tensor] = {}
+        self._server_residuals: Dict[str, torch.Tensor] = {}
+        self._keys: Dict[tuple, str] = {}
+        self._touched: set = set()
+        self._prev_touched: set = set()
         self._local_batch: Optional[float] = None
         self._weighted: Optional[bool] = None  # decided at the first step
         self._step_open = False
@@ -201,9 +204,10 @@ class HookState:
         self.iter = int(sd["iter"])
         if sd.get("resolved_compression") is not None:
             self.resolved_compression = sd["resolved_compression"]
-        self._residuals = {int(i): t.detach().clone().float().contiguous() for i, t in sd["residuals"].items()}
-        self._server_residuals = {int(i): t.detach().clone().float().contiguous()
-                                  for i, t in sd["server_residuals"].items()}
+        self._residuals = {str(k): t.detach().clone().float().contiguous() for k, t in sd["residuals"].items()}
+        self._server_residuals = {str(k): t.detach().clone().float().contiguous()
+                                  for k, t in sd["server_residuals"].items()}
+        self._prev_touched = set(self._residuals) | set(self._server_residuals)
 
     def stats(self) -> Dict[str, Any]:
         """Bytes and time of the last complete step and of the whole run:
@@ -292,13 +296,33 @@ class HookState:
             self.resolved_compression = "bf16" if bool(gathered[:, 10].all()) else "fp16"
         self._negotiated = True
 
-    def _residual(self, store: Dict[int, torch.Tensor], index: int, numel: int) -> torch.Tensor:
-        r = store.get(index)
+    def _bucket_key(self, bucket, index: int, numel: int) -> str:
+        """Residuals are keyed by bucket index and the numels of the bucket's
+        parameters, so DDP's bucket rebuild (or a resumed process, whose first
+        step runs in DDP's initial layout) never applies a residual to other
+        parameters than the ones it was made for."""
+        key = self._keys.get((index, numel))
+        if key is None:
+            key = f"{index}:" + ",".join(str(p.numel()) for p in bucket.parameters())
+            self._keys[(index, numel)] = key
+        return key
+
+    def _residual(self, store: Dict[str, torch.Tensor], key: str, numel: int) -> torch.Tensor:
+        self._touched.add(key)
+        r = store.get(key)
         if r is None or r.numel() != numel:
-            # New bucket or a rebuilt one of another size: start from zero.
             r = torch.zeros(numel, dtype=torch.float32)
-            store[index] = r
+            store[key] = r
         return r
+
+    def _end_step(self) -> None:
+        # Drop residuals of bucket layouts not used in this step or the one before.
+        keep = self._touched | self._prev_touched
+        if self._touched:
+            for store in (self._residuals, self._server_residuals):
+                for key in [k for k in store if k not in keep]:
+                    del store[key]
+        self._prev_touched, self._touched = self._touched, set()
 
     def _submit(self, bucket) -> torch.futures.Future:
         buf = bucket.buffer()
@@ -324,13 +348,15 @@ class HookState:
         else:
             codec = CODEC_IDS[mode]
             if self.error_feedback:
-                residual = self._residual(self._residuals, index, numel)
+                key = self._bucket_key(bucket, index, numel)
+                residual = self._residual(self._residuals, key, numel)
                 if mode == "onebit":
                     seg = _C.onebit_segment_numel(numel, engine.size, engine.rank)
-                    server = self._residual(self._server_residuals, index, seg)
+                    server = self._residual(self._server_residuals, key, seg)
         fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
                                    server, last)
         if last:
             self._step_open = False
             self.iter += 1
+            self._end_step()
         return fut

@@ -40,7 +40,6 @@ class BucketReducer {
   Transport& transport() { return *transport_; }
   // All-reduces the local batch size; the step's divisor becomes sum(b) / b.
   void set_batch_size(double local);
-  void set_divisor(double d) { divisor_ = d; }
   double divisor() const { return divisor_; }
   at::Tensor reduce(BucketJob& job);
   // All-gathers an int64 vector: returns [world, numel].

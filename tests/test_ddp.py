@@ -1,0 +1,247 @@
+"""hetcomm.hook inside real DDP on 2-4 gloo ranks."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
+
+from . import models
+from .dist_harness import run_ranks
+
+
+def _vs_allreduce_hook(rank, world, steps):
+    out = []
+    for use_hetcomm in (False, True):
+        model = models.mlp()
+        ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
+        if use_hetcomm:
+            state = hetcomm.HookState("none")
+            ddp.register_comm_hook(state, hetcomm.hook)
+        else:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(steps):
+            models.train_step(ddp, opt, rank, step, 16)
+        out.append(models.flat_params(model))
+    return out
+
+
+def test_hook_none_is_bit_identical_to_pytorch_allreduce_hook():
+    for theirs, ours in run_ranks(_vs_allreduce_hook, 3, 20):
+        assert torch.equal(theirs, ours)
+
+
+SIZES = [3, 8, 5]
+
+
+def _weighted_grads(rank, world, mode):
+    model = models.mlp()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=2)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    grads, params = [], []
+    for step in range(4):
+        params.append(models.flat_params(model))
+        models.train_step(ddp, opt, rank, step, SIZES[(rank + step) % world], state)
+        grads.append(models.flat_grads(model))
+    return {"grads": grads, "params": params, "stats": state.stats()}
+
+
+def _full_batch_grad(params, step, world):
+    model = models.mlp()
+    torch.nn.utils.vector_to_parameters(params, model.parameters())
+    xs, ys = zip(*[models.batch(r, step, SIZES[(r + step) % world]) for r in range(world)])
+    torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+    return models.flat_grads(model)
+
+
+def test_unequal_batches_give_the_full_batch_gradient():
+    world = 3
+    results = run_ranks(_weighted_grads, world, "none")
+    for step in range(4):
+        want = _full_batch_grad(results[0]["params"][step], step, world)
+        for r in results:
+            got = r["grads"][step]
+            assert torch.equal(got, results[0]["grads"][step])
+            rel = (got - want).norm() / want.norm()
+            assert rel <= 1e-6, (step, rel.item())
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "onebit", "topk"])
+def test_unequal_batches_compressed_modes_keep_replicas_identical(mode):
+    world = 3
+    results = run_ranks(_weighted_grads, world, mode)
+    for step in range(4):
+        for r in results[1:]:
+            assert torch.equal(r["grads"][step], results[0]["grads"][step])
+            assert torch.equal(r["params"][step], results[0]["params"][step])
+    # before compression starts (start_iter=2) the weighted gradient is exact up to the wire format
+    tol = {"fp16": 2e-3, "bf16": 2e-2}.get(mode, 1e-6)
+    for step in range(2):
+        want = _full_batch_grad(results[0]["params"][step], step, world)
+        rel = (results[0]["grads"][step] - want).norm() / want.norm()
+        assert rel <= tol, (mode, step, rel.item())
+    assert results[0]["stats"]["last_step"]["compression_ratio"] > {"fp16": 1.9, "bf16": 1.9}.get(mode, 3)
+
+
+def _replicas(rank, world, mode, steps):
+    model = models.mlp(hidden=128)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = hetcomm.HookState(mode, min_compress_numel=1000, topk_ratio=0.05)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        models.train_step(ddp, opt, rank, step, 16)
+    return {"params": models.flat_params(model), "stats": state.stats(),
+            "residuals": sorted(state.state_dict()["residuals"])}
+
+
+@pytest.mark.parametrize("mode", ["onebit", "topk"])
+def test_replicas_bit_identical_after_50_steps_on_4_ranks(mode):
+    results = run_ranks(_replicas, 4, mode, 50)
+    for r in results[1:]:
+        assert torch.equal(r["params"], results[0]["params"])
+    st = results[0]["stats"]
+    assert st["iter"] == 50
+    assert st["last_step"]["compression_ratio"] > 3  # compression really ran
+    assert len(results[0]["residuals"]) >= 2  # several compressed buckets
+
+
+def _wire_volume(rank, world, mode):
+    model = torch.nn.Linear(1000, 1000, bias=False)  # one 1M-element bucket
+    ddp = DDP(model, bucket_cap_mb=64)
+    state = hetcomm.HookState(mode)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(3):
+        x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(step * 10 + rank))
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+    return state.stats()
+
+
+@pytest.mark.parametrize("mode,factor", [("onebit", 30), ("topk", 25)])
+def test_wire_volume_of_a_1m_element_bucket(mode, factor):
+    st = run_ranks(_wire_volume, 2, mode)[0]
+    last = st["last_step"]
+    assert last["numel"] == 10**6 and last["buckets"] == 1
+    fp32_ring = 2 * (2 - 1) * 4 * 10**6 // 2
+    assert last["fp32_bytes"] == fp32_ring
+    assert fp32_ring / last["bytes_sent"] >= factor, last
+    # warm-up steps (start_iter=2) were full fp32
+    assert st["total"]["bytes_sent"] >= 2 * fp32_ring
+
+
+def _train_span(rank, world, ckpt_dir, start, stop, save_at, bucket_cap_mb):
+    if bucket_cap_mb is None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(models.IN, models.OUT, bias=False)
+        bucket_cap_mb = 25
+    else:
+        model = models.mlp()
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    if start > 0:
+        ck = torch.load(path, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["hetcomm"])
+    for step in range(start, stop):
+        models.train_step(ddp, opt, rank, step, 16)
+        if step + 1 == save_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()}, path)
+    return {"params": models.flat_params(model), "residual_keys": sorted(state.state_dict()["residuals"])}
+
+
+def test_resume_from_state_dict_continues_bit_for_bit(tmp_path):
+    # A fresh process's first step runs in DDP's initial bucket layout
+    # (parameters in registration order), later steps in the rebuilt one
+    # (gradient-ready order). A 1-bit message depends on the layout, so a
+    # bit-for-bit resume needs the two to agree: one parameter, one bucket.
+    straight = run_ranks(_train_span, 2, str(tmp_path / "a"), 0, 60, -1, None)
+    os.makedirs(tmp_path / "b")
+    run_ranks(_train_span, 2, str(tmp_path / "b"), 0, 30, 30, None)
+    resumed = run_ranks(_train_span, 2, str(tmp_path / "b"), 30, 60, -1, None)
+    assert torch.equal(straight[0]["params"], straight[1]["params"])
+    assert torch.equal(resumed[0]["params"], straight[0]["params"])
+    assert torch.equal(resumed[1]["params"], straight[1]["params"])
+
+
+def test_resume_across_ddp_bucket_rebuild_keeps_residuals_of_the_right_buckets(tmp_path):
+    # Several buckets: a fresh process's first step runs in DDP's initial
+    # (one-bucket) layout; the saved residuals belong to the rebuilt layout and
+    # must come back for it, not be applied to the initial bucket.
+    run_ranks(_train_span, 2, str(tmp_path), 0, 10, 10, 0.01)
+    saved = torch.load(tmp_path / "rank0.pt", weights_only=False)["hetcomm"]["residuals"]
+    assert sorted(saved) == ["0:10,640,64,4096", "1:64,2048"]
+    resumed = run_ranks(_train_span, 2, str(tmp_path), 10, 13, -1, 0.01)
+    assert resumed[0]["residual_keys"] == sorted(saved)
+    assert torch.equal(resumed[0]["params"], resumed[1]["params"])
+
+
+def _mismatch(rank, world, case):
+    model = models.mlp()
+    ddp = DDP(model)
+    if case == "compression":
+        state = hetcomm.HookState("onebit" if rank == 0 else "topk")
+    elif case == "weighting":
+        state = hetcomm.HookState("none")
+        if rank == 0:
+            state.set_local_batch_size(4)
+    else:
+        state = hetcomm.HookState("topk", topk_ratio=0.01 * (rank + 1))
+    ddp.register_comm_hook(state, hetcomm.hook)
+    x, y = models.batch(rank, 0, 4)
+    start = time.monotonic()
+    try:
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    except Exception as e:  # DDP re-raises the hook's error
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("case,needle", [("compression", "compression differs"),
+                                         ("weighting", "batch-size weighting"),
+                                         ("ratio", "topk_ratio differs")])
+def test_config_mismatch_is_a_clear_error_on_every_rank(case, needle):
+    for r in run_ranks(_mismatch, 2, case, timeout=60):
+        assert r["error"] is not None and needle in r["error"], r
+        assert r["seconds"] < 10
+
+
+def _dead_peer(rank, world):
+    model = models.mlp()
+    ddp = DDP(model)
+    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(3):
+        models.train_step(ddp, opt, rank, step, 8)
+    if rank == 1:
+        os._exit(3)  # dies without a word
+    start = time.monotonic()
+    try:
+        for step in range(3, 10):
+            models.train_step(ddp, opt, rank, step, 8)
+    except Exception as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_dead_peer_is_an_error_not_a_hang():
+    results = run_ranks(_dead_peer, 2, check=False, pg_timeout=20, timeout=90)
+    r0 = results[0]
+    assert r0 is not None and r0["error"], r0
+    assert "hetcomm" in r0["error"]
+    assert r0["seconds"] < 25
