@@ -5,6 +5,7 @@
 namespace hetcomm {
 namespace kernels {
 
+HC_CPU_CLONES
 void cast_encode_cpu(Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t begin, int64_t end) {
   if (fmt == Wire16::kHalf) {
     for (int64_t i = begin; i < end; ++i) out[i] = scaled_to_half(in[i], divisor);
@@ -13,6 +14,7 @@ void cast_encode_cpu(Wire16 fmt, const float* in, float divisor, uint16_t* out, 
   }
 }
 
+HC_CPU_CLONES
 void cast_decode_cpu(Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t begin, int64_t end) {
   if (fmt == Wire16::kHalf) {
     for (int64_t i = begin; i < end; ++i) out[i] = half_scaled(in[i], mul);

@@ -9,7 +9,15 @@
 #if defined(__CUDACC__)
 #define HC_HD __host__ __device__ __forceinline__
 #else
-#define HC_HD inline
+#define HC_HD inline __attribute__((always_inline))
+#endif
+
+// CPU loops are compiled twice, for AVX2 and for the baseline, and picked at
+// load time (GCC function multi-versioning). No FMA either way: results match.
+#if !defined(__CUDACC__) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HC_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define HC_CPU_CLONES
 #endif
 
 namespace hetcomm {
@@ -104,41 +112,40 @@ HC_HD float butterfly_sum32(float* p) {
 
 // ---- fp16 / bf16 conversions (round to nearest even, like torch) ---------
 HC_HD uint16_t float_to_bf16(float f) {
-  uint32_t u = float_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN -> canonical quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = float_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // NaN -> quiet NaN
 }
 
 HC_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
+// Branch-free (selects only) so CPU loops vectorise; same results as the
+// textbook branching version.
 HC_HD uint16_t float_to_half(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
-  uint32_t a = u & 0x7fffffffu;
-  if (a >= 0x7f800000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (a < 0x38800000u) {
-    // Result is subnormal (or zero): adding 0.5f aligns the half mantissa to
-    // the float's low bits and the FPU does the round-to-nearest-even.
-    const float t = add_rn(bits_float(a), 0.5f);
-    return static_cast<uint16_t>(sign | (float_bits(t) - 0x3f000000u));
-  }
-  const uint32_t odd = (a >> 13) & 1u;
-  a += 0xc8000fffu + odd;  // rebias exponent by (15 - 127) and round to nearest even
-  return static_cast<uint16_t>(sign | (a >> 13));
+  const uint32_t a = u & 0x7fffffffu;
+  // Normal result: rebias the exponent by (15 - 127) and round to nearest even.
+  const uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+  // Subnormal result (|f| < 2^-14): adding 0.5f aligns the half mantissa with
+  // the float's low bits, and the FPU rounds to nearest even.
+  const uint32_t sub = float_bits(add_rn(bits_float(a), 0.5f)) - 0x3f000000u;
+  uint32_t r = a < 0x38800000u ? sub : normal;
+  r = a >= 0x477ff000u ? 0x7c00u : r;  // >= 65520 (and inf) -> inf
+  r = a > 0x7f800000u ? 0x7e00u : r;   // NaN -> quiet NaN
+  return static_cast<uint16_t>(sign | r);
 }
 
 HC_HD float half_to_float(uint16_t h) {
   const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;
-  if (em >= 0x7c00u) return bits_float(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
-  if (em < 0x400u) {
-    // Subnormal: em * 2^-24 is exact in float.
-    const float v = static_cast<float>(em) * 5.9604644775390625e-8f;
-    return bits_float(sign | float_bits(v));
-  }
-  return bits_float(sign | ((em << 13) + 0x38000000u));
+  const uint32_t normal = (em << 13) + 0x38000000u;
+  const uint32_t special = 0x7f800000u | ((em & 0x3ffu) << 13);
+  // Subnormal: em * 2^-24 is exact in float.
+  const uint32_t sub = float_bits(static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f);
+  uint32_t r = em < 0x400u ? sub : normal;
+  r = em >= 0x7c00u ? special : r;
+  return bits_float(sign | r);
 }
 
 // Scaled casts: divide before the cast, so large gradients do not overflow fp16.

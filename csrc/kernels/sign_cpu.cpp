@@ -1,6 +1,7 @@
 #include "kernels/sign.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "kernels/codec_math.h"
 
@@ -9,62 +10,76 @@ namespace kernels {
 
 namespace {
 
-// Mean |x| of one chunk in the fixed order: lane l sums elements l, l+32, ...
-// sequentially, then the 32 partial sums meet in the xor butterfly.
-float chunk_mean_abs(const float* g, const float* e, float divisor, int64_t len) {
+// One chunk, in simple loops the compiler vectorises:
+//   x = ef_input(g, d, e)                 into a scratch buffer
+//   scale: lane l sums x[l], x[l+32], ... then the xor butterfly (the order a
+//   CUDA warp uses, so scales are bit-identical)
+//   bits packed per word; residual from x, bit and scale
+HC_CPU_CLONES
+void encode_chunk(const float* g, float* e, float divisor, int64_t len, float* x, uint32_t* words, float* scale_out) {
+  if (e) {
+    for (int64_t i = 0; i < len; ++i) x[i] = ef_input(g[i], divisor, e[i]);
+  } else {
+    for (int64_t i = 0; i < len; ++i) x[i] = ef_input(g[i], divisor, 0.0f);
+  }
+  const int64_t full = len / kLanes * kLanes;
+  for (int64_t i = len; i < full + kLanes; ++i) x[i] = 0.0f;  // pad the last word with +0 (bit 1, |x| 0)
   float part[kLanes] = {0.0f};
-  int64_t i = 0;
-  for (; i + kLanes <= len; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const float x = ef_input(g[i + l], divisor, e ? e[i + l] : 0.0f);
-      part[l] = add_rn(part[l], magnitude(x));
+  for (int64_t i = 0; i < full + (len > full ? kLanes : 0); i += kLanes)
+    for (int l = 0; l < kLanes; ++l) part[l] = add_rn(part[l], magnitude(x[i + l]));
+  const float scale = div_rn(butterfly_sum32(part), static_cast<float>(len));
+  *scale_out = scale;
+  const int64_t nwords = (len + kBitsPerWord - 1) / kBitsPerWord;
+  for (int64_t w = 0; w < nwords; ++w) {
+    uint32_t word = 0;
+    for (int j = 0; j < kBitsPerWord; ++j) word |= sign_bit(x[w * kBitsPerWord + j]) << j;
+    words[w] = word;
+  }
+  if (len % kBitsPerWord) words[nwords - 1] &= (1u << (len % kBitsPerWord)) - 1u;  // zero padding bits
+  if (e) {
+    for (int64_t i = 0; i < len; ++i) e[i] = sign_residual(x[i], sign_bit(x[i]), scale);
+  }
+}
+
+HC_CPU_CLONES
+void decode_chunk(const uint32_t* words, float scale, float* out, int64_t len, float alpha, bool accumulate) {
+  const int64_t nwords = (len + kBitsPerWord - 1) / kBitsPerWord;
+  for (int64_t w = 0; w < nwords; ++w) {
+    const uint32_t word = words[w];
+    const int64_t base = w * kBitsPerWord;
+    const int m = static_cast<int>(std::min<int64_t>(kBitsPerWord, len - base));
+    float* o = out + base;
+    if (m == kBitsPerWord) {
+      if (accumulate) {
+        for (int j = 0; j < kBitsPerWord; ++j) o[j] = sign_decode(o[j], (word >> j) & 1u, scale, alpha);
+      } else {
+        for (int j = 0; j < kBitsPerWord; ++j) o[j] = sign_decode(0.0f, (word >> j) & 1u, scale, alpha);
+      }
+    } else {
+      for (int j = 0; j < m; ++j) o[j] = sign_decode(accumulate ? o[j] : 0.0f, (word >> j) & 1u, scale, alpha);
     }
   }
-  for (int l = 0; i + l < len; ++l) {
-    const float x = ef_input(g[i + l], divisor, e ? e[i + l] : 0.0f);
-    part[l] = add_rn(part[l], magnitude(x));
-  }
-  return div_rn(butterfly_sum32(part), static_cast<float>(len));
 }
 
 }  // namespace
 
 void sign_encode_cpu(const SignEncodeParams& p, int64_t chunk_begin, int64_t chunk_end) {
   const int64_t words_per_chunk = p.chunk / kBitsPerWord;
+  std::vector<float> scratch(static_cast<size_t>(p.chunk + kLanes));
   for (int64_t c = chunk_begin; c < chunk_end; ++c) {
     const int64_t begin = c * p.chunk;
     const int64_t len = std::min(p.chunk, p.n - begin);
-    const float* g = p.grad + begin;
-    float* e = p.residual ? p.residual + begin : nullptr;
-    const float scale = chunk_mean_abs(g, e, p.divisor, len);
-    p.scales[c] = scale;
-    uint32_t* words = p.words + c * words_per_chunk;
-    const int64_t nwords = (len + kBitsPerWord - 1) / kBitsPerWord;
-    for (int64_t w = 0; w < nwords; ++w) {
-      const int64_t base = w * kBitsPerWord;
-      const int64_t m = std::min<int64_t>(kBitsPerWord, len - base);
-      uint32_t word = 0;
-      for (int64_t j = 0; j < m; ++j) {
-        const float x = ef_input(g[base + j], p.divisor, e ? e[base + j] : 0.0f);
-        const uint32_t bit = sign_bit(x);
-        word |= bit << j;
-        if (e) e[base + j] = sign_residual(x, bit, scale);
-      }
-      words[w] = word;
-    }
+    encode_chunk(p.grad + begin, p.residual ? p.residual + begin : nullptr, p.divisor, len, scratch.data(),
+                 p.words + c * words_per_chunk, p.scales + c);
   }
 }
 
 void sign_decode_cpu(const SignDecodeParams& p, int64_t chunk_begin, int64_t chunk_end) {
+  const int64_t words_per_chunk = p.chunk / kBitsPerWord;
   for (int64_t c = chunk_begin; c < chunk_end; ++c) {
     const int64_t begin = c * p.chunk;
-    const int64_t end = std::min(p.n, begin + p.chunk);
-    const float scale = p.scales[c];
-    for (int64_t i = begin; i < end; ++i) {
-      const uint32_t bit = (p.words[i / kBitsPerWord] >> (i % kBitsPerWord)) & 1u;
-      const float prev = p.accumulate ? p.out[i] : 0.0f;
-      p.out[i] = sign_decode(prev, bit, scale, p.alpha);
-    }
+    decode_chunk(p.words + c * words_per_chunk, p.scales[c], p.out + begin, std::min(p.chunk, p.n - begin), p.alpha,
+                 p.accumulate);
   }
 }
 

@@ -8,10 +8,12 @@
 namespace hetcomm {
 namespace kernels {
 
+HC_CPU_CLONES
 void ef_accumulate_cpu(const float* grad, float divisor, float* x, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) x[i] = ef_input(grad[i], divisor, x[i]);
 }
 
+HC_CPU_CLONES
 void scale_copy_cpu(const float* grad, float divisor, float* x, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) x[i] = div_rn(grad[i], divisor);
 }

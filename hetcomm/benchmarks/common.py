@@ -1,0 +1,66 @@
+"""Shared pieces of the benchmarks: size sweeps, timing, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    text = str(text).strip().upper().rstrip("B")
+    mul = _SUFFIX.get(text[-1:], 1)
+    num = text[:-1] if text[-1:] in _SUFFIX else text
+    value = int(float(num) * mul)
+    if value <= 0:
+        raise ValueError(f"size must be > 0 bytes, got {text!r}")
+    return value
+
+
+def size_sweep(minbytes: str, maxbytes: str, factor: int) -> List[int]:
+    lo, hi = parse_bytes(minbytes), parse_bytes(maxbytes)
+    if factor < 2 or lo > hi:
+        raise ValueError("need -b <= -e and -f >= 2")
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+def median_time(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median wall time of fn() in seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def memory_bandwidth(nbytes: int = 256 << 20, iters: int = 5) -> float:
+    """Read+write GB/s of a large copy_ into an existing buffer, on torch's threads."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    t = median_time(lambda: dst.copy_(src), iters, 1)
+    return 2 * nbytes / t / 1e9
+
+
+def print_table(rows: List[Dict], columns: List[tuple]) -> None:
+    """columns: (key, header, format)."""
+    print("  ".join(f"{h:>{max(len(h), 10)}}" for _, h, _ in columns))
+    for r in rows:
+        print("  ".join(f"{format(r[k], f):>{max(len(h), 10)}}" for k, h, f in columns))
+
+
+def write_json(path: Optional[str], payload: Dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)

@@ -1,0 +1,115 @@
+"""`hetcomm bench compress`: codec kernel throughput (GB/s of fp32 input
+processed) against a pure-torch implementation of the same codec and the
+machine's memory bandwidth, measured in the same run. #wrong counts elements
+where hetcomm's output differs from the torch implementation's."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .. import ops
+from . import common
+
+CHUNK = 2048
+RATIO = 0.01
+
+
+# ---- pure-torch implementations of each codec (vectorised, the fair baseline) ----
+def torch_sign_encode(g: torch.Tensor, e: torch.Tensor):
+    x = g + e
+    scales = x.view(-1, CHUNK).abs().mean(1)
+    bits = (x >= 0).view(-1, 32).to(torch.int64)
+    words = (bits << torch.arange(32)).sum(1).to(torch.int32)  # wraps to the uint32 bit pattern
+    e.copy_(x - torch.where(x >= 0, 1.0, -1.0) * scales.repeat_interleave(CHUNK))
+    return words, scales
+
+
+def torch_sign_decode(words: torch.Tensor, scales: torch.Tensor, n: int):
+    bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return torch.where(bits.view(-1)[:n] == 1, 1.0, -1.0) * scales.repeat_interleave(CHUNK)[:n]
+
+
+def torch_topk(g: torch.Tensor, e: torch.Tensor, k: int):
+    x = e.add_(g)
+    idx = torch.topk(x.abs(), k, sorted=False).indices
+    val = x[idx]
+    x[idx] = 0
+    return idx, val
+
+
+def _codecs(n: int):
+    """name -> (hetcomm fn, torch fn, check(hetcomm result, torch result) -> #wrong)."""
+    gen = torch.Generator().manual_seed(n)
+    g = torch.randn(n, generator=gen)
+    e0 = torch.randn(n, generator=gen) * 0.1
+    e_a, e_b = e0.clone(), e0.clone()
+    words, scales = ops.sign_encode(g, e0.clone(), 1.0, CHUNK)
+    k = ops.topk_count(n, RATIO)
+    h16 = (g / 3).half()
+    out = torch.empty(n)
+
+    def sign_wrong(a, b):
+        return int((a[0] != b[0]).sum())
+
+    return {
+        "sign_encode+ef": (lambda: ops.sign_encode(g, e_a, 1.0, CHUNK), lambda: torch_sign_encode(g, e_b),
+                           sign_wrong, True),
+        "sign_decode": (lambda: ops.sign_decode(words, scales, n, CHUNK, out=out),
+                        lambda: torch_sign_decode(words, scales, n),
+                        lambda a, b: int((~torch.isclose(a, b)).sum()), False),
+        "topk_exact+ef": (lambda: ops.topk_encode(g, e_a, 1.0, k, True), lambda: torch_topk(g, e_b, k),
+                          None, True),
+        "topk_sampled+ef": (lambda: ops.topk_encode(g, e_a, 1.0, k, False), lambda: torch_topk(g, e_b, k),
+                            None, True),
+        "cast_fp16": (lambda: ops.cast_encode(g, 3.0, "float16"), lambda: (g / 3.0).half(),
+                      lambda a, b: int((a.view(torch.int16) != b.view(torch.int16)).sum()), False),
+        "cast_bf16": (lambda: ops.cast_encode(g, 3.0, "bfloat16"), lambda: (g / 3.0).bfloat16(),
+                      lambda a, b: int((a.view(torch.int16) != b.view(torch.int16)).sum()), False),
+        "uncast_fp16": (lambda: ops.cast_decode(h16, 1.0, out), lambda: h16.float(),
+                        lambda a, b: int((a != b).sum()), False),
+    }, (e0, e_a, e_b)
+
+
+def parse_sizes(args) -> List[int]:
+    return common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
+
+
+def run(sizes: List[int], iters: int = 10, warmup: int = 2) -> Dict:
+    membw = common.memory_bandwidth()
+    rows = []
+    for nbytes in sizes:
+        n = max(CHUNK, nbytes // 4 // CHUNK * CHUNK)
+        codecs, (e0, e_a, e_b) = _codecs(n)
+        for name, (ours, theirs, check, uses_residual) in codecs.items():
+            wrong = -1
+            if check is not None:
+                if uses_residual:
+                    e_a.copy_(e0)
+                    e_b.copy_(e0)
+                wrong = check(ours(), theirs())
+            t_ours = common.median_time(ours, iters, warmup)
+            t_torch = common.median_time(theirs, iters, warmup)
+            gbps = n * 4 / t_ours / 1e9
+            rows.append({"bytes": n * 4, "codec": name, "time_us": t_ours * 1e6, "gbps": gbps,
+                         "torch_gbps": n * 4 / t_torch / 1e9, "speedup": t_torch / t_ours,
+                         "of_membw": gbps / membw, "wrong": wrong})
+    return {"memory_bandwidth_gbps": membw, "threads": torch.get_num_threads(), "rows": rows}
+
+
+def main(sizes: List[int], iters: int = 10, warmup: int = 2, json_path: Optional[str] = None,
+         threads: Optional[int] = None) -> Dict:
+    if threads:
+        torch.set_num_threads(threads)
+    res = run(sizes, iters, warmup)
+    print(f"# hetcomm bench compress: {res['threads']} thread(s); memory bandwidth (copy_, read+write) "
+          f"{res['memory_bandwidth_gbps']:.1f} GB/s; chunk {CHUNK}, top-k ratio {RATIO}; #wrong -1 = not checked "
+          "(top-k ties and order may differ from torch.topk)")
+    common.print_table(res["rows"], [("bytes", "size(B)", "d"), ("codec", "codec", "s"), ("time_us", "time(us)", ".1f"),
+                                     ("gbps", "GB/s", ".2f"), ("torch_gbps", "torch GB/s", ".2f"),
+                                     ("speedup", "vs torch", ".2f"), ("of_membw", "of membw", ".2f"),
+                                     ("wrong", "#wrong", "d")])
+    common.write_json(json_path, res)
+    return res

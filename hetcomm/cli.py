@@ -1,0 +1,63 @@
+"""The `hetcomm` command line: demo, bench, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+
+def _demo(args) -> None:
+    from . import demo
+
+    demo.main(ranks=args.ranks, modes=args.modes.split(",") if args.modes else None, steps=args.steps,
+              batch=args.batch, json_path=args.json)
+
+
+def _bench(args) -> None:
+    from .benchmarks import compress
+
+    if args.what == "compress":
+        compress.main(sizes=compress.parse_sizes(args), iters=args.iters, warmup=args.warmup, json_path=args.json,
+                      threads=args.threads)
+
+
+def _info(args) -> None:
+    import hetcomm
+
+    print(json.dumps(hetcomm.build_info(), indent=2))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="hetcomm", description="DDP communication for clusters of mixed GPUs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="train on the digits data over N gloo ranks, once per communication mode")
+    d.add_argument("--ranks", type=int, default=2, help="gloo ranks on this machine (default 2)")
+    d.add_argument("--modes", default=None, help="comma-separated modes (default: the main ones; see hetcomm.demo.MODES)")
+    d.add_argument("--steps", type=int, default=600)
+    d.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    d.add_argument("--json", default=None, metavar="PATH", help="also write the numbers as JSON")
+    d.set_defaults(fn=_demo)
+
+    b = sub.add_parser("bench", help="benchmarks (nccl-tests style tables)")
+    b.add_argument("what", choices=["compress"])
+    b.add_argument("-b", "--minbytes", default="256K", help="smallest input size in bytes (K/M/G suffixes)")
+    b.add_argument("-e", "--maxbytes", default="64M", help="largest input size in bytes")
+    b.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows")
+    b.add_argument("-n", "--iters", type=int, default=10)
+    b.add_argument("-w", "--warmup", type=int, default=2)
+    b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    b.add_argument("--json", default=None, metavar="PATH")
+    b.set_defaults(fn=_bench)
+
+    i = sub.add_parser("info", help="what this build of hetcomm contains")
+    i.set_defaults(fn=_info)
+
+    args = p.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

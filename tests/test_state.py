@@ -1,0 +1,104 @@
+"""HookState validation and the import contract (no process group needed)."""
+
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+
+import hetcomm
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    (dict(compression="int8"), "compression"),
+    (dict(compression="onebit", start_iter=1), "start_iter"),
+    (dict(compression="topk", start_iter=0), "start_iter"),
+    (dict(start_iter=-1), "start_iter"),
+    (dict(start_iter=2.5), "start_iter"),
+    (dict(chunk_size=100), "chunk_size"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(min_compress_numel=-5), "min_compress_numel"),
+    (dict(topk_ratio=0.0), "topk_ratio"),
+    (dict(topk_ratio=1.5), "topk_ratio"),
+    (dict(topk_ratio="0.1"), "topk_ratio"),
+    (dict(error_feedback="yes"), "error_feedback"),
+    (dict(topk_exact=1), "topk_exact"),
+    (dict(timeout=5), "timeout"),
+    (dict(timeout=timedelta(seconds=0)), "timeout"),
+    (dict(process_group="world"), "process_group"),
+])
+def test_bad_options_are_value_errors_naming_the_option(kwargs, option):
+    with pytest.raises(ValueError, match=option):
+        hetcomm.HookState(**kwargs)
+
+
+def test_start_iter_below_2_is_fine_without_error_feedback():
+    s = hetcomm.HookState("onebit", start_iter=0, error_feedback=False)
+    assert s.start_iter == 0
+
+
+def test_set_local_batch_size_validates():
+    s = hetcomm.HookState()
+    for bad in (0, -3, float("nan"), float("inf"), True, "8"):
+        with pytest.raises(ValueError, match="batch_size"):
+            s.set_local_batch_size(bad)
+    s.set_local_batch_size(7)
+
+
+class _FakeBucket:
+    def __init__(self, buf):
+        self._buf = buf
+
+    def buffer(self):
+        return self._buf
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+    def parameters(self):
+        return [self._buf]
+
+
+def test_non_float_bucket_is_a_value_error():
+    with pytest.raises(ValueError, match="bucket dtype must be floating point"):
+        hetcomm.hook(hetcomm.HookState(), _FakeBucket(torch.zeros(4, dtype=torch.int64)))
+
+
+def test_hook_needs_a_hookstate():
+    with pytest.raises(ValueError, match="state must be a hetcomm.HookState"):
+        hetcomm.hook(object(), _FakeBucket(torch.zeros(4)))
+
+
+def test_load_state_dict_rejects_foreign_state():
+    s = hetcomm.HookState("onebit")
+    with pytest.raises(ValueError, match="not a hetcomm HookState state"):
+        s.load_state_dict({"residuals": {}})
+    sd = hetcomm.HookState("topk").state_dict()
+    with pytest.raises(ValueError, match="compression"):
+        s.load_state_dict(sd)
+    sd = s.state_dict()
+    sd["world_size"] = 4
+    with pytest.raises(ValueError, match="load each rank's own state"):
+        s.load_state_dict(sd)
+
+
+def test_import_never_initialises_cuda():
+    # As torchao's lean-import test: make any CUDA initialisation fail loudly,
+    # then import hetcomm and use its build query.
+    code = (
+        "import torch, torch.cuda\n"
+        "def boom(*a, **k): raise RuntimeError('CUDA was initialised')\n"
+        "torch.cuda._lazy_init = boom\n"
+        "torch.cuda.init = boom\n"
+        "import sys, hetcomm, hetcomm.ops\n"
+        "hetcomm.build_info()\n"
+        "hetcomm.HookState('auto-precision')\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
