@@ -1,0 +1,58 @@
+"""The command line, end to end (small sizes)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HETCOMM = [sys.executable, "-m", "hetcomm.cli"]
+
+
+def _run(args, tmp_path, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(HETCOMM + args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_demo_prints_a_table_and_writes_json(tmp_path):
+    out = _run(["demo", "--steps", "30", "--modes", "none,onebit,torch-allreduce", "--json", "d.json"], tmp_path)
+    assert "mode" in out.stdout and "onebit" in out.stdout and "torch-allreduce" in out.stdout
+    assert "step" in out.stderr  # progress while it runs
+    data = json.load(open(tmp_path / "d.json"))
+    res = data["results"]
+    assert set(res) == {"none", "onebit", "torch-allreduce"}
+    # 30 steps: onebit's last step is compressed (start_iter=2)
+    assert res["none"]["bytes_per_step"] == res["torch-allreduce"]["bytes_per_step"]
+    assert res["none"]["bytes_per_step"] / res["onebit"]["bytes_per_step"] > 25
+    assert res["none"]["accuracy"] == res["torch-allreduce"]["accuracy"]  # bit-identical training
+
+
+def test_demo_rejects_unknown_mode(tmp_path):
+    out = subprocess.run(HETCOMM + ["demo", "--modes", "zip"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "unknown mode 'zip'" in out.stderr
+
+
+def test_bench_compress_table_and_json(tmp_path):
+    out = _run(["bench", "compress", "-b", "256K", "-e", "1M", "-f", "4", "-n", "2", "-w", "1", "--json", "c.json"],
+               tmp_path)
+    assert "memory bandwidth" in out.stdout and "sign_encode+ef" in out.stdout
+    data = json.load(open(tmp_path / "c.json"))
+    assert data["memory_bandwidth_gbps"] > 0
+    rows = data["rows"]
+    assert {r["bytes"] for r in rows} == {256 * 1024, 1024 * 1024}
+    assert all(r["wrong"] in (0, -1) for r in rows), rows  # outputs agree with the torch implementations
+    assert all(r["gbps"] > 0 and r["torch_gbps"] > 0 for r in rows)
+
+
+def test_info(tmp_path):
+    out = _run(["info"], tmp_path)
+    assert json.loads(out.stdout)["torch_version"]
+
+
+@pytest.mark.parametrize("bad", [["bench", "compress", "-b", "0"], ["bench", "compress", "-b", "4M", "-e", "1M"]])
+def test_bench_rejects_bad_sizes(bad):
+    out = subprocess.run(HETCOMM + bad, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and ("size must be > 0" in out.stderr or "-b <= -e" in out.stderr)
