@@ -16,11 +16,18 @@ def _demo(args) -> None:
 
 
 def _bench(args) -> None:
-    from .benchmarks import compress
-
     if args.what == "compress":
+        from .benchmarks import compress
+
         compress.main(sizes=compress.parse_sizes(args), iters=args.iters, warmup=args.warmup, json_path=args.json,
                       threads=args.threads)
+    elif args.what == "ddp":
+        from .benchmarks import common, ddp
+
+        rank_cpu = [float(c) for c in args.rank_cpu.split(",")] if args.rank_cpu else None
+        ddp.main(ranks=args.ranks, modes=args.modes.split(",") if args.modes else None,
+                 params=common.parse_bytes(args.params), global_batch=args.global_batch, steps=args.iters,
+                 warmup=args.warmup, rank_cpu=rank_cpu, json_path=args.json)
 
 
 def _info(args) -> None:
@@ -42,7 +49,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     d.set_defaults(fn=_demo)
 
     b = sub.add_parser("bench", help="benchmarks (nccl-tests style tables)")
-    b.add_argument("what", choices=["compress"])
+    b.add_argument("what", choices=["compress", "ddp"])
     b.add_argument("-b", "--minbytes", default="256K", help="smallest input size in bytes (K/M/G suffixes)")
     b.add_argument("-e", "--maxbytes", default="64M", help="largest input size in bytes")
     b.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows")
@@ -50,6 +57,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     b.add_argument("-w", "--warmup", type=int, default=2)
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     b.add_argument("--json", default=None, metavar="PATH")
+    b.add_argument("--ranks", type=int, default=2, help="ddp: gloo ranks on this machine")
+    b.add_argument("--rank-cpu", default=None, help="ddp: per-rank CPU quotas in cores, e.g. 0.25,0.75 (root)")
+    b.add_argument("--params", default="1M", help="ddp: model size in parameters (K/M suffixes)")
+    b.add_argument("--global-batch", type=int, default=64, help="ddp: samples per step over all ranks")
+    b.add_argument("--modes", default=None, help="ddp: comma-separated modes (default: all; +bal = balanced)")
     b.set_defaults(fn=_bench)
 
     i = sub.add_parser("info", help="what this build of hetcomm contains")

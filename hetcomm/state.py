@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Dict, Optional
@@ -145,6 +146,9 @@ class HookState:
         self.topk_exact = topk_exact
         #: Steps completed (a step ends with the hook call for DDP's last bucket).
         self.iter = 0
+        #: time.monotonic() of the last bucket's hook call: this rank's backward
+        #: compute was done then (what follows is waiting for the others).
+        self.last_bucket_time: Optional[float] = None
         #: The wire format "auto-precision" settled on at the first step.
         self.resolved_compression: Optional[str] = None if compression == "auto-precision" else compression
 
@@ -356,6 +360,7 @@ class HookState:
         fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
                                    server, last)
         if last:
+            self.last_bucket_time = time.monotonic()
             self._step_open = False
             self.iter += 1
             self._end_step()

@@ -1,0 +1,200 @@
+"""`hetcomm bench ddp`: real DDP training steps, side by side, for PyTorch's
+hooks (allreduce, fp16, PowerSGD rank 4 on one bucket) and hetcomm's modes
+with and without batch balancing, on this machine or with per-rank CPU
+quotas (``--rank-cpu 0.25,0.75``: ranks of really different speeds).
+
+Per mode: step time (median), samples/s, bytes sent per step (ring-equivalent,
+per rank), and the fraction of communication hidden behind backward: 1 -
+(time backward still waits after its last bucket was handed over) / (time
+some bucket's communication was in flight)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hetcomm
+
+from ..balance import Balancer, ThroughputMeter
+from ..testbed import spawn_ranks
+from . import common
+
+IN, OUT = 256, 10
+TORCH_MODES = ("torch-allreduce", "torch-fp16", "torch-powersgd")
+HETCOMM_MODES = ("none", "fp16", "bf16", "onebit", "topk")
+DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk",
+                 "none+bal", "onebit+bal", "topk+bal"]
+
+
+def model_for(params: int, seed: int = 0) -> nn.Module:
+    """An MLP IN -> h -> h -> OUT with about ``params`` parameters."""
+    h = max(16, int((-(IN + OUT + 2) + math.sqrt((IN + OUT + 2) ** 2 + 4 * params)) / 2))
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, OUT))
+
+
+class _Timeline:
+    """Wraps a comm hook to record when each bucket is handed over and when its
+    reduction completes."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.intervals: List[List[float]] = []
+        self.last_submit = 0.0
+
+    def hook(self, state, bucket):
+        t = time.monotonic()
+        self.last_submit = t
+        rec = [t, t]
+        self.intervals.append(rec)
+        fut = self.inner(state, bucket)
+
+        def done(f):
+            rec[1] = time.monotonic()
+            return f.value()
+
+        return fut.then(done)
+
+    def take(self):
+        iv, self.intervals = sorted(self.intervals), []
+        busy, end = 0.0, -math.inf
+        for a, b in iv:  # length of the union of in-flight intervals
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        return busy
+
+
+def _powersgd_bytes(model: nn.Module, world: int, rank: int = 4) -> int:
+    # PowerSGD's volume: P and Q of each compressible matrix, the rest dense.
+    floats = 0
+    for p in model.parameters():
+        if p.dim() > 1:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            r = min(n, m, rank)
+            floats += (n + m) * r if n * m > 2 * (n + m) * r else n * m
+        else:
+            floats += p.numel()
+    return 2 * (world - 1) * floats * 4 // world
+
+
+def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
+    base, balanced = mode.split("+")[0], mode.endswith("+bal")
+    model = model_for(cfg["params"])
+    numel = sum(p.numel() for p in model.parameters())
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=10_000 if base == "torch-powersgd" else 25)
+    state = None
+    if base in TORCH_MODES:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        if base == "torch-powersgd":
+            hook_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                                     start_powerSGD_iter=2)
+            inner = powerSGD_hook.powerSGD_hook
+        else:
+            hook_state = None
+            inner = default_hooks.allreduce_hook if base == "torch-allreduce" else default_hooks.fp16_compress_hook
+    else:
+        state = hook_state = hetcomm.HookState(base)
+        inner = hetcomm.hook
+    tl = _Timeline(inner)
+
+    def hook(state, bucket):  # DDP wants these parameter names
+        return tl.hook(state, bucket)
+
+    ddp.register_comm_hook(hook_state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    gb = cfg["global_batch"]
+    if balanced:
+        bal = Balancer(state, gb, dataset_len=gb * 10_000, rebalance_every=3, lag=0, threshold=0.05)
+    meter = ThroughputMeter(alpha=0.5)
+    gen = torch.Generator().manual_seed(rank)
+    times, exposed, busy = [], [], []
+    local = gb // world + (1 if rank < gb % world else 0)
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        b = bal.sizes[rank] if balanced else local
+        x, y = torch.randn(b, IN, generator=gen), torch.randint(0, OUT, (b,), generator=gen)
+        dist.barrier()
+        t0 = time.monotonic()
+        if balanced:
+            with bal.step(b):
+                nn.functional.cross_entropy(ddp(x), y).backward()
+        else:
+            if state is not None:
+                state.set_local_batch_size(b)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        t_bwd = time.monotonic()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        t1 = time.monotonic()
+        meter.update(b, tl.last_submit - t0)
+        comm = tl.take()
+        if step >= cfg["warmup"]:
+            times.append(t1 - t0)
+            exposed.append(max(0.0, t_bwd - tl.last_submit))
+            busy.append(comm)
+    times.sort()
+    if state is not None:
+        sent = state.stats()["last_step"]["bytes_sent"]
+        state.close()
+    elif base == "torch-powersgd":
+        sent = _powersgd_bytes(model, world)
+    else:
+        sent = 2 * (world - 1) * numel * (2 if base == "torch-fp16" else 4) // world
+    hidden = 1.0 - sum(exposed) / sum(busy) if sum(busy) > 0 else 1.0
+    return {"step_ms": 1000 * times[len(times) // 2], "samples_per_s": gb / times[len(times) // 2],
+            "bytes_per_step": sent, "hidden": min(1.0, max(0.0, hidden)), "compute_rate": meter.rate,
+            "local_batch": bal.sizes[rank] if balanced else local, "params": numel}
+
+
+def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> Dict[str, Dict]:
+    out = {}
+    for mode in modes:
+        out[mode] = _run_mode(rank, world, mode, cfg)
+        dist.barrier()
+    return out
+
+
+def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
+        rank_cpu: Optional[List[float]] = None) -> Dict:
+    for m in modes:
+        if m.split("+")[0] not in TORCH_MODES + HETCOMM_MODES or (m.endswith("+bal") and m.split("+")[0] in TORCH_MODES):
+            raise ValueError(f"unknown mode {m!r}: choose from {TORCH_MODES + HETCOMM_MODES}, +bal for hetcomm's")
+    cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup}
+    per_rank = spawn_ranks(_worker, ranks, modes, cfg, rank_cpu=rank_cpu, timeout=3600)
+    rows = []
+    for mode in modes:
+        r0 = per_rank[0][mode]
+        rows.append({"mode": mode, **r0, "local_batches": "/".join(str(pr[mode]["local_batch"]) for pr in per_rank),
+                     "compute_rates": [pr[mode]["compute_rate"] for pr in per_rank]})
+    summary = {}
+    plain = next((r for r in rows if r["mode"] == "torch-allreduce"), None)
+    if plain is not None:
+        # a rank's solo speed: samples/s of its own compute in the plain run
+        ideal = sum(plain["compute_rates"])
+        summary["ideal_samples_per_s"] = ideal
+        for r in rows:
+            r["of_ideal"] = r["samples_per_s"] / ideal
+            r["vs_plain_ddp"] = r["samples_per_s"] / plain["samples_per_s"]
+    return {"ranks": ranks, "rank_cpu": rank_cpu, "cfg": cfg, "rows": rows, "summary": summary}
+
+
+def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int, steps: int, warmup: int,
+         rank_cpu: Optional[List[float]], json_path: Optional[str]) -> Dict:
+    res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu)
+    print(f"# hetcomm bench ddp: {ranks} gloo ranks, CPU quotas {rank_cpu or 'none'}, "
+          f"{res['rows'][0]['params']:,} parameters, global batch {global_batch}, {steps} timed steps")
+    cols = [("mode", "mode", "s"), ("step_ms", "step ms", ".1f"), ("samples_per_s", "samples/s", ".1f"),
+            ("bytes_per_step", "bytes/step", ",d"), ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
+    if res["summary"]:
+        cols += [("of_ideal", "of ideal", ".2f"), ("vs_plain_ddp", "vs DDP", ".2f")]
+        print(f"# ideal = sum of each rank's own compute speed in the plain run: "
+              f"{res['summary']['ideal_samples_per_s']:.1f} samples/s")
+    common.print_table(res["rows"], cols)
+    common.write_json(json_path, res)
+    return res

@@ -1,0 +1,132 @@
+"""Throughput-proportional batch split, the uneven sampler and collective rebalancing."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
+from hetcomm.balance import Balancer, ThroughputMeter, UnevenBatchSampler, split_batch
+
+from . import models
+from .dist_harness import run_ranks
+
+speeds = st.lists(st.floats(min_value=0.01, max_value=1000.0), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(speeds, st.integers(min_value=1, max_value=5000))
+def test_split_sums_and_is_proportional(ts, extra):
+    b = len(ts) + extra
+    sizes = split_batch(b, ts)
+    assert sum(sizes) == b and all(s >= 1 for s in sizes)
+    ideal = [b * t / sum(ts) for t in ts]
+    if all(i >= 1 for i in ideal):
+        assert all(abs(s - i) < 1 for s, i in zip(sizes, ideal)), (sizes, ideal)
+    assert split_batch(b, ts) == sizes  # deterministic
+
+
+@settings(max_examples=300, deadline=None)
+@given(speeds, st.data())
+def test_split_respects_caps(ts, data):
+    caps = [data.draw(st.integers(min_value=1, max_value=200)) for _ in ts]
+    b = data.draw(st.integers(min_value=len(ts), max_value=sum(caps)))
+    sizes = split_batch(b, ts, caps)
+    assert sum(sizes) == b
+    assert all(1 <= s <= c for s, c in zip(sizes, caps))
+    # an uncapped rank never gets less than a capped slower... : ranks below their cap share in proportion
+    free = [i for i, (s, c) in enumerate(zip(sizes, caps)) if s < c]
+    for i in free:
+        for j in free:
+            if ts[i] > ts[j]:
+                assert sizes[i] >= sizes[j] - 1
+
+
+def test_split_rejects_bad_input():
+    with pytest.raises(ValueError, match="global_batch"):
+        split_batch(2, [1, 1, 1])
+    with pytest.raises(ValueError, match="throughputs"):
+        split_batch(10, [1, 0])
+    with pytest.raises(ValueError, match="caps sum"):
+        split_batch(10, [1, 1], caps=[4, 4])
+
+
+def test_split_example():
+    assert split_batch(100, [1, 3]) == [25, 75]
+    assert split_batch(10, [1, 1, 1]) == [4, 3, 3]
+
+
+def test_meter_smooths():
+    m = ThroughputMeter(alpha=0.5)
+    m.update(10, 1.0)
+    m.update(30, 1.0)
+    assert m.rate == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("n,sizes", [(1000, [5, 17, 9]), (1001, [5, 17, 9]), (62, [5, 17, 9]), (32, [1, 1, 29])])
+def test_sampler_covers_every_index_once_with_equal_steps(n, sizes):
+    world = len(sizes)
+    for epoch in range(2):
+        seen, steps = [], []
+        for r in range(world):
+            s = UnevenBatchSampler(n, sizes, r, seed=3)
+            s.set_epoch(epoch)
+            batches = list(s)
+            steps.append(len(batches))
+            assert all(len(b) >= 1 for b in batches)
+            assert [len(b) for b in batches[:-1]] == [sizes[r]] * (len(batches) - 1)
+            seen += [i for b in batches for i in b]
+        assert len(set(steps)) == 1 and steps[0] == n // sum(sizes)
+        assert sorted(seen) == list(range(n))
+
+
+def test_sampler_split_change_mid_epoch():
+    n, world = 500, 2
+    samplers = [UnevenBatchSampler(n, [10, 10], r) for r in range(world)]
+    its = [iter(s) for s in samplers]
+    out = [[next(it) for _ in range(3)] for it in its]
+    for s in samplers:
+        s.set_batch_sizes([5, 15], from_step=4)
+        with pytest.raises(ValueError, match="already handed out"):
+            s.set_batch_sizes([5, 15], from_step=2)
+        with pytest.raises(ValueError, match="global batch must stay"):
+            s.set_batch_sizes([5, 16], from_step=6)
+    for r, it in enumerate(its):
+        out[r] += list(it)
+    assert [len(b) for b in out[0]][:6] == [10, 10, 10, 10, 5, 5]
+    assert [len(b) for b in out[1]][:6] == [10, 10, 10, 10, 15, 15]
+    assert len(out[0]) == len(out[1]) == 25
+    assert sorted(i for r in range(world) for b in out[r] for i in b) == list(range(n))
+
+
+def _balanced(rank, world, per_sample_s):
+    model = models.mlp()
+    ddp = DDP(model)
+    state = hetcomm.HookState("none")
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    data_x, data_y = models.batch(0, 0, 4000)
+    bal = Balancer(state, global_batch=60, dataset_len=4000, rebalance_every=5, lag=1)
+    for step, idx in zip(range(40), bal.sampler):
+        with bal.step(len(idx)):
+            loss = torch.nn.functional.cross_entropy(ddp(data_x[idx]), data_y[idx])
+            time.sleep(per_sample_s[rank] * len(idx))  # this rank's (slow) compute
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"history": [(s, sizes) for s, sizes, _ in bal.history], "sizes": bal.sizes,
+            "params": models.flat_params(model)}
+
+
+def test_rebalancing_is_identical_on_every_rank_and_follows_speed():
+    per_sample = [0.0005, 0.0015]  # rank 1 is 3x slower
+    res = run_ranks(_balanced, 2, per_sample)
+    assert res[0]["history"] == res[1]["history"] and res[0]["history"]
+    assert res[0]["sizes"] == res[1]["sizes"]
+    b0, b1 = res[0]["sizes"]
+    assert 2.0 < b0 / b1 < 4.5, res[0]["sizes"]  # about 3:1
+    assert torch.equal(res[0]["params"], res[1]["params"])

@@ -1,0 +1,49 @@
+"""The testbed's CPU quotas make ranks really run at different speeds, and leave nothing behind."""
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+
+from hetcomm import testbed
+
+from .dist_harness import run_ranks
+
+
+def _spin(rank, world):
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < 1.5:
+        torch.randn(20000).sum()
+        n += 1
+    return n / (time.monotonic() - t0)
+
+
+def test_cpu_quotas_slow_ranks_down_and_are_cleaned_up():
+    ok, why = testbed.cpu_quota_support()
+    if not ok:
+        pytest.skip(why)
+    rates = run_ranks(_spin, 2, rank_cpu=[0.2, 1.0])
+    assert rates[0] < 0.45 * rates[1], rates
+    assert not glob.glob(f"/sys/fs/cgroup/cpu/hetcomm-{os.getpid()}-*") and \
+        not glob.glob(f"/sys/fs/cgroup/hetcomm-{os.getpid()}-*")
+
+
+def test_rank_cpu_must_match_world():
+    with pytest.raises(ValueError, match="one quota per rank"):
+        testbed.spawn_ranks(_spin, 2, rank_cpu=[0.5])
+
+
+def _boom(rank, world):
+    if rank == 1:
+        raise KeyError("rank one fails")
+    time.sleep(30)
+
+
+def test_a_failing_rank_fails_the_run_fast():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank one fails"):
+        run_ranks(_boom, 2)
+    assert time.monotonic() - t0 < 25
