@@ -13,6 +13,7 @@
 #include <string>
 
 #include "collectives/compressed.h"
+#include "collectives/lowrank.h"
 #include "engine/bucket_reducer.h"
 #include "engine/worker.h"
 #include "ops/cpu_ops.h"
@@ -24,6 +25,8 @@ using namespace hetcomm;
 namespace {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
 
 py::object wrap_future(const FuturePtr& fut) {
   return py::cast(std::make_shared<torch::jit::PythonFutureWrapper>(fut));
@@ -71,8 +74,11 @@ class Engine {
   }
 
   py::object submit_bucket(int64_t index, at::Tensor buffer, int codec, int64_t chunk, double ratio, bool exact,
-                           c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last) {
-    TORCH_CHECK_VALUE(codec >= 0 && codec <= static_cast<int>(Codec::kTopK), "hetcomm: unknown codec id ", codec);
+                           c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
+                           c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state) {
+    TORCH_CHECK_VALUE(codec >= 0 && codec <= static_cast<int>(Codec::kLowRank), "hetcomm: unknown codec id ", codec);
+    TORCH_CHECK_VALUE(codec != static_cast<int>(Codec::kLowRank) || (layout && q_state),
+                      "hetcomm: the lowrank codec needs a layout and a Q state");
     ops::check_float_vector(buffer, "bucket buffer");
     TORCH_CHECK_VALUE(buffer.is_contiguous(), "hetcomm: bucket buffer must be contiguous");
     BucketJob job;
@@ -85,6 +91,8 @@ class Engine {
     job.residual = residual.value_or(at::Tensor());
     job.server_residual = server_residual.value_or(at::Tensor());
     job.last = last;
+    job.layout = opt(layout);
+    job.q_state = opt(q_state);
     return run([this, job]() mutable { return reducer_.reduce(job); });
   }
 
@@ -153,8 +161,6 @@ at::ScalarType wire_dtype(const std::string& name) {
                         "hetcomm: wire must be 'float16' or 'bfloat16', got '" + name + "'");
 }
 
-at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -197,6 +203,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "cast_decode",
       [](const at::Tensor& h, double mul, c10::optional<at::Tensor> out) { return ops::cast_decode(h, mul, opt(out)); },
       py::arg("h"), py::arg("mul") = 1.0, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("lowrank_q_numel", &collectives::lowrank_q_numel, py::arg("layout"));
   m.def("onebit_segment_numel", &collectives::onebit_segment_numel, py::arg("n"), py::arg("world"), py::arg("rank"));
 
   // ---- transport (blocking calls; the GIL is released around every one) ----
@@ -245,6 +252,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("x"), py::arg("divisor"), py::arg("ratio"), py::arg("exact") = true, py::arg("residual") = py::none(),
           py::call_guard<py::gil_scoped_release>(), "Top-k all-gather all-reduce of x in place.")
+      .def(
+          "allreduce_lowrank",
+          [](ProcessGroupTransport& t, at::Tensor x, double divisor, const at::Tensor& layout, at::Tensor q_state,
+             c10::optional<at::Tensor> res) {
+            collectives::CodecTimer timer;
+            TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
+            at::Tensor flat = x.view({-1});
+            collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
+          },
+          py::arg("x"), py::arg("divisor"), py::arg("layout"), py::arg("q_state"), py::arg("residual") = py::none(),
+          py::call_guard<py::gil_scoped_release>(), "Low-rank (PowerSGD-style) all-reduce of x in place.")
       .def("counters", [](ProcessGroupTransport& t) {
         py::dict d;
         d["bytes_sent"] = t.counters().bytes_sent.load();
@@ -259,7 +277,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
       .def("submit_bucket", &Engine::submit_bucket, py::arg("index"), py::arg("buffer"), py::arg("codec"),
            py::arg("chunk"), py::arg("topk_ratio"), py::arg("topk_exact"), py::arg("residual"),
-           py::arg("server_residual"), py::arg("last"))
+           py::arg("server_residual"), py::arg("last"), py::arg("layout") = py::none(),
+           py::arg("q_state") = py::none())
       .def("submit_batch_size", &Engine::submit_batch_size, py::arg("local_batch_size"))
       .def("submit_config", &Engine::submit_config, py::arg("config"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())

@@ -27,6 +27,7 @@ MODES = {
     "bf16": ("hetcomm", dict(compression="bf16")),
     "onebit": ("hetcomm", dict(compression="onebit")),
     "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01)),
+    "lowrank": ("hetcomm", dict(compression="lowrank", rank=4)),
     "onebit-no-ef": ("hetcomm", dict(compression="onebit", error_feedback=False)),
     "topk-no-ef": ("hetcomm", dict(compression="topk", topk_ratio=0.01, error_feedback=False)),
 }

@@ -15,8 +15,10 @@ import torch.distributed as dist
 from . import _C
 
 # Codec ids shared with csrc/engine/bucket_reducer.h (enum class Codec).
-CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "topk": 4}
-COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk")
+CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "topk": 4, "lowrank": 5}
+COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank")
+# Modes with per-bucket state (residuals; Q for lowrank), compressed after start_iter.
+COMPRESSED = ("onebit", "topk", "lowrank")
 _STATE_DICT_VERSION = 1
 
 _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -70,6 +72,11 @@ class HookState:
             wire instead of 64.
             ``"topk"``: each rank sends its ``topk_ratio`` largest entries of
             gradient + residual as (int32 index, float32 value) pairs, all-gathered.
+            ``"lowrank"``: PowerSGD-style: each matrix-shaped gradient M is sent
+            as P = M Q and Q = M^T P (P orthonormalised, Q warm-started across
+            steps, error feedback); vectors and small matrices go dense in one
+            all-reduce. Every collective runs on the comm thread in order, so
+            any number of buckets works on gloo.
         process_group: group to reduce over. ``None`` (default) creates a new
             group over all ranks with the default backend, so hetcomm's
             collectives never interleave with DDP's own (buffer broadcasts,
@@ -111,13 +118,14 @@ class HookState:
         min_compress_numel: int = 8192,
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
+        rank: int = 4,
         timeout: Optional[timedelta] = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if not isinstance(start_iter, int) or isinstance(start_iter, bool) or start_iter < 0:
             raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
-        if error_feedback and compression in ("onebit", "topk") and start_iter < 2:
+        if error_feedback and compression in COMPRESSED and start_iter < 2:
             raise ValueError(
                 f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
                 "after the first iteration, and residuals are kept per bucket index")
@@ -128,6 +136,8 @@ class HookState:
         if not isinstance(topk_ratio, (int, float)) or isinstance(topk_ratio, bool) or not (
                 0.0 < float(topk_ratio) <= 1.0):
             raise ValueError(f"topk_ratio must be a number in (0, 1], got {topk_ratio!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank (the lowrank approximation rank) must be an int >= 1, got {rank!r}")
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
         if not isinstance(topk_exact, bool):
@@ -144,6 +154,7 @@ class HookState:
         self.min_compress_numel = min_compress_numel
         self.topk_ratio = float(topk_ratio)
         self.topk_exact = topk_exact
+        self.rank = rank
         #: Steps completed (a step ends with the hook call for DDP's last bucket).
         self.iter = 0
         #: time.monotonic() of the last bucket's hook call: this rank's backward
@@ -157,6 +168,8 @@ class HookState:
         self._engine: Optional[Any] = None
         self._residuals: Dict[str, torch.Tensor] = {}
         self._server_residuals: Dict[str, torch.Tensor] = {}
+        self._lowrank_q: Dict[str, torch.Tensor] = {}
+        self._layouts: Dict[str, torch.Tensor] = {}
         self._keys: Dict[tuple, str] = {}
         self._touched: set = set()
         self._prev_touched: set = set()
@@ -181,7 +194,8 @@ class HookState:
         self._local_batch = float(batch_size)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals and the step counter of this rank (waits for queued work)."""
+        """Residuals, lowrank Q matrices and the step counter of this rank
+        (waits for queued work)."""
         self._drain()
         return {
             "version": _STATE_DICT_VERSION,
@@ -192,6 +206,7 @@ class HookState:
             "world_size": self._world(),
             "residuals": {i: t.clone() for i, t in self._residuals.items()},
             "server_residuals": {i: t.clone() for i, t in self._server_residuals.items()},
+            "lowrank_q": {k: t.clone() for k, t in self._lowrank_q.items()},
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -211,7 +226,9 @@ class HookState:
         self._residuals = {str(k): t.detach().clone().float().contiguous() for k, t in sd["residuals"].items()}
         self._server_residuals = {str(k): t.detach().clone().float().contiguous()
                                   for k, t in sd["server_residuals"].items()}
-        self._prev_touched = set(self._residuals) | set(self._server_residuals)
+        self._lowrank_q = {str(k): t.detach().clone().float().contiguous()
+                           for k, t in sd.get("lowrank_q", {}).items()}
+        self._prev_touched = set(self._residuals) | set(self._server_residuals) | set(self._lowrank_q)
 
     def stats(self) -> Dict[str, Any]:
         """Bytes and time of the last complete step and of the whole run:
@@ -260,44 +277,42 @@ class HookState:
             _live_engines.add(self._engine)
         return self._engine
 
-    def _config_vector(self, bf16_capable: bool) -> torch.Tensor:
-        fields = [
-            _STATE_DICT_VERSION,
-            COMPRESSIONS.index(self.compression),
-            self.start_iter,
-            int(self.error_feedback),
-            self.chunk_size,
-            self.min_compress_numel,
-            round(self.topk_ratio * 1e9),
-            int(self.topk_exact),
-            int(self._local_batch is not None),
-            self.iter,
-            int(bf16_capable),
+    def _config(self) -> list:
+        """(name, value) of everything that must agree across ranks."""
+        return [
+            ("hetcomm version", _STATE_DICT_VERSION),
+            ("compression", COMPRESSIONS.index(self.compression)),
+            ("start_iter", self.start_iter),
+            ("error_feedback", int(self.error_feedback)),
+            ("chunk_size", self.chunk_size),
+            ("min_compress_numel", self.min_compress_numel),
+            ("topk_ratio", round(self.topk_ratio * 1e9)),
+            ("topk_exact", int(self.topk_exact)),
+            ("rank", self.rank),
+            ("batch-size weighting (set_local_batch_size called before the first step)",
+             int(self._local_batch is not None)),
+            ("iter (steps done; was the state restored on every rank?)", self.iter),
         ]
-        return torch.tensor(fields, dtype=torch.int64)
-
-    _CONFIG_NAMES = ("hetcomm version", "compression", "start_iter", "error_feedback", "chunk_size",
-                     "min_compress_numel", "topk_ratio", "topk_exact",
-                     "batch-size weighting (set_local_batch_size called before the first step)",
-                     "iter (steps done; was the state restored on every rank?)")
 
     def _negotiate(self, bucket_device: torch.device) -> None:
         """First step: all-gather the options and device capabilities; every
         rank raises the same ValueError if any option differs."""
         engine = self._ensure_engine()
+        config = self._config()
         capable = _device_supports_bf16(bucket_device)
-        gathered = engine.submit_config(self._config_vector(capable)).wait()
-        decoders = {1: lambda v: COMPRESSIONS[v], 6: lambda v: v / 1e9}
-        for col, name in enumerate(self._CONFIG_NAMES):
+        vector = torch.tensor([v for _, v in config] + [int(capable)], dtype=torch.int64)
+        gathered = engine.submit_config(vector).wait()
+        show = {"compression": lambda v: COMPRESSIONS[v], "topk_ratio": lambda v: v / 1e9}
+        for col, (name, _) in enumerate(config):
             column = gathered[:, col].tolist()
             if len(set(column)) > 1:
-                show = decoders.get(col, lambda v: v)
-                per_rank = ", ".join(f"rank {r}: {show(v)!r}" for r, v in enumerate(column))
+                fmt = show.get(name, lambda v: v)
+                per_rank = ", ".join(f"rank {r}: {fmt(v)!r}" for r, v in enumerate(column))
                 raise ValueError(f"hetcomm: HookState option {name} differs across ranks ({per_rank}); "
                                  "construct HookState with the same arguments on every rank")
-        self._weighted = bool(gathered[0, 8])
+        self._weighted = self._local_batch is not None
         if self.compression == "auto-precision":
-            self.resolved_compression = "bf16" if bool(gathered[:, 10].all()) else "fp16"
+            self.resolved_compression = "bf16" if bool(gathered[:, len(config)].all()) else "fp16"
         self._negotiated = True
 
     def _bucket_key(self, bucket, index: int, numel: int) -> str:
@@ -319,11 +334,51 @@ class HookState:
             store[key] = r
         return r
 
+    def _lowrank_parts(self, bucket, key: str, numel: int) -> torch.Tensor:
+        """int64 [k, 4] rows (offset, rows, cols, rank) of the bucket's tensors;
+        rank 0 = sent dense. A matrix is approximated only where P and Q are
+        less than half its size (PowerSGD's rule)."""
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        buf = bucket.buffer()
+        rows, offset = [], 0
+        for g in bucket.gradients():
+            n = g.numel()
+            off = (g.data_ptr() - buf.data_ptr()) // buf.element_size() if g.numel() else offset
+            if g.dim() >= 2:
+                r_rows, cols = g.shape[0], n // g.shape[0]
+                r = min(self.rank, r_rows, cols)
+                if r_rows * cols > 2 * (r_rows + cols) * r:
+                    rows.append([off, r_rows, cols, r])
+                    offset += n
+                    continue
+            rows.append([off, 1, n, 0])
+            offset += n
+        spans = sorted((o, c * rr) for o, rr, c, _ in rows)
+        contiguous = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        if offset != numel or not contiguous or not spans or spans[0][0] != 0:
+            rows = [[0, 1, numel, 0]]  # unknown layout: send it all dense
+        layout = torch.tensor(rows, dtype=torch.int64)
+        self._layouts[key] = layout
+        return layout
+
+    def _lowrank_q_state(self, key: str, layout: torch.Tensor) -> torch.Tensor:
+        self._touched.add(key)
+        q = self._lowrank_q.get(key)
+        n = _C.lowrank_q_numel(layout)
+        if q is None or q.numel() != n:
+            # The same random start on every rank (the key is the same everywhere).
+            gen = torch.Generator().manual_seed(sum(key.encode()) + 7919 * len(key))
+            q = torch.randn(n, generator=gen)
+            self._lowrank_q[key] = q
+        return q
+
     def _end_step(self) -> None:
-        # Drop residuals of bucket layouts not used in this step or the one before.
+        # Drop per-bucket state of layouts not used in this step or the one before.
         keep = self._touched | self._prev_touched
         if self._touched:
-            for store in (self._residuals, self._server_residuals):
+            for store in (self._residuals, self._server_residuals, self._lowrank_q):
                 for key in [k for k in store if k not in keep]:
                     del store[key]
         self._prev_touched, self._touched = self._touched, set()
@@ -345,20 +400,23 @@ class HookState:
         index = bucket.index()
         last = bucket.is_last()
         numel = buf.numel()
-        compressed = mode in ("onebit", "topk") and self.iter >= self.start_iter and numel >= self.min_compress_numel
-        residual = server = None
+        compressed = mode in COMPRESSED and self.iter >= self.start_iter and numel >= self.min_compress_numel
+        residual = server = layout = q_state = None
         if not compressed:
-            codec = CODEC_IDS["none"] if mode in ("onebit", "topk") else CODEC_IDS[mode]
+            codec = CODEC_IDS["none"] if mode in COMPRESSED else CODEC_IDS[mode]
         else:
             codec = CODEC_IDS[mode]
+            key = self._bucket_key(bucket, index, numel)
+            if mode == "lowrank":
+                layout = self._lowrank_parts(bucket, key, numel)
+                q_state = self._lowrank_q_state(key, layout)
             if self.error_feedback:
-                key = self._bucket_key(bucket, index, numel)
                 residual = self._residual(self._residuals, key, numel)
                 if mode == "onebit":
                     seg = _C.onebit_segment_numel(numel, engine.size, engine.rank)
                     server = self._residual(self._server_residuals, key, seg)
         fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
-                                   server, last)
+                                   server, last, layout, q_state)
         if last:
             self.last_bucket_time = time.monotonic()
             self._step_open = False

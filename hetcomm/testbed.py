@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 _V1 = "/sys/fs/cgroup/cpu"
 _V2 = "/sys/fs/cgroup"
-_PERIOD_US = 100_000
+_PERIOD_US = 10_000  # a short period: throttling in small slices, not 75 ms stalls
 
 
 def cpu_quota_support() -> Tuple[bool, str]:
@@ -49,7 +49,7 @@ class CpuQuota:
         self.v1 = why.startswith("cgroup v1")
         self.path = os.path.join(_V1 if self.v1 else _V2, name)
         os.makedirs(self.path, exist_ok=True)
-        quota = max(1000, int(cpus * _PERIOD_US))
+        quota = max(1000, int(cpus * _PERIOD_US))  # the kernel minimum is 1 ms
         if self.v1:
             self._write("cpu.cfs_period_us", str(_PERIOD_US))
             self._write("cpu.cfs_quota_us", str(quota))

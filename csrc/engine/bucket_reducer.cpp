@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "collectives/lowrank.h"
+
 namespace hetcomm {
 
 BucketReducer::BucketReducer(std::shared_ptr<Transport> t)
@@ -38,11 +40,14 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       collectives::allreduce_dense(t, buf, divisor_, at::kBFloat16, codec_);
       break;
     case Codec::kOneBit:
-    case Codec::kTopK: {
+    case Codec::kTopK:
+    case Codec::kLowRank: {
       // The codecs work in float32; other bucket dtypes go through a copy.
       at::Tensor x = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
       if (job.codec == Codec::kOneBit)
         collectives::allreduce_onebit(t, x, divisor_, job.chunk, job.residual, job.server_residual, codec_);
+      else if (job.codec == Codec::kLowRank)
+        collectives::allreduce_lowrank(t, x, divisor_, job.layout, job.q_state, job.residual, codec_);
       else
         collectives::allreduce_topk(t, x, divisor_, job.topk_ratio, job.topk_exact, job.residual, codec_);
       if (!x.is_same(buf)) buf.copy_(x);

@@ -15,7 +15,7 @@
 
 namespace hetcomm {
 
-enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4 };
+enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5 };
 
 struct BucketJob {
   int64_t index = 0;
@@ -26,6 +26,8 @@ struct BucketJob {
   bool topk_exact = true;
   at::Tensor residual;         // worker / top-k residual, float32, may be undefined
   at::Tensor server_residual;  // onebit only, may be undefined
+  at::Tensor layout;           // lowrank only: int64 [k, 4]
+  at::Tensor q_state;          // lowrank only: warm-start Q, updated in place
   bool last = false;           // last bucket of the step
 };
 

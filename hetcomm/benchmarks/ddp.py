@@ -26,9 +26,9 @@ from . import common
 
 IN, OUT = 256, 10
 TORCH_MODES = ("torch-allreduce", "torch-fp16", "torch-powersgd")
-HETCOMM_MODES = ("none", "fp16", "bf16", "onebit", "topk")
-DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk",
-                 "none+bal", "onebit+bal", "topk+bal"]
+HETCOMM_MODES = ("none", "fp16", "bf16", "onebit", "topk", "lowrank")
+DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk", "lowrank",
+                 "none+bal", "onebit+bal", "topk+bal", "lowrank+bal"]
 
 
 def model_for(params: int, seed: int = 0) -> nn.Module:

@@ -1,0 +1,142 @@
+#include "collectives/lowrank.h"
+
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <vector>
+
+#include "kernels/lowrank.h"
+
+namespace hetcomm {
+namespace collectives {
+
+namespace {
+
+struct Part {
+  int64_t offset, rows, cols, rank;
+  int64_t numel() const { return rows * cols; }
+};
+
+std::vector<Part> parse(const at::Tensor& layout, int64_t n) {
+  TORCH_CHECK_VALUE(layout.dim() == 2 && layout.size(1) == 4 && layout.scalar_type() == at::kLong,
+                    "hetcomm: lowrank layout must be int64 [k, 4] (offset, rows, cols, rank)");
+  const at::Tensor l = layout.contiguous();
+  const int64_t* p = l.data_ptr<int64_t>();
+  std::vector<Part> parts;
+  int64_t covered = 0;
+  for (int64_t i = 0; i < l.size(0); ++i) {
+    Part part{p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]};
+    TORCH_CHECK_VALUE(part.offset >= 0 && part.rows >= 1 && part.cols >= 1 && part.offset + part.numel() <= n,
+                      "hetcomm: lowrank layout row ", i, " lies outside the bucket");
+    TORCH_CHECK_VALUE(part.rank >= 0 && part.rank <= std::min(part.rows, part.cols),
+                      "hetcomm: lowrank rank of row ", i, " must be in [0, min(rows, cols)]");
+    covered += part.numel();
+    parts.push_back(part);
+  }
+  TORCH_CHECK_VALUE(covered == n, "hetcomm: lowrank layout covers ", covered, " of the bucket's ", n, " elements");
+  return parts;
+}
+
+}  // namespace
+
+int64_t lowrank_q_numel(const at::Tensor& layout) {
+  const at::Tensor l = layout.contiguous();
+  int64_t q = 0;
+  for (int64_t i = 0; i < l.size(0); ++i) q += l[i][2].item<int64_t>() * l[i][3].item<int64_t>();
+  return q;
+}
+
+void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
+                       const at::Tensor& residual, CodecTimer& timer) {
+  const std::vector<Part> parts = parse(layout, x.numel());
+  int64_t dense = 0, p_total = 0, q_total = 0;
+  for (const Part& p : parts) {
+    if (p.rank == 0) {
+      dense += p.numel();
+    } else {
+      p_total += p.rows * p.rank;
+      q_total += p.cols * p.rank;
+    }
+  }
+  TORCH_CHECK_VALUE(q_state.numel() == q_total && q_state.scalar_type() == at::kFloat && q_state.is_contiguous(),
+                    "hetcomm: lowrank Q state must be contiguous float32 with ", q_total, " elements");
+  auto start = std::chrono::steady_clock::now();
+  auto lap = [&] {
+    const auto now = std::chrono::steady_clock::now();
+    timer.ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count();
+  };
+  // M = x / divisor (+ residual on the matrices: error feedback).
+  x.div_(divisor);
+  if (residual.defined()) x.add_(residual);
+
+  // Dense parts: one all-reduce for all of them together.
+  at::Tensor dense_buf = at::empty({dense}, at::kFloat);
+  at::Tensor p_buf = at::empty({p_total}, at::kFloat);
+  int64_t d = 0, po = 0, qo = 0;
+  for (const Part& p : parts) {
+    at::Tensor m = x.narrow(0, p.offset, p.numel());
+    if (p.rank == 0) {
+      dense_buf.narrow(0, d, p.numel()).copy_(m);
+      d += p.numel();
+    } else {
+      at::Tensor q = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
+      at::Tensor out = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+      at::mm_out(out, m.view({p.rows, p.cols}), q);
+      po += p.rows * p.rank;
+      qo += p.cols * p.rank;
+    }
+  }
+  lap();
+  t.all_reduce_sum(dense_buf);
+  t.all_reduce_sum(p_buf);
+  start = std::chrono::steady_clock::now();
+  // Orthonormal P (every rank holds the same summed P, so the same basis),
+  // then Q = M^T P.
+  at::Tensor q_buf = at::empty({q_total}, at::kFloat);
+  po = qo = 0;
+  for (const Part& p : parts) {
+    if (p.rank == 0) continue;
+    at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+    kernels::orthonormalize_columns_cpu(pm.data_ptr<float>(), p.rows, p.rank, 1e-8f);
+    at::Tensor m = x.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
+    at::Tensor out = q_buf.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
+    at::mm_out(out, m.t(), pm);
+    po += p.rows * p.rank;
+    qo += p.cols * p.rank;
+  }
+  lap();
+  t.all_reduce_sum(q_buf);
+  start = std::chrono::steady_clock::now();
+  q_state.copy_(q_buf);  // warm start for the next step
+  d = po = qo = 0;
+  for (const Part& p : parts) {
+    at::Tensor m = x.narrow(0, p.offset, p.numel());
+    if (p.rank == 0) {
+      m.copy_(dense_buf.narrow(0, d, p.numel()));
+      if (residual.defined()) residual.narrow(0, p.offset, p.numel()).zero_();
+      d += p.numel();
+      continue;
+    }
+    at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+    at::Tensor qm = q_buf.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
+    // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
+    at::Tensor approx = at::empty({p.rows, p.cols}, at::kFloat);
+    const float* pp = pm.data_ptr<float>();
+    const float* qp = qm.data_ptr<float>();
+    float* ap = approx.data_ptr<float>();
+    at::parallel_for(0, p.rows, std::max<int64_t>(1, 16384 / p.cols), [&](int64_t b, int64_t e) {
+      kernels::outer_product_cpu(pp, qp, ap, p.rows, p.cols, p.rank, b, e);
+    });
+    // approx stands for the sum over ranks; this rank keeps what its own share
+    // (its weight 1/divisor, the weights sum to 1) did not deliver.
+    if (residual.defined())
+      residual.narrow(0, p.offset, p.numel()).view({p.rows, p.cols}).copy_(m.view({p.rows, p.cols}) - approx / divisor);
+    m.view({p.rows, p.cols}).copy_(approx);
+    po += p.rows * p.rank;
+    qo += p.cols * p.rank;
+  }
+  lap();
+}
+
+}  // namespace collectives
+}  // namespace hetcomm
