@@ -73,8 +73,11 @@ def split_batch(global_batch: int, throughputs: Sequence[float], caps: Optional[
                 progressed = True
         if not progressed:  # pragma: no cover - excluded by the caps check above
             raise ValueError("caps leave no room for the batch")
+    # The floor of 1 per rank can overshoot: take samples back, smallest
+    # remainders first, then from ranks pinned at their cap (B >= n: always possible).
+    takers = list(reversed(order)) + [i for i in range(n) if pinned[i]]
     while left < 0:
-        for i in reversed(order):
+        for i in takers:
             if left and sizes[i] > 1:
                 sizes[i] -= 1
                 left += 1

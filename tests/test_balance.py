@@ -58,6 +58,8 @@ def test_split_rejects_bad_input():
 def test_split_example():
     assert split_batch(100, [1, 3]) == [25, 75]
     assert split_batch(10, [1, 1, 1]) == [4, 3, 3]
+    # the floor of one sample per rank overshoots; the pinned rank gives one back
+    assert split_batch(3, [1000, 1, 1], caps=[2, 5, 5]) == [1, 1, 1]
 
 
 def test_meter_smooths():

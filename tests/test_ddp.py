@@ -74,7 +74,7 @@ def test_unequal_batches_give_the_full_batch_gradient():
             assert rel <= 1e-6, (step, rel.item())
 
 
-@pytest.mark.parametrize("mode", ["fp16", "bf16", "onebit", "topk"])
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "onebit", "topk", "lowrank"])
 def test_unequal_batches_compressed_modes_keep_replicas_identical(mode):
     world = 3
     results = run_ranks(_weighted_grads, world, mode)
@@ -140,7 +140,7 @@ def test_wire_volume_of_a_1m_element_bucket(mode, factor):
     assert st["total"]["bytes_sent"] >= 2 * fp32_ring
 
 
-def _train_span(rank, world, ckpt_dir, start, stop, save_at, bucket_cap_mb):
+def _train_span(rank, world, ckpt_dir, start, stop, save_at, bucket_cap_mb, mode="onebit"):
     if bucket_cap_mb is None:
         torch.manual_seed(0)
         model = torch.nn.Linear(models.IN, models.OUT, bias=False)
@@ -148,7 +148,7 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, bucket_cap_mb):
     else:
         model = models.mlp()
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    state = hetcomm.HookState(mode, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
@@ -164,15 +164,16 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, bucket_cap_mb):
     return {"params": models.flat_params(model), "residual_keys": sorted(state.state_dict()["residuals"])}
 
 
-def test_resume_from_state_dict_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
+def test_resume_from_state_dict_continues_bit_for_bit(tmp_path, mode):
     # A fresh process's first step runs in DDP's initial bucket layout
     # (parameters in registration order), later steps in the rebuilt one
     # (gradient-ready order). A 1-bit message depends on the layout, so a
     # bit-for-bit resume needs the two to agree: one parameter, one bucket.
-    straight = run_ranks(_train_span, 2, str(tmp_path / "a"), 0, 60, -1, None)
+    straight = run_ranks(_train_span, 2, str(tmp_path / "a"), 0, 60, -1, None, mode)
     os.makedirs(tmp_path / "b")
-    run_ranks(_train_span, 2, str(tmp_path / "b"), 0, 30, 30, None)
-    resumed = run_ranks(_train_span, 2, str(tmp_path / "b"), 30, 60, -1, None)
+    run_ranks(_train_span, 2, str(tmp_path / "b"), 0, 30, 30, None, mode)
+    resumed = run_ranks(_train_span, 2, str(tmp_path / "b"), 30, 60, -1, None, mode)
     assert torch.equal(straight[0]["params"], straight[1]["params"])
     assert torch.equal(resumed[0]["params"], straight[0]["params"])
     assert torch.equal(resumed[1]["params"], straight[1]["params"])
