@@ -6,12 +6,14 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 #include <torch/version.h>
 
 #include <memory>
 #include <mutex>
 #include <string>
 
+#include "collectives/algorithms.h"
 #include "collectives/compressed.h"
 #include "collectives/lowrank.h"
 #include "engine/bucket_reducer.h"
@@ -75,7 +77,8 @@ class Engine {
 
   py::object submit_bucket(int64_t index, at::Tensor buffer, int codec, int64_t chunk, double ratio, bool exact,
                            c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
-                           c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state) {
+                           c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, int algo) {
+    TORCH_CHECK_VALUE(algo >= 0 && algo <= static_cast<int>(Algo::kHierarchical), "hetcomm: unknown algorithm id ", algo);
     TORCH_CHECK_VALUE(codec >= 0 && codec <= static_cast<int>(Codec::kLowRank), "hetcomm: unknown codec id ", codec);
     TORCH_CHECK_VALUE(codec != static_cast<int>(Codec::kLowRank) || (layout && q_state),
                       "hetcomm: the lowrank codec needs a layout and a Q state");
@@ -93,6 +96,7 @@ class Engine {
     job.last = last;
     job.layout = opt(layout);
     job.q_state = opt(q_state);
+    job.algo = static_cast<Algo>(algo);
     return run([this, job]() mutable { return reducer_.reduce(job); });
   }
 
@@ -107,6 +111,14 @@ class Engine {
   py::object submit_config(at::Tensor config) {
     TORCH_CHECK_VALUE(config.dim() == 1, "hetcomm: config must be 1-D");
     return run([this, config] { return reducer_.gather_config(config); });
+  }
+
+  // Applies to buckets submitted after this call (FIFO on the comm thread).
+  void set_topology(std::vector<int> order, std::vector<int> node_of) {
+    run([this, order, node_of] {
+      reducer_.set_topology(order, node_of);
+      return at::zeros({0});
+    });
   }
 
   void drain() { worker_.drain(); }
@@ -203,6 +215,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "cast_decode",
       [](const at::Tensor& h, double mul, c10::optional<at::Tensor> out) { return ops::cast_decode(h, mul, opt(out)); },
       py::arg("h"), py::arg("mul") = 1.0, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("hierarchical_shard_numel", &collectives::hierarchical_shard_numel, py::arg("n"), py::arg("node_of"),
+        py::arg("rank"));
   m.def("lowrank_q_numel", &collectives::lowrank_q_numel, py::arg("layout"));
   m.def("onebit_segment_numel", &collectives::onebit_segment_numel, py::arg("n"), py::arg("world"), py::arg("rank"));
 
@@ -263,6 +277,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("x"), py::arg("divisor"), py::arg("layout"), py::arg("q_state"), py::arg("residual") = py::none(),
           py::call_guard<py::gil_scoped_release>(), "Low-rank (PowerSGD-style) all-reduce of x in place.")
+      .def(
+          "allreduce",
+          [](ProcessGroupTransport& t, at::Tensor x, const std::string& algorithm, std::vector<int> order,
+             std::vector<int> node_of, const std::string& inter, c10::optional<at::Tensor> res,
+             c10::optional<at::Tensor> sres, int64_t chunk, double ratio) {
+            TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
+            at::Tensor flat = x.view({-1});
+            if (algorithm == "native") {
+              t.all_reduce_sum(flat);
+            } else if (algorithm == "ring") {
+              collectives::allreduce_ring(t, flat, order);
+            } else if (algorithm == "halving_doubling") {
+              collectives::allreduce_halving_doubling(t, flat);
+            } else if (algorithm == "tree") {
+              collectives::allreduce_tree(t, flat);
+            } else if (algorithm == "hierarchical") {
+              collectives::InterOptions o;
+              o.codec = inter == "ring" ? collectives::InterCodec::kRing
+                                        : (inter == "onebit" ? collectives::InterCodec::kOneBit : collectives::InterCodec::kTopK);
+              TORCH_CHECK_VALUE(inter == "ring" || inter == "onebit" || inter == "topk",
+                                "hetcomm: inter must be 'ring', 'onebit' or 'topk', got '", inter, "'");
+              o.residual = opt(res);
+              o.server_residual = opt(sres);
+              o.chunk = chunk;
+              o.topk_ratio = ratio;
+              collectives::allreduce_hierarchical(t, flat, node_of, o);
+            } else {
+              TORCH_CHECK_VALUE(false, "hetcomm: algorithm must be native, ring, halving_doubling, tree or "
+                                       "hierarchical, got '", algorithm, "'");
+            }
+          },
+          py::arg("x"), py::arg("algorithm"), py::arg("order") = std::vector<int>{},
+          py::arg("node_of") = std::vector<int>{}, py::arg("inter") = "ring", py::arg("residual") = py::none(),
+          py::arg("server_residual") = py::none(), py::arg("chunk") = 2048, py::arg("topk_ratio") = 0.01,
+          py::call_guard<py::gil_scoped_release>(), "Sum of x over ranks, in place, by the named algorithm.")
+      .def(
+          "send_recv",
+          [](ProcessGroupTransport& t, const at::Tensor& out, int dst, at::Tensor in, int src, int tag) {
+            t.send_recv(out, dst, in, src, tag);
+          },
+          py::arg("out"), py::arg("dst"), py::arg("input"), py::arg("src"), py::arg("tag") = 0,
+          py::call_guard<py::gil_scoped_release>())
       .def("counters", [](ProcessGroupTransport& t) {
         py::dict d;
         d["bytes_sent"] = t.counters().bytes_sent.load();
@@ -278,7 +334,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("submit_bucket", &Engine::submit_bucket, py::arg("index"), py::arg("buffer"), py::arg("codec"),
            py::arg("chunk"), py::arg("topk_ratio"), py::arg("topk_exact"), py::arg("residual"),
            py::arg("server_residual"), py::arg("last"), py::arg("layout") = py::none(),
-           py::arg("q_state") = py::none())
+           py::arg("q_state") = py::none(), py::arg("algorithm") = 0)
+      .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("submit_batch_size", &Engine::submit_batch_size, py::arg("local_batch_size"))
       .def("submit_config", &Engine::submit_config, py::arg("config"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())

@@ -52,11 +52,18 @@ at::Tensor narrow_or_empty(const at::Tensor& t, int64_t begin, int64_t len) {
 
 }  // namespace
 
-void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType wire, CodecTimer& timer) {
+void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType wire, CodecTimer& timer,
+                     const SumFn& sum_fn) {
+  auto sum = [&](at::Tensor& y) {
+    if (sum_fn)
+      sum_fn(t, y);
+    else
+      t.all_reduce_sum(y);
+  };
   if (wire == at::kFloat || wire == x.scalar_type()) {
     // Same op as PyTorch's allreduce_hook (div_ then sum): equal batches match it bit for bit.
     if (divisor != 1.0) x.div_(divisor);
-    t.all_reduce_sum(x);
+    sum(x);
     return;
   }
   TORCH_CHECK_VALUE(wire == at::kHalf || wire == at::kBFloat16, "hetcomm: wire dtype must be float32, float16 or bfloat16");
@@ -65,7 +72,7 @@ void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType
     Timed _(timer);
     ops::cast_encode_into(x, divisor, h);
   }
-  t.all_reduce_sum(h);
+  sum(h);
   Timed _(timer);
   if (x.scalar_type() == at::kFloat) {
     ops::cast_decode(h, 1.0, x);

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <functional>
 
 #include "transport/transport.h"
 
@@ -18,8 +19,13 @@ struct CodecTimer {
   std::atomic<int64_t> ns{0};
 };
 
-// x = sum_i x_i / divisor_i in the wire dtype (float32, float16 or bfloat16).
-void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType wire, CodecTimer& timer);
+// How the (weighted, wire-format) tensor is summed over ranks.
+using SumFn = std::function<void(Transport&, at::Tensor&)>;
+
+// x = sum_i x_i / divisor_i in the wire dtype (float32, float16 or bfloat16),
+// summed by `sum` (default: the transport's own all-reduce).
+void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType wire, CodecTimer& timer,
+                     const SumFn& sum = nullptr);
 
 // Two-phase 1-bit all-reduce (x float32, contiguous). worker_residual: numel
 // x.numel(); server_residual: numel onebit_segment_numel(...) for this rank.

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "collectives/algorithms.h"
 #include "collectives/lowrank.h"
 
 namespace hetcomm {
@@ -23,6 +24,41 @@ at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
   return all.view({transport_->size(), c.numel()});
 }
 
+void BucketReducer::set_topology(std::vector<int> ring_order, std::vector<int> node_of) {
+  const int w = transport_->size();
+  TORCH_CHECK_VALUE(ring_order.empty() || static_cast<int>(ring_order.size()) == w, "hetcomm: ring order needs ", w,
+                    " ranks");
+  TORCH_CHECK_VALUE(node_of.empty() || static_cast<int>(node_of.size()) == w, "hetcomm: node_of needs ", w, " ranks");
+  ring_order_ = std::move(ring_order);
+  node_of_ = std::move(node_of);
+}
+
+namespace {
+
+// The sum of x over ranks by the chosen algorithm (x already weighted).
+void sum_by(Transport& t, at::Tensor& x, Algo algo, const std::vector<int>& order, const std::vector<int>& node_of) {
+  switch (algo) {
+    case Algo::kNative:
+      t.all_reduce_sum(x);
+      return;
+    case Algo::kRing:
+      collectives::allreduce_ring(t, x, order);
+      return;
+    case Algo::kHalvingDoubling:
+      collectives::allreduce_halving_doubling(t, x);
+      return;
+    case Algo::kTree:
+      collectives::allreduce_tree(t, x);
+      return;
+    case Algo::kHierarchical:
+      TORCH_CHECK_VALUE(!node_of.empty(), "hetcomm: the hierarchical algorithm needs the topology (node of each rank)");
+      collectives::allreduce_hierarchical(t, x, node_of);
+      return;
+  }
+}
+
+}  // namespace
+
 at::Tensor BucketReducer::reduce(BucketJob& job) {
   Transport& t = *transport_;
   WireCounters& wc = t.counters();
@@ -31,20 +67,35 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
   const int w = t.size();
   switch (job.codec) {
     case Codec::kNone:
-      collectives::allreduce_dense(t, buf, divisor_, at::kFloat, codec_);
-      break;
     case Codec::kFP16:
-      collectives::allreduce_dense(t, buf, divisor_, at::kHalf, codec_);
+    case Codec::kBF16: {
+      const at::ScalarType wire =
+          job.codec == Codec::kNone ? at::kFloat : (job.codec == Codec::kFP16 ? at::kHalf : at::kBFloat16);
+      const Algo algo = job.algo;
+      const auto& order = ring_order_;
+      const auto& nodes = node_of_;
+      collectives::allreduce_dense(t, buf, divisor_, wire, codec_,
+                                   [algo, &order, &nodes](Transport& tr, at::Tensor& y) { sum_by(tr, y, algo, order, nodes); });
       break;
-    case Codec::kBF16:
-      collectives::allreduce_dense(t, buf, divisor_, at::kBFloat16, codec_);
-      break;
+    }
     case Codec::kOneBit:
     case Codec::kTopK:
     case Codec::kLowRank: {
       // The codecs work in float32; other bucket dtypes go through a copy.
       at::Tensor x = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
-      if (job.codec == Codec::kOneBit)
+      if (job.algo == Algo::kHierarchical && job.codec != Codec::kLowRank) {
+        // Exact inside nodes, compressed across them.
+        TORCH_CHECK_VALUE(!node_of_.empty(), "hetcomm: the hierarchical algorithm needs the topology");
+        collectives::InterOptions inter;
+        inter.codec = job.codec == Codec::kOneBit ? collectives::InterCodec::kOneBit : collectives::InterCodec::kTopK;
+        inter.chunk = job.chunk;
+        inter.topk_ratio = job.topk_ratio;
+        inter.topk_exact = job.topk_exact;
+        inter.residual = job.residual;
+        inter.server_residual = job.server_residual;
+        x.div_(divisor_);
+        collectives::allreduce_hierarchical(t, x, node_of_, inter);
+      } else if (job.codec == Codec::kOneBit)
         collectives::allreduce_onebit(t, x, divisor_, job.chunk, job.residual, job.server_residual, codec_);
       else if (job.codec == Codec::kLowRank)
         collectives::allreduce_lowrank(t, x, divisor_, job.layout, job.q_state, job.residual, codec_);

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "collectives/compressed.h"
 #include "transport/transport.h"
@@ -17,10 +18,14 @@ namespace hetcomm {
 
 enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5 };
 
+// How a bucket's sum is computed (hetcomm/topology.py's planner picks one).
+enum class Algo : int { kNative = 0, kRing = 1, kHalvingDoubling = 2, kTree = 3, kHierarchical = 4 };
+
 struct BucketJob {
   int64_t index = 0;
   at::Tensor buffer;  // DDP's flat bucket, reduced in place
   Codec codec = Codec::kNone;
+  Algo algo = Algo::kNative;
   int64_t chunk = 2048;
   double topk_ratio = 0.01;
   bool topk_exact = true;
@@ -46,6 +51,8 @@ class BucketReducer {
   at::Tensor reduce(BucketJob& job);
   // All-gathers an int64 vector: returns [world, numel].
   at::Tensor gather_config(const at::Tensor& config);
+  // Ring order and node of each rank (from the topology), used by kRing and kHierarchical.
+  void set_topology(std::vector<int> ring_order, std::vector<int> node_of);
 
   ReduceTotals totals() const;
   ReduceTotals last_step() const;
@@ -53,6 +60,7 @@ class BucketReducer {
  private:
   std::shared_ptr<Transport> transport_;
   double divisor_;
+  std::vector<int> ring_order_, node_of_;
   collectives::CodecTimer codec_;
   std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0};
   ReduceTotals step_start_, last_step_;

@@ -58,6 +58,24 @@ void ProcessGroupTransport::recv(at::Tensor& t, int src, int tag) {
   wait(pg_->recv(v, src, tag), "recv", 0, nbytes(t), start);
 }
 
+void ProcessGroupTransport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
+  const auto start = std::chrono::steady_clock::now();
+  c10::intrusive_ptr<c10d::Work> ws, wr;
+  std::vector<at::Tensor> vs{out}, vr{in};
+  if (dst >= 0) {
+    check_contiguous(out, "send tensor");
+    check_peer(dst, "dst");
+    ws = pg_->send(vs, dst, tag);
+  }
+  if (src >= 0) {
+    check_contiguous(in, "recv tensor");
+    check_peer(src, "src");
+    wr = pg_->recv(vr, src, tag);
+  }
+  if (ws) wait(ws, "send", nbytes(out), 0, start);
+  if (wr) wait(wr, "recv", 0, nbytes(in), start);
+}
+
 void ProcessGroupTransport::all_reduce_sum(at::Tensor& t) {
   check_contiguous(t, "all_reduce tensor");
   const int w = size();

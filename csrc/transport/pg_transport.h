@@ -19,6 +19,7 @@ class ProcessGroupTransport : public Transport {
 
   void send(const at::Tensor& t, int dst, int tag) override;
   void recv(at::Tensor& t, int src, int tag) override;
+  void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
   void all_reduce_sum(at::Tensor& t) override;
   void all_gather(at::Tensor& out, const at::Tensor& in) override;
   void all_to_all(at::Tensor& out, const at::Tensor& in) override;

@@ -30,6 +30,8 @@ class Transport {
 
   virtual void send(const at::Tensor& t, int dst, int tag) = 0;
   virtual void recv(at::Tensor& t, int src, int tag) = 0;
+  // Both at once (a ring step): neither side blocks the other. dst or src may be -1 (skip).
+  virtual void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) = 0;
   // In place: t = sum over ranks of t.
   virtual void all_reduce_sum(at::Tensor& t) = 0;
   // out (size() * in.numel()) = concatenation of every rank's in, in rank order.

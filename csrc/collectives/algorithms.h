@@ -1,0 +1,72 @@
+// All-reduce (SUM, in place) algorithms written once against Transport's
+// point-to-point calls. Every one ends with the same bytes on every rank:
+// each element is summed once, by one rank, in a fixed order, and copied.
+// Any world size (non powers of two too) and any length.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace hetcomm {
+namespace collectives {
+
+// Reduce-scatter + all-gather around a ring; order[i] is the rank at ring
+// position i (a permutation of 0..size-1; empty: 0, 1, ..., size-1).
+void allreduce_ring(Transport& t, at::Tensor& x, const std::vector<int>& order = {});
+// Rabenseifner: recursive halving reduce-scatter + recursive doubling
+// all-gather; the ranks beyond the largest power of two fold in first.
+void allreduce_halving_doubling(Transport& t, at::Tensor& x);
+// Binary tree: reduce to rank 0, broadcast back.
+void allreduce_tree(Transport& t, at::Tensor& x);
+
+// A transport over a subset of a parent's ranks (members[i] is subgroup rank
+// i). Collectives are built from the parent's point-to-point calls, so any
+// algorithm or codec can run on e.g. the ranks with one local index.
+class SubgroupTransport : public Transport {
+ public:
+  SubgroupTransport(Transport& parent, std::vector<int> members, int tag_base);
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(members_.size()); }
+  std::string name() const override { return parent_.name() + "/sub"; }
+  void send(const at::Tensor& t, int dst, int tag) override;
+  void recv(at::Tensor& t, int src, int tag) override;
+  void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
+  void all_reduce_sum(at::Tensor& t) override;
+  void all_gather(at::Tensor& out, const at::Tensor& in) override;
+  void all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void barrier() override;
+
+ private:
+  Transport& parent_;
+  std::vector<int> members_;
+  int rank_;
+  int tag_base_;
+};
+
+// Inter-node stage of the hierarchical all-reduce.
+enum class InterCodec { kRing = 0, kOneBit = 1, kTopK = 2 };
+
+// Intra-node reduce-scatter (ring), inter-node all-reduce of each rank's
+// shard among the ranks with the same local index, intra-node all-gather.
+// node_of[r] is rank r's node id; every node must hold the same number of
+// ranks. The inter-node stage may be compressed (onebit / topk, with the
+// given residuals, sized for this rank's shard); intra-node stays exact.
+struct InterOptions {
+  InterCodec codec = InterCodec::kRing;
+  int64_t chunk = 2048;
+  double topk_ratio = 0.01;
+  bool topk_exact = true;
+  at::Tensor residual, server_residual;
+};
+void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of,
+                            const InterOptions& inter = InterOptions());
+// This rank's shard of an n-element bucket in the hierarchical algorithm
+// (the size of its inter-node residuals).
+int64_t hierarchical_shard_numel(int64_t n, const std::vector<int>& node_of, int rank);
+
+}  // namespace collectives
+}  // namespace hetcomm

@@ -1,0 +1,117 @@
+"""Ring, halving-doubling, tree and hierarchical all-reduce over the
+transport's point-to-point calls: float64 reference sums, any world size and
+length, bit-identical replicas; compression on the inter-node stage only."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hetcomm import _C, ops
+
+from . import reference as ref
+from .dist_harness import run_ranks
+
+LENGTHS = [0, 1, 7, 1000, 100_003]
+
+
+def _inputs(rank, n):
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 * rank + n))
+
+
+def _all_algorithms(rank, world, node_of):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    out = {}
+    order = list(reversed(range(world)))
+    for n in LENGTHS:
+        for algo in ["native", "ring", "halving_doubling", "tree", "hierarchical"]:
+            x = _inputs(rank, n)
+            t.allreduce(x, algo, order=order if algo == "ring" else [], node_of=node_of)
+            out[(algo, n)] = x
+        h = _inputs(rank, n).half()
+        t.allreduce(h, "halving_doubling")
+        out[("hd-fp16", n)] = h
+    return out
+
+
+@pytest.mark.parametrize("world,node_of", [(2, [0, 1]), (3, [7, 7, 7]), (4, [0, 0, 1, 1]), (5, [0, 1, 2, 3, 4])])
+def test_algorithms_sum_like_float64_and_agree_across_ranks(world, node_of):
+    results = run_ranks(_all_algorithms, world, node_of)
+    for n in LENGTHS:
+        want = sum(_inputs(r, n).double() for r in range(world))
+        for algo in ["native", "ring", "halving_doubling", "tree", "hierarchical"]:
+            got = results[0][(algo, n)]
+            for r in range(1, world):
+                assert torch.equal(results[r][(algo, n)], got), (algo, n, r)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * world)
+        torch.testing.assert_close(results[0][("hd-fp16", n)].double(), want, rtol=1e-2, atol=1e-2 * world)
+
+
+def _errors(rank, world):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    errors = []
+    for kwargs in [dict(algorithm="ring", order=[0, 0]), dict(algorithm="hierarchical", node_of=[0, 0, 1]),
+                   dict(algorithm="hierarchical", node_of=[0]), dict(algorithm="bogus")]:
+        try:
+            t.allreduce(torch.zeros(10), **kwargs)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_algorithm_errors_name_the_rule():
+    errors = run_ranks(_errors, 2)[0]
+    assert "permutation" in errors[0]
+    assert "node_of must name a node for each of the 2 ranks" in errors[1]
+    assert "node_of must name a node" in errors[2]
+    assert "algorithm must be" in errors[3]
+
+
+NODE_OF = [0, 0, 1, 1, 2, 2]  # 3 nodes x 2 ranks
+
+
+def _hier_onebit(rank, world, n, chunk):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    shard = _C.hierarchical_shard_numel(n, NODE_OF, rank)
+    node, nodes = NODE_OF[rank], len(set(NODE_OF))
+    wres = torch.zeros(shard)
+    sres = torch.zeros(ops.onebit_segment_numel(shard, nodes, node))
+    outs = []
+    for step in range(2):
+        x = _inputs(rank + 10 * step, n)
+        t.allreduce(x, "hierarchical", node_of=NODE_OF, inter="onebit", residual=wres, server_residual=sres,
+                    chunk=chunk)
+        outs.append(x)
+    before = t.counters()["bytes_sent"]
+    x = _inputs(rank, n)
+    t.allreduce(x, "hierarchical", node_of=NODE_OF)
+    return {"outs": outs, "exact_bytes": t.counters()["bytes_sent"] - before}
+
+
+def test_hierarchical_compresses_only_across_nodes():
+    n, chunk, world = 3000, 128, 6
+    results = run_ranks(_hier_onebit, world, n, chunk)
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["outs"], results[0]["outs"]))
+    # Reference: exact node sums, then the two-phase 1-bit all-reduce of each
+    # local index's shard across the 3 nodes, residuals carried over.
+    half = n // 2
+    bounds = [(0, half), (half, n)]
+    wres = {(li, nd): torch.zeros(b - a) for li, (a, b) in enumerate(bounds) for nd in range(3)}
+    sres = {(li, nd): torch.zeros(ops.onebit_segment_numel(b - a, 3, nd)) for li, (a, b) in enumerate(bounds)
+            for nd in range(3)}
+    for step in range(2):
+        xs = [_inputs(r + 10 * step, n) for r in range(world)]
+        node_sums = [xs[2 * nd] + xs[2 * nd + 1] for nd in range(3)]
+        want = torch.zeros(n)
+        for li, (a, b) in enumerate(bounds):
+            out, nw, ns, sums = ref.onebit_allreduce([s[a:b] for s in node_sums], [wres[(li, nd)] for nd in range(3)],
+                                                     [sres[(li, nd)] for nd in range(3)], [1.0] * 3, chunk)
+            for nd in range(3):
+                wres[(li, nd)], sres[(li, nd)] = nw[nd], ns[nd]
+            want[a:b] = out
+        close = torch.isclose(results[0]["outs"][step], want, rtol=1e-5, atol=1e-6)
+        assert close.float().mean() > 0.999
+    # the exact hierarchical all-reduce: rank 0 sends (L-1)/L of n in the
+    # node, its shard around the 3-node ring twice, and (L-1)/L back
+    assert results[0]["exact_bytes"] == 4 * (half + 2 * (2 * 500) + half)
