@@ -32,6 +32,18 @@ def _close_engines() -> None:
         engine.close()
 
 
+def topology_ids():
+    from .topology import ALGO_IDS
+
+    return ALGO_IDS
+
+
+def _algorithms():
+    from .topology import ALGORITHMS
+
+    return ALGORITHMS
+
+
 def _default_group_timeout() -> Optional[timedelta]:
     """The default process group's timeout (None where the backend hides it)."""
     try:
@@ -93,6 +105,14 @@ class HookState:
         topk_ratio: fraction of entries top-k sends, in (0, 1].
         topk_exact: exact top-k selection (default) or, with ``False``, the
             sampled-threshold selection of DGC (about k entries, faster).
+        algorithm: how each bucket's sum is computed: ``"native"`` (the
+            process group's own all-reduce, default), ``"ring"`` (ranks grouped
+            by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
+            (exact inside nodes; with onebit/topk only the inter-node stage is
+            compressed) or ``"auto"``: the planner of :mod:`hetcomm.topology`
+            picks per bucket from the measured topology (a few seconds of
+            probing at the first step, cached per cluster). ``HETCOMM_ALGO``
+            overrides the planner.
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
@@ -119,6 +139,7 @@ class HookState:
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
         rank: int = 4,
+        algorithm: str = "native",
         timeout: Optional[timedelta] = None,
     ) -> None:
         if compression not in COMPRESSIONS:
@@ -142,6 +163,12 @@ class HookState:
             raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
         if not isinstance(topk_exact, bool):
             raise ValueError(f"topk_exact must be a bool, got {topk_exact!r}")
+        from .topology import ALGORITHMS
+
+        if algorithm != "auto" and algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
+        if compression == "lowrank" and algorithm not in ("native", "auto"):
+            raise ValueError("algorithm must be 'native' or 'auto' with compression='lowrank'")
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
             raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -155,6 +182,10 @@ class HookState:
         self.topk_ratio = float(topk_ratio)
         self.topk_exact = topk_exact
         self.rank = rank
+        self.algorithm = algorithm
+        #: The measured topology (algorithm "auto", "ring" or "hierarchical").
+        self.topology = None
+        self._plans: Dict[tuple, str] = {}
         #: Steps completed (a step ends with the hook call for DDP's last bucket).
         self.iter = 0
         #: time.monotonic() of the last bucket's hook call: this rank's backward
@@ -289,6 +320,7 @@ class HookState:
             ("topk_ratio", round(self.topk_ratio * 1e9)),
             ("topk_exact", int(self.topk_exact)),
             ("rank", self.rank),
+            ("algorithm", (("auto",) + tuple(_algorithms())).index(self.algorithm)),
             ("batch-size weighting (set_local_batch_size called before the first step)",
              int(self._local_batch is not None)),
             ("iter (steps done; was the state restored on every rank?)", self.iter),
@@ -302,7 +334,8 @@ class HookState:
         capable = _device_supports_bf16(bucket_device)
         vector = torch.tensor([v for _, v in config] + [int(capable)], dtype=torch.int64)
         gathered = engine.submit_config(vector).wait()
-        show = {"compression": lambda v: COMPRESSIONS[v], "topk_ratio": lambda v: v / 1e9}
+        show = {"compression": lambda v: COMPRESSIONS[v], "topk_ratio": lambda v: v / 1e9,
+                "algorithm": lambda v: (("auto",) + tuple(_algorithms()))[v]}
         for col, (name, _) in enumerate(config):
             column = gathered[:, col].tolist()
             if len(set(column)) > 1:
@@ -311,9 +344,37 @@ class HookState:
                 raise ValueError(f"hetcomm: HookState option {name} differs across ranks ({per_rank}); "
                                  "construct HookState with the same arguments on every rank")
         self._weighted = self._local_batch is not None
+        if self.algorithm in ("auto", "ring", "hierarchical") and self.topology is None:
+            self._detect_topology(bucket_device)
         if self.compression == "auto-precision":
             self.resolved_compression = "bf16" if bool(gathered[:, len(config)].all()) else "fp16"
         self._negotiated = True
+
+    def _detect_topology(self, device: Optional[torch.device] = None) -> None:
+        from . import topology
+
+        self.topology = topology.detect(self._group(), device)
+        if self.algorithm == "hierarchical" and self.topology.ranks_per_node() is None:
+            raise ValueError("algorithm 'hierarchical' needs the same number of ranks on every node, found "
+                             f"{self.topology.nodes}")
+        self._ensure_engine().set_topology(self.topology.ring_order(), self.topology.node_ids)
+
+    def _algorithm_for(self, numel: int, mode: str, compressed: bool) -> str:
+        """The bucket's algorithm: forced, or the planner's choice (cached per size)."""
+        from . import topology
+
+        wire = mode if not compressed else ("onebit" if mode == "onebit" else
+                                            f"topk:{self.topk_ratio}" if mode == "topk" else None)
+        if mode == "lowrank" and compressed:
+            return "native"
+        if self.algorithm != "auto":
+            if compressed and self.algorithm not in ("native", "hierarchical"):
+                return "native"  # the codecs run flat or across nodes only
+            return self.algorithm
+        key = (numel, wire)
+        if key not in self._plans:
+            self._plans[key] = topology.plan(self.topology, numel * 4, wire or "none")["algorithm"]
+        return self._plans[key]
 
     def _bucket_key(self, bucket, index: int, numel: int) -> str:
         """Residuals are keyed by bucket index and the numels of the bucket's
@@ -402,6 +463,7 @@ class HookState:
         numel = buf.numel()
         compressed = mode in COMPRESSED and self.iter >= self.start_iter and numel >= self.min_compress_numel
         residual = server = layout = q_state = None
+        algo = self._algorithm_for(numel, mode if compressed or mode not in COMPRESSED else "none", compressed)
         if not compressed:
             codec = CODEC_IDS["none"] if mode in COMPRESSED else CODEC_IDS[mode]
         else:
@@ -411,12 +473,18 @@ class HookState:
                 layout = self._lowrank_parts(bucket, key, numel)
                 q_state = self._lowrank_q_state(key, layout)
             if self.error_feedback:
-                residual = self._residual(self._residuals, key, numel)
+                # Flat codecs compress the whole bucket; hierarchical ones this
+                # rank's shard, across the nodes.
+                n, peers, me = numel, engine.size, engine.rank
+                if algo == "hierarchical":
+                    nodes = self.topology.node_ids
+                    n, peers, me = _C.hierarchical_shard_numel(numel, nodes, engine.rank), self.topology.num_nodes, \
+                        nodes[engine.rank]
+                residual = self._residual(self._residuals, key, n)
                 if mode == "onebit":
-                    seg = _C.onebit_segment_numel(numel, engine.size, engine.rank)
-                    server = self._residual(self._server_residuals, key, seg)
+                    server = self._residual(self._server_residuals, key, _C.onebit_segment_numel(n, peers, me))
         fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
-                                   server, last, layout, q_state)
+                                   server, last, layout, q_state, topology_ids()[algo])
         if last:
             self.last_bucket_time = time.monotonic()
             self._step_open = False

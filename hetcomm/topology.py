@@ -1,0 +1,357 @@
+"""What the cluster looks like and how to reduce over it.
+
+- :func:`discover`: per rank, node identity (hostname, or ``HETCOMM_NODE``),
+  device model, memory, compute capability (nvidia-ml-py on GPUs, "cpu"
+  otherwise), all-gathered.
+- :func:`probe`: point-to-point latency and bandwidth of rank pairs, in rounds
+  of disjoint pairs, fitted to alpha-beta per link class (intra-node,
+  inter-node).
+- :func:`plan`: a pure function (topology, bucket bytes, wire format) -> the
+  algorithm predicted to finish first, with every alternative's prediction
+  (time = alpha * messages + bytes * beta per stage, as in NCCL's tuning and
+  Thakur/Rabenseifner/Gropp).
+- :func:`detect`: discover + probe (or the cached / ``HETCOMM_TOPOLOGY``
+  result), identical on every rank.
+
+Environment knobs (each declared once, here):
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+ENV_NODE = "HETCOMM_NODE"          # node identity of this rank (default: hostname)
+ENV_TOPOLOGY = "HETCOMM_TOPOLOGY"  # path of a topology JSON to load instead of probing
+ENV_ALGO = "HETCOMM_ALGO"          # force an algorithm for every bucket (native, ring, ...)
+ENV_CACHE = "HETCOMM_CACHE_DIR"    # where measured topologies are cached (default ~/.cache/hetcomm)
+
+ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "hierarchical")
+ALGO_IDS = {name: i for i, name in enumerate(ALGORITHMS)}  # csrc/engine/bucket_reducer.h Algo
+WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0}
+
+
+@dataclass
+class LinkClass:
+    alpha: float  # seconds per message
+    beta: float   # seconds per byte
+    pairs: int = 0
+
+
+@dataclass
+class Topology:
+    world: int
+    nodes: List[str]                      # node of each rank
+    devices: List[dict]                   # per rank: model, memory, capability
+    links: Dict[str, LinkClass] = field(default_factory=dict)  # "intra", "inter"
+    codec_gbps: float = 5.0               # this machine's 1-bit codec speed (GB/s of fp32 input)
+    source: str = "probe"
+
+    @property
+    def node_ids(self) -> List[int]:
+        order: Dict[str, int] = {}
+        return [order.setdefault(n, len(order)) for n in self.nodes]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.nodes))
+
+    def ranks_per_node(self) -> Optional[int]:
+        counts = {n: self.nodes.count(n) for n in set(self.nodes)}
+        return next(iter(counts.values())) if len(set(counts.values())) == 1 else None
+
+    def ring_order(self) -> List[int]:
+        """Ranks grouped by node: the ring crosses each inter-node link once."""
+        ids = self.node_ids
+        return sorted(range(self.world), key=lambda r: (ids[r], r))
+
+    def link(self, a: int, b: int) -> LinkClass:
+        cls = "intra" if self.nodes[a] == self.nodes[b] else "inter"
+        return self.links.get(cls) or self.links.get("intra") or self.links.get("inter")
+
+    def worst(self) -> LinkClass:
+        return max(self.links.values(), key=lambda l: (l.beta, l.alpha))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["links"] = {k: asdict(v) for k, v in self.links.items()}
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "Topology":
+        t = Topology(world=d["world"], nodes=list(d["nodes"]), devices=list(d["devices"]),
+                     codec_gbps=float(d.get("codec_gbps", 5.0)), source=d.get("source", "file"))
+        t.links = {k: LinkClass(**v) for k, v in d["links"].items()}
+        return t
+
+
+# ---- discovery ----------------------------------------------------------------------
+def local_device_info(device: Optional[torch.device] = None) -> dict:
+    """This rank's node and device, without initialising CUDA (NVML only)."""
+    info = {"node": os.environ.get(ENV_NODE) or socket.gethostname(), "model": "cpu",
+            "memory_gb": None, "capability": None}
+    if device is not None and device.type == "cuda":
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            name = pynvml.nvmlDeviceGetName(h)
+            info["model"] = name.decode() if isinstance(name, bytes) else name
+            info["memory_gb"] = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+            info["capability"] = list(pynvml.nvmlDeviceGetCudaComputeCapability(h))
+        except Exception as e:  # no NVML: still usable, just less described
+            info["model"] = f"cuda (nvml unavailable: {type(e).__name__})"
+    else:
+        info["model"] = f"cpu ({platform.processor() or platform.machine()})"
+        try:
+            info["memory_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        except (ValueError, OSError):
+            pass
+    return info
+
+
+def discover(group=None, device: Optional[torch.device] = None) -> List[dict]:
+    infos: List[Optional[dict]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(infos, local_device_info(device), group=group)
+    return infos  # type: ignore[return-value]
+
+
+# ---- measurement ----------------------------------------------------------------------
+def _rounds(world: int) -> List[List[tuple]]:
+    """Round-robin schedule (circle method): each round a set of disjoint pairs."""
+    n = world + (world % 2)
+    ranks = list(range(n))
+    out = []
+    for _ in range(n - 1):
+        pairs = [(ranks[i], ranks[n - 1 - i]) for i in range(n // 2)]
+        out.append([(a, b) for a, b in pairs if a < world and b < world])
+        ranks = [ranks[0]] + [ranks[-1]] + ranks[1:-1]
+    return out
+
+
+def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5) -> Dict[tuple, tuple]:
+    """One-way time (s) of `small` and `large` byte messages per rank pair,
+    measured by ping-pong in rounds of disjoint pairs. Collective; identical
+    result on every rank."""
+    from . import _C
+
+    t = _C.ProcessGroupTransport(group if group is not None else dist.group.WORLD)
+    me, world = t.rank, t.size
+    mine = {}
+    bufs = {s: torch.zeros(s // 4) for s in (small, large)}
+    for rnd, pairs in enumerate(_rounds(world)):
+        for a, b in pairs:
+            if me not in (a, b):
+                continue
+            peer = b if me == a else a
+            times = {}
+            for size, buf in bufs.items():
+                samples = []
+                for i in range(reps + 1):
+                    t0 = time.perf_counter()
+                    if me == a:
+                        t.send(buf, peer, 10 * rnd + i)
+                        t.recv(buf, peer, 10 * rnd + i)
+                    else:
+                        t.recv(buf, peer, 10 * rnd + i)
+                        t.send(buf, peer, 10 * rnd + i)
+                    if i:  # the first exchange warms the connection up
+                        samples.append((time.perf_counter() - t0) / 2)
+                times[size] = min(samples)  # the least disturbed exchange (the machine may be busy)
+            mine[(min(a, b), max(a, b))] = (times[small], times[large])
+        t.barrier()
+    gathered: List[Optional[dict]] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    merged = {}
+    for g in gathered:
+        for pair, v in g.items():  # both ends measured: keep the lower rank's view
+            merged.setdefault(pair, v)
+    return merged
+
+
+def fit(nodes: List[str], measurements: Dict[tuple, tuple], small: int = 4096, large: int = 1 << 20) -> Dict[str, LinkClass]:
+    """alpha-beta per link class from the pair measurements (medians)."""
+    by_class: Dict[str, List[tuple]] = {}
+    for (a, b), (ts, tl) in measurements.items():
+        cls = "intra" if nodes[a] == nodes[b] else "inter"
+        # Noise can make the large message look no slower than the small one;
+        # then charge it all to bandwidth.
+        beta = (tl - ts) / (large - small) if tl > 1.05 * ts else tl / large
+        alpha = max(1e-7, ts - small * beta)
+        by_class.setdefault(cls, []).append((alpha, beta))
+    out = {}
+    for cls, vals in by_class.items():
+        alphas = sorted(v[0] for v in vals)
+        betas = sorted(v[1] for v in vals)
+        out[cls] = LinkClass(alpha=alphas[len(alphas) // 2], beta=betas[len(betas) // 2], pairs=len(vals))
+    return out
+
+
+def measure_codec_gbps(numel: int = 1 << 20) -> float:
+    """GB/s of fp32 input the 1-bit codec encodes+decodes on this machine."""
+    from . import ops
+
+    g, e = torch.randn(numel), torch.zeros(numel)
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        w, s = ops.sign_encode(g, e)
+        ops.sign_decode(w, s, numel)
+        best = min(best, time.perf_counter() - t0)
+    return numel * 4 / best / 1e9
+
+
+def _cache_path(nodes: List[str], devices: List[dict]) -> str:
+    ident = hashlib.sha256(json.dumps([nodes, [d.get("model") for d in devices]]).encode()).hexdigest()[:16]
+    base = os.environ.get(ENV_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "hetcomm")
+    return os.path.join(base, f"topology-{ident}.json")
+
+
+def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = True) -> Topology:
+    """Discover, then load (HETCOMM_TOPOLOGY, or the cache for this cluster) or
+    probe. Collective; rank 0 decides and broadcasts, so every rank holds the
+    same topology."""
+    infos = discover(group, device)
+    nodes, devices = [i["node"] for i in infos], infos
+    world = len(infos)
+    payload: List[Optional[dict]] = [None]
+    if dist.get_rank(group) == 0:
+        path = os.environ.get(ENV_TOPOLOGY)
+        if path:
+            with open(path) as f:
+                d = json.load(f)
+            if d.get("world") != world:
+                raise ValueError(f"{ENV_TOPOLOGY}={path} describes {d.get('world')} ranks, this job has {world}")
+            d["source"] = path
+            payload[0] = d
+        elif use_cache and os.path.exists(_cache_path(nodes, devices)):
+            with open(_cache_path(nodes, devices)) as f:
+                payload[0] = dict(json.load(f), source="cache")
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(payload, src=src, group=group)
+    if payload[0] is not None:
+        return Topology.from_json(payload[0])
+    topo = Topology(world=world, nodes=nodes, devices=devices)
+    topo.links = fit(nodes, probe(group))
+    gbps: List[Optional[float]] = [measure_codec_gbps()]
+    dist.broadcast_object_list(gbps, src=src, group=group)  # rank 0's speed for everyone: identical plans
+    topo.codec_gbps = float(gbps[0])
+    if dist.get_rank(group) == 0 and use_cache:
+        path = _cache_path(nodes, devices)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(topo.to_json(), f, indent=2)
+    return topo
+
+
+# ---- cost model and planner -------------------------------------------------------------
+def _stage(link: LinkClass, messages: float, nbytes: float) -> float:
+    return link.alpha * messages + nbytes * link.beta
+
+
+def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -> Optional[float]:
+    """Predicted seconds for one all-reduce of an fp32 bucket of `nbytes`
+    (None: not applicable). wire: none/fp16/bf16 (dense), onebit, topk:<ratio>."""
+    w = topo.world
+    if w == 1:
+        return 0.0
+    worst = topo.worst()
+    n_elems = nbytes / 4
+    codec = 0.0
+    if wire in WIRE_BYTES:
+        b = n_elems * WIRE_BYTES[wire]
+        if wire != "none":
+            codec = 2 * nbytes / (topo.codec_gbps * 1e9 * 4)  # casts are ~4x cheaper than the 1-bit codec
+    elif wire == "onebit" or wire.startswith("topk"):
+        b = None
+        codec = 3 * nbytes / (topo.codec_gbps * 1e9)
+    else:
+        raise ValueError(f"unknown wire format {wire!r}")
+    per_node = topo.ranks_per_node()
+    nodes = topo.num_nodes
+    intra = topo.links.get("intra", worst)
+    inter = topo.links.get("inter", worst)
+
+    def compressed_allreduce(ranks: int, elems: float, link: LinkClass) -> float:
+        if wire == "onebit":  # all-to-all + all-gather of 1/32 of the data (plus scales)
+            return 2 * (ranks - 1) * link.alpha + 2 * (ranks - 1) / ranks * elems / 8 * 1.02 * link.beta
+        ratio = float(wire.split(":")[1]) if ":" in wire else 0.01
+        return (ranks - 1) * (link.alpha + 8 * math.ceil(ratio * elems) * link.beta)
+
+    if b is None:  # onebit / topk: flat, or compressed across nodes only
+        if algorithm == "native":
+            return codec + compressed_allreduce(w, n_elems, worst)
+        if algorithm == "hierarchical" and per_node and nodes > 1:
+            local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * nbytes)
+            return codec / per_node + local + compressed_allreduce(nodes, n_elems / per_node, inter)
+        return None
+    if algorithm in ("native", "ring"):
+        # 2(W-1) steps of b/W bytes; every step waits for the slowest link on the ring
+        return codec + _stage(worst, 2 * (w - 1), 2 * (w - 1) / w * b)
+    if algorithm == "halving_doubling":
+        p = 2 ** int(math.log2(w))
+        t, mask = 0.0, p // 2
+        while mask >= 1:
+            link = topo.link(0, mask if mask < w else 0)
+            t += 2 * _stage(link, 1, b * mask / p)
+            mask //= 2
+        if p != w:
+            t += 2 * _stage(worst, 1, b)
+        return codec + t
+    if algorithm == "tree":
+        return codec + 2 * math.ceil(math.log2(w)) * _stage(worst, 1, b)
+    if algorithm == "hierarchical":
+        if not per_node or nodes == 1 or per_node == 1:
+            return None
+        local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * b)
+        return codec + local + _stage(inter, 2 * (nodes - 1), 2 * (nodes - 1) / nodes * b / per_node)
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def plan(topo: Topology, nbytes: float, wire: str = "none", allowed: Optional[List[str]] = None) -> dict:
+    """The algorithm predicted fastest for a bucket, with every prediction.
+    HETCOMM_ALGO forces one (where it applies)."""
+    algos = list(allowed or ALGORITHMS)
+    if wire not in WIRE_BYTES:  # compressed codecs run flat ("native") or across nodes only
+        algos = [a for a in algos if a in ("native", "hierarchical")]
+    predictions = {a: predict(topo, nbytes, a, wire) for a in algos}
+    predictions = {a: t for a, t in predictions.items() if t is not None}
+    forced = os.environ.get(ENV_ALGO)
+    if forced:
+        if forced not in ALGORITHMS:
+            raise ValueError(f"{ENV_ALGO} must be one of {ALGORITHMS}, got {forced!r}")
+        if forced in predictions:
+            return {"algorithm": forced, "wire": wire, "predicted_s": predictions, "forced": True}
+    best = min(predictions, key=lambda a: (predictions[a], ALGORITHMS.index(a)))
+    return {"algorithm": best, "wire": wire, "predicted_s": predictions, "forced": False}
+
+
+def plan_table(topo: Topology, wires: List[str], sizes: Optional[List[int]] = None) -> List[dict]:
+    sizes = sizes or [2 ** k for k in range(12, 29, 2)]
+    return [dict(plan(topo, s, w), bytes=s) for w in wires for s in sizes]
+
+
+def describe(topo: Topology, wires: Optional[List[str]] = None) -> str:
+    lines = [f"ranks {topo.world}, nodes {topo.num_nodes} ({topo.source}); 1-bit codec {topo.codec_gbps:.1f} GB/s"]
+    for r, (n, d) in enumerate(zip(topo.nodes, topo.devices)):
+        mem = f"{d['memory_gb']:.0f} GiB" if d.get("memory_gb") else "?"
+        lines.append(f"  rank {r}: node {n}  device {d.get('model')}  memory {mem}  capability {d.get('capability')}")
+    for cls, l in topo.links.items():
+        lines.append(f"  link {cls:<5}: alpha {l.alpha * 1e6:9.1f} us  beta {1 / l.beta / 1e9:8.3f} GB/s  ({l.pairs} pairs)")
+    lines.append(f"{'bytes':>12}  {'wire':<8} {'plan':<17} " + "  ".join(f"{a:>16}" for a in ALGORITHMS))
+    for row in plan_table(topo, wires or ["none", "onebit"]):
+        preds = "  ".join(f"{row['predicted_s'][a] * 1e3:13.3f} ms" if a in row["predicted_s"] else f"{'-':>16}"
+                          for a in ALGORITHMS)
+        lines.append(f"{row['bytes']:>12}  {row['wire']:<8} {row['algorithm']:<17} {preds}")
+    return "\n".join(lines)
