@@ -1,0 +1,150 @@
+"""Topology discovery, probes, the alpha-beta fit and the planner."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
+from hetcomm import topology
+from hetcomm.topology import LinkClass, Topology
+
+from . import models
+from .dist_harness import run_ranks
+
+
+def _topo(nodes, intra=(5e-6, 1 / 50e9), inter=(50e-6, 1 / 1.25e9)):
+    t = Topology(world=len(nodes), nodes=nodes, devices=[{"model": "x"}] * len(nodes))
+    t.links = {"intra": LinkClass(*intra), "inter": LinkClass(*inter)}
+    if len(set(nodes)) == 1:
+        del t.links["inter"]
+    return t
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_probe_rounds_pair_everyone_once_in_disjoint_rounds(world):
+    rounds = topology._rounds(world)
+    pairs = [tuple(sorted(p)) for r in rounds for p in r]
+    assert sorted(pairs) == [(a, b) for a in range(world) for b in range(a + 1, world)]
+    for r in rounds:
+        flat = [x for p in r for x in p]
+        assert len(flat) == len(set(flat))
+
+
+def test_fit_recovers_alpha_beta():
+    nodes = ["a", "a", "b", "b"]
+    small, large = 4096, 1 << 20
+    intra, inter = (10e-6, 1e-10), (200e-6, 1e-8)
+    meas = {}
+    for a in range(4):
+        for b in range(a + 1, 4):
+            al, be = intra if nodes[a] == nodes[b] else inter
+            meas[(a, b)] = (al + small * be, al + large * be)
+    links = topology.fit(nodes, meas, small, large)
+    assert links["intra"].pairs == 2 and links["inter"].pairs == 4
+    assert links["intra"].alpha == pytest.approx(10e-6) and links["intra"].beta == pytest.approx(1e-10)
+    assert links["inter"].alpha == pytest.approx(200e-6) and links["inter"].beta == pytest.approx(1e-8)
+
+
+def test_planner_prefers_hierarchy_for_big_buckets_on_slow_inter_node_links():
+    t = _topo(["a"] * 4 + ["b"] * 4)
+    big = topology.plan(t, 64 << 20)
+    assert big["algorithm"] == "hierarchical"
+    assert big["predicted_s"]["hierarchical"] < big["predicted_s"]["ring"]
+    small = topology.plan(t, 4096)
+    assert small["algorithm"] in ("tree", "halving_doubling")  # latency-bound
+    # compressed codecs: only flat or across-nodes candidates
+    assert set(topology.plan(t, 64 << 20, "onebit")["predicted_s"]) == {"native", "hierarchical"}
+    assert topology.plan(t, 64 << 20, "onebit")["algorithm"] == "hierarchical"
+    # one node: no hierarchy to exploit
+    assert "hierarchical" not in topology.plan(_topo(["a"] * 4), 1 << 20)["predicted_s"]
+
+
+def test_planner_cost_grows_with_size_and_is_deterministic():
+    t = _topo(["a", "a", "b", "b"])
+    for algo in topology.ALGORITHMS:
+        times = [topology.predict(t, s, algo) for s in (1 << 10, 1 << 16, 1 << 22)]
+        assert times == sorted(times)
+    assert topology.plan(t, 123456) == topology.plan(t, 123456)
+
+
+def test_hetcomm_algo_overrides_the_planner(monkeypatch):
+    t = _topo(["a", "a", "b", "b"])
+    monkeypatch.setenv("HETCOMM_ALGO", "tree")
+    assert topology.plan(t, 64 << 20) == dict(topology.plan(t, 64 << 20), algorithm="tree", forced=True)
+    monkeypatch.setenv("HETCOMM_ALGO", "bogus")
+    with pytest.raises(ValueError, match="HETCOMM_ALGO"):
+        topology.plan(t, 1024)
+
+
+def test_topology_json_round_trip():
+    t = _topo(["a", "b"])
+    assert Topology.from_json(json.loads(json.dumps(t.to_json()))).to_json() == dict(t.to_json(), source="probe")
+
+
+def _detect(rank, world, cache_dir, given):
+    os.environ["HETCOMM_NODE"] = f"node{rank // 2}"
+    os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    if given:
+        os.environ["HETCOMM_TOPOLOGY"] = given
+    t = topology.detect()
+    return {"topo": t.to_json(), "plan": topology.plan(t, 1 << 22), "order": t.ring_order()}
+
+
+def test_detect_measures_caches_and_agrees_on_every_rank(tmp_path):
+    first = run_ranks(_detect, 4, str(tmp_path), None)
+    t0 = first[0]["topo"]
+    assert t0["nodes"] == ["node0", "node0", "node1", "node1"] and t0["source"] == "probe"
+    assert set(t0["links"]) == {"intra", "inter"}
+    assert all(l["alpha"] > 0 and l["beta"] > 0 for l in t0["links"].values())
+    for r in first[1:]:
+        assert r["topo"] == t0 and r["plan"] == first[0]["plan"]
+    assert first[0]["order"] == [0, 1, 2, 3]
+    cached = run_ranks(_detect, 4, str(tmp_path), None)
+    assert cached[0]["topo"]["source"] == "cache" and cached[0]["topo"]["links"] == t0["links"]
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps(dict(t0, codec_gbps=123.0)))
+    loaded = run_ranks(_detect, 4, str(tmp_path / "none"), str(given))
+    assert all(r["topo"]["codec_gbps"] == 123.0 and r["topo"]["source"] == str(given) for r in loaded)
+
+
+def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
+    os.environ["HETCOMM_NODE"] = f"node{rank // 2}"
+    os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    model = models.mlp(hidden=96)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = hetcomm.HookState(mode, algorithm=algorithm, min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    grads = []
+    for step in range(6):
+        models.train_step(ddp, opt, rank, step, 8)
+        grads.append(models.flat_grads(model))
+    return {"params": models.flat_params(model), "grads": grads, "plans": dict(state._plans)}
+
+
+@pytest.mark.parametrize("mode,algorithm", [("none", "auto"), ("none", "ring"), ("none", "hierarchical"),
+                                            ("fp16", "halving_doubling"), ("none", "tree"),
+                                            ("onebit", "hierarchical"), ("topk", "hierarchical"),
+                                            ("onebit", "auto")])
+def test_ddp_with_each_algorithm_keeps_replicas_identical(tmp_path, mode, algorithm):
+    res = run_ranks(_ddp_algorithm, 4, mode, algorithm, str(tmp_path))
+    for r in res[1:]:
+        assert torch.equal(r["params"], res[0]["params"])
+    if mode == "none":
+        # exact algorithms: the same gradients as the process group's own all-reduce, to rounding
+        ref = run_ranks(_ddp_algorithm, 4, "none", "native", str(tmp_path))[0]
+        for a, b in zip(res[0]["grads"], ref["grads"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if algorithm == "auto":
+        assert res[0]["plans"] and all(p in topology.ALGORITHMS for p in res[0]["plans"].values())
+
+
+def test_bad_algorithm_is_a_value_error():
+    with pytest.raises(ValueError, match="algorithm"):
+        hetcomm.HookState(algorithm="butterfly")
+    with pytest.raises(ValueError, match="lowrank"):
+        hetcomm.HookState("lowrank", algorithm="ring")
