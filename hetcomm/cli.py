@@ -21,6 +21,13 @@ def _bench(args) -> None:
 
         compress.main(sizes=compress.parse_sizes(args), iters=args.iters, warmup=args.warmup, json_path=args.json,
                       threads=args.threads)
+    elif args.what == "allreduce":
+        from .benchmarks import allreduce, common
+
+        allreduce.main(sizes=common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor),
+                       algos=args.algos.split(",") if args.algos else None,
+                       wires=args.wires.split(",") if args.wires else None, iters=args.iters, warmup=args.warmup,
+                       check=args.check, ranks=args.ranks, json_path=args.json)
     elif args.what == "ddp":
         from .benchmarks import common, ddp
 
@@ -28,6 +35,35 @@ def _bench(args) -> None:
         ddp.main(ranks=args.ranks, modes=args.modes.split(",") if args.modes else None,
                  params=common.parse_bytes(args.params), global_batch=args.global_batch, steps=args.iters,
                  warmup=args.warmup, rank_cpu=rank_cpu, json_path=args.json)
+
+
+def _topo(args) -> None:
+    from . import topology
+    from .testbed import run_distributed
+
+    res = run_distributed(_topo_worker, args.ranks, args.wires.split(","))
+    if res is None:
+        return
+    text, data = res
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
+
+
+def _topo_worker(rank, world, wires):
+    from . import topology
+
+    topo = topology.detect(use_cache=False)
+    return topology.describe(topo, wires), {"topology": topo.to_json(), "plans": topology.plan_table(topo, wires)}
+
+
+def _testbed(args) -> None:
+    from . import testbed
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    rank_cpu = [float(c) for c in args.rank_cpu.split(",")] if args.rank_cpu else None
+    sys.exit(testbed.main(args.nodes, args.ranks_per_node, args.inter_node_rate, rank_cpu, command, args.timeout))
 
 
 def _info(args) -> None:
@@ -49,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     d.set_defaults(fn=_demo)
 
     b = sub.add_parser("bench", help="benchmarks (nccl-tests style tables)")
-    b.add_argument("what", choices=["compress", "ddp"])
+    b.add_argument("what", choices=["compress", "allreduce", "ddp"])
     b.add_argument("-b", "--minbytes", default="256K", help="smallest input size in bytes (K/M/G suffixes)")
     b.add_argument("-e", "--maxbytes", default="64M", help="largest input size in bytes")
     b.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows")
@@ -62,7 +98,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     b.add_argument("--params", default="1M", help="ddp: model size in parameters (K/M suffixes)")
     b.add_argument("--global-batch", type=int, default=64, help="ddp: samples per step over all ranks")
     b.add_argument("--modes", default=None, help="ddp: comma-separated modes (default: all; +bal = balanced)")
+    b.add_argument("--algos", default=None, help="allreduce: comma-separated algorithms (default: all)")
+    b.add_argument("--wires", default=None, help="allreduce: comma-separated wire formats (default none,fp16,onebit)")
+    b.add_argument("-c", "--check", type=int, default=1, help="allreduce: count wrong elements (1) or not (0)")
     b.set_defaults(fn=_bench)
+
+    t = sub.add_parser("topo", help="detect and measure the topology; print it and the plan table")
+    t.add_argument("--ranks", type=int, default=2, help="local gloo ranks when not under torchrun / the testbed")
+    t.add_argument("--wires", default="none,onebit", help="wire formats of the plan table")
+    t.add_argument("--json", default=None, metavar="PATH")
+    t.set_defaults(fn=_topo)
+
+    tb = sub.add_parser("testbed", help="run a command once per rank in a simulated cluster (root)")
+    tb.add_argument("--nodes", type=int, default=2)
+    tb.add_argument("--ranks-per-node", type=int, default=2)
+    tb.add_argument("--inter-node-rate", default=None, help="tc tbf rate of each node's link, e.g. 100mbit, 1gbit")
+    tb.add_argument("--rank-cpu", default=None, help="per-rank CPU quotas in cores, e.g. 0.25,0.75,0.5,0.5")
+    tb.add_argument("--timeout", type=float, default=1800)
+    tb.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- hetcomm bench allreduce")
+    tb.set_defaults(fn=_testbed)
 
     i = sub.add_parser("info", help="what this build of hetcomm contains")
     i.set_defaults(fn=_info)

@@ -1,6 +1,13 @@
-"""A simulated mixed cluster on one Linux machine: N gloo ranks on 127.0.0.1,
-each optionally confined to a CPU quota (cgroup v1 ``cpu.cfs_quota_us`` or v2
-``cpu.max``) so ranks really run at different speeds.
+"""A simulated mixed cluster on one Linux machine.
+
+- Mixed links: :class:`Cluster` builds one network namespace per node, joined
+  through veth pairs to a bridge namespace, each node's link shaped with
+  ``tc tbf`` (netem is not available here: no delay emulation); ranks of one
+  node share its loopback. ``hetcomm testbed --nodes 2 --ranks-per-node 2
+  --inter-node-rate 100mbit -- CMD`` runs CMD once per rank with the
+  torch.distributed env:// variables set.
+- Mixed speeds: per-rank CPU quotas (cgroup v1 ``cpu.cfs_quota_us`` or v2
+  ``cpu.max``), so ranks really run at different speeds.
 
 :func:`spawn_ranks` is also the multi-process harness of the test suite:
 a rank that raises or dies fails the run at once (the others are killed),
@@ -11,6 +18,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -145,3 +156,202 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
     finally:
         for q in quotas:
             q.remove()
+
+
+def run_distributed(fn: Callable, ranks: int, *args):
+    """Under torchrun or the testbed (RANK / WORLD_SIZE set): join that job
+    (env://, gloo) and run ``fn(rank, world, *args)`` here; returns rank 0's
+    result (None on other ranks). Otherwise spawn ``ranks`` local gloo ranks
+    and return rank 0's result."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method="env://")
+        try:
+            result = fn(dist.get_rank(), dist.get_world_size(), *args)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        return result if int(os.environ["RANK"]) == 0 else None
+    return spawn_ranks(fn, ranks, *args, timeout=3600)[0]
+
+
+# ---- network namespaces: nodes joined by shaped links --------------------------------
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, check=check)
+
+
+def netns_support() -> Tuple[bool, str]:
+    """(usable, reason): whether this process may build network namespaces."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False, "iproute2 (ip, tc) is not installed"
+    name = f"hcprobe{os.getpid()}"
+    r = _sh("ip", "netns", "add", name, check=False)
+    if r.returncode != 0:
+        return False, f"ip netns add failed: {r.stderr.strip()}"
+    _sh("ip", "netns", "del", name, check=False)
+    return True, "ok"
+
+
+def tbf_burst(rate: str) -> str:
+    """A token-bucket burst that lets tbf reach its rate (FACTS.md: 1gbit needs ~4mbit)."""
+    bits = _rate_bits(rate)
+    return f"{max(32_000, bits // 250) // 1000}kbit"
+
+
+def _rate_bits(rate: str) -> int:
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
+    for u, m in units.items():
+        if rate.endswith(u):
+            return int(float(rate[: -len(u)]) * m)
+    raise ValueError(f"rate must end in bit, kbit, mbit or gbit, got {rate!r}")
+
+
+class Cluster:
+    """``nodes`` network namespaces, each joined to a bridge namespace by a
+    veth pair whose two ends are shaped with tbf to ``inter_rate`` (None: not
+    shaped). Ranks on one node talk over that namespace's loopback. Always
+    cleaned up (namespaces take their veths and qdiscs with them)."""
+
+    SUBNET = "10.77.0"
+
+    def __init__(self, nodes: int, inter_rate: Optional[str] = None) -> None:
+        if nodes < 2:
+            raise ValueError("a testbed cluster needs nodes >= 2 (one node is plain loopback)")
+        if nodes > 200:
+            raise ValueError("at most 200 nodes")
+        if inter_rate is not None:
+            _rate_bits(inter_rate)
+        self.nodes = nodes
+        self.inter_rate = inter_rate
+        tag = f"hc{os.getpid() % 100000}"
+        self.bridge_ns = f"{tag}br"
+        self.node_ns = [f"{tag}n{i}" for i in range(nodes)]
+        self.created: List[str] = []
+
+    def address(self, node: int) -> str:
+        return f"{self.SUBNET}.{node + 1}"
+
+    def ifname(self, node: int) -> str:
+        return f"vn{node}"
+
+    def __enter__(self) -> "Cluster":
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _shape(self, ns: str, dev: str) -> None:
+        if self.inter_rate:
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.inter_rate,
+                "burst", tbf_burst(self.inter_rate), "latency", "100ms")
+
+    def _build(self) -> None:
+        _sh("ip", "netns", "add", self.bridge_ns)
+        self.created.append(self.bridge_ns)
+        b = self.bridge_ns
+        _sh("ip", "netns", "exec", b, "ip", "link", "add", "br0", "type", "bridge")
+        _sh("ip", "netns", "exec", b, "ip", "link", "set", "br0", "up")
+        _sh("ip", "netns", "exec", b, "ip", "link", "set", "lo", "up")
+        for i, ns in enumerate(self.node_ns):
+            _sh("ip", "netns", "add", ns)
+            self.created.append(ns)
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            # create the pair inside the bridge namespace, then move one end out
+            _sh("ip", "netns", "exec", b, "ip", "link", "add", f"vb{i}", "type", "veth", "peer", "name", self.ifname(i))
+            _sh("ip", "netns", "exec", b, "ip", "link", "set", self.ifname(i), "netns", ns)
+            _sh("ip", "netns", "exec", b, "ip", "link", "set", f"vb{i}", "master", "br0")
+            _sh("ip", "netns", "exec", b, "ip", "link", "set", f"vb{i}", "up")
+            _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", self.ifname(i))
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", self.ifname(i), "up")
+            self._shape(ns, self.ifname(i))  # node -> bridge
+            self._shape(b, f"vb{i}")         # bridge -> node
+
+    def close(self) -> None:
+        for ns in reversed(self.created):
+            _sh("ip", "netns", "del", ns, check=False)
+        self.created = []
+
+    def run(self, command: List[str], ranks_per_node: int, rank_cpu: Optional[Sequence[float]] = None,
+            timeout: float = 1800, env: Optional[dict] = None) -> int:
+        """Runs ``command`` once per rank (torch.distributed env:// variables,
+        GLOO_SOCKET_IFNAME, HETCOMM_NODE set). Rank 0 prints to this stdout,
+        the others' output is shown if they fail. Returns rank 0's exit code;
+        any failing rank stops all."""
+        world = self.nodes * ranks_per_node
+        if rank_cpu is not None and len(rank_cpu) != world:
+            raise ValueError(f"rank_cpu must give one quota per rank ({world})")
+        quotas = [CpuQuota(f"hetcomm-{os.getpid()}-{r}", c) for r, c in enumerate(rank_cpu)] if rank_cpu else []
+        port = 29000 + os.getpid() % 20000
+        procs, logs = [], []
+        try:
+            for node, ns in enumerate(self.node_ns):
+                for local in range(ranks_per_node):
+                    rank = node * ranks_per_node + local
+                    e = dict(os.environ, **(env or {}))
+                    e.update(MASTER_ADDR=self.address(0), MASTER_PORT=str(port), RANK=str(rank),
+                             WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(ranks_per_node),
+                             HETCOMM_NODE=f"node{node}", GLOO_SOCKET_IFNAME=self.ifname(node), OMP_NUM_THREADS="1")
+                    log = None if rank == 0 else tempfile.TemporaryFile(mode="w+")
+                    logs.append(log)
+                    p = subprocess.Popen(["ip", "netns", "exec", ns] + list(command), env=e, stdout=log,
+                                         stderr=subprocess.STDOUT if log else None)
+                    if quotas:
+                        with open(os.path.join(quotas[rank].path, "cgroup.procs"), "w") as f:
+                            f.write(str(p.pid))
+                    procs.append(p)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                codes = [p.poll() for p in procs]
+                if any(c not in (None, 0) for c in codes) or all(c is not None for c in codes):
+                    break
+                time.sleep(0.1)
+            codes = [p.poll() for p in procs]
+            for r, c in enumerate(codes):
+                if c not in (None, 0) and logs[r] is not None:
+                    logs[r].seek(0)
+                    print(f"--- testbed rank {r} exited {c} ---\n{logs[r].read()[-4000:]}", file=sys.stderr)
+            if any(c is None for c in codes):
+                print(f"hetcomm testbed: ranks still running after a failure or {timeout}s: stopped",
+                      file=sys.stderr)
+            return next((c for c in codes if c not in (None, 0)), codes[0] if codes[0] is not None else 124)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+            for log in logs:
+                if log is not None:
+                    log.close()
+            for q in quotas:
+                q.remove()
+
+
+def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: Optional[List[float]],
+         command: List[str], timeout: float) -> int:
+    ok, why = netns_support()
+    if not ok:
+        print(f"hetcomm testbed: cannot build network namespaces here: {why}", file=sys.stderr)
+        return 2
+    if not command:
+        print("hetcomm testbed: give the command to run after --", file=sys.stderr)
+        return 2
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        with Cluster(nodes, inter_rate) as cluster:
+            print(f"hetcomm testbed: {nodes} nodes x {ranks_per_node} ranks, inter-node "
+                  f"{inter_rate or 'unshaped'}, CPU quotas {rank_cpu or 'none'}", file=sys.stderr, flush=True)
+            return cluster.run(command, ranks_per_node, rank_cpu, timeout)
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,81 @@
+"""The mixed-link testbed: network namespaces joined by tbf-shaped veth pairs.
+Skips with the reason where the machine does not allow namespaces."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hetcomm import testbed
+
+pytestmark = pytest.mark.netns
+
+
+def _need_netns():
+    ok, why = testbed.netns_support()
+    if not ok:
+        pytest.skip(why)
+
+
+def _namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def test_shaped_inter_node_link_is_measured_and_everything_is_cleaned_up(tmp_path):
+    _need_netns()
+    before = _namespaces()
+    out = tmp_path / "topo.json"
+    cmd = [sys.executable, "-m", "hetcomm.cli", "testbed", "--nodes", "2", "--ranks-per-node", "2",
+           "--inter-node-rate", "200mbit", "--", sys.executable, "-m", "hetcomm.cli", "topo", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    topo = data["topology"]
+    assert topo["nodes"] == ["node0", "node0", "node1", "node1"]
+    inter_bw = 1 / topo["links"]["inter"]["beta"]
+    intra_bw = 1 / topo["links"]["intra"]["beta"]
+    assert 0.5 * 25e6 < inter_bw < 1.3 * 25e6, inter_bw  # 200 Mbit/s = 25 MB/s
+    assert intra_bw > 10 * inter_bw
+    # the planner keeps big buckets off the slow link as much as it can
+    big = [p for p in data["plans"] if p["bytes"] >= 1 << 24 and p["wire"] == "none"]
+    assert big and all(p["algorithm"] in ("hierarchical", "halving_doubling") for p in big)
+    assert _namespaces() == before
+
+
+def test_bench_allreduce_inside_the_testbed_is_correct(tmp_path):
+    _need_netns()
+    out = tmp_path / "ar.json"
+    cmd = [sys.executable, "-m", "hetcomm.cli", "testbed", "--nodes", "2", "--ranks-per-node", "2",
+           "--inter-node-rate", "1gbit", "--", sys.executable, "-m", "hetcomm.cli", "bench", "allreduce",
+           "-b", "256K", "-e", "256K", "-n", "2", "-w", "1", "--wires", "none,onebit", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["algorithm"], x["wire"]) for x in rows} >= {("native", "none"), ("ring", "none"),
+                                                           ("hierarchical", "none"), ("hierarchical", "onebit"),
+                                                           ("native", "onebit")}
+    assert all(x["wrong"] == 0 for x in rows), rows  # constant inputs: 1-bit is exact too
+    assert all(x["busbw"] > 0 for x in rows)
+
+
+def test_a_failing_rank_fails_the_testbed_run(tmp_path):
+    _need_netns()
+    before = _namespaces()
+    cmd = [sys.executable, "-m", "hetcomm.cli", "testbed", "--nodes", "2", "--ranks-per-node", "1", "--",
+           sys.executable, "-c", "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3
+    assert "testbed rank 1 exited 3" in r.stderr
+    assert _namespaces() == before
+
+
+def test_testbed_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="rate must end in"):
+        testbed.Cluster(2, "fast")
+    with pytest.raises(ValueError, match="nodes >= 2"):
+        testbed.Cluster(1)
+    assert testbed.tbf_burst("1gbit") == "4000kbit"
+    assert testbed.tbf_burst("10mbit") == "40kbit"
