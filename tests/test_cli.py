@@ -56,3 +56,34 @@ def test_info(tmp_path):
 def test_bench_rejects_bad_sizes(bad):
     out = subprocess.run(HETCOMM + bad, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and ("size must be > 0" in out.stderr or "-b <= -e" in out.stderr)
+
+
+def test_topo_prints_links_and_plan(tmp_path):
+    out = _run(["topo", "--ranks", "2", "--json", "t.json"], tmp_path)
+    assert "link intra" in out.stdout and "plan" in out.stdout
+    data = json.load(open(tmp_path / "t.json"))
+    assert data["topology"]["world"] == 2 and data["plans"]
+
+
+def test_bench_allreduce_rows_are_correct(tmp_path):
+    out = _run(["bench", "allreduce", "-b", "64K", "-e", "256K", "-f", "4", "-n", "2", "-w", "1", "--ranks", "3",
+                "--wires", "none,fp16,onebit", "--json", "a.json"], tmp_path)
+    assert "busbw" in out.stdout
+    rows = json.load(open(tmp_path / "a.json"))["rows"]
+    assert {r["algorithm"] for r in rows} == {"native", "ring", "halving_doubling", "tree"}  # one node: no hierarchy
+    assert all(r["wrong"] == 0 for r in rows), rows
+    for r in rows:
+        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * 2 / 3)
+
+
+def test_bench_ddp_side_by_side(tmp_path):
+    out = _run(["bench", "ddp", "--ranks", "2", "--params", "50K", "-n", "2", "-w", "2", "--global-batch", "16",
+                "--modes", "torch-allreduce,torch-powersgd,onebit,lowrank,none+bal", "--json", "d.json"], tmp_path)
+    assert "samples/s" in out.stdout and "ideal" in out.stdout
+    data = json.load(open(tmp_path / "d.json"))
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == {"torch-allreduce", "torch-powersgd", "onebit", "lowrank", "none+bal"}
+    assert rows["onebit"]["bytes_per_step"] * 20 < rows["torch-allreduce"]["bytes_per_step"]
+    assert rows["lowrank"]["bytes_per_step"] * 5 < rows["torch-allreduce"]["bytes_per_step"]
+    assert sum(int(b) for b in rows["none+bal"]["local_batches"].split("/")) == 16
+    assert all(0 <= r["hidden"] <= 1 and r["step_ms"] > 0 for r in rows.values())

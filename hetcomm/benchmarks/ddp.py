@@ -21,7 +21,7 @@ from torch import nn
 import hetcomm
 
 from ..balance import Balancer, ThroughputMeter
-from ..testbed import spawn_ranks
+from ..testbed import run_distributed, spawn_ranks
 from . import common
 
 IN, OUT = 256, 10
@@ -152,12 +152,33 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
             "local_batch": bal.sizes[rank] if balanced else local, "params": numel}
 
 
-def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> Dict[str, Dict]:
-    out = {}
+def _solo_rate(rank: int, world: int, cfg: Dict) -> float:
+    """This rank's samples/s training alone (no DDP, no communication)."""
+    model = model_for(cfg["params"])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    b = cfg["global_batch"] // world
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        x, y = torch.randn(b, IN, generator=gen), torch.randint(0, OUT, (b,), generator=gen)
+        t0 = time.monotonic()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if step >= cfg["warmup"]:
+            times.append(time.monotonic() - t0)
+    return b / sorted(times)[len(times) // 2]
+
+
+def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str, Dict]]:
+    out = {"_solo": {"rate": _solo_rate(rank, world, cfg)}}
+    dist.barrier()
     for mode in modes:
         out[mode] = _run_mode(rank, world, mode, cfg)
         dist.barrier()
-    return out
+    every: List[Optional[Dict]] = [None] * world
+    dist.all_gather_object(every, out)
+    return every
 
 
 def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
@@ -166,35 +187,41 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
         if m.split("+")[0] not in TORCH_MODES + HETCOMM_MODES or (m.endswith("+bal") and m.split("+")[0] in TORCH_MODES):
             raise ValueError(f"unknown mode {m!r}: choose from {TORCH_MODES + HETCOMM_MODES}, +bal for hetcomm's")
     cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup}
-    per_rank = spawn_ranks(_worker, ranks, modes, cfg, rank_cpu=rank_cpu, timeout=3600)
+    if rank_cpu is None:  # here, or inside the testbed / torchrun
+        per_rank = run_distributed(_worker, ranks, modes, cfg)
+        if per_rank is None:
+            return {}
+    else:
+        per_rank = spawn_ranks(_worker, ranks, modes, cfg, rank_cpu=rank_cpu, timeout=3600)[0]
+    ranks = len(per_rank)
     rows = []
     for mode in modes:
         r0 = per_rank[0][mode]
         rows.append({"mode": mode, **r0, "local_batches": "/".join(str(pr[mode]["local_batch"]) for pr in per_rank),
                      "compute_rates": [pr[mode]["compute_rate"] for pr in per_rank]})
-    summary = {}
+    # ideal: every rank busy all the time = the sum of each rank's solo speed
+    ideal = sum(pr["_solo"]["rate"] for pr in per_rank)
+    summary = {"ideal_samples_per_s": ideal, "solo_rates": [pr["_solo"]["rate"] for pr in per_rank]}
     plain = next((r for r in rows if r["mode"] == "torch-allreduce"), None)
-    if plain is not None:
-        # a rank's solo speed: samples/s of its own compute in the plain run
-        ideal = sum(plain["compute_rates"])
-        summary["ideal_samples_per_s"] = ideal
-        for r in rows:
-            r["of_ideal"] = r["samples_per_s"] / ideal
-            r["vs_plain_ddp"] = r["samples_per_s"] / plain["samples_per_s"]
+    for r in rows:
+        r["of_ideal"] = r["samples_per_s"] / ideal
+        r["vs_plain_ddp"] = r["samples_per_s"] / plain["samples_per_s"] if plain else float("nan")
     return {"ranks": ranks, "rank_cpu": rank_cpu, "cfg": cfg, "rows": rows, "summary": summary}
 
 
 def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int, steps: int, warmup: int,
          rank_cpu: Optional[List[float]], json_path: Optional[str]) -> Dict:
     res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu)
-    print(f"# hetcomm bench ddp: {ranks} gloo ranks, CPU quotas {rank_cpu or 'none'}, "
+    if not res:  # not rank 0
+        return res
+    print(f"# hetcomm bench ddp: {res['ranks']} gloo ranks, CPU quotas {rank_cpu or 'none'}, "
           f"{res['rows'][0]['params']:,} parameters, global batch {global_batch}, {steps} timed steps")
     cols = [("mode", "mode", "s"), ("step_ms", "step ms", ".1f"), ("samples_per_s", "samples/s", ".1f"),
             ("bytes_per_step", "bytes/step", ",d"), ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
-    if res["summary"]:
-        cols += [("of_ideal", "of ideal", ".2f"), ("vs_plain_ddp", "vs DDP", ".2f")]
-        print(f"# ideal = sum of each rank's own compute speed in the plain run: "
-              f"{res['summary']['ideal_samples_per_s']:.1f} samples/s")
+    cols += [("of_ideal", "of ideal", ".2f"), ("vs_plain_ddp", "vs DDP", ".2f")]
+    solo = ", ".join(f"{r:.0f}" for r in res["summary"]["solo_rates"])
+    print(f"# ideal = sum of each rank's solo speed (training alone, samples/s: {solo}) = "
+          f"{res['summary']['ideal_samples_per_s']:.1f} samples/s; vs DDP = vs torch-allreduce")
     common.print_table(res["rows"], cols)
     common.write_json(json_path, res)
     return res
