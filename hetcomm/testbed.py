@@ -291,6 +291,8 @@ class Cluster:
         quotas = [CpuQuota(f"hetcomm-{os.getpid()}-{r}", c) for r, c in enumerate(rank_cpu)] if rank_cpu else []
         port = 29000 + os.getpid() % 20000
         procs, logs = [], []
+        # Each testbed run has links of its own: never reuse a topology cached for other ones.
+        cache = tempfile.TemporaryDirectory(prefix="hetcomm-testbed-")
         try:
             for node, ns in enumerate(self.node_ns):
                 for local in range(ranks_per_node):
@@ -299,6 +301,7 @@ class Cluster:
                     e.update(MASTER_ADDR=self.address(0), MASTER_PORT=str(port), RANK=str(rank),
                              WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(ranks_per_node),
                              HETCOMM_NODE=f"node{node}", GLOO_SOCKET_IFNAME=self.ifname(node), OMP_NUM_THREADS="1")
+                    e.setdefault("HETCOMM_CACHE_DIR", cache.name)
                     log = None if rank == 0 else tempfile.TemporaryFile(mode="w+")
                     logs.append(log)
                     p = subprocess.Popen(["ip", "netns", "exec", ns] + list(command), env=e, stdout=log,
@@ -332,6 +335,7 @@ class Cluster:
                     log.close()
             for q in quotas:
                 q.remove()
+            cache.cleanup()
 
 
 def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: Optional[List[float]],

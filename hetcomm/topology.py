@@ -282,19 +282,22 @@ def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -
     nodes = topo.num_nodes
     intra = topo.links.get("intra", worst)
     inter = topo.links.get("inter", worst)
+    # The ranks of a node share its link: stages where all of them cross
+    # nodes at once carry `share` flows on one link.
+    share = (per_node or 1) if nodes > 1 else 1
 
-    def compressed_allreduce(ranks: int, elems: float, link: LinkClass) -> float:
+    def compressed_allreduce(ranks: int, elems: float, link: LinkClass, flows: int) -> float:
         if wire == "onebit":  # all-to-all + all-gather of 1/32 of the data (plus scales)
-            return 2 * (ranks - 1) * link.alpha + 2 * (ranks - 1) / ranks * elems / 8 * 1.02 * link.beta
+            return 2 * (ranks - 1) * link.alpha + flows * 2 * (ranks - 1) / ranks * elems / 8 * 1.02 * link.beta
         ratio = float(wire.split(":")[1]) if ":" in wire else 0.01
-        return (ranks - 1) * (link.alpha + 8 * math.ceil(ratio * elems) * link.beta)
+        return (ranks - 1) * (link.alpha + flows * 8 * math.ceil(ratio * elems) * link.beta)
 
     if b is None:  # onebit / topk: flat, or compressed across nodes only
         if algorithm == "native":
-            return codec + compressed_allreduce(w, n_elems, worst)
+            return codec + compressed_allreduce(w, n_elems, worst, share)
         if algorithm == "hierarchical" and per_node and nodes > 1:
             local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * nbytes)
-            return codec / per_node + local + compressed_allreduce(nodes, n_elems / per_node, inter)
+            return codec / per_node + local + compressed_allreduce(nodes, n_elems / per_node, inter, share)
         return None
     if algorithm in ("native", "ring"):
         # 2(W-1) steps of b/W bytes; every step waits for the slowest link on the ring
@@ -303,8 +306,8 @@ def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -
         p = 2 ** int(math.log2(w))
         t, mask = 0.0, p // 2
         while mask >= 1:
-            link = topo.link(0, mask if mask < w else 0)
-            t += 2 * _stage(link, 1, b * mask / p)
+            crosses = topo.nodes[0] != topo.nodes[min(mask, w - 1)]
+            t += 2 * _stage(topo.link(0, min(mask, w - 1)), 1, b * mask / p * (share if crosses else 1))
             mask //= 2
         if p != w:
             t += 2 * _stage(worst, 1, b)
@@ -315,7 +318,7 @@ def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -
         if not per_node or nodes == 1 or per_node == 1:
             return None
         local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * b)
-        return codec + local + _stage(inter, 2 * (nodes - 1), 2 * (nodes - 1) / nodes * b / per_node)
+        return codec + local + _stage(inter, 2 * (nodes - 1), 2 * (nodes - 1) / nodes * b / per_node * share)
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 

@@ -51,7 +51,7 @@ def _applicable(topo: topology.Topology, algo: str, wire: str) -> bool:
 def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: List[str], iters: int, warmup: int,
             check: bool) -> List[dict]:
     torch.set_num_threads(1)
-    topo = topology.detect()
+    topo = topology.detect(use_cache=False)  # a benchmark measures the links it runs on
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     rows = []
     for size in sizes:
