@@ -1,0 +1,210 @@
+#include "transport/nccl_transport.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace hetcomm {
+
+namespace {
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("hetcomm: CUDA ") + what + ": " + cudaGetErrorString(e));
+}
+
+int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
+
+}  // namespace
+
+ncclDataType_t nccl_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ncclFloat32;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kDouble: return ncclFloat64;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    case at::kByte: return ncclUint8;
+    case at::kChar: return ncclInt8;
+    default:
+      TORCH_CHECK_TYPE(false, "hetcomm: NCCL has no type for ", t);
+  }
+}
+
+NcclTransport::NcclTransport(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int rank,
+                             int size, int device, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), device_(device), timeout_(timeout),
+      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device))) {
+  TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "hetcomm: NcclTransport rank must be in [0, size)");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  ncclUniqueId id;
+  if (rank == 0) {
+    check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    std::vector<uint8_t> bytes(sizeof(id));
+    std::memcpy(bytes.data(), &id, sizeof(id));
+    store->set(key, bytes);
+  } else {
+    const std::vector<uint8_t> bytes = store->get(key);  // waits up to the store's timeout
+    TORCH_CHECK(bytes.size() == sizeof(id), "hetcomm: corrupt NCCL unique id in the store under ", key);
+    std::memcpy(&id, bytes.data(), sizeof(id));
+  }
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // calls return ncclInProgress; we poll, so we can time out and abort
+  check(ncclCommInitRankConfig(&comm_, size, id, rank, &config), "ncclCommInitRankConfig");
+  wait_ready("ncclCommInitRankConfig");
+}
+
+NcclTransport::~NcclTransport() {
+  if (comm_ != nullptr && !aborted_) {
+    // Finalize may block on a dead peer: abort instead (never throws from here).
+    ncclCommAbort(comm_);
+  }
+}
+
+void NcclTransport::abort(const std::string& why) {
+  if (!aborted_ && comm_ != nullptr) {
+    ncclCommAbort(comm_);
+    aborted_ = true;
+  }
+  throw std::runtime_error("hetcomm: NCCL communicator aborted: " + why);
+}
+
+void NcclTransport::check(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess || r == ncclInProgress) return;
+  const char* last = comm_ ? ncclGetLastError(comm_) : "";
+  abort(std::string(what) + " failed: " + ncclGetErrorString(r) + (last && *last ? std::string(" (") + last + ")" : ""));
+}
+
+void NcclTransport::wait_ready(const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) check(state, what);
+    if (std::chrono::steady_clock::now() > deadline) abort(std::string(what) + " timed out");
+    std::this_thread::yield();
+  }
+}
+
+void NcclTransport::synchronize() {
+  TORCH_CHECK(!aborted_, "hetcomm: the NCCL communicator was aborted earlier");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  cudaEvent_t ev;
+  cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  cuda_check(cudaEventRecord(ev, stream_.stream()), "cudaEventRecord");
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(ev);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) {
+      cudaEventDestroy(ev);
+      cuda_check(q, "cudaEventQuery");
+    }
+    ncclResult_t state = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &state);
+    if (state != ncclSuccess && state != ncclInProgress) {
+      cudaEventDestroy(ev);
+      check(state, "an enqueued collective");
+    }
+    if (std::chrono::steady_clock::now() - start > timeout_) {
+      cudaEventDestroy(ev);
+      abort("a collective did not finish within the timeout (a dead or stuck peer?)");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  cudaEventDestroy(ev);
+  counters_.comm_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
+
+void NcclTransport::check_tensor(const at::Tensor& t, const char* name) const {
+  TORCH_CHECK_VALUE(t.defined() && t.is_contiguous(), "hetcomm: ", name, " must be a defined contiguous tensor");
+  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device_, "hetcomm: ", name, " must be on cuda:", device_,
+                    " (the NcclTransport's device), got ", t.device());
+}
+
+void NcclTransport::count(int64_t sent, int64_t recv) {
+  counters_.bytes_sent += sent;
+  counters_.bytes_recv += recv;
+  counters_.calls += 1;
+}
+
+void NcclTransport::send(const at::Tensor& t, int dst, int /*tag*/) {
+  at::Tensor none;
+  send_recv(t, dst, none, -1, 0);
+}
+
+void NcclTransport::recv(at::Tensor& t, int src, int /*tag*/) { send_recv(at::Tensor(), -1, t, src, 0); }
+
+void NcclTransport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int /*tag*/) {
+  // NCCL matches point-to-point calls by order, not tags: the algorithms
+  // issue them in the same order on both sides.
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  check(ncclGroupStart(), "ncclGroupStart");
+  if (dst >= 0) {
+    check_tensor(out, "send tensor");
+    check(ncclSend(out.data_ptr(), out.numel(), nccl_dtype(out.scalar_type()), dst, comm_, stream_.stream()),
+          "ncclSend");
+  }
+  if (src >= 0) {
+    check_tensor(in, "recv tensor");
+    check(ncclRecv(in.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), src, comm_, stream_.stream()), "ncclRecv");
+  }
+  check(ncclGroupEnd(), "ncclGroupEnd");
+  wait_ready("send/recv");
+  count(dst >= 0 ? nbytes(out) : 0, src >= 0 ? nbytes(in) : 0);
+}
+
+void NcclTransport::all_reduce_sum(at::Tensor& t) {
+  check_tensor(t, "all_reduce tensor");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_dtype(t.scalar_type()), ncclSum, comm_,
+                      stream_.stream()),
+        "ncclAllReduce");
+  wait_ready("ncclAllReduce");
+  const int64_t ring = size_ > 1 ? 2 * (size_ - 1) * nbytes(t) / size_ : 0;
+  count(ring, ring);
+}
+
+void NcclTransport::all_gather(at::Tensor& out, const at::Tensor& in) {
+  check_tensor(in, "all_gather input");
+  check_tensor(out, "all_gather output");
+  TORCH_CHECK_VALUE(out.numel() == in.numel() * size_ && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: all_gather output must hold world_size * input.numel() elements of the input's dtype");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  check(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), comm_, stream_.stream()),
+        "ncclAllGather");
+  wait_ready("ncclAllGather");
+  count((size_ - 1) * nbytes(in), (size_ - 1) * nbytes(in));
+}
+
+void NcclTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
+  check_tensor(in, "all_to_all input");
+  check_tensor(out, "all_to_all output");
+  TORCH_CHECK_VALUE(in.numel() == out.numel() && in.numel() % size_ == 0 && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: all_to_all input and output must have equal numel and dtype, divisible by world_size");
+  const int64_t m = in.numel() / size_;
+  const ncclDataType_t dt = nccl_dtype(in.scalar_type());
+  const int64_t es = in.element_size();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  check(ncclGroupStart(), "ncclGroupStart");
+  for (int r = 0; r < size_; ++r) {
+    check(ncclSend(static_cast<const char*>(in.data_ptr()) + r * m * es, m, dt, r, comm_, stream_.stream()), "ncclSend");
+    check(ncclRecv(static_cast<char*>(out.data_ptr()) + r * m * es, m, dt, r, comm_, stream_.stream()), "ncclRecv");
+  }
+  check(ncclGroupEnd(), "ncclGroupEnd");
+  wait_ready("all_to_all");
+  count((size_ - 1) * m * es, (size_ - 1) * m * es);
+}
+
+void NcclTransport::barrier() {
+  at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
+  all_reduce_sum(one);
+  synchronize();
+}
+
+}  // namespace hetcomm

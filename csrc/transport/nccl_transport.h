@@ -1,0 +1,62 @@
+// Transport over a communicator of our own: rank 0 makes the NCCL unique id,
+// it travels through the c10d Store, every rank joins with
+// ncclCommInitRankConfig (non-blocking). Every call is enqueued on this
+// transport's CUDA stream; synchronize() waits for it while polling
+// ncclCommGetAsyncError, and aborts the communicator on error or timeout, so
+// a dead peer raises instead of hanging.
+#pragma once
+
+#include <c10/cuda/CUDAStream.h>
+#include <nccl.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+#include "transport/transport.h"
+
+namespace hetcomm {
+
+class NcclTransport : public Transport {
+ public:
+  NcclTransport(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int rank, int size,
+                int device, std::chrono::milliseconds timeout);
+  ~NcclTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return "nccl:" + std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR); }
+
+  void send(const at::Tensor& t, int dst, int tag) override;
+  void recv(at::Tensor& t, int src, int tag) override;
+  void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
+  void all_reduce_sum(at::Tensor& t) override;
+  void all_gather(at::Tensor& out, const at::Tensor& in) override;
+  void all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void barrier() override;
+
+  // The stream every call is enqueued on.
+  c10::cuda::CUDAStream stream() const { return stream_; }
+  int device() const { return device_; }
+  // Blocks until everything enqueued so far has finished; throws (after
+  // aborting the communicator) on an NCCL error or after the timeout.
+  void synchronize();
+
+ private:
+  void check(ncclResult_t r, const char* what);
+  void wait_ready(const char* what);
+  void check_tensor(const at::Tensor& t, const char* name) const;
+  void count(int64_t sent, int64_t recv);
+  void abort(const std::string& why);
+
+  ncclComm_t comm_ = nullptr;
+  int rank_, size_, device_;
+  std::chrono::milliseconds timeout_;
+  c10::cuda::CUDAStream stream_;
+  bool aborted_ = false;
+};
+
+// ncclDataType_t of a tensor dtype (throws for the ones NCCL lacks).
+ncclDataType_t nccl_dtype(at::ScalarType t);
+
+}  // namespace hetcomm
