@@ -20,6 +20,13 @@
 #include "engine/worker.h"
 #include "ops/cpu_ops.h"
 #include "transport/pg_transport.h"
+#ifdef HETCOMM_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include "transport/nccl_transport.h"
+#endif
 
 namespace py = pybind11;
 using namespace hetcomm;
@@ -41,11 +48,15 @@ class Engine {
  public:
   explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg)
       : transport_(std::make_shared<ProcessGroupTransport>(std::move(pg))), reducer_(transport_) {}
+  explicit Engine(std::shared_ptr<Transport> t) : transport_(std::move(t)), reducer_(transport_) {}
 
   ~Engine() { worker_.close(); }
 
   // Posts fn to the comm thread; the Future's value (a Python object) is fn's result.
-  py::object run(std::function<at::Tensor()> fn) {
+  py::object run(std::function<at::Tensor()> fn, const at::Tensor& bucket = at::Tensor()) {
+#ifdef HETCOMM_WITH_CUDA
+    if (bucket.defined() && bucket.is_cuda()) return run_cuda(std::move(fn), bucket);
+#endif
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
     worker_.post([this, fut, fn = std::move(fn)] {
       std::string earlier;
@@ -75,6 +86,58 @@ class Engine {
     return wrap_future(fut);
   }
 
+#ifdef HETCOMM_WITH_CUDA
+  // A CUDA bucket: the comm stream first waits for what the caller's stream
+  // has queued (the gradients), the job's kernels and NCCL calls run on the
+  // comm stream, and the Future is CUDA-aware: completed with events on the
+  // comm stream, so DDP's wait() makes its stream wait without blocking the
+  // host. The comm thread synchronizes the stream itself (polling NCCL's
+  // async errors) so a dead peer raises instead of hanging.
+  py::object run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket) {
+    auto nccl = std::dynamic_pointer_cast<NcclTransport>(transport_);
+    TORCH_CHECK_VALUE(nccl, "hetcomm: CUDA buckets need the NCCL transport (HookState(transport='auto'))");
+    const c10::Device device = bucket.device();
+    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get(), std::vector<c10::Device>{device});
+    cudaEvent_t ready;
+    {
+      c10::cuda::CUDAGuard guard(device);
+      TORCH_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming) == cudaSuccess, "hetcomm: cudaEventCreate");
+      TORCH_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()) == cudaSuccess,
+                  "hetcomm: cudaEventRecord");
+    }
+    worker_.post([this, fut, fn = std::move(fn), nccl, bucket, ready, device] {
+      c10::cuda::CUDAStreamGuard guard(nccl->stream());
+      cudaStreamWaitEvent(nccl->stream().stream(), ready, 0);
+      cudaEventDestroy(ready);
+      std::string earlier;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        earlier = failure_;
+      }
+      if (!earlier.empty()) {
+        fut->setError(std::make_exception_ptr(std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier)));
+        return;
+      }
+      at::Tensor result;
+      try {
+        result = fn();
+        nccl->synchronize();
+        c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), nccl->stream());
+      } catch (const std::exception& e) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          failure_ = e.what();
+        }
+        fut->setError(std::current_exception());
+        return;
+      }
+      py::gil_scoped_acquire gil;
+      fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));  // events on the comm stream
+    });
+    return wrap_future(fut);
+  }
+#endif
+
   py::object submit_bucket(int64_t index, at::Tensor buffer, int codec, int64_t chunk, double ratio, bool exact,
                            c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
                            c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, int algo) {
@@ -97,7 +160,7 @@ class Engine {
     job.layout = opt(layout);
     job.q_state = opt(q_state);
     job.algo = static_cast<Algo>(algo);
-    return run([this, job]() mutable { return reducer_.reduce(job); });
+    return run([this, job]() mutable { return reducer_.reduce(job); }, job.buffer);
   }
 
   py::object submit_batch_size(double local) {
@@ -147,7 +210,7 @@ class Engine {
   }
 
  private:
-  std::shared_ptr<ProcessGroupTransport> transport_;
+  std::shared_ptr<Transport> transport_;
   BucketReducer reducer_;
   std::mutex mu_;
   std::string failure_;
@@ -221,7 +284,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("onebit_segment_numel", &collectives::onebit_segment_numel, py::arg("n"), py::arg("world"), py::arg("rank"));
 
   // ---- transport (blocking calls; the GIL is released around every one) ----
-  py::class_<ProcessGroupTransport, std::shared_ptr<ProcessGroupTransport>>(m, "ProcessGroupTransport")
+  py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport");
+  py::class_<ProcessGroupTransport, Transport, std::shared_ptr<ProcessGroupTransport>>(m, "ProcessGroupTransport")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
       .def_property_readonly("rank", &ProcessGroupTransport::rank)
       .def_property_readonly("size", &ProcessGroupTransport::size)
@@ -328,9 +392,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       });
 
+#ifdef HETCOMM_WITH_CUDA
+  py::class_<NcclTransport, Transport, std::shared_ptr<NcclTransport>>(m, "NcclTransport")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int rank, int size,
+                       int device, double timeout_s) {
+             return std::make_shared<NcclTransport>(store, key, rank, size, device,
+                                                    std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+           }),
+           py::arg("store"), py::arg("key"), py::arg("rank"), py::arg("size"), py::arg("device"),
+           py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &NcclTransport::rank)
+      .def_property_readonly("size", &NcclTransport::size)
+      .def(
+          "all_reduce_sum", [](NcclTransport& t, at::Tensor x) { t.all_reduce_sum(x); t.synchronize(); },
+          py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_gather", [](NcclTransport& t, at::Tensor out, const at::Tensor& in) { t.all_gather(out, in); t.synchronize(); },
+          py::arg("out"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_to_all", [](NcclTransport& t, at::Tensor out, const at::Tensor& in) { t.all_to_all(out, in); t.synchronize(); },
+          py::arg("out"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &NcclTransport::barrier, py::call_guard<py::gil_scoped_release>());
+#endif
+
   // ---- engine ----------------------------------------------------------------
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
+#ifdef HETCOMM_WITH_CUDA
+      .def_static(
+          "with_nccl", [](std::shared_ptr<NcclTransport> t) { return std::make_shared<Engine>(std::static_pointer_cast<Transport>(t)); },
+          py::arg("transport"))
+#endif
       .def("submit_bucket", &Engine::submit_bucket, py::arg("index"), py::arg("buffer"), py::arg("codec"),
            py::arg("chunk"), py::arg("topk_ratio"), py::arg("topk_exact"), py::arg("residual"),
            py::arg("server_residual"), py::arg("last"), py::arg("layout") = py::none(),

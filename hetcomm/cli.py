@@ -20,7 +20,7 @@ def _bench(args) -> None:
         from .benchmarks import compress
 
         compress.main(sizes=compress.parse_sizes(args), iters=args.iters, warmup=args.warmup, json_path=args.json,
-                      threads=args.threads)
+                      threads=args.threads, device=args.device)
     elif args.what == "allreduce":
         from .benchmarks import allreduce, common
 
@@ -92,6 +92,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     b.add_argument("-n", "--iters", type=int, default=10)
     b.add_argument("-w", "--warmup", type=int, default=2)
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    b.add_argument("--device", default="cpu", help="compress: cpu or cuda (a CUDA build of hetcomm)")
     b.add_argument("--json", default=None, metavar="PATH")
     b.add_argument("--ranks", type=int, default=2, help="ddp: gloo ranks on this machine")
     b.add_argument("--rank-cpu", default=None, help="ddp: per-rank CPU quotas in cores, e.g. 0.25,0.75 (root)")

@@ -22,6 +22,7 @@ COMPRESSED = ("onebit", "topk", "lowrank")
 _STATE_DICT_VERSION = 1
 
 _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_nccl_count = 0  # NCCL communicators made by this process (the same sequence on every rank)
 
 
 @atexit.register
@@ -113,6 +114,10 @@ class HookState:
             picks per bucket from the measured topology (a few seconds of
             probing at the first step, cached per cluster). ``HETCOMM_ALGO``
             overrides the planner.
+        transport: ``"auto"`` (default): CUDA buckets go over hetcomm's own
+            NCCL communicator and comm stream when this build has CUDA
+            (``build_info()["cuda"]``), everything else over the process
+            group; ``"pg"``: always the process group.
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
@@ -140,6 +145,7 @@ class HookState:
         topk_exact: bool = True,
         rank: int = 4,
         algorithm: str = "native",
+        transport: str = "auto",
         timeout: Optional[timedelta] = None,
     ) -> None:
         if compression not in COMPRESSIONS:
@@ -169,6 +175,8 @@ class HookState:
             raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
         if compression == "lowrank" and algorithm not in ("native", "auto"):
             raise ValueError("algorithm must be 'native' or 'auto' with compression='lowrank'")
+        if transport not in ("auto", "pg"):
+            raise ValueError(f"transport must be 'auto' or 'pg', got {transport!r}")
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
             raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -183,6 +191,7 @@ class HookState:
         self.topk_exact = topk_exact
         self.rank = rank
         self.algorithm = algorithm
+        self.transport = transport
         #: The measured topology (algorithm "auto", "ring" or "hierarchical").
         self.topology = None
         self._plans: Dict[tuple, str] = {}
@@ -302,11 +311,26 @@ class HookState:
         if self._engine is not None:
             self._engine.drain()
 
-    def _ensure_engine(self):
+    def _ensure_engine(self, device: Optional[torch.device] = None):
         if self._engine is None:
-            self._engine = _C.Engine(self._group())
+            if device is not None and device.type == "cuda" and self.transport == "auto" and \
+                    _C.build_info()["cuda"]:
+                self._engine = _C.Engine.with_nccl(self._nccl_transport(device))
+            else:
+                self._engine = _C.Engine(self._group())
             _live_engines.add(self._engine)
         return self._engine
+
+    def _nccl_transport(self, device: torch.device):
+        """hetcomm's own communicator: rank 0's unique id travels through the
+        default group's store, under a key every rank derives the same way."""
+        global _nccl_count
+        _nccl_count += 1
+        store = dist.distributed_c10d._get_default_store()
+        timeout = (self._timeout or _default_group_timeout())
+        return _C.NcclTransport(store, f"hetcomm/nccl/{_nccl_count}", dist.get_rank(self._group()),
+                                dist.get_world_size(self._group()), device.index or 0,
+                                timeout.total_seconds() if timeout else 600.0)
 
     def _config(self) -> list:
         """(name, value) of everything that must agree across ranks."""
@@ -321,6 +345,7 @@ class HookState:
             ("topk_exact", int(self.topk_exact)),
             ("rank", self.rank),
             ("algorithm", (("auto",) + tuple(_algorithms())).index(self.algorithm)),
+            ("transport", ("auto", "pg").index(self.transport)),
             ("batch-size weighting (set_local_batch_size called before the first step)",
              int(self._local_batch is not None)),
             ("iter (steps done; was the state restored on every rank?)", self.iter),
@@ -329,7 +354,7 @@ class HookState:
     def _negotiate(self, bucket_device: torch.device) -> None:
         """First step: all-gather the options and device capabilities; every
         rank raises the same ValueError if any option differs."""
-        engine = self._ensure_engine()
+        engine = self._ensure_engine(bucket_device)
         config = self._config()
         capable = _device_supports_bf16(bucket_device)
         vector = torch.tensor([v for _, v in config] + [int(capable)], dtype=torch.int64)
@@ -387,12 +412,15 @@ class HookState:
             self._keys[(index, numel)] = key
         return key
 
-    def _residual(self, store: Dict[str, torch.Tensor], key: str, numel: int) -> torch.Tensor:
+    def _residual(self, store: Dict[str, torch.Tensor], key: str, numel: int,
+                  device: torch.device = torch.device("cpu")) -> torch.Tensor:
         self._touched.add(key)
         r = store.get(key)
         if r is None or r.numel() != numel:
-            r = torch.zeros(numel, dtype=torch.float32)
+            r = torch.zeros(numel, dtype=torch.float32, device=device)
             store[key] = r
+        elif r.device != device:  # restored from a checkpoint on another device
+            r = store[key] = r.to(device)
         return r
 
     def _lowrank_parts(self, bucket, key: str, numel: int) -> torch.Tensor:
@@ -448,7 +476,7 @@ class HookState:
         buf = bucket.buffer()
         if not buf.is_floating_point():
             raise ValueError(f"hetcomm.hook: bucket dtype must be floating point, got {buf.dtype}")
-        engine = self._ensure_engine()
+        engine = self._ensure_engine(buf.device)
         if not self._step_open:
             if not self._negotiated:
                 self._negotiate(buf.device)
@@ -470,6 +498,8 @@ class HookState:
             codec = CODEC_IDS[mode]
             key = self._bucket_key(bucket, index, numel)
             if mode == "lowrank":
+                if buf.is_cuda:
+                    raise ValueError("hetcomm: compression='lowrank' runs on CPU buckets only in this version")
                 layout = self._lowrank_parts(bucket, key, numel)
                 q_state = self._lowrank_q_state(key, layout)
             if self.error_feedback:
@@ -480,9 +510,10 @@ class HookState:
                     nodes = self.topology.node_ids
                     n, peers, me = _C.hierarchical_shard_numel(numel, nodes, engine.rank), self.topology.num_nodes, \
                         nodes[engine.rank]
-                residual = self._residual(self._residuals, key, n)
+                residual = self._residual(self._residuals, key, n, buf.device)
                 if mode == "onebit":
-                    server = self._residual(self._server_residuals, key, _C.onebit_segment_numel(n, peers, me))
+                    server = self._residual(self._server_residuals, key, _C.onebit_segment_numel(n, peers, me),
+                                            buf.device)
         fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
                                    server, last, layout, q_state, topology_ids()[algo])
         if last:

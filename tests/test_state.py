@@ -27,6 +27,9 @@ import hetcomm
     (dict(timeout=5), "timeout"),
     (dict(timeout=timedelta(seconds=0)), "timeout"),
     (dict(process_group="world"), "process_group"),
+    (dict(transport="mpi"), "transport"),
+    (dict(algorithm="butterfly"), "algorithm"),
+    (dict(rank=0), "rank"),
 ])
 def test_bad_options_are_value_errors_naming_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):

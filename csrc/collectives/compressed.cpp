@@ -67,7 +67,7 @@ void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType
     return;
   }
   TORCH_CHECK_VALUE(wire == at::kHalf || wire == at::kBFloat16, "hetcomm: wire dtype must be float32, float16 or bfloat16");
-  at::Tensor h = at::empty({x.numel()}, x.options().dtype(wire));
+  at::Tensor h = at::empty({x.numel()}, x.options().dtype(wire));  // on x's device
   {
     Timed _(timer);
     ops::cast_encode_into(x, divisor, h);
@@ -98,8 +98,9 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
 
   // Phase 1: each rank compresses every segment (worker error feedback) and
   // sends segment r to rank r.
-  at::Tensor send = at::zeros({w * blk.ints()}, at::kInt);
-  at::Tensor recv = at::empty({w * blk.ints()}, at::kInt);
+  const auto ints = x.options().dtype(at::kInt);  // on the bucket's device
+  at::Tensor send = at::zeros({w * blk.ints()}, ints);
+  at::Tensor recv = at::empty({w * blk.ints()}, ints);
   {
     Timed _(timer);
     for (int r = 0; r < w; ++r) {
@@ -116,11 +117,11 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
 
   // This rank sums its segment from every rank (in rank order), then
   // compresses the sum again (server error feedback).
-  at::Tensor mine = at::zeros({blk.ints()}, at::kInt);
+  at::Tensor mine = at::zeros({blk.ints()}, ints);
   {
     Timed _(timer);
     if (my_len > 0) {
-      at::Tensor acc = at::zeros({my_len}, at::kFloat);
+      at::Tensor acc = at::zeros({my_len}, x.options());
       for (int r = 0; r < w; ++r) {
         at::Tensor block = recv.narrow(0, r * blk.ints(), blk.ints());
         ops::sign_decode(blk.words(block, my_len), blk.scales(block, my_len, chunk), my_len, chunk, 1.0, acc, true);
@@ -132,7 +133,7 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
   }
 
   // Phase 2: everyone gathers every segment's message and decodes the same bytes.
-  at::Tensor all = at::empty({w * blk.ints()}, at::kInt);
+  at::Tensor all = at::empty({w * blk.ints()}, ints);
   t.all_gather(all, mine);
   Timed _(timer);
   for (int r = 0; r < w; ++r) {
@@ -151,22 +152,22 @@ void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, b
   const int64_t k = ops::topk_count(n, ratio);
   // Message: [count | k indices | k value bits], fixed size so all_gather works.
   const int64_t ints = 1 + 2 * k;
-  at::Tensor msg = at::zeros({ints}, at::kInt);
+  at::Tensor msg = at::zeros({ints}, x.options().dtype(at::kInt));
   {
     Timed _(timer);
     auto [idx, val] = ops::topk_encode(x, residual, divisor, k, exact);
     const int64_t count = idx.numel();
-    msg[0] = static_cast<int32_t>(count);
+    msg.narrow(0, 0, 1).fill_(static_cast<int32_t>(count));
     msg.narrow(0, 1, count).copy_(idx);
     msg.narrow(0, 1 + k, count).view(at::kFloat).copy_(val);
   }
-  at::Tensor all = at::empty({w * ints}, at::kInt);
+  at::Tensor all = at::empty({w * ints}, x.options().dtype(at::kInt));
   t.all_gather(all, msg);
   Timed _(timer);
   x.zero_();
-  const int32_t* base = all.data_ptr<int32_t>();
+  const at::Tensor counts = all.view({w, ints}).select(1, 0).cpu();  // a few bytes to the host
   for (int r = 0; r < w; ++r) {
-    const int64_t count = base[r * ints];
+    const int64_t count = counts[r].item<int32_t>();
     TORCH_CHECK(count >= 0 && count <= k, "hetcomm: corrupt top-k message from rank ", r);
     at::Tensor block = all.narrow(0, r * ints, ints);
     ops::scatter_add(block.narrow(0, 1, count), block.narrow(0, 1 + k, count).view(at::kFloat), x, 1.0);

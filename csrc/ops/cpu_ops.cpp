@@ -7,6 +7,13 @@
 #include "kernels/cast.h"
 #include "kernels/sign.h"
 #include "kernels/topk.h"
+#ifdef HETCOMM_WITH_CUDA
+#include "ops/cuda_ops.h"
+#define HC_CUDA_DISPATCH(t, call) \
+  if ((t).is_cuda()) return call
+#else
+#define HC_CUDA_DISPATCH(t, call)
+#endif
 
 namespace hetcomm {
 namespace ops {
@@ -47,7 +54,11 @@ float* opt_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() :
 
 void check_float_vector(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), "hetcomm: ", name, " is undefined");
+#ifdef HETCOMM_WITH_CUDA
+  if (!t.is_cuda()) check_cpu(t, name);
+#else
   check_cpu(t, name);
+#endif
   TORCH_CHECK_TYPE(t.is_floating_point(), "hetcomm: ", name,
                    " must be a floating-point tensor (float32, float16 or bfloat16), got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.numel() < (int64_t{1} << 31), "hetcomm: ", name, " must have fewer than 2^31 elements, got ",
@@ -68,6 +79,7 @@ void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double
                       at::Tensor& words, at::Tensor& scales) {
   check_divisor(divisor);
   check_chunk(chunk);
+  HC_CUDA_DISPATCH(grad, cuda::sign_encode_into(grad, residual, divisor, chunk, words, scales));
   const at::Tensor g = as_float32(grad, "grad");
   const int64_t n = g.numel();
   check_residual(residual, n);
@@ -87,8 +99,8 @@ std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at:
   check_chunk(chunk);
   check_float_vector(grad, "grad");
   const int64_t n = grad.numel();
-  at::Tensor words = at::zeros({k::sign_num_words(n)}, at::kInt);
-  at::Tensor scales = at::empty({k::sign_num_chunks(n, chunk)}, at::kFloat);
+  at::Tensor words = at::zeros({k::sign_num_words(n)}, grad.options().dtype(at::kInt));
+  at::Tensor scales = at::empty({k::sign_num_chunks(n, chunk)}, grad.options().dtype(at::kFloat));
   sign_encode_into(grad, residual, divisor, chunk, words, scales);
   return {words, scales};
 }
@@ -97,6 +109,7 @@ at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_
                        at::Tensor out, bool accumulate) {
   check_chunk(chunk);
   TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
+  HC_CUDA_DISPATCH(words, cuda::sign_decode(words, scales, n, chunk, alpha, out, accumulate));
   check_cpu(words, "words");
   check_cpu(scales, "scales");
   TORCH_CHECK_TYPE(words.scalar_type() == at::kInt, "hetcomm: words must be int32, got ", words.scalar_type());
@@ -127,10 +140,11 @@ at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t kk, bool exact) {
   check_divisor(divisor);
+  TORCH_CHECK_VALUE(kk >= 0, "hetcomm: k must be >= 0, got ", kk);
+  HC_CUDA_DISPATCH(grad, cuda::topk_encode(grad, residual, divisor, kk, exact));
   const at::Tensor g = as_float32(grad, "grad");
   const int64_t n = g.numel();
   check_residual(residual, n);
-  TORCH_CHECK_VALUE(kk >= 0, "hetcomm: k must be >= 0, got ", kk);
   kk = std::min(kk, n);
   at::Tensor x = residual.defined() ? residual : at::empty({n}, at::kFloat);
   float* xp = x.data_ptr<float>();
@@ -151,6 +165,7 @@ std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at:
 }
 
 at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha) {
+  HC_CUDA_DISPATCH(out, cuda::scatter_add(idx, val, out, alpha));
   check_cpu(idx, "idx");
   check_cpu(val, "val");
   check_cpu(out, "out");
@@ -174,6 +189,7 @@ at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor 
 
 void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out) {
   check_divisor(divisor);
+  HC_CUDA_DISPATCH(x, cuda::cast_encode_into(x, divisor, out));
   const at::Tensor f = as_float32(x, "x");
   TORCH_CHECK_TYPE(out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16,
                    "hetcomm: wire dtype must be float16 or bfloat16, got ", out.scalar_type());
@@ -188,12 +204,13 @@ void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out) {
 
 at::Tensor cast_encode(const at::Tensor& x, double divisor, at::ScalarType wire) {
   check_float_vector(x, "x");
-  at::Tensor out = at::empty({x.numel()}, at::TensorOptions().dtype(wire));
+  at::Tensor out = at::empty({x.numel()}, x.options().dtype(wire));
   cast_encode_into(x, divisor, out);
   return out;
 }
 
 at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out) {
+  HC_CUDA_DISPATCH(h, cuda::cast_decode(h, mul, out));
   check_cpu(h, "h");
   TORCH_CHECK_TYPE(h.scalar_type() == at::kHalf || h.scalar_type() == at::kBFloat16,
                    "hetcomm: h must be float16 or bfloat16, got ", h.scalar_type());

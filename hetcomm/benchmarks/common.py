@@ -32,24 +32,32 @@ def size_sweep(minbytes: str, maxbytes: str, factor: int) -> List[int]:
     return sizes
 
 
-def median_time(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    """Median wall time of fn() in seconds."""
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_time(fn: Callable[[], object], iters: int, warmup: int, device: str = "cpu") -> float:
+    """Median wall time of fn() in seconds (CUDA work included: synchronised)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]
 
 
-def memory_bandwidth(nbytes: int = 256 << 20, iters: int = 5) -> float:
-    """Read+write GB/s of a large copy_ into an existing buffer, on torch's threads."""
-    src = torch.ones(nbytes // 4)
+def memory_bandwidth(nbytes: int = 256 << 20, iters: int = 5, device: str = "cpu") -> float:
+    """Read+write GB/s of a large copy_ into an existing buffer (torch's
+    threads on the CPU; a device-to-device copy on CUDA)."""
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    t = median_time(lambda: dst.copy_(src), iters, 1)
+    t = median_time(lambda: dst.copy_(src), iters, 1, device)
     return 2 * nbytes / t / 1e9
 
 

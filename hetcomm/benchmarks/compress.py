@@ -22,13 +22,13 @@ def torch_sign_encode(g: torch.Tensor, e: torch.Tensor):
     x = g + e
     scales = x.view(-1, CHUNK).abs().mean(1)
     bits = (x >= 0).view(-1, 32).to(torch.int64)
-    words = (bits << torch.arange(32)).sum(1).to(torch.int32)  # wraps to the uint32 bit pattern
+    words = (bits << torch.arange(32, device=g.device)).sum(1).to(torch.int32)  # wraps to the uint32 bit pattern
     e.copy_(x - torch.where(x >= 0, 1.0, -1.0) * scales.repeat_interleave(CHUNK))
     return words, scales
 
 
 def torch_sign_decode(words: torch.Tensor, scales: torch.Tensor, n: int):
-    bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
     return torch.where(bits.view(-1)[:n] == 1, 1.0, -1.0) * scales.repeat_interleave(CHUNK)[:n]
 
 
@@ -40,16 +40,16 @@ def torch_topk(g: torch.Tensor, e: torch.Tensor, k: int):
     return idx, val
 
 
-def _codecs(n: int):
+def _codecs(n: int, device: str = "cpu"):
     """name -> (hetcomm fn, torch fn, check(hetcomm result, torch result) -> #wrong)."""
     gen = torch.Generator().manual_seed(n)
-    g = torch.randn(n, generator=gen)
-    e0 = torch.randn(n, generator=gen) * 0.1
+    g = torch.randn(n, generator=gen).to(device)
+    e0 = (torch.randn(n, generator=gen) * 0.1).to(device)
     e_a, e_b = e0.clone(), e0.clone()
     words, scales = ops.sign_encode(g, e0.clone(), 1.0, CHUNK)
     k = ops.topk_count(n, RATIO)
     h16 = (g / 3).half()
-    out = torch.empty(n)
+    out = torch.empty(n, device=device)
 
     def sign_wrong(a, b):
         return int((a[0] != b[0]).sum())
@@ -77,12 +77,12 @@ def parse_sizes(args) -> List[int]:
     return common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
 
 
-def run(sizes: List[int], iters: int = 10, warmup: int = 2) -> Dict:
-    membw = common.memory_bandwidth()
+def run(sizes: List[int], iters: int = 10, warmup: int = 2, device: str = "cpu") -> Dict:
+    membw = common.memory_bandwidth(device=device)
     rows = []
     for nbytes in sizes:
         n = max(CHUNK, nbytes // 4 // CHUNK * CHUNK)
-        codecs, (e0, e_a, e_b) = _codecs(n)
+        codecs, (e0, e_a, e_b) = _codecs(n, device)
         for name, (ours, theirs, check, uses_residual) in codecs.items():
             wrong = -1
             if check is not None:
@@ -90,21 +90,21 @@ def run(sizes: List[int], iters: int = 10, warmup: int = 2) -> Dict:
                     e_a.copy_(e0)
                     e_b.copy_(e0)
                 wrong = check(ours(), theirs())
-            t_ours = common.median_time(ours, iters, warmup)
-            t_torch = common.median_time(theirs, iters, warmup)
+            t_ours = common.median_time(ours, iters, warmup, device)
+            t_torch = common.median_time(theirs, iters, warmup, device)
             gbps = n * 4 / t_ours / 1e9
             rows.append({"bytes": n * 4, "codec": name, "time_us": t_ours * 1e6, "gbps": gbps,
                          "torch_gbps": n * 4 / t_torch / 1e9, "speedup": t_torch / t_ours,
                          "of_membw": gbps / membw, "wrong": wrong})
-    return {"memory_bandwidth_gbps": membw, "threads": torch.get_num_threads(), "rows": rows}
+    return {"memory_bandwidth_gbps": membw, "threads": torch.get_num_threads(), "device": device, "rows": rows}
 
 
 def main(sizes: List[int], iters: int = 10, warmup: int = 2, json_path: Optional[str] = None,
-         threads: Optional[int] = None) -> Dict:
+         threads: Optional[int] = None, device: str = "cpu") -> Dict:
     if threads:
         torch.set_num_threads(threads)
-    res = run(sizes, iters, warmup)
-    print(f"# hetcomm bench compress: {res['threads']} thread(s); memory bandwidth (copy_, read+write) "
+    res = run(sizes, iters, warmup, device)
+    print(f"# hetcomm bench compress on {device}: {res['threads']} thread(s); memory bandwidth (copy_, read+write) "
           f"{res['memory_bandwidth_gbps']:.1f} GB/s; chunk {CHUNK}, top-k ratio {RATIO}; #wrong -1 = not checked "
           "(top-k ties and order may differ from torch.topk)")
     common.print_table(res["rows"], [("bytes", "size(B)", "d"), ("codec", "codec", "s"), ("time_us", "time(us)", ".1f"),
