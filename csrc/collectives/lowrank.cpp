@@ -122,15 +122,18 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
     // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
     at::Tensor approx = at::empty({p.rows, p.cols}, at::kFloat);
     const float* pp = pm.data_ptr<float>();
-    const float* qp = qm.data_ptr<float>();
+    const at::Tensor qt = qm.t().contiguous();  // r x cols: contiguous inner loop
+    const float* qp = qt.data_ptr<float>();
     float* ap = approx.data_ptr<float>();
     at::parallel_for(0, p.rows, std::max<int64_t>(1, 16384 / p.cols), [&](int64_t b, int64_t e) {
       kernels::outer_product_cpu(pp, qp, ap, p.rows, p.cols, p.rank, b, e);
     });
     // approx stands for the sum over ranks; this rank keeps what its own share
     // (its weight 1/divisor, the weights sum to 1) did not deliver.
-    if (residual.defined())
-      residual.narrow(0, p.offset, p.numel()).view({p.rows, p.cols}).copy_(m.view({p.rows, p.cols}) - approx / divisor);
+    if (residual.defined()) {
+      at::Tensor r = residual.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
+      at::sub_out(r, m.view({p.rows, p.cols}), approx, 1.0 / divisor);
+    }
     m.view({p.rows, p.cols}).copy_(approx);
     po += p.rows * p.rank;
     qo += p.cols * p.rank;

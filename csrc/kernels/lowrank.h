@@ -14,8 +14,9 @@ namespace kernels {
 // divided by (its norm + eps). Dot products accumulate in double.
 void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps);
 
-// out (rows x cols) = p (rows x r) @ q(cols x r)^T, row-major; rows [row_begin, row_end).
-void outer_product_cpu(const float* p, const float* q, float* out, int64_t rows, int64_t cols, int64_t r,
+// out (rows x cols) = p (rows x r) @ qt (r x cols), row-major; rows [row_begin, row_end).
+// (qt is Q transposed, so the inner loop runs over contiguous memory.)
+void outer_product_cpu(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
                        int64_t row_begin, int64_t row_end);
 
 }  // namespace kernels

@@ -23,15 +23,15 @@ void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps)
 }
 
 HC_CPU_CLONES
-void outer_product_cpu(const float* p, const float* q, float* out, int64_t rows, int64_t cols, int64_t r,
+void outer_product_cpu(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
                        int64_t row_begin, int64_t row_end) {
   for (int64_t i = row_begin; i < row_end; ++i) {
     float* o = out + i * cols;
     for (int64_t j = 0; j < cols; ++j) o[j] = 0.0f;
     for (int64_t k = 0; k < r; ++k) {
       const float a = p[i * r + k];
-      const float* qk = q + k;
-      for (int64_t j = 0; j < cols; ++j) o[j] = mul_add_rn(a, qk[j * r], o[j]);
+      const float* qk = qt + k * cols;
+      for (int64_t j = 0; j < cols; ++j) o[j] = mul_add_rn(a, qk[j], o[j]);
     }
   }
 }
