@@ -58,31 +58,7 @@ class Engine {
     if (bucket.defined() && bucket.is_cuda()) return run_cuda(std::move(fn), bucket);
 #endif
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
-    worker_.post([this, fut, fn = std::move(fn)] {
-      std::string earlier;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        earlier = failure_;
-      }
-      if (!earlier.empty()) {
-        fut->setError(std::make_exception_ptr(std::runtime_error(
-            "hetcomm: not run because an earlier collective failed: " + earlier)));
-        return;
-      }
-      at::Tensor result;
-      try {
-        result = fn();
-      } catch (const std::exception& e) {
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          failure_ = e.what();
-        }
-        fut->setError(std::current_exception());
-        return;
-      }
-      py::gil_scoped_acquire gil;
-      fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));
-    });
+    worker_.post([this, fut, fn = std::move(fn)] { execute(fut, fn); });
     return wrap_future(fut);
   }
 
@@ -105,38 +81,48 @@ class Engine {
       TORCH_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()) == cudaSuccess,
                   "hetcomm: cudaEventRecord");
     }
-    worker_.post([this, fut, fn = std::move(fn), nccl, bucket, ready, device] {
+    worker_.post([this, fut, fn = std::move(fn), nccl, bucket, ready] {
       c10::cuda::CUDAStreamGuard guard(nccl->stream());
       cudaStreamWaitEvent(nccl->stream().stream(), ready, 0);
       cudaEventDestroy(ready);
-      std::string earlier;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        earlier = failure_;
-      }
-      if (!earlier.empty()) {
-        fut->setError(std::make_exception_ptr(std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier)));
-        return;
-      }
-      at::Tensor result;
-      try {
-        result = fn();
+      execute(fut, fn, [&] {
         nccl->synchronize();
         c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), nccl->stream());
-      } catch (const std::exception& e) {
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          failure_ = e.what();
-        }
-        fut->setError(std::current_exception());
-        return;
-      }
-      py::gil_scoped_acquire gil;
-      fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));  // events on the comm stream
+      });  // markCompleted records the future's events on the comm stream
     });
     return wrap_future(fut);
   }
 #endif
+
+  // On the comm thread: runs fn (then `after`, inside the same error
+  // handling) and completes fut with its result or its error.
+  void execute(const FuturePtr& fut, const std::function<at::Tensor()>& fn,
+               const std::function<void()>& after = nullptr) {
+    std::string earlier;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      earlier = failure_;
+    }
+    if (!earlier.empty()) {
+      fut->setError(std::make_exception_ptr(
+          std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier)));
+      return;
+    }
+    at::Tensor result;
+    try {
+      result = fn();
+      if (after) after();
+    } catch (const std::exception& e) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        failure_ = e.what();
+      }
+      fut->setError(std::current_exception());
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));
+  }
 
   py::object submit_bucket(int64_t index, at::Tensor buffer, int codec, int64_t chunk, double ratio, bool exact,
                            c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,

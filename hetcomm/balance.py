@@ -73,14 +73,13 @@ def split_batch(global_batch: int, throughputs: Sequence[float], caps: Optional[
                 progressed = True
         if not progressed:  # pragma: no cover - excluded by the caps check above
             raise ValueError("caps leave no room for the batch")
-    # The floor of 1 per rank can overshoot: take samples back, smallest
-    # remainders first, then from ranks pinned at their cap (B >= n: always possible).
-    takers = list(reversed(order)) + [i for i in range(n) if pinned[i]]
+    # The floor of one sample per rank can overshoot: take samples back, one
+    # at a time, from the rank furthest above its proportional share.
+    share = [global_batch * t / sum(speeds) for t in speeds]
     while left < 0:
-        for i in takers:
-            if left and sizes[i] > 1:
-                sizes[i] -= 1
-                left += 1
+        i = max((i for i in range(n) if sizes[i] > 1), key=lambda i: (sizes[i] - share[i], -i))
+        sizes[i] -= 1
+        left += 1
     return sizes
 
 

@@ -60,6 +60,7 @@ def test_split_example():
     assert split_batch(10, [1, 1, 1]) == [4, 3, 3]
     # the floor of one sample per rank overshoots; the pinned rank gives one back
     assert split_batch(3, [1000, 1, 1], caps=[2, 5, 5]) == [1, 1, 1]
+    assert split_batch(8, [1, 1, 1, 8, 1, 9], caps=[1, 1, 1, 4, 1, 2]) == [1, 1, 1, 2, 1, 2]
 
 
 def test_meter_smooths():
