@@ -319,13 +319,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "allreduce_lowrank",
           [](ProcessGroupTransport& t, at::Tensor x, double divisor, const at::Tensor& layout, at::Tensor q_state,
-             c10::optional<at::Tensor> res) {
+             c10::optional<at::Tensor> res, std::vector<int> node_of) {
             collectives::CodecTimer timer;
             TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
             at::Tensor flat = x.view({-1});
-            collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
+            if (node_of.empty())
+              collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
+            else
+              collectives::allreduce_lowrank_hierarchical(t, flat, divisor, layout, q_state, opt(res), node_of, timer);
           },
           py::arg("x"), py::arg("divisor"), py::arg("layout"), py::arg("q_state"), py::arg("residual") = py::none(),
+          py::arg("node_of") = std::vector<int>{},
           py::call_guard<py::gil_scoped_release>(), "Low-rank (PowerSGD-style) all-reduce of x in place.")
       .def(
           "allreduce",

@@ -38,7 +38,6 @@ def _bench(args) -> None:
 
 
 def _topo(args) -> None:
-    from . import topology
     from .testbed import run_distributed
 
     res = run_distributed(_topo_worker, args.ranks, args.wires.split(","))

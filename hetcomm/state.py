@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .buckets import BucketStates
 
 # Codec ids shared with csrc/engine/bucket_reducer.h (enum class Codec).
 CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "topk": 4, "lowrank": 5}
@@ -173,8 +174,8 @@ class HookState:
 
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
-        if compression == "lowrank" and algorithm not in ("native", "auto"):
-            raise ValueError("algorithm must be 'native' or 'auto' with compression='lowrank'")
+        if compression == "lowrank" and algorithm not in ("native", "auto", "hierarchical"):
+            raise ValueError("algorithm must be 'native', 'hierarchical' or 'auto' with compression='lowrank'")
         if transport not in ("auto", "pg"):
             raise ValueError(f"transport must be 'auto' or 'pg', got {transport!r}")
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
@@ -206,13 +207,7 @@ class HookState:
         self._process_group = process_group
         self._timeout = timeout
         self._engine: Optional[Any] = None
-        self._residuals: Dict[str, torch.Tensor] = {}
-        self._server_residuals: Dict[str, torch.Tensor] = {}
-        self._lowrank_q: Dict[str, torch.Tensor] = {}
-        self._layouts: Dict[str, torch.Tensor] = {}
-        self._keys: Dict[tuple, str] = {}
-        self._touched: set = set()
-        self._prev_touched: set = set()
+        self._buckets = BucketStates()
         self._local_batch: Optional[float] = None
         self._weighted: Optional[bool] = None  # decided at the first step
         self._step_open = False
@@ -244,9 +239,7 @@ class HookState:
             "iter": self.iter,
             "rank": self._rank(),
             "world_size": self._world(),
-            "residuals": {i: t.clone() for i, t in self._residuals.items()},
-            "server_residuals": {i: t.clone() for i, t in self._server_residuals.items()},
-            "lowrank_q": {k: t.clone() for k, t in self._lowrank_q.items()},
+            **self._buckets.state_dict(),
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -263,12 +256,7 @@ class HookState:
         self.iter = int(sd["iter"])
         if sd.get("resolved_compression") is not None:
             self.resolved_compression = sd["resolved_compression"]
-        self._residuals = {str(k): t.detach().clone().float().contiguous() for k, t in sd["residuals"].items()}
-        self._server_residuals = {str(k): t.detach().clone().float().contiguous()
-                                  for k, t in sd["server_residuals"].items()}
-        self._lowrank_q = {str(k): t.detach().clone().float().contiguous()
-                           for k, t in sd.get("lowrank_q", {}).items()}
-        self._prev_touched = set(self._residuals) | set(self._server_residuals) | set(self._lowrank_q)
+        self._buckets.load_state_dict(sd)
 
     def stats(self) -> Dict[str, Any]:
         """Bytes and time of the last complete step and of the whole run:
@@ -391,7 +379,8 @@ class HookState:
         wire = mode if not compressed else ("onebit" if mode == "onebit" else
                                             f"topk:{self.topk_ratio}" if mode == "topk" else None)
         if mode == "lowrank" and compressed:
-            return "native"
+            # exact inside nodes, low-rank across them, when asked for (the planner has no lowrank model yet)
+            return "hierarchical" if self.algorithm == "hierarchical" else "native"
         if self.algorithm != "auto":
             if compressed and self.algorithm not in ("native", "hierarchical"):
                 return "native"  # the codecs run flat or across nodes only
@@ -400,77 +389,6 @@ class HookState:
         if key not in self._plans:
             self._plans[key] = topology.plan(self.topology, numel * 4, wire or "none")["algorithm"]
         return self._plans[key]
-
-    def _bucket_key(self, bucket, index: int, numel: int) -> str:
-        """Residuals are keyed by bucket index and the numels of the bucket's
-        parameters, so DDP's bucket rebuild (or a resumed process, whose first
-        step runs in DDP's initial layout) never applies a residual to other
-        parameters than the ones it was made for."""
-        key = self._keys.get((index, numel))
-        if key is None:
-            key = f"{index}:" + ",".join(str(p.numel()) for p in bucket.parameters())
-            self._keys[(index, numel)] = key
-        return key
-
-    def _residual(self, store: Dict[str, torch.Tensor], key: str, numel: int,
-                  device: torch.device = torch.device("cpu")) -> torch.Tensor:
-        self._touched.add(key)
-        r = store.get(key)
-        if r is None or r.numel() != numel:
-            r = torch.zeros(numel, dtype=torch.float32, device=device)
-            store[key] = r
-        elif r.device != device:  # restored from a checkpoint on another device
-            r = store[key] = r.to(device)
-        return r
-
-    def _lowrank_parts(self, bucket, key: str, numel: int) -> torch.Tensor:
-        """int64 [k, 4] rows (offset, rows, cols, rank) of the bucket's tensors;
-        rank 0 = sent dense. A matrix is approximated only where P and Q are
-        less than half its size (PowerSGD's rule)."""
-        layout = self._layouts.get(key)
-        if layout is not None:
-            return layout
-        buf = bucket.buffer()
-        rows, offset = [], 0
-        for g in bucket.gradients():
-            n = g.numel()
-            off = (g.data_ptr() - buf.data_ptr()) // buf.element_size() if g.numel() else offset
-            if g.dim() >= 2:
-                r_rows, cols = g.shape[0], n // g.shape[0]
-                r = min(self.rank, r_rows, cols)
-                if r_rows * cols > 2 * (r_rows + cols) * r:
-                    rows.append([off, r_rows, cols, r])
-                    offset += n
-                    continue
-            rows.append([off, 1, n, 0])
-            offset += n
-        spans = sorted((o, c * rr) for o, rr, c, _ in rows)
-        contiguous = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))
-        if offset != numel or not contiguous or not spans or spans[0][0] != 0:
-            rows = [[0, 1, numel, 0]]  # unknown layout: send it all dense
-        layout = torch.tensor(rows, dtype=torch.int64)
-        self._layouts[key] = layout
-        return layout
-
-    def _lowrank_q_state(self, key: str, layout: torch.Tensor) -> torch.Tensor:
-        self._touched.add(key)
-        q = self._lowrank_q.get(key)
-        n = _C.lowrank_q_numel(layout)
-        if q is None or q.numel() != n:
-            # The same random start on every rank (the key is the same everywhere).
-            gen = torch.Generator().manual_seed(sum(key.encode()) + 7919 * len(key))
-            q = torch.randn(n, generator=gen)
-            self._lowrank_q[key] = q
-        return q
-
-    def _end_step(self) -> None:
-        # Drop per-bucket state of layouts not used in this step or the one before.
-        keep = self._touched | self._prev_touched
-        if self._touched:
-            for store in (self._residuals, self._server_residuals, self._lowrank_q):
-                for key in [k for k in store if k not in keep]:
-                    del store[key]
-        self._prev_touched, self._touched = self._touched, set()
 
     def _submit(self, bucket) -> torch.futures.Future:
         buf = bucket.buffer()
@@ -496,29 +414,29 @@ class HookState:
             codec = CODEC_IDS["none"] if mode in COMPRESSED else CODEC_IDS[mode]
         else:
             codec = CODEC_IDS[mode]
-            key = self._bucket_key(bucket, index, numel)
+            key = self._buckets.key(bucket, index, numel)
             if mode == "lowrank":
                 if buf.is_cuda:
                     raise ValueError("hetcomm: compression='lowrank' runs on CPU buckets only in this version")
-                layout = self._lowrank_parts(bucket, key, numel)
-                q_state = self._lowrank_q_state(key, layout)
+                layout = self._buckets.lowrank_parts(bucket, key, numel, self.rank)
+                q_state = self._buckets.lowrank_q_state(key, layout)
             if self.error_feedback:
                 # Flat codecs compress the whole bucket; hierarchical ones this
                 # rank's shard, across the nodes.
                 n, peers, me = numel, engine.size, engine.rank
-                if algo == "hierarchical":
+                if algo == "hierarchical" and mode != "lowrank":  # lowrank keeps a whole-bucket residual
                     nodes = self.topology.node_ids
                     n, peers, me = _C.hierarchical_shard_numel(numel, nodes, engine.rank), self.topology.num_nodes, \
                         nodes[engine.rank]
-                residual = self._residual(self._residuals, key, n, buf.device)
+                residual = self._buckets.residual(self._buckets.residuals, key, n, buf.device)
                 if mode == "onebit":
-                    server = self._residual(self._server_residuals, key, _C.onebit_segment_numel(n, peers, me),
-                                            buf.device)
+                    server = self._buckets.residual(self._buckets.server_residuals, key,
+                                                    _C.onebit_segment_numel(n, peers, me), buf.device)
         fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
                                    server, last, layout, q_state, topology_ids()[algo])
         if last:
             self.last_bucket_time = time.monotonic()
             self._step_open = False
             self.iter += 1
-            self._end_step()
+            self._buckets.end_step()
         return fut

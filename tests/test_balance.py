@@ -4,7 +4,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel as DDP

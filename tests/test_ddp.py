@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -1,7 +1,6 @@
 """GPU tests: the same bodies as the CPU ones, on CUDA. They skip cleanly
 without a CUDA build of hetcomm and a visible GPU (decided at run time)."""
 
-import os
 
 import pytest
 import torch

@@ -133,3 +133,37 @@ def test_lowrank_many_buckets_on_gloo_replicas_identical(world):
     for r in results[1:]:
         assert torch.equal(r["params"], results[0]["params"])
     assert not results[0]["params"].isnan().any()
+
+
+H_NODES = [0, 0, 1, 1]
+
+
+def _ours_hier(rank, world, steps):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    lay = torch.tensor(LAYOUT)
+    q = torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None])
+    res = torch.zeros(N)
+    g = torch.Generator().manual_seed(rank)
+    xs, outs = [], []
+    for _ in range(steps):
+        x = torch.randn(N, generator=g)
+        xs.append(x.clone())
+        t.allreduce_lowrank(x, 2.0, lay, q, res, node_of=H_NODES)
+        outs.append(x)
+    return {"xs": xs, "outs": outs}
+
+
+def test_hierarchical_lowrank_is_exact_inside_nodes_and_lowrank_across():
+    results = run_ranks(_ours_hier, 4, 3)
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["outs"], results[0]["outs"]))
+    # Reference: node sums (exact), then the low-rank step across the 2 nodes,
+    # each node keeping half of what the approximation did not deliver.
+    qs = _initial_qs(LAYOUT)
+    res = [torch.zeros(N) for _ in range(2)]
+    for step in range(3):
+        node_sums = [sum(results[r]["xs"][step] / 2.0 for r in range(4) if H_NODES[r] == nd) for nd in range(2)]
+        # the reference forms M = x / d + e and keeps M - approx / d: with x = 2 S and d = 2 that is
+        # M = S + e with share 1/2 per node
+        want, res, qs = _reference_step([2.0 * s for s in node_sums], [2.0, 2.0], res, qs, LAYOUT)
+        torch.testing.assert_close(results[0]["outs"][step], want, rtol=1e-4, atol=1e-5)

@@ -2,7 +2,6 @@
 Skips with the reason where the machine does not allow namespaces."""
 
 import json
-import os
 import subprocess
 import sys
 

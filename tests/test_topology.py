@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
@@ -129,7 +128,7 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
 @pytest.mark.parametrize("mode,algorithm", [("none", "auto"), ("none", "ring"), ("none", "hierarchical"),
                                             ("fp16", "halving_doubling"), ("none", "tree"),
                                             ("onebit", "hierarchical"), ("topk", "hierarchical"),
-                                            ("onebit", "auto")])
+                                            ("onebit", "auto"), ("lowrank", "hierarchical")])
 def test_ddp_with_each_algorithm_keeps_replicas_identical(tmp_path, mode, algorithm):
     res = run_ranks(_ddp_algorithm, 4, mode, algorithm, str(tmp_path))
     for r in res[1:]:

@@ -209,15 +209,7 @@ void SubgroupTransport::barrier() {
 
 // ---- hierarchical ------------------------------------------------------------------
 
-namespace {
-
-struct Layout {
-  std::vector<int> locals;  // ranks of this node, ascending
-  std::vector<int> peers;   // ranks with this rank's local index, one per node
-  int local_index;
-};
-
-Layout hierarchy(const std::vector<int>& node_of, int rank, int world) {
+Hierarchy hierarchy_of(const std::vector<int>& node_of, int rank, int world) {
   TORCH_CHECK_VALUE(static_cast<int>(node_of.size()) == world, "hetcomm: node_of must name a node for each of the ",
                     world, " ranks");
   std::vector<int> nodes;  // in order of first appearance
@@ -230,24 +222,22 @@ Layout hierarchy(const std::vector<int>& node_of, int rank, int world) {
   for (int nd : nodes)
     TORCH_CHECK_VALUE(members[nd].size() == per, "hetcomm: the hierarchical all-reduce needs the same number of "
                                                  "ranks on every node");
-  Layout l;
+  Hierarchy l;
   l.locals = members[node_of[rank]];
   l.local_index = static_cast<int>(std::find(l.locals.begin(), l.locals.end(), rank) - l.locals.begin());
   for (int nd : nodes) l.peers.push_back(members[nd][l.local_index]);
   return l;
 }
 
-}  // namespace
-
 int64_t hierarchical_shard_numel(int64_t n, const std::vector<int>& node_of, int rank) {
-  const Layout l = hierarchy(node_of, rank, static_cast<int>(node_of.size()));
+  const Hierarchy l = hierarchy_of(node_of, rank, static_cast<int>(node_of.size()));
   const auto b = blocks(n, static_cast<int64_t>(l.locals.size()));
   return b[l.local_index + 1] - b[l.local_index];
 }
 
 void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of, const InterOptions& inter) {
   check_x(x);
-  const Layout l = hierarchy(node_of, t.rank(), t.size());
+  const Hierarchy l = hierarchy_of(node_of, t.rank(), t.size());
   const int64_t n = x.numel();
   const auto b = blocks(n, static_cast<int64_t>(l.locals.size()));
   SubgroupTransport local(t, l.locals, 1000);

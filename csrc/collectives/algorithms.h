@@ -64,6 +64,15 @@ struct InterOptions {
 };
 void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of,
                             const InterOptions& inter = InterOptions());
+// Where this rank sits: its node's ranks (ascending), the ranks with its local
+// index (one per node, in node order), and its local index.
+struct Hierarchy {
+  std::vector<int> locals;
+  std::vector<int> peers;
+  int local_index;
+};
+Hierarchy hierarchy_of(const std::vector<int>& node_of, int rank, int world);
+
 // This rank's shard of an n-element bucket in the hierarchical algorithm
 // (the size of its inter-node residuals).
 int64_t hierarchical_shard_numel(int64_t n, const std::vector<int>& node_of, int rank);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <vector>
 
+#include "collectives/algorithms.h"
 #include "kernels/lowrank.h"
 
 namespace hetcomm {
@@ -47,7 +48,8 @@ int64_t lowrank_q_numel(const at::Tensor& layout) {
 }
 
 void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
-                       const at::Tensor& residual, CodecTimer& timer) {
+                       const at::Tensor& residual, CodecTimer& timer, double share) {
+  if (share < 0) share = 1.0 / divisor;
   const std::vector<Part> parts = parse(layout, x.numel());
   int64_t dense = 0, p_total = 0, q_total = 0;
   for (const Part& p : parts) {
@@ -129,16 +131,75 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
       kernels::outer_product_cpu(pp, qp, ap, p.rows, p.cols, p.rank, b, e);
     });
     // approx stands for the sum over ranks; this rank keeps what its own share
-    // (its weight 1/divisor, the weights sum to 1) did not deliver.
+    // (by default its weight 1/divisor; the shares sum to 1) did not deliver.
     if (residual.defined()) {
       at::Tensor r = residual.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
-      at::sub_out(r, m.view({p.rows, p.cols}), approx, 1.0 / divisor);
+      at::sub_out(r, m.view({p.rows, p.cols}), approx, share);
     }
     m.view({p.rows, p.cols}).copy_(approx);
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
   lap();
+}
+
+void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
+                                    at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
+                                    CodecTimer& timer) {
+  const Hierarchy h = hierarchy_of(node_of, t.rank(), t.size());
+  const std::vector<Part> parts = parse(layout, x.numel());
+  TORCH_CHECK_VALUE(q_state.numel() == lowrank_q_numel(layout), "hetcomm: lowrank Q state must have ",
+                    lowrank_q_numel(layout), " elements");
+  const int locals = static_cast<int>(h.locals.size());
+  SubgroupTransport local(t, h.locals, 3000);
+  x.div_(divisor);
+  if (locals > 1) allreduce_ring(local, x);  // exact node sum on every rank of the node
+  // My parts (round robin over the node's ranks), packed into a sub-bucket.
+  std::vector<int64_t> mine, q_off(parts.size());
+  int64_t q = 0, y_n = 0, q_n = 0;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    q_off[j] = q;
+    q += parts[j].cols * parts[j].rank;
+    if (static_cast<int>(j % locals) == h.local_index) {
+      mine.push_back(static_cast<int64_t>(j));
+      y_n += parts[j].numel();
+      q_n += parts[j].cols * parts[j].rank;
+    }
+  }
+  at::Tensor y = at::empty({y_n}, x.options());
+  at::Tensor sub_q = at::empty({q_n}, q_state.options());
+  at::Tensor sub_r = residual.defined() ? at::empty({y_n}, residual.options()) : at::Tensor();
+  at::Tensor sub_layout = at::empty({static_cast<int64_t>(mine.size()), 4}, at::kLong);
+  int64_t yo = 0, qo = 0;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const Part& p = parts[mine[i]];
+    y.narrow(0, yo, p.numel()).copy_(x.narrow(0, p.offset, p.numel()));
+    if (sub_r.defined()) sub_r.narrow(0, yo, p.numel()).copy_(residual.narrow(0, p.offset, p.numel()));
+    sub_q.narrow(0, qo, p.cols * p.rank).copy_(q_state.narrow(0, q_off[mine[i]], p.cols * p.rank));
+    sub_layout[i][0] = yo;
+    sub_layout[i][1] = p.rows;
+    sub_layout[i][2] = p.cols;
+    sub_layout[i][3] = p.rank;
+    yo += p.numel();
+    qo += p.cols * p.rank;
+  }
+  if (h.peers.size() > 1 && y_n > 0) {
+    SubgroupTransport across(t, h.peers, 4000);
+    allreduce_lowrank(across, y, 1.0, sub_layout, sub_q, sub_r, timer, 1.0 / static_cast<double>(h.peers.size()));
+  }
+  // Disjoint results: zeros elsewhere, then the node's sum puts them together.
+  at::Tensor out = at::zeros_like(x);
+  yo = qo = 0;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const Part& p = parts[mine[i]];
+    out.narrow(0, p.offset, p.numel()).copy_(y.narrow(0, yo, p.numel()));
+    if (sub_r.defined()) residual.narrow(0, p.offset, p.numel()).copy_(sub_r.narrow(0, yo, p.numel()));
+    q_state.narrow(0, q_off[mine[i]], p.cols * p.rank).copy_(sub_q.narrow(0, qo, p.cols * p.rank));
+    yo += p.numel();
+    qo += p.cols * p.rank;
+  }
+  if (locals > 1) allreduce_ring(local, out);
+  x.copy_(out);
 }
 
 }  // namespace collectives

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "collectives/compressed.h"
 #include "transport/transport.h"
 
@@ -17,8 +19,20 @@ namespace collectives {
 // residual (numel x.numel(), may be undefined): error feedback on the matrices;
 // each rank keeps M_r - approx / divisor_r (its share of the sum's approximation).
 // x = sum_i x_i / divisor_i on the dense parts, its rank-r approximation on the matrices.
+// share: this rank's part of the sum's approximation for error feedback
+// (default 1 / divisor; the shares of all ranks sum to 1).
 void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
-                       const at::Tensor& residual, CodecTimer& timer);
+                       const at::Tensor& residual, CodecTimer& timer, double share = -1.0);
+
+// Exact inside nodes, low-rank across them: intra-node all-reduce; the node's
+// matrices are split among its ranks, each compresses its own across the
+// nodes (ranks with its local index) with error feedback share 1/nodes; an
+// intra-node all-reduce of the disjoint results gives every rank everything.
+// residual and q_state are sized for the whole layout (each rank uses the
+// slices of the parts it owns).
+void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
+                                    at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
+                                    CodecTimer& timer);
 
 // Elements of q_state a layout needs.
 int64_t lowrank_q_numel(const at::Tensor& layout);

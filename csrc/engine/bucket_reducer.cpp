@@ -97,6 +97,9 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         collectives::allreduce_hierarchical(t, x, node_of_, inter);
       } else if (job.codec == Codec::kOneBit)
         collectives::allreduce_onebit(t, x, divisor_, job.chunk, job.residual, job.server_residual, codec_);
+      else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)
+        collectives::allreduce_lowrank_hierarchical(t, x, divisor_, job.layout, job.q_state, job.residual, node_of_,
+                                                    codec_);
       else if (job.codec == Codec::kLowRank)
         collectives::allreduce_lowrank(t, x, divisor_, job.layout, job.q_state, job.residual, codec_);
       else

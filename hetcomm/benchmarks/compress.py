@@ -5,7 +5,6 @@ where hetcomm's output differs from the torch implementation's."""
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional
 
 import torch
