@@ -34,7 +34,7 @@ def _bench(args) -> None:
         rank_cpu = [float(c) for c in args.rank_cpu.split(",")] if args.rank_cpu else None
         ddp.main(ranks=args.ranks, modes=args.modes.split(",") if args.modes else None,
                  params=common.parse_bytes(args.params), global_batch=args.global_batch, steps=args.iters,
-                 warmup=args.warmup, rank_cpu=rank_cpu, json_path=args.json)
+                 warmup=args.warmup, rank_cpu=rank_cpu, json_path=args.json, algorithm=args.algorithm)
 
 
 def _topo(args) -> None:
@@ -98,6 +98,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     b.add_argument("--params", default="1M", help="ddp: model size in parameters (K/M suffixes)")
     b.add_argument("--global-batch", type=int, default=64, help="ddp: samples per step over all ranks")
     b.add_argument("--modes", default=None, help="ddp: comma-separated modes (default: all; +bal = balanced)")
+    b.add_argument("--algorithm", default="native", help="ddp: HookState(algorithm=...) of hetcomm's modes")
     b.add_argument("--algos", default=None, help="allreduce: comma-separated algorithms (default: all)")
     b.add_argument("--wires", default=None, help="allreduce: comma-separated wire formats (default none,fp16,onebit)")
     b.add_argument("-c", "--check", type=int, default=1, help="allreduce: count wrong elements (1) or not (0)")

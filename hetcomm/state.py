@@ -372,15 +372,19 @@ class HookState:
                              f"{self.topology.nodes}")
         self._ensure_engine().set_topology(self.topology.ring_order(), self.topology.node_ids)
 
-    def _algorithm_for(self, numel: int, mode: str, compressed: bool) -> str:
-        """The bucket's algorithm: forced, or the planner's choice (cached per size)."""
+    def _algorithm_for(self, numel: int, mode: str, compressed: bool, layout: Optional[torch.Tensor] = None) -> str:
+        """The bucket's algorithm: forced, or the planner's choice (cached per size and wire)."""
         from . import topology
 
-        wire = mode if not compressed else ("onebit" if mode == "onebit" else
-                                            f"topk:{self.topk_ratio}" if mode == "topk" else None)
-        if mode == "lowrank" and compressed:
-            # exact inside nodes, low-rank across them, when asked for (the planner has no lowrank model yet)
-            return "hierarchical" if self.algorithm == "hierarchical" else "native"
+        wire = mode
+        if compressed:
+            if mode == "onebit":
+                wire = "onebit"
+            elif mode == "topk":
+                wire = f"topk:{self.topk_ratio}"
+            else:  # lowrank: the fraction of the bucket that P, Q and the dense parts carry
+                sent = sum((rows + cols) * k if k else rows * cols for _, rows, cols, k in layout.tolist())
+                wire = f"lowrank:{sent / numel:.4f}"
         if self.algorithm != "auto":
             if compressed and self.algorithm not in ("native", "hierarchical"):
                 return "native"  # the codecs run flat or across nodes only
@@ -409,17 +413,18 @@ class HookState:
         numel = buf.numel()
         compressed = mode in COMPRESSED and self.iter >= self.start_iter and numel >= self.min_compress_numel
         residual = server = layout = q_state = None
-        algo = self._algorithm_for(numel, mode if compressed or mode not in COMPRESSED else "none", compressed)
-        if not compressed:
-            codec = CODEC_IDS["none"] if mode in COMPRESSED else CODEC_IDS[mode]
-        else:
-            codec = CODEC_IDS[mode]
+        if compressed:
             key = self._buckets.key(bucket, index, numel)
             if mode == "lowrank":
                 if buf.is_cuda:
                     raise ValueError("hetcomm: compression='lowrank' runs on CPU buckets only in this version")
                 layout = self._buckets.lowrank_parts(bucket, key, numel, self.rank)
                 q_state = self._buckets.lowrank_q_state(key, layout)
+        algo = self._algorithm_for(numel, mode if compressed or mode not in COMPRESSED else "none", compressed, layout)
+        if not compressed:
+            codec = CODEC_IDS["none"] if mode in COMPRESSED else CODEC_IDS[mode]
+        else:
+            codec = CODEC_IDS[mode]
             if self.error_feedback:
                 # Flat codecs compress the whole bucket; hierarchical ones this
                 # rank's shard, across the nodes.

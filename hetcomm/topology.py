@@ -273,6 +273,10 @@ def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -
         b = n_elems * WIRE_BYTES[wire]
         if wire != "none":
             codec = 2 * nbytes / (topo.codec_gbps * 1e9 * 4)  # casts are ~4x cheaper than the 1-bit codec
+    elif wire.startswith("lowrank"):
+        # "lowrank:<fraction of the fp32 elements P, Q and the dense parts make up>"
+        frac = float(wire.split(":")[1]) if ":" in wire else 0.1
+        return _predict_lowrank(topo, nbytes, algorithm, frac)
     elif wire == "onebit" or wire.startswith("topk"):
         b = None
         codec = 3 * nbytes / (topo.codec_gbps * 1e9)
@@ -320,6 +324,23 @@ def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -
         local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * b)
         return codec + local + _stage(inter, 2 * (nodes - 1), 2 * (nodes - 1) / nodes * b / per_node * share)
     raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def _predict_lowrank(topo: Topology, nbytes: float, algorithm: str, frac: float) -> Optional[float]:
+    """Two all-reduces (P, then Q) carrying `frac` of the bucket's bytes in all;
+    hierarchical: an exact intra-node all-reduce before and after, low-rank
+    across nodes on the node's links."""
+    w, worst = topo.world, topo.worst()
+    sent = frac * nbytes
+    if algorithm == "native":
+        return _stage(worst, 4 * (w - 1), 2 * (w - 1) / w * sent)
+    per_node, nodes = topo.ranks_per_node(), topo.num_nodes
+    if algorithm != "hierarchical" or not per_node or nodes == 1:
+        return None
+    intra, inter = topo.links.get("intra", worst), topo.links.get("inter", worst)
+    local = 2 * _stage(intra, 2 * (per_node - 1), 2 * (per_node - 1) / per_node * nbytes) if per_node > 1 else 0.0
+    # each node's matrices are split among its ranks, which share its link
+    return local + _stage(inter, 4 * (nodes - 1), 2 * (nodes - 1) / nodes * sent)
 
 
 def plan(topo: Topology, nbytes: float, wire: str = "none", allowed: Optional[List[str]] = None) -> dict:

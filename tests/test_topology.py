@@ -128,7 +128,7 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
 @pytest.mark.parametrize("mode,algorithm", [("none", "auto"), ("none", "ring"), ("none", "hierarchical"),
                                             ("fp16", "halving_doubling"), ("none", "tree"),
                                             ("onebit", "hierarchical"), ("topk", "hierarchical"),
-                                            ("onebit", "auto"), ("lowrank", "hierarchical")])
+                                            ("onebit", "auto"), ("lowrank", "hierarchical"), ("lowrank", "auto")])
 def test_ddp_with_each_algorithm_keeps_replicas_identical(tmp_path, mode, algorithm):
     res = run_ranks(_ddp_algorithm, 4, mode, algorithm, str(tmp_path))
     for r in res[1:]:
@@ -147,3 +147,13 @@ def test_bad_algorithm_is_a_value_error():
         hetcomm.HookState(algorithm="butterfly")
     with pytest.raises(ValueError, match="lowrank"):
         hetcomm.HookState("lowrank", algorithm="ring")
+
+
+def test_planner_lowrank_goes_hierarchical_on_slow_links_and_flat_on_one_node():
+    two_nodes = _topo(["a"] * 4 + ["b"] * 4, inter=(50e-6, 1 / 12.5e6))  # 100 Mbit/s between nodes
+    p = topology.plan(two_nodes, 64 << 20, "lowrank:0.02")
+    assert set(p["predicted_s"]) == {"native", "hierarchical"} and p["algorithm"] == "hierarchical"
+    assert topology.plan(_topo(["a"] * 4), 64 << 20, "lowrank:0.02")["algorithm"] == "native"
+    # sending less is predicted faster
+    assert topology.predict(two_nodes, 1 << 24, "native", "lowrank:0.01") < \
+        topology.predict(two_nodes, 1 << 24, "native", "lowrank:0.1")

@@ -100,7 +100,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
             hook_state = None
             inner = default_hooks.allreduce_hook if base == "torch-allreduce" else default_hooks.fp16_compress_hook
     else:
-        state = hook_state = hetcomm.HookState(base)
+        state = hook_state = hetcomm.HookState(base, algorithm=cfg.get("algorithm", "native"))
         inner = hetcomm.hook
     tl = _Timeline(inner)
 
@@ -182,11 +182,11 @@ def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str
 
 
 def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
-        rank_cpu: Optional[List[float]] = None) -> Dict:
+        rank_cpu: Optional[List[float]] = None, algorithm: str = "native") -> Dict:
     for m in modes:
         if m.split("+")[0] not in TORCH_MODES + HETCOMM_MODES or (m.endswith("+bal") and m.split("+")[0] in TORCH_MODES):
             raise ValueError(f"unknown mode {m!r}: choose from {TORCH_MODES + HETCOMM_MODES}, +bal for hetcomm's")
-    cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup}
+    cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup, "algorithm": algorithm}
     if rank_cpu is None:  # here, or inside the testbed / torchrun
         per_rank = run_distributed(_worker, ranks, modes, cfg)
         if per_rank is None:
@@ -210,11 +210,12 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
 
 
 def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int, steps: int, warmup: int,
-         rank_cpu: Optional[List[float]], json_path: Optional[str]) -> Dict:
-    res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu)
+         rank_cpu: Optional[List[float]], json_path: Optional[str], algorithm: str = "native") -> Dict:
+    res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu, algorithm)
     if not res:  # not rank 0
         return res
-    print(f"# hetcomm bench ddp: {res['ranks']} gloo ranks, CPU quotas {rank_cpu or 'none'}, "
+    print(f"# hetcomm bench ddp: {res['ranks']} gloo ranks, CPU quotas {rank_cpu or 'none'}, hetcomm algorithm "
+          f"{algorithm}, "
           f"{res['rows'][0]['params']:,} parameters, global batch {global_batch}, {steps} timed steps")
     cols = [("mode", "mode", "s"), ("step_ms", "step ms", ".1f"), ("samples_per_s", "samples/s", ".1f"),
             ("bytes_per_step", "bytes/step", ",d"), ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
