@@ -37,6 +37,13 @@ using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
 
+// The 1-D float32 view the compressed all-reduce bindings work on, in place.
+at::Tensor flat_float32(const at::Tensor& x) {
+  ops::check_float_vector(x, "x");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
+  return x.view({-1});
+}
+
 py::object wrap_future(const FuturePtr& fut) {
   return py::cast(std::make_shared<torch::jit::PythonFutureWrapper>(fut));
 }
@@ -296,9 +303,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](ProcessGroupTransport& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
              c10::optional<at::Tensor> sres) {
             collectives::CodecTimer timer;
-            ops::check_float_vector(x, "x");
-            TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
-            at::Tensor flat = x.view({-1});
+            at::Tensor flat = flat_float32(x);
             collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer);
           },
           py::arg("x"), py::arg("divisor"), py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(),
@@ -309,9 +314,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](ProcessGroupTransport& t, at::Tensor x, double divisor, double ratio, bool exact,
              c10::optional<at::Tensor> res) {
             collectives::CodecTimer timer;
-            ops::check_float_vector(x, "x");
-            TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
-            at::Tensor flat = x.view({-1});
+            at::Tensor flat = flat_float32(x);
             collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer);
           },
           py::arg("x"), py::arg("divisor"), py::arg("ratio"), py::arg("exact") = true, py::arg("residual") = py::none(),
@@ -321,8 +324,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](ProcessGroupTransport& t, at::Tensor x, double divisor, const at::Tensor& layout, at::Tensor q_state,
              c10::optional<at::Tensor> res, std::vector<int> node_of) {
             collectives::CodecTimer timer;
-            TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
-            at::Tensor flat = x.view({-1});
+            at::Tensor flat = flat_float32(x);
             if (node_of.empty())
               collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
             else

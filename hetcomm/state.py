@@ -12,8 +12,9 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, topology
 from .buckets import BucketStates
+from .topology import ALGO_IDS, ALGORITHMS
 
 # Codec ids shared with csrc/engine/bucket_reducer.h (enum class Codec).
 CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "topk": 4, "lowrank": 5}
@@ -32,18 +33,6 @@ def _close_engines() -> None:
     # to complete futures).
     for engine in list(_live_engines):
         engine.close()
-
-
-def topology_ids():
-    from .topology import ALGO_IDS
-
-    return ALGO_IDS
-
-
-def _algorithms():
-    from .topology import ALGORITHMS
-
-    return ALGORITHMS
 
 
 def _default_group_timeout() -> Optional[timedelta]:
@@ -170,8 +159,6 @@ class HookState:
             raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
         if not isinstance(topk_exact, bool):
             raise ValueError(f"topk_exact must be a bool, got {topk_exact!r}")
-        from .topology import ALGORITHMS
-
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
         if compression == "lowrank" and algorithm not in ("native", "auto", "hierarchical"):
@@ -332,7 +319,7 @@ class HookState:
             ("topk_ratio", round(self.topk_ratio * 1e9)),
             ("topk_exact", int(self.topk_exact)),
             ("rank", self.rank),
-            ("algorithm", (("auto",) + tuple(_algorithms())).index(self.algorithm)),
+            ("algorithm", (("auto",) + ALGORITHMS).index(self.algorithm)),
             ("transport", ("auto", "pg").index(self.transport)),
             ("batch-size weighting (set_local_batch_size called before the first step)",
              int(self._local_batch is not None)),
@@ -348,7 +335,7 @@ class HookState:
         vector = torch.tensor([v for _, v in config] + [int(capable)], dtype=torch.int64)
         gathered = engine.submit_config(vector).wait()
         show = {"compression": lambda v: COMPRESSIONS[v], "topk_ratio": lambda v: v / 1e9,
-                "algorithm": lambda v: (("auto",) + tuple(_algorithms()))[v]}
+                "algorithm": lambda v: (("auto",) + ALGORITHMS)[v]}
         for col, (name, _) in enumerate(config):
             column = gathered[:, col].tolist()
             if len(set(column)) > 1:
@@ -364,8 +351,6 @@ class HookState:
         self._negotiated = True
 
     def _detect_topology(self, device: Optional[torch.device] = None) -> None:
-        from . import topology
-
         self.topology = topology.detect(self._group(), device)
         if self.algorithm == "hierarchical" and self.topology.ranks_per_node() is None:
             raise ValueError("algorithm 'hierarchical' needs the same number of ranks on every node, found "
@@ -374,8 +359,6 @@ class HookState:
 
     def _algorithm_for(self, numel: int, mode: str, compressed: bool, layout: Optional[torch.Tensor] = None) -> str:
         """The bucket's algorithm: forced, or the planner's choice (cached per size and wire)."""
-        from . import topology
-
         wire = mode
         if compressed:
             if mode == "onebit":
@@ -438,7 +421,7 @@ class HookState:
                     server = self._buckets.residual(self._buckets.server_residuals, key,
                                                     _C.onebit_segment_numel(n, peers, me), buf.device)
         fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
-                                   server, last, layout, q_state, topology_ids()[algo])
+                                   server, last, layout, q_state, ALGO_IDS[algo])
         if last:
             self.last_bucket_time = time.monotonic()
             self._step_open = False

@@ -10,18 +10,6 @@ namespace collectives {
 
 namespace {
 
-class Timed {
- public:
-  explicit Timed(CodecTimer& t) : timer_(t), start_(std::chrono::steady_clock::now()) {}
-  ~Timed() {
-    timer_.ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
-  }
-
- private:
-  CodecTimer& timer_;
-  std::chrono::steady_clock::time_point start_;
-};
-
 // Segment r of the bucket is [r * seg, min(n, (r + 1) * seg)); seg is a
 // multiple of 32 so each segment's sign words start on a word boundary.
 int64_t segment_stride(int64_t n, int world) {

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 
 #include "transport/transport.h"
@@ -17,6 +18,21 @@ namespace collectives {
 // Time spent in encode/decode kernels, added to by every call below.
 struct CodecTimer {
   std::atomic<int64_t> ns{0};
+};
+
+// Adds the time of its scope to a CodecTimer.
+class Timed {
+ public:
+  explicit Timed(CodecTimer& t) : timer_(t), start_(std::chrono::steady_clock::now()) {}
+  ~Timed() {
+    timer_.ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+  }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  CodecTimer& timer_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 // How the (weighted, wire-format) tensor is summed over ranks.

@@ -2,7 +2,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <chrono>
 #include <vector>
 
 #include "collectives/algorithms.h"
@@ -62,53 +61,49 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
   }
   TORCH_CHECK_VALUE(q_state.numel() == q_total && q_state.scalar_type() == at::kFloat && q_state.is_contiguous(),
                     "hetcomm: lowrank Q state must be contiguous float32 with ", q_total, " elements");
-  auto start = std::chrono::steady_clock::now();
-  auto lap = [&] {
-    const auto now = std::chrono::steady_clock::now();
-    timer.ns += std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count();
-  };
-  // M = x / divisor (+ residual on the matrices: error feedback).
-  x.div_(divisor);
-  if (residual.defined()) x.add_(residual);
-
-  // Dense parts: one all-reduce for all of them together.
-  at::Tensor dense_buf = at::empty({dense}, at::kFloat);
+  at::Tensor dense_buf = at::empty({dense}, at::kFloat);  // the dense parts: one all-reduce for all of them
   at::Tensor p_buf = at::empty({p_total}, at::kFloat);
+  at::Tensor q_buf = at::empty({q_total}, at::kFloat);
   int64_t d = 0, po = 0, qo = 0;
-  for (const Part& p : parts) {
-    at::Tensor m = x.narrow(0, p.offset, p.numel());
-    if (p.rank == 0) {
-      dense_buf.narrow(0, d, p.numel()).copy_(m);
-      d += p.numel();
-    } else {
-      at::Tensor q = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
-      at::Tensor out = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-      at::mm_out(out, m.view({p.rows, p.cols}), q);
+  {
+    Timed _(timer);
+    // M = x / divisor (+ residual on the matrices: error feedback).
+    x.div_(divisor);
+    if (residual.defined()) x.add_(residual);
+    for (const Part& p : parts) {
+      at::Tensor m = x.narrow(0, p.offset, p.numel());
+      if (p.rank == 0) {
+        dense_buf.narrow(0, d, p.numel()).copy_(m);
+        d += p.numel();
+      } else {
+        at::Tensor q = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
+        at::Tensor out = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+        at::mm_out(out, m.view({p.rows, p.cols}), q);
+        po += p.rows * p.rank;
+        qo += p.cols * p.rank;
+      }
+    }
+  }
+  t.all_reduce_sum(dense_buf);
+  t.all_reduce_sum(p_buf);
+  {
+    Timed _(timer);
+    // Orthonormal P (every rank holds the same summed P, so the same basis),
+    // then Q = M^T P.
+    po = qo = 0;
+    for (const Part& p : parts) {
+      if (p.rank == 0) continue;
+      at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+      kernels::orthonormalize_columns_cpu(pm.data_ptr<float>(), p.rows, p.rank, 1e-8f);
+      at::Tensor m = x.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
+      at::Tensor out = q_buf.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
+      at::mm_out(out, m.t(), pm);
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }
   }
-  lap();
-  t.all_reduce_sum(dense_buf);
-  t.all_reduce_sum(p_buf);
-  start = std::chrono::steady_clock::now();
-  // Orthonormal P (every rank holds the same summed P, so the same basis),
-  // then Q = M^T P.
-  at::Tensor q_buf = at::empty({q_total}, at::kFloat);
-  po = qo = 0;
-  for (const Part& p : parts) {
-    if (p.rank == 0) continue;
-    at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    kernels::orthonormalize_columns_cpu(pm.data_ptr<float>(), p.rows, p.rank, 1e-8f);
-    at::Tensor m = x.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
-    at::Tensor out = q_buf.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
-    at::mm_out(out, m.t(), pm);
-    po += p.rows * p.rank;
-    qo += p.cols * p.rank;
-  }
-  lap();
   t.all_reduce_sum(q_buf);
-  start = std::chrono::steady_clock::now();
+  Timed _(timer);
   q_state.copy_(q_buf);  // warm start for the next step
   d = po = qo = 0;
   for (const Part& p : parts) {
@@ -140,7 +135,6 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
-  lap();
 }
 
 void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
