@@ -48,21 +48,44 @@ py::object wrap_future(const FuturePtr& fut) {
   return py::cast(std::make_shared<torch::jit::PythonFutureWrapper>(fut));
 }
 
+// A blocking call on any transport from Python. NCCL's: its stream first
+// waits for the caller's (which made the inputs), the work (NCCL calls and the
+// algorithms' own kernels) runs on its stream, and it returns once finished.
+void blocking(Transport& t, const std::function<void()>& fn) {
+#ifdef HETCOMM_WITH_CUDA
+  if (auto* nccl = dynamic_cast<NcclTransport*>(&t)) {
+    nccl->wait_for_current_stream();
+    {
+      c10::cuda::CUDAStreamGuard guard(nccl->stream());
+      fn();
+    }
+    nccl->synchronize();
+    return;
+  }
+#endif
+  fn();
+}
+
 // Comm engine of one HookState: a transport, the reducer and its FIFO thread.
 // Once a job fails every later job fails at once with the first error: after
 // a failed collective the ranks are out of step, and going on would hang.
 class Engine {
  public:
-  explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-      : transport_(std::make_shared<ProcessGroupTransport>(std::move(pg))), reducer_(transport_) {}
+  Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device)
+      : transport_(std::make_shared<ProcessGroupTransport>(std::move(pg), device)), reducer_(transport_) {}
   explicit Engine(std::shared_ptr<Transport> t) : transport_(std::move(t)), reducer_(transport_) {}
 
   ~Engine() { worker_.close(); }
 
-  // Posts fn to the comm thread; the Future's value (a Python object) is fn's result.
+  // Posts fn to the comm thread; the Future's value (a Python object) is
+  // fn's result. One engine serves one device: its transport's.
   py::object run(std::function<at::Tensor()> fn, const at::Tensor& bucket = at::Tensor()) {
+    const at::Device device = transport_->device();
+    TORCH_CHECK_VALUE(!bucket.defined() || bucket.device() == device, "hetcomm: bucket is on ", bucket.device(),
+                      " but this HookState's transport works on ", device,
+                      " (one HookState serves the buckets of one device)");
 #ifdef HETCOMM_WITH_CUDA
-    if (bucket.defined() && bucket.is_cuda()) return run_cuda(std::move(fn), bucket);
+    if (device.is_cuda()) return run_cuda(std::move(fn), bucket);
 #endif
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
     worker_.post([this, fut, fn = std::move(fn)] { execute(fut, fn); });
@@ -70,35 +93,44 @@ class Engine {
   }
 
 #ifdef HETCOMM_WITH_CUDA
-  // A CUDA bucket: the comm stream first waits for what the caller's stream
-  // has queued (the gradients), the job's kernels and NCCL calls run on the
-  // comm stream, and the Future is CUDA-aware: completed with events on the
-  // comm stream, so DDP's wait() makes its stream wait without blocking the
-  // host. The comm thread synchronizes the stream itself (polling NCCL's
-  // async errors) so a dead peer raises instead of hanging.
+  // A CUDA transport: the comm stream first waits for what the caller's
+  // stream has queued (the gradients), the job's kernels and collectives run
+  // on the comm stream, and the Future is CUDA-aware: completed with events
+  // on the comm stream, so DDP's wait() makes its stream wait without blocking
+  // the host. The comm thread then waits for the stream itself (NCCL: polling
+  // async errors, aborting on timeout) so a dead peer raises, not hangs.
   py::object run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket) {
-    auto nccl = std::dynamic_pointer_cast<NcclTransport>(transport_);
-    TORCH_CHECK_VALUE(nccl, "hetcomm: CUDA buckets need the NCCL transport (HookState(transport='auto'))");
-    const c10::Device device = bucket.device();
+    const c10::Device device = transport_->device();
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get(), std::vector<c10::Device>{device});
     cudaEvent_t ready;
+    c10::cuda::CUDAStream stream = comm_stream();
     {
       c10::cuda::CUDAGuard guard(device);
       TORCH_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming) == cudaSuccess, "hetcomm: cudaEventCreate");
       TORCH_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()) == cudaSuccess,
                   "hetcomm: cudaEventRecord");
     }
-    worker_.post([this, fut, fn = std::move(fn), nccl, bucket, ready] {
-      c10::cuda::CUDAStreamGuard guard(nccl->stream());
-      cudaStreamWaitEvent(nccl->stream().stream(), ready, 0);
+    worker_.post([this, fut, fn = std::move(fn), bucket, ready, stream] {
+      c10::cuda::CUDAStreamGuard guard(stream);
+      cudaStreamWaitEvent(stream.stream(), ready, 0);
       cudaEventDestroy(ready);
       execute(fut, fn, [&] {
-        nccl->synchronize();
-        c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), nccl->stream());
+        transport_->synchronize();  // NCCL: bounded by the timeout, aborts the communicator
+        stream.synchronize();       // a process group: its own watchdog bounds this
+        if (bucket.defined()) c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), stream);
       });  // markCompleted records the future's events on the comm stream
     });
     return wrap_future(fut);
   }
+
+  // NcclTransport enqueues on its own stream; with a process group the
+  // engine keeps a stream of its own.
+  c10::cuda::CUDAStream comm_stream() {
+    if (auto nccl = std::dynamic_pointer_cast<NcclTransport>(transport_)) return nccl->stream();
+    if (!stream_) stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, transport_->device().index());
+    return *stream_;
+  }
+  c10::optional<c10::cuda::CUDAStream> stream_;
 #endif
 
   // On the comm thread: runs fn (then `after`, inside the same error
@@ -271,111 +303,142 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "cast_decode",
       [](const at::Tensor& h, double mul, c10::optional<at::Tensor> out) { return ops::cast_decode(h, mul, opt(out)); },
       py::arg("h"), py::arg("mul") = 1.0, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "lowrank_outer",
+      [](const at::Tensor& p, const at::Tensor& qt, c10::optional<at::Tensor> out) {
+        return ops::lowrank_outer(p, qt, opt(out));
+      },
+      py::arg("p"), py::arg("qt"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "orthonormalize_columns", [](at::Tensor p, double eps) { ops::orthonormalize_columns(p, eps); return p; },
+      py::arg("p"), py::arg("eps") = 1e-8, py::call_guard<py::gil_scoped_release>());
   m.def("hierarchical_shard_numel", &collectives::hierarchical_shard_numel, py::arg("n"), py::arg("node_of"),
         py::arg("rank"));
   m.def("lowrank_q_numel", &collectives::lowrank_q_numel, py::arg("layout"));
   m.def("onebit_segment_numel", &collectives::onebit_segment_numel, py::arg("n"), py::arg("world"), py::arg("rank"));
 
-  // ---- transport (blocking calls; the GIL is released around every one) ----
-  py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport");
-  py::class_<ProcessGroupTransport, Transport, std::shared_ptr<ProcessGroupTransport>>(m, "ProcessGroupTransport")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
-      .def_property_readonly("rank", &ProcessGroupTransport::rank)
-      .def_property_readonly("size", &ProcessGroupTransport::size)
-      .def_property_readonly("name", &ProcessGroupTransport::name)
-      .def("send", &ProcessGroupTransport::send, py::arg("tensor"), py::arg("dst"), py::arg("tag") = 0,
-           py::call_guard<py::gil_scoped_release>())
+  // ---- transports (blocking calls; the GIL is released around every one) ----
+  // Defined once on the base class, so every transport has them all.
+  using T = Transport;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport")
+      .def_property_readonly("rank", &T::rank)
+      .def_property_readonly("size", &T::size)
+      .def_property_readonly("name", &T::name)
+      .def_property_readonly("device", &T::device)
       .def(
-          "recv", [](ProcessGroupTransport& t, at::Tensor tensor, int src, int tag) { t.recv(tensor, src, tag); },
-          py::arg("tensor"), py::arg("src"), py::arg("tag") = 0, py::call_guard<py::gil_scoped_release>())
+          "send", [](T& t, const at::Tensor& x, int dst, int tag) { blocking(t, [&] { t.send(x, dst, tag); }); },
+          py::arg("tensor"), py::arg("dst"), py::arg("tag") = 0, nogil)
       .def(
-          "all_reduce_sum", [](ProcessGroupTransport& t, at::Tensor x) { t.all_reduce_sum(x); }, py::arg("tensor"),
-          py::call_guard<py::gil_scoped_release>())
+          "recv", [](T& t, at::Tensor x, int src, int tag) { blocking(t, [&] { t.recv(x, src, tag); }); },
+          py::arg("tensor"), py::arg("src"), py::arg("tag") = 0, nogil)
       .def(
-          "all_gather", [](ProcessGroupTransport& t, at::Tensor out, const at::Tensor& in) { t.all_gather(out, in); },
-          py::arg("out"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
+          "send_recv",
+          [](T& t, const at::Tensor& out, int dst, at::Tensor in, int src, int tag) {
+            blocking(t, [&] { t.send_recv(out, dst, in, src, tag); });
+          },
+          py::arg("out"), py::arg("dst"), py::arg("input"), py::arg("src"), py::arg("tag") = 0, nogil)
       .def(
-          "all_to_all", [](ProcessGroupTransport& t, at::Tensor out, const at::Tensor& in) { t.all_to_all(out, in); },
-          py::arg("out"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
-      .def("barrier", &ProcessGroupTransport::barrier, py::call_guard<py::gil_scoped_release>())
+          "all_reduce_sum", [](T& t, at::Tensor x) { blocking(t, [&] { t.all_reduce_sum(x); }); }, py::arg("tensor"),
+          nogil)
+      .def(
+          "all_gather",
+          [](T& t, at::Tensor out, const at::Tensor& in) { blocking(t, [&] { t.all_gather(out, in); }); },
+          py::arg("out"), py::arg("input"), nogil)
+      .def(
+          "all_to_all",
+          [](T& t, at::Tensor out, const at::Tensor& in) { blocking(t, [&] { t.all_to_all(out, in); }); },
+          py::arg("out"), py::arg("input"), nogil)
+      .def(
+          "reduce_scatter_sum",
+          [](T& t, at::Tensor out, const at::Tensor& in, const std::string& algorithm) {
+            TORCH_CHECK_VALUE(algorithm == "native" || algorithm == "ring",
+                              "hetcomm: algorithm must be 'native' or 'ring', got '", algorithm, "'");
+            blocking(t, [&] {
+              if (algorithm == "native")
+                t.reduce_scatter_sum(out, in);
+              else
+                collectives::reduce_scatter_ring(t, out, in);
+            });
+          },
+          py::arg("out"), py::arg("input"), py::arg("algorithm") = "native", nogil,
+          "out = this rank's block of the sum over ranks of input (world_size equal blocks).")
+      .def("barrier", [](T& t) { blocking(t, [&] { t.barrier(); }); }, nogil)
       .def(
           "allreduce_onebit",
-          [](ProcessGroupTransport& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
+          [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
              c10::optional<at::Tensor> sres) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
-            collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer);
+            blocking(t, [&] { collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer); });
           },
           py::arg("x"), py::arg("divisor"), py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::call_guard<py::gil_scoped_release>(),
+          py::arg("server_residual") = py::none(), nogil,
           "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately).")
       .def(
           "allreduce_topk",
-          [](ProcessGroupTransport& t, at::Tensor x, double divisor, double ratio, bool exact,
-             c10::optional<at::Tensor> res) {
+          [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
-            collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer);
+            blocking(t, [&] { collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer); });
           },
           py::arg("x"), py::arg("divisor"), py::arg("ratio"), py::arg("exact") = true, py::arg("residual") = py::none(),
-          py::call_guard<py::gil_scoped_release>(), "Top-k all-gather all-reduce of x in place.")
+          nogil, "Top-k all-gather all-reduce of x in place.")
       .def(
           "allreduce_lowrank",
-          [](ProcessGroupTransport& t, at::Tensor x, double divisor, const at::Tensor& layout, at::Tensor q_state,
+          [](T& t, at::Tensor x, double divisor, const at::Tensor& layout, at::Tensor q_state,
              c10::optional<at::Tensor> res, std::vector<int> node_of) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
-            if (node_of.empty())
-              collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
-            else
-              collectives::allreduce_lowrank_hierarchical(t, flat, divisor, layout, q_state, opt(res), node_of, timer);
+            blocking(t, [&] {
+              if (node_of.empty())
+                collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
+              else
+                collectives::allreduce_lowrank_hierarchical(t, flat, divisor, layout, q_state, opt(res), node_of,
+                                                            timer);
+            });
           },
           py::arg("x"), py::arg("divisor"), py::arg("layout"), py::arg("q_state"), py::arg("residual") = py::none(),
-          py::arg("node_of") = std::vector<int>{},
-          py::call_guard<py::gil_scoped_release>(), "Low-rank (PowerSGD-style) all-reduce of x in place.")
+          py::arg("node_of") = std::vector<int>{}, nogil, "Low-rank (PowerSGD-style) all-reduce of x in place.")
       .def(
           "allreduce",
-          [](ProcessGroupTransport& t, at::Tensor x, const std::string& algorithm, std::vector<int> order,
-             std::vector<int> node_of, const std::string& inter, c10::optional<at::Tensor> res,
-             c10::optional<at::Tensor> sres, int64_t chunk, double ratio) {
+          [](T& t, at::Tensor x, const std::string& algorithm, std::vector<int> order, std::vector<int> node_of,
+             const std::string& inter, c10::optional<at::Tensor> res, c10::optional<at::Tensor> sres, int64_t chunk,
+             double ratio) {
             TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
+            TORCH_CHECK_VALUE(inter == "ring" || inter == "onebit" || inter == "topk",
+                              "hetcomm: inter must be 'ring', 'onebit' or 'topk', got '", inter, "'");
             at::Tensor flat = x.view({-1});
-            if (algorithm == "native") {
-              t.all_reduce_sum(flat);
-            } else if (algorithm == "ring") {
-              collectives::allreduce_ring(t, flat, order);
-            } else if (algorithm == "halving_doubling") {
-              collectives::allreduce_halving_doubling(t, flat);
-            } else if (algorithm == "tree") {
-              collectives::allreduce_tree(t, flat);
-            } else if (algorithm == "hierarchical") {
-              collectives::InterOptions o;
-              o.codec = inter == "ring" ? collectives::InterCodec::kRing
-                                        : (inter == "onebit" ? collectives::InterCodec::kOneBit : collectives::InterCodec::kTopK);
-              TORCH_CHECK_VALUE(inter == "ring" || inter == "onebit" || inter == "topk",
-                                "hetcomm: inter must be 'ring', 'onebit' or 'topk', got '", inter, "'");
-              o.residual = opt(res);
-              o.server_residual = opt(sres);
-              o.chunk = chunk;
-              o.topk_ratio = ratio;
-              collectives::allreduce_hierarchical(t, flat, node_of, o);
-            } else {
-              TORCH_CHECK_VALUE(false, "hetcomm: algorithm must be native, ring, halving_doubling, tree or "
-                                       "hierarchical, got '", algorithm, "'");
-            }
+            blocking(t, [&] {
+              if (algorithm == "native") {
+                t.all_reduce_sum(flat);
+              } else if (algorithm == "ring") {
+                collectives::allreduce_ring(t, flat, order);
+              } else if (algorithm == "halving_doubling") {
+                collectives::allreduce_halving_doubling(t, flat);
+              } else if (algorithm == "tree") {
+                collectives::allreduce_tree(t, flat);
+              } else if (algorithm == "hierarchical") {
+                collectives::InterOptions o;
+                o.codec = inter == "ring" ? collectives::InterCodec::kRing
+                                          : (inter == "onebit" ? collectives::InterCodec::kOneBit
+                                                               : collectives::InterCodec::kTopK);
+                o.residual = opt(res);
+                o.server_residual = opt(sres);
+                o.chunk = chunk;
+                o.topk_ratio = ratio;
+                collectives::allreduce_hierarchical(t, flat, node_of, o);
+              } else {
+                TORCH_CHECK_VALUE(false, "hetcomm: algorithm must be native, ring, halving_doubling, tree or "
+                                         "hierarchical, got '", algorithm, "'");
+              }
+            });
           },
           py::arg("x"), py::arg("algorithm"), py::arg("order") = std::vector<int>{},
           py::arg("node_of") = std::vector<int>{}, py::arg("inter") = "ring", py::arg("residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::arg("chunk") = 2048, py::arg("topk_ratio") = 0.01,
-          py::call_guard<py::gil_scoped_release>(), "Sum of x over ranks, in place, by the named algorithm.")
-      .def(
-          "send_recv",
-          [](ProcessGroupTransport& t, const at::Tensor& out, int dst, at::Tensor in, int src, int tag) {
-            t.send_recv(out, dst, in, src, tag);
-          },
-          py::arg("out"), py::arg("dst"), py::arg("input"), py::arg("src"), py::arg("tag") = 0,
-          py::call_guard<py::gil_scoped_release>())
-      .def("counters", [](ProcessGroupTransport& t) {
+          py::arg("server_residual") = py::none(), py::arg("chunk") = 2048, py::arg("topk_ratio") = 0.01, nogil,
+          "Sum of x over ranks, in place, by the named algorithm.")
+      .def("counters", [](T& t) {
         py::dict d;
         d["bytes_sent"] = t.counters().bytes_sent.load();
         d["bytes_recv"] = t.counters().bytes_recv.load();
@@ -383,8 +446,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["calls"] = t.counters().calls.load();
         return d;
       });
+  py::class_<ProcessGroupTransport, Transport, std::shared_ptr<ProcessGroupTransport>>(m, "ProcessGroupTransport")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("process_group"),
+           py::arg("device") = at::Device(at::kCPU));
 
 #ifdef HETCOMM_WITH_CUDA
+  // NCCL matches point-to-point calls by order, not tags.
   py::class_<NcclTransport, Transport, std::shared_ptr<NcclTransport>>(m, "NcclTransport")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int rank, int size,
                        int device, double timeout_s) {
@@ -392,24 +459,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                     std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
            }),
            py::arg("store"), py::arg("key"), py::arg("rank"), py::arg("size"), py::arg("device"),
-           py::arg("timeout_s") = 600.0, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("rank", &NcclTransport::rank)
-      .def_property_readonly("size", &NcclTransport::size)
-      .def(
-          "all_reduce_sum", [](NcclTransport& t, at::Tensor x) { t.all_reduce_sum(x); t.synchronize(); },
-          py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "all_gather", [](NcclTransport& t, at::Tensor out, const at::Tensor& in) { t.all_gather(out, in); t.synchronize(); },
-          py::arg("out"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "all_to_all", [](NcclTransport& t, at::Tensor out, const at::Tensor& in) { t.all_to_all(out, in); t.synchronize(); },
-          py::arg("out"), py::arg("input"), py::call_guard<py::gil_scoped_release>())
-      .def("barrier", &NcclTransport::barrier, py::call_guard<py::gil_scoped_release>());
+           py::arg("timeout_s") = 600.0, nogil);
 #endif
 
   // ---- engine ----------------------------------------------------------------
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"))
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("process_group"),
+           py::arg("device") = at::Device(at::kCPU))
 #ifdef HETCOMM_WITH_CUDA
       .def_static(
           "with_nccl", [](std::shared_ptr<NcclTransport> t) { return std::make_shared<Engine>(std::static_pointer_cast<Transport>(t)); },

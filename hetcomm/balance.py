@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from .topology import group_device
+
 
 def split_batch(global_batch: int, throughputs: Sequence[float], caps: Optional[Sequence[int]] = None) -> List[int]:
     """Integer local batch sizes, proportional to ``throughputs``, summing to
@@ -240,8 +242,9 @@ class Balancer:
 
     def rebalance(self) -> bool:
         """Collective: all ranks must call it at the same step. Returns whether the split changed."""
-        mine = torch.tensor([self.meter.rate or 0.0, float(self.sampler._produced)], dtype=torch.float64)
-        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(self.world)]
+        device = group_device()  # the default group: gloo on CPU, or NCCL on this rank's GPU
+        mine = torch.tensor([self.meter.rate or 0.0, float(self.sampler._produced)], dtype=torch.float64, device=device)
+        gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
         speeds = [float(g[0]) for g in gathered]
         produced = max(int(g[1]) for g in gathered)  # DataLoader prefetch may differ: take the furthest

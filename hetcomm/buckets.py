@@ -88,15 +88,17 @@ class BucketStates:
         self.layouts[key] = layout
         return layout
 
-    def lowrank_q_state(self, key: str, layout: torch.Tensor) -> torch.Tensor:
+    def lowrank_q_state(self, key: str, layout: torch.Tensor,
+                        device: torch.device = torch.device("cpu")) -> torch.Tensor:
         self.touched.add(key)
         q = self.lowrank_q.get(key)
         n = _C.lowrank_q_numel(layout)
         if q is None or q.numel() != n:
             # The same random start on every rank (the key is the same everywhere).
             gen = torch.Generator().manual_seed(sum(key.encode()) + 7919 * len(key))
-            q = torch.randn(n, generator=gen)
-            self.lowrank_q[key] = q
+            q = self.lowrank_q[key] = torch.randn(n, generator=gen).to(device)
+        elif q.device != device:  # restored from a checkpoint on another device
+            q = self.lowrank_q[key] = q.to(device)
         return q
 
     def end_step(self) -> None:

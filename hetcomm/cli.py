@@ -27,7 +27,7 @@ def _bench(args) -> None:
         allreduce.main(sizes=common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor),
                        algos=args.algos.split(",") if args.algos else None,
                        wires=args.wires.split(",") if args.wires else None, iters=args.iters, warmup=args.warmup,
-                       check=args.check, ranks=args.ranks, json_path=args.json)
+                       check=args.check, ranks=args.ranks, json_path=args.json, device=args.device)
     elif args.what == "ddp":
         from .benchmarks import common, ddp
 
@@ -91,7 +91,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     b.add_argument("-n", "--iters", type=int, default=10)
     b.add_argument("-w", "--warmup", type=int, default=2)
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    b.add_argument("--device", default="cpu", help="compress: cpu or cuda (a CUDA build of hetcomm)")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="compress, allreduce: cpu or cuda (a CUDA build of hetcomm; allreduce: one GPU per rank, NCCL)")
     b.add_argument("--json", default=None, metavar="PATH")
     b.add_argument("--ranks", type=int, default=2, help="ddp: gloo ranks on this machine")
     b.add_argument("--rank-cpu", default=None, help="ddp: per-rank CPU quotas in cores, e.g. 0.25,0.75 (root)")

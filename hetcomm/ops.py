@@ -66,6 +66,20 @@ def cast_decode(h: torch.Tensor, mul: float = 1.0, out: Optional[torch.Tensor] =
     return _C.cast_decode(h, float(mul), out)
 
 
+def lowrank_outer(p: torch.Tensor, qt: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``p @ qt`` (float32 matrices) summed in a fixed order without FMA or
+    BLAS: every rank and every device (CPU or any GPU) gives the same bits.
+    The lowrank codec rebuilds each gradient matrix with it."""
+    return _C.lowrank_outer(p, qt, out)
+
+
+def orthonormalize_columns(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Modified Gram-Schmidt of the columns of ``p`` (contiguous float32), in
+    place, dot products in float64; returns ``p``. A CUDA ``p`` is computed on
+    the host, so every device gives the same bits."""
+    return _C.orthonormalize_columns(p, float(eps))
+
+
 def onebit_segment_numel(n: int, world: int, rank: int) -> int:
     """Elements of an n-element bucket that ``rank`` averages in the two-phase
     1-bit all-reduce (the size of its server residual)."""

@@ -107,7 +107,9 @@ class HookState:
         transport: ``"auto"`` (default): CUDA buckets go over hetcomm's own
             NCCL communicator and comm stream when this build has CUDA
             (``build_info()["cuda"]``), everything else over the process
-            group; ``"pg"``: always the process group.
+            group; ``"pg"``: always the process group (CUDA buckets then need
+            a group with a CUDA backend, e.g. NCCL). One state serves the
+            buckets of one device.
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
@@ -287,12 +289,15 @@ class HookState:
             self._engine.drain()
 
     def _ensure_engine(self, device: Optional[torch.device] = None):
+        """The comm engine, made for the first bucket's device: hetcomm's own
+        NCCL communicator for CUDA buckets (transport "auto" in a CUDA build),
+        else the process group, with control tensors where it takes them."""
         if self._engine is None:
-            if device is not None and device.type == "cuda" and self.transport == "auto" and \
-                    _C.build_info()["cuda"]:
+            device = device if device is not None else torch.device("cpu")
+            if device.type == "cuda" and self.transport == "auto" and _C.build_info()["cuda"]:
                 self._engine = _C.Engine.with_nccl(self._nccl_transport(device))
             else:
-                self._engine = _C.Engine(self._group())
+                self._engine = _C.Engine(self._group(), topology.group_device(self._group(), device))
             _live_engines.add(self._engine)
         return self._engine
 
@@ -399,10 +404,8 @@ class HookState:
         if compressed:
             key = self._buckets.key(bucket, index, numel)
             if mode == "lowrank":
-                if buf.is_cuda:
-                    raise ValueError("hetcomm: compression='lowrank' runs on CPU buckets only in this version")
                 layout = self._buckets.lowrank_parts(bucket, key, numel, self.rank)
-                q_state = self._buckets.lowrank_q_state(key, layout)
+                q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
         algo = self._algorithm_for(numel, mode if compressed or mode not in COMPRESSED else "none", compressed, layout)
         if not compressed:
             codec = CODEC_IDS["none"] if mode in COMPRESSED else CODEC_IDS[mode]

@@ -90,7 +90,7 @@ class CpuQuota:
             pass
 
 
-def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args):
+def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo"):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch.distributed as dist
@@ -100,7 +100,9 @@ def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args):
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
         store = dist.FileStore(os.path.join(tmp, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(tmp, f"result_{rank}.pt"))
@@ -114,10 +116,13 @@ def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args):
 
 
 def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_timeout: float = 60.0,
-                check: bool = True, rank_cpu: Optional[Sequence[float]] = None) -> List:
-    """Runs ``fn(rank, world, *args)`` in ``world`` spawned gloo ranks (FileStore
-    rendezvous) and returns each rank's result. ``rank_cpu`` confines rank r to
-    ``rank_cpu[r]`` cores. With ``check=False`` a failed rank's result is None."""
+                check: bool = True, rank_cpu: Optional[Sequence[float]] = None, backend: str = "gloo") -> List:
+    """Runs ``fn(rank, world, *args)`` in ``world`` spawned ranks (FileStore
+    rendezvous; gloo, or ``backend="nccl"`` with rank r on GPU r) and returns
+    each rank's result. ``rank_cpu`` confines rank r to ``rank_cpu[r]`` cores.
+    With ``check=False`` a failed rank's result is None."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if rank_cpu is not None and len(rank_cpu) != world:
         raise ValueError(f"rank_cpu must give one quota per rank ({world}), got {list(rank_cpu)}")
     ctx = mp.get_context("spawn")
@@ -125,7 +130,8 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
     try:
         with tempfile.TemporaryDirectory() as tmp:
             procs = [ctx.Process(target=_entry, daemon=True,
-                                 args=(fn, r, world, tmp, pg_timeout, quotas[r].path if quotas else None, args))
+                                 args=(fn, r, world, tmp, pg_timeout, quotas[r].path if quotas else None, args,
+                                       backend))
                      for r in range(world)]
             for p in procs:
                 p.start()
@@ -158,22 +164,24 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
             q.remove()
 
 
-def run_distributed(fn: Callable, ranks: int, *args):
+def run_distributed(fn: Callable, ranks: int, *args, backend: str = "gloo"):
     """Under torchrun or the testbed (RANK / WORLD_SIZE set): join that job
-    (env://, gloo) and run ``fn(rank, world, *args)`` here; returns rank 0's
-    result (None on other ranks). Otherwise spawn ``ranks`` local gloo ranks
-    and return rank 0's result."""
+    (env://, gloo or NCCL with LOCAL_RANK's GPU) and run ``fn(rank, world,
+    *args)`` here; returns rank 0's result (None on other ranks). Otherwise
+    spawn ``ranks`` local ranks and return rank 0's result."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method="env://")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, init_method="env://")
         try:
             result = fn(dist.get_rank(), dist.get_world_size(), *args)
             dist.barrier()
         finally:
             dist.destroy_process_group()
         return result if int(os.environ["RANK"]) == 0 else None
-    return spawn_ranks(fn, ranks, *args, timeout=3600)[0]
+    return spawn_ranks(fn, ranks, *args, timeout=3600, backend=backend)[0]
 
 
 # ---- network namespaces: nodes joined by shaped links --------------------------------

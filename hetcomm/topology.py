@@ -121,6 +121,28 @@ def local_device_info(device: Optional[torch.device] = None) -> dict:
     return info
 
 
+def group_device(group=None, device: Optional[torch.device] = None) -> torch.device:
+    """Where tensors for collectives on ``group`` go: ``device`` when it is a
+    GPU; else the CPU when the group has a CPU backend (gloo); else (a group
+    with NCCL only) this rank's current GPU."""
+    if device is not None and device.type == "cuda":
+        return device
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        pg._get_backend(torch.device("cpu"))
+        return torch.device("cpu")
+    except RuntimeError:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        raise ValueError(f"hetcomm: the process group (backend {dist.get_backend(group)!r}) takes no CPU tensors "
+                         "and no GPU is visible; use gloo for CPU training") from None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def discover(group=None, device: Optional[torch.device] = None) -> List[dict]:
     infos: List[Optional[dict]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(infos, local_device_info(device), group=group)
@@ -140,16 +162,19 @@ def _rounds(world: int) -> List[List[tuple]]:
     return out
 
 
-def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5) -> Dict[tuple, tuple]:
+def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
+          device: Optional[torch.device] = None) -> Dict[tuple, tuple]:
     """One-way time (s) of `small` and `large` byte messages per rank pair,
-    measured by ping-pong in rounds of disjoint pairs. Collective; identical
-    result on every rank."""
+    measured by ping-pong in rounds of disjoint pairs, with tensors on
+    ``device`` (a GPU measures its own links: NVLink, PCIe, the network).
+    Collective; identical result on every rank."""
     from . import _C
 
-    t = _C.ProcessGroupTransport(group if group is not None else dist.group.WORLD)
+    device = group_device(group, device)
+    t = _C.ProcessGroupTransport(group if group is not None else dist.group.WORLD, device)
     me, world = t.rank, t.size
     mine = {}
-    bufs = {s: torch.zeros(s // 4) for s in (small, large)}
+    bufs = {s: torch.zeros(s // 4, device=device) for s in (small, large)}
     for rnd, pairs in enumerate(_rounds(world)):
         for a, b in pairs:
             if me not in (a, b):
@@ -166,6 +191,7 @@ def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5) ->
                     else:
                         t.recv(buf, peer, 10 * rnd + i)
                         t.send(buf, peer, 10 * rnd + i)
+                    _sync(device)  # NCCL's wait() only orders streams
                     if i:  # the first exchange warms the connection up
                         samples.append((time.perf_counter() - t0) / 2)
                 times[size] = min(samples)  # the least disturbed exchange (the machine may be busy)
@@ -198,16 +224,19 @@ def fit(nodes: List[str], measurements: Dict[tuple, tuple], small: int = 4096, l
     return out
 
 
-def measure_codec_gbps(numel: int = 1 << 20) -> float:
-    """GB/s of fp32 input the 1-bit codec encodes+decodes on this machine."""
+def measure_codec_gbps(numel: int = 1 << 20, device: Optional[torch.device] = None) -> float:
+    """GB/s of fp32 input the 1-bit codec encodes+decodes on ``device``."""
     from . import ops
 
-    g, e = torch.randn(numel), torch.zeros(numel)
+    device = device or torch.device("cpu")
+    g, e = torch.randn(numel, device=device), torch.zeros(numel, device=device)
     best = math.inf
     for _ in range(3):
+        _sync(device)
         t0 = time.perf_counter()
         w, s = ops.sign_encode(g, e)
         ops.sign_decode(w, s, numel)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return numel * 4 / best / 1e9
 
@@ -243,8 +272,9 @@ def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = 
     if payload[0] is not None:
         return Topology.from_json(payload[0])
     topo = Topology(world=world, nodes=nodes, devices=devices)
-    topo.links = fit(nodes, probe(group))
-    gbps: List[Optional[float]] = [measure_codec_gbps()]
+    device = group_device(group, device)
+    topo.links = fit(nodes, probe(group, device=device))
+    gbps: List[Optional[float]] = [measure_codec_gbps(device=device)]
     dist.broadcast_object_list(gbps, src=src, group=group)  # rank 0's speed for everyone: identical plans
     topo.codec_gbps = float(gbps[0])
     if dist.get_rank(group) == 0 and use_cache:

@@ -1,7 +1,9 @@
-"""Small models and deterministic data shared by the DDP tests."""
+"""Small models and deterministic data shared by the DDP tests. The same
+bodies run on the CPU (gloo) and, with device="cuda", one GPU per rank (NCCL)."""
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 IN, OUT = 32, 10
 
@@ -11,23 +13,36 @@ def mlp(seed: int = 0, hidden: int = 64) -> nn.Module:
     return nn.Sequential(nn.Linear(IN, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, OUT))
 
 
+def rank_device(rank: int, device: str = "cpu") -> torch.device:
+    return torch.device("cuda", rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+
+
+def ddp(model: nn.Module, rank: int, device: str = "cpu", **kwargs) -> DDP:
+    """DDP of ``model`` on this rank's device (its GPU for device="cuda")."""
+    dev = rank_device(rank, device)
+    if dev.type == "cuda":
+        return DDP(model.to(dev), device_ids=[dev.index], **kwargs)
+    return DDP(model, **kwargs)
+
+
 def batch(rank: int, step: int, size: int):
     g = torch.Generator().manual_seed(100_003 * step + rank)
     return torch.randn(size, IN, generator=g), torch.randint(0, OUT, (size,), generator=g)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
 
 
 def flat_grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()])
+    return torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()]).cpu()
 
 
 def train_step(ddp, opt, rank, step, size, state=None):
     x, y = batch(rank, step, size)
+    dev = next(ddp.parameters()).device
     if state is not None:
         state.set_local_batch_size(size)
     opt.zero_grad(set_to_none=False)
-    nn.functional.cross_entropy(ddp(x), y).backward()
+    nn.functional.cross_entropy(ddp(x.to(dev)), y.to(dev)).backward()
     opt.step()

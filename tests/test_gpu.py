@@ -1,6 +1,9 @@
-"""GPU tests: the same bodies as the CPU ones, on CUDA. They skip cleanly
-without a CUDA build of hetcomm and a visible GPU (decided at run time)."""
+"""GPU tests: the CPU tests' bodies on CUDA. Kernels run through the `device`
+fixture in test_kernels.py (CUDA vs the CPU references, bit for bit); here the
+NCCL transport and DDP on one GPU per rank. They skip cleanly without a CUDA
+build of hetcomm and enough visible GPUs (decided at run time)."""
 
+from datetime import timedelta
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch
 import hetcomm
 from hetcomm import ops
 
-from . import models
+from . import test_ddp
 from .dist_harness import run_ranks
 
 
@@ -26,38 +29,94 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
         assert torch.equal(ops.cast_encode(g.cuda(), 3.0, wire).cpu(), ops.cast_encode(g, 3.0, wire))
     idx_c, val_c = ops.topk_encode(g, None, 1.0, max(1, n // 100), exact=True)
     idx_g, val_g = ops.topk_encode(g.cuda(), None, 1.0, max(1, n // 100), exact=True)
-    assert torch.equal(torch.sort(idx_g.cpu()).values, idx_c) and torch.equal(val_g.cpu(), val_c)
+    assert torch.equal(idx_g.cpu(), idx_c) and torch.equal(val_g.cpu(), val_c)
+    p, qt = torch.randn(max(1, n // 1000), 4), torch.randn(4, 777)
+    assert torch.equal(ops.lowrank_outer(p.cuda(), qt.cuda()).cpu(), ops.lowrank_outer(p, qt))
 
 
-def _two_gpus():
-    if not (hetcomm.build_info()["cuda"] and torch.cuda.device_count() >= 2):
-        pytest.skip("needs a CUDA build of hetcomm and two visible GPUs")
+def _gpus(k):
+    if not (hetcomm.build_info()["cuda"] and torch.cuda.device_count() >= k):
+        pytest.skip(f"needs a CUDA build of hetcomm and {k} visible GPUs")
 
 
-def _nccl_ddp(rank, world, mode):
+def _nccl_ops(rank, world):
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
     t = hetcomm._C.NcclTransport(dist.distributed_c10d._get_default_store(), "test-nccl", rank, world, rank, 60.0)
-    x = torch.full((1000,), float(rank + 1), device="cuda")
+    out = {}
+    x = torch.full((1000,), float(rank + 1), device=dev)
     t.all_reduce_sum(x)
-    model = models.mlp().cuda()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
-    state = hetcomm.HookState(mode, min_compress_numel=0)
-    ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for step in range(20):
-        xb, yb = models.batch(rank, step, 16)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(xb.cuda()), yb.cuda()).backward()
-        opt.step()
-    return {"sum": x.cpu(), "params": models.flat_params(model).cpu()}
+    out["all_reduce"] = x.cpu()
+    g = torch.empty(world * 3, device=dev)
+    t.all_gather(g, torch.full((3,), float(rank), device=dev))
+    out["all_gather"] = g.cpu()
+    send = torch.tensor([rank * 100 + j for j in range(world)], dtype=torch.int32, device=dev)
+    recv = torch.empty_like(send)
+    t.all_to_all(recv, send)
+    out["all_to_all"] = recv.cpu()
+    rs = torch.empty(3, device=dev)
+    t.reduce_scatter_sum(rs, torch.arange(world * 3, dtype=torch.float32, device=dev) + 100 * rank)
+    out["reduce_scatter"] = rs.cpu()
+    buf = torch.empty(5, dtype=torch.float64, device=dev)
+    t.send_recv(torch.full((5,), float(rank), dtype=torch.float64, device=dev), (rank + 1) % world, buf,
+                (rank - 1) % world)
+    out["recv"] = buf.cpu()
+    for algorithm in ("native", "ring", "halving_doubling", "tree"):
+        y = torch.arange(10001, dtype=torch.float32, device=dev) * (rank + 1)
+        t.allreduce(y, algorithm)
+        out[algorithm] = y.cpu()
+    t.barrier()
+    return out
 
 
 @pytest.mark.cuda2
-@pytest.mark.parametrize("mode", ["none", "fp16", "onebit", "topk"])
-def test_nccl_transport_and_ddp_replicas_on_two_gpus(mode):
-    _two_gpus()
-    res = run_ranks(_nccl_ddp, 2, mode)
-    assert torch.equal(res[0]["sum"], torch.full((1000,), 3.0))
-    assert torch.equal(res[0]["params"], res[1]["params"])
+def test_nccl_transport_collectives_closed_form():
+    _gpus(2)
+    world = min(torch.cuda.device_count(), 4)
+    for rank, r in enumerate(run_ranks(_nccl_ops, world, backend="nccl")):
+        assert torch.equal(r["all_reduce"], torch.full((1000,), world * (world + 1) / 2))
+        assert torch.equal(r["all_gather"], torch.arange(world).float().repeat_interleave(3))
+        assert r["all_to_all"].tolist() == [i * 100 + rank for i in range(world)]
+        want = torch.arange(3 * rank, 3 * rank + 3, dtype=torch.float32) * world + 100 * world * (world - 1) / 2
+        assert torch.equal(r["reduce_scatter"], want)
+        assert torch.equal(r["recv"], torch.full((5,), float((rank - 1) % world), dtype=torch.float64))
+        for algorithm in ("native", "ring", "halving_doubling", "tree"):
+            assert torch.equal(r[algorithm], torch.arange(10001, dtype=torch.float32) * (world * (world + 1) // 2))
+
+
+@pytest.mark.cuda2
+@pytest.mark.parametrize("mode", ["none", "fp16", "bf16", "onebit", "topk", "lowrank"])
+def test_ddp_weighted_replicas_on_gpus(mode):
+    _gpus(2)
+    if mode == "bf16" and torch.cuda.get_device_capability(0)[0] < 8:
+        pytest.skip("bf16 needs compute capability >= 8.0")
+    # GPU matmuls differ from the CPU reference by more than the CPU's 1e-6
+    test_ddp.check_weighted(run_ranks(test_ddp._weighted_grads, 2, mode, "cuda", backend="nccl"), mode, 1e-5)
+
+
+@pytest.mark.cuda2
+@pytest.mark.parametrize("mode,options", [("onebit", {}), ("topk", {}), ("lowrank", {}),
+                                          ("none", {"algorithm": "ring"}), ("onebit", {"transport": "pg"}),
+                                          ("none", {"algorithm": "auto"})])
+def test_ddp_replicas_bit_identical_on_gpus(mode, options):
+    _gpus(2)
+    results = run_ranks(test_ddp._replicas, 2, mode, 30, "cuda", options, backend="nccl")
+    for r in results[1:]:
+        assert torch.equal(r["params"], results[0]["params"])
+    assert results[0]["stats"]["iter"] == 30
+
+
+@pytest.mark.cuda2
+@pytest.mark.parametrize("mode", ["none", "onebit"])
+def test_hook_returns_before_the_collective_finishes_on_gpus(mode):
+    _gpus(2)
+    test_ddp.check_overlap(run_ranks(test_ddp._overlap, 2, mode, "cuda", backend="nccl")[0], mode)
+
+
+@pytest.mark.cuda2
+def test_dead_peer_on_nccl_is_an_error_not_a_hang():
+    _gpus(2)
+    results = run_ranks(test_ddp._dead_peer, 2, "cuda", {"timeout": timedelta(seconds=15)}, backend="nccl",
+                        check=False, pg_timeout=20, timeout=120)
+    test_ddp.check_dead_peer(results, 40)

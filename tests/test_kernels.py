@@ -164,3 +164,40 @@ def test_build_info():
     assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
     if info["cuda_compiled"]:
         assert info["cuda_archs"] == "75,80,90"
+
+
+@pytest.mark.parametrize("rows,cols,r", [(1, 1, 1), (33, 7, 3), (300, 517, 4), (64, 2049, 8)])
+def test_lowrank_outer_is_the_fixed_order_sum(device, rows, cols, r):
+    gen = torch.Generator().manual_seed(rows * cols + r)
+    p, qt = torch.randn(rows, r, generator=gen), torch.randn(r, cols, generator=gen) * 1e3
+    # Reference: products added in order k = 0, 1, ..., each operation rounded
+    # to float32 (torch's elementwise ops do not fuse).
+    want = torch.zeros(rows, cols)
+    for k in range(r):
+        want = want + p[:, k:k + 1] * qt[k:k + 1, :]
+    got = ops.lowrank_outer(p.to(device), qt.to(device))
+    assert got.shape == (rows, cols) and torch.equal(got.cpu(), want)
+    out = torch.full((rows, cols), float("nan"), device=device)
+    assert ops.lowrank_outer(p.to(device), qt.to(device), out) is out and torch.equal(out.cpu(), want)
+
+
+def test_lowrank_outer_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="matching r"):
+        ops.lowrank_outer(torch.zeros(3, 2), torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="float32"):
+        ops.lowrank_outer(torch.zeros(3, 2, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="rows \\* cols"):
+        ops.lowrank_outer(torch.zeros(3, 2), torch.zeros(2, 4), torch.zeros(11))
+
+
+@pytest.mark.parametrize("rows,cols", [(5, 1), (100, 4), (2049, 8)])
+def test_orthonormalize_columns_against_qr(device, rows, cols):
+    gen = torch.Generator().manual_seed(rows + cols)
+    p = torch.randn(rows, cols, generator=gen)
+    q = ops.orthonormalize_columns(p.clone().to(device)).cpu()
+    # Same span and orthonormal: Q = P R^-1 with R upper triangular; Q^T Q = I.
+    torch.testing.assert_close(q.T @ q, torch.eye(cols), rtol=0, atol=1e-5)
+    qr_q, qr_r = torch.linalg.qr(p.double())
+    signs = torch.sign(torch.diagonal(qr_r)).float()  # our R has a positive diagonal
+    torch.testing.assert_close(q, qr_q.float() * signs, rtol=0, atol=1e-4)
+    assert torch.equal(q, ops.orthonormalize_columns(p.clone()))  # every device: the same bits

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
@@ -90,7 +91,9 @@ def _detect(rank, world, cache_dir, given):
     if given:
         os.environ["HETCOMM_TOPOLOGY"] = given
     t = topology.detect()
-    return {"topo": t.to_json(), "plan": topology.plan(t, 1 << 22), "order": t.ring_order()}
+    devices = [str(topology.group_device(g, d)) for g in (None, dist.new_group())
+               for d in (None, torch.device("cpu"), torch.device("cuda", 1))]
+    return {"topo": t.to_json(), "plan": topology.plan(t, 1 << 22), "order": t.ring_order(), "devices": devices}
 
 
 def test_detect_measures_caches_and_agrees_on_every_rank(tmp_path):
@@ -102,6 +105,8 @@ def test_detect_measures_caches_and_agrees_on_every_rank(tmp_path):
     for r in first[1:]:
         assert r["topo"] == t0 and r["plan"] == first[0]["plan"]
     assert first[0]["order"] == [0, 1, 2, 3]
+    # gloo groups take CPU tensors; a GPU asked for is kept
+    assert first[0]["devices"] == ["cpu", "cpu", "cuda:1"] * 2
     cached = run_ranks(_detect, 4, str(tmp_path), None)
     assert cached[0]["topo"]["source"] == "cache" and cached[0]["topo"]["links"] == t0["links"]
     given = tmp_path / "given.json"

@@ -36,6 +36,14 @@ def _transport_ops(rank, world):
         t.recv(buf, left, 7)
         t.send(torch.full((5,), float(rank), dtype=torch.float64), right, 7)
     out["recv"] = buf
+    for algorithm in ("native", "ring"):
+        rs = torch.empty(3)
+        t.reduce_scatter_sum(rs, torch.arange(world * 3, dtype=torch.float32) + 100 * rank, algorithm)
+        out[f"reduce_scatter_{algorithm}"] = rs
+    try:
+        t.reduce_scatter_sum(torch.empty(2), torch.empty(world * 3))
+    except ValueError as e:
+        out["reduce_scatter_error"] = str(e)
     t.barrier()
     try:
         t.send(torch.zeros(1), rank, 0)
@@ -54,10 +62,15 @@ def test_transport_collectives_closed_form(world):
         assert r["all_to_all"].tolist() == [i * 100 + rank for i in range(world)]
         assert torch.equal(r["recv"], torch.full((5,), float((rank - 1) % world), dtype=torch.float64))
         assert "dst must be another rank" in r["self_send_error"]
+        # block `rank` of sum_r (arange(3w) + 100 r)
+        want = torch.arange(3 * rank, 3 * rank + 3, dtype=torch.float32) * world + 100 * world * (world - 1) / 2
+        assert torch.equal(r["reduce_scatter_native"], want) and torch.equal(r["reduce_scatter_ring"], want)
+        assert "world_size * output.numel()" in r["reduce_scatter_error"]
         c = r["counters"]
         # all_reduce 4000 B ring volume + all_gather (w-1)*12 + all_to_all (w-1)*4 + send 40
-        assert c["bytes_sent"] == 2 * (world - 1) * 4000 // world + (world - 1) * 12 + (world - 1) * 4 + 40
-        assert c["calls"] == 6
+        # + reduce_scatter native (w-1)*12 + ring (w-1) sends of 12 B
+        assert c["bytes_sent"] == 2 * (world - 1) * 4000 // world + 3 * (world - 1) * 12 + (world - 1) * 4 + 40
+        assert c["calls"] == 7 + 2 * (world - 1)
 
 
 def _compressed_allreduce(rank, world, n, chunk, ratio):

@@ -202,8 +202,23 @@ void SubgroupTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
   }
 }
 
+void reduce_scatter_ring(Transport& t, at::Tensor& out, const at::Tensor& in) {
+  const int w = t.size();
+  const int64_t m = out.numel();
+  TORCH_CHECK_VALUE(in.dim() == 1 && out.dim() == 1 && in.numel() == m * w && in.scalar_type() == out.scalar_type(),
+                    "hetcomm: reduce_scatter input must be 1-D with world_size * output.numel() elements of the "
+                    "output's dtype");
+  at::Tensor x = in.clone();
+  std::vector<int64_t> b(w + 1);
+  for (int i = 0; i <= w; ++i) b[i] = i * m;
+  ring_reduce_scatter(t, x, identity(w), b, 0);
+  out.copy_(x.narrow(0, t.rank() * m, m));
+}
+
+void SubgroupTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) { reduce_scatter_ring(*this, out, in); }
+
 void SubgroupTransport::barrier() {
-  at::Tensor one = at::ones({1}, at::kFloat);
+  at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
   all_reduce_sum(one);
 }
 

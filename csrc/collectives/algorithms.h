@@ -23,6 +23,10 @@ void allreduce_halving_doubling(Transport& t, at::Tensor& x);
 // Binary tree: reduce to rank 0, broadcast back.
 void allreduce_tree(Transport& t, at::Tensor& x);
 
+// out = block rank() of the sum over ranks of in (size() equal blocks), by a
+// ring of point-to-point calls.
+void reduce_scatter_ring(Transport& t, at::Tensor& out, const at::Tensor& in);
+
 // A transport over a subset of a parent's ranks (members[i] is subgroup rank
 // i). Collectives are built from the parent's point-to-point calls, so any
 // algorithm or codec can run on e.g. the ranks with one local index.
@@ -38,7 +42,10 @@ class SubgroupTransport : public Transport {
   void all_reduce_sum(at::Tensor& t) override;
   void all_gather(at::Tensor& out, const at::Tensor& in) override;
   void all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
   void barrier() override;
+  at::Device device() const override { return parent_.device(); }
+  void synchronize() override { parent_.synchronize(); }
 
  private:
   Transport& parent_;

@@ -151,6 +151,7 @@ void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, b
   }
   at::Tensor all = at::empty({w * ints}, x.options().dtype(at::kInt));
   t.all_gather(all, msg);
+  t.synchronize();  // the host reads the counts next: NCCL errors raise here rather than hang the copy
   Timed _(timer);
   x.zero_();
   const at::Tensor counts = all.view({w, ints}).select(1, 0).cpu();  // a few bytes to the host

@@ -1,11 +1,9 @@
 #include "collectives/lowrank.h"
 
-#include <ATen/Parallel.h>
-
 #include <vector>
 
 #include "collectives/algorithms.h"
-#include "kernels/lowrank.h"
+#include "ops/cpu_ops.h"
 
 namespace hetcomm {
 namespace collectives {
@@ -61,9 +59,11 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
   }
   TORCH_CHECK_VALUE(q_state.numel() == q_total && q_state.scalar_type() == at::kFloat && q_state.is_contiguous(),
                     "hetcomm: lowrank Q state must be contiguous float32 with ", q_total, " elements");
-  at::Tensor dense_buf = at::empty({dense}, at::kFloat);  // the dense parts: one all-reduce for all of them
-  at::Tensor p_buf = at::empty({p_total}, at::kFloat);
-  at::Tensor q_buf = at::empty({q_total}, at::kFloat);
+  TORCH_CHECK_VALUE(q_state.device() == x.device() && (!residual.defined() || residual.device() == x.device()),
+                    "hetcomm: lowrank Q state and residual must be on the bucket's device ", x.device());
+  at::Tensor dense_buf = at::empty({dense}, x.options());  // the dense parts: one all-reduce for all of them
+  at::Tensor p_buf = at::empty({p_total}, x.options());
+  at::Tensor q_buf = at::empty({q_total}, x.options());
   int64_t d = 0, po = 0, qo = 0;
   {
     Timed _(timer);
@@ -88,13 +88,22 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
   t.all_reduce_sum(p_buf);
   {
     Timed _(timer);
-    // Orthonormal P (every rank holds the same summed P, so the same basis),
-    // then Q = M^T P.
+    // Orthonormal P (every rank holds the same summed P, so the same basis:
+    // on the host, P is small), then Q = M^T P.
+    t.synchronize();
+    at::Tensor p_host = p_buf.cpu();
+    po = 0;
+    for (const Part& p : parts) {
+      if (p.rank == 0) continue;
+      at::Tensor pm = p_host.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+      ops::orthonormalize_columns(pm, 1e-8);
+      po += p.rows * p.rank;
+    }
+    if (!p_host.is_same(p_buf)) p_buf.copy_(p_host);
     po = qo = 0;
     for (const Part& p : parts) {
       if (p.rank == 0) continue;
       at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-      kernels::orthonormalize_columns_cpu(pm.data_ptr<float>(), p.rows, p.rank, 1e-8f);
       at::Tensor m = x.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
       at::Tensor out = q_buf.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
       at::mm_out(out, m.t(), pm);
@@ -117,14 +126,7 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
     at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
     at::Tensor qm = q_buf.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
     // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
-    at::Tensor approx = at::empty({p.rows, p.cols}, at::kFloat);
-    const float* pp = pm.data_ptr<float>();
-    const at::Tensor qt = qm.t().contiguous();  // r x cols: contiguous inner loop
-    const float* qp = qt.data_ptr<float>();
-    float* ap = approx.data_ptr<float>();
-    at::parallel_for(0, p.rows, std::max<int64_t>(1, 16384 / p.cols), [&](int64_t b, int64_t e) {
-      kernels::outer_product_cpu(pp, qp, ap, p.rows, p.cols, p.rank, b, e);
-    });
+    const at::Tensor approx = ops::lowrank_outer(pm, qm.t().contiguous(), at::Tensor());
     // approx stands for the sum over ranks; this rank keeps what its own share
     // (by default its weight 1/divisor; the shares sum to 1) did not deliver.
     if (residual.defined()) {

@@ -12,16 +12,19 @@ BucketReducer::BucketReducer(std::shared_ptr<Transport> t)
 
 void BucketReducer::set_batch_size(double local) {
   TORCH_CHECK_VALUE(std::isfinite(local) && local > 0, "hetcomm: local batch size must be > 0, got ", local);
-  at::Tensor b = at::full({1}, local, at::kDouble);
+  at::Tensor b = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(transport_->device()));
   transport_->all_reduce_sum(b);
-  divisor_ = b.item<double>() / local;
+  transport_->synchronize();
+  divisor_ = b.cpu().item<double>() / local;
 }
 
 at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
-  at::Tensor c = config.to(at::kLong).contiguous();
-  at::Tensor all = at::empty({transport_->size() * c.numel()}, at::kLong);
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(transport_->device());
+  at::Tensor c = config.to(opts).contiguous();
+  at::Tensor all = at::empty({transport_->size() * c.numel()}, opts);
   transport_->all_gather(all, c);
-  return all.view({transport_->size(), c.numel()});
+  transport_->synchronize();
+  return all.view({transport_->size(), c.numel()}).cpu();
 }
 
 void BucketReducer::set_topology(std::vector<int> ring_order, std::vector<int> node_of) {

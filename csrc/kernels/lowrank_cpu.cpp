@@ -25,6 +25,8 @@ void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps)
 HC_CPU_CLONES
 void outer_product_cpu(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
                        int64_t row_begin, int64_t row_end) {
+  // outer_element's sum, k outermost so the j loop vectorises: each o[j]
+  // starts at 0 and takes the products k = 0, 1, ... in order, exactly as there.
   for (int64_t i = row_begin; i < row_end; ++i) {
     float* o = out + i * cols;
     for (int64_t j = 0; j < cols; ++j) o[j] = 0.0f;

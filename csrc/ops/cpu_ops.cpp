@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/cast.h"
+#include "kernels/lowrank.h"
 #include "kernels/sign.h"
 #include "kernels/topk.h"
 #ifdef HETCOMM_WITH_CUDA
@@ -226,6 +227,37 @@ at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out) {
   at::parallel_for(0, hc.numel(), kGrainElements,
                    [&](int64_t b, int64_t e) { k::cast_decode_cpu(fmt, in, m, o, b, e); });
   return out;
+}
+
+at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out) {
+  TORCH_CHECK_VALUE(p.dim() == 2 && qt.dim() == 2 && p.size(1) == qt.size(0), "hetcomm: p (rows x r) and qt (r x cols) "
+                    "must be matrices with matching r, got ", p.sizes(), " and ", qt.sizes());
+  TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat && qt.scalar_type() == at::kFloat, "hetcomm: p and qt must be float32");
+  TORCH_CHECK_VALUE(p.device() == qt.device(), "hetcomm: p and qt must be on one device, got ", p.device(), " and ",
+                    qt.device());
+  const at::Tensor pc = p.contiguous(), qc = qt.contiguous();
+  const int64_t rows = p.size(0), cols = qt.size(1), r = p.size(1);
+  if (!out.defined()) out = at::empty({rows, cols}, pc.options());
+  TORCH_CHECK_VALUE(out.is_contiguous() && out.numel() == rows * cols && out.scalar_type() == at::kFloat &&
+                        out.device() == p.device(),
+                    "hetcomm: out must be contiguous float32 with rows * cols elements on p's device");
+  HC_CUDA_DISPATCH(pc, cuda::lowrank_outer(pc, qc, out));
+  check_cpu(pc, "p");
+  const float* pp = pc.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)), [&](int64_t b, int64_t e) {
+    k::outer_product_cpu(pp, qp, op, rows, cols, r, b, e);
+  });
+  return out;
+}
+
+void orthonormalize_columns(at::Tensor& p, double eps) {
+  TORCH_CHECK_VALUE(p.dim() == 2 && p.is_contiguous() && p.scalar_type() == at::kFloat,
+                    "hetcomm: p must be a contiguous float32 matrix");
+  at::Tensor host = p.is_cpu() ? p : p.cpu();
+  k::orthonormalize_columns_cpu(host.data_ptr<float>(), host.size(0), host.size(1), static_cast<float>(eps));
+  if (!host.is_same(p)) p.copy_(host);
 }
 
 }  // namespace ops

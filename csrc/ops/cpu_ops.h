@@ -33,6 +33,13 @@ at::Tensor cast_encode(const at::Tensor& x, double divisor, at::ScalarType wire)
 void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out);
 at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out);
 
+// Low-rank pieces every rank must compute to the same bits.
+// out (rows x cols, float32) = p (rows x r) @ qt (r x cols), fixed order, no BLAS.
+at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out);
+// Modified Gram-Schmidt of p's columns (rows x cols, float32) in place; a CUDA
+// p goes through the host (it is small: rows x rank) so every device agrees.
+void orthonormalize_columns(at::Tensor& p, double eps);
+
 // Shared checks.
 void check_float_vector(const at::Tensor& t, const char* name);
 at::Tensor as_float32(const at::Tensor& t, const char* name);

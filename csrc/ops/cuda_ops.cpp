@@ -5,6 +5,7 @@
 
 #include "kernels/cast.h"
 #include "kernels/codec_math.h"
+#include "kernels/lowrank.h"
 #include "kernels/sign.h"
 #include "kernels/topk.h"
 
@@ -133,6 +134,16 @@ at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out) {
   const auto fmt = h.scalar_type() == at::kHalf ? k::Wire16::kHalf : k::Wire16::kBFloat16;
   k::cast_decode_cuda(fmt, static_cast<const uint16_t*>(hc.data_ptr()), static_cast<float>(mul), out.data_ptr<float>(),
                       hc.numel(), stream_of(h));
+  return out;
+}
+
+at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out) {
+  c10::cuda::CUDAGuard guard(p.device());
+  check_cuda(p, "p", p);
+  check_cuda(qt, "qt", p);
+  check_cuda(out, "out", p);
+  k::outer_product_cuda(p.data_ptr<float>(), qt.data_ptr<float>(), out.data_ptr<float>(), p.size(0), qt.size(1),
+                        p.size(1), stream_of(p));
   return out;
 }
 

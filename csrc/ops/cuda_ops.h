@@ -20,6 +20,7 @@ std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at:
 at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha);
 void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out);
 at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out);
+at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out);
 
 }  // namespace cuda
 }  // namespace ops

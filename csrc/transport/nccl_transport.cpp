@@ -91,6 +91,16 @@ void NcclTransport::wait_ready(const char* what) {
   }
 }
 
+void NcclTransport::wait_for_current_stream() {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  cudaEvent_t ev;
+  cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  cuda_check(cudaEventRecord(ev, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream()),
+             "cudaEventRecord");
+  cuda_check(cudaStreamWaitEvent(stream_.stream(), ev, 0), "cudaStreamWaitEvent");
+  cuda_check(cudaEventDestroy(ev), "cudaEventDestroy");
+}
+
 void NcclTransport::synchronize() {
   TORCH_CHECK(!aborted_, "hetcomm: the NCCL communicator was aborted earlier");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
@@ -199,6 +209,19 @@ void NcclTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
   check(ncclGroupEnd(), "ncclGroupEnd");
   wait_ready("all_to_all");
   count((size_ - 1) * m * es, (size_ - 1) * m * es);
+}
+
+void NcclTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
+  check_tensor(in, "reduce_scatter input");
+  check_tensor(out, "reduce_scatter output");
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * size_ && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: reduce_scatter input must hold world_size * output.numel() elements of the output's dtype");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  check(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_dtype(in.scalar_type()), ncclSum, comm_,
+                          stream_.stream()),
+        "ncclReduceScatter");
+  wait_ready("ncclReduceScatter");
+  count((size_ - 1) * nbytes(out), (size_ - 1) * nbytes(out));
 }
 
 void NcclTransport::barrier() {

@@ -33,14 +33,18 @@ class NcclTransport : public Transport {
   void all_reduce_sum(at::Tensor& t) override;
   void all_gather(at::Tensor& out, const at::Tensor& in) override;
   void all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
   void barrier() override;
+  at::Device device() const override { return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_)); }
 
   // The stream every call is enqueued on.
   c10::cuda::CUDAStream stream() const { return stream_; }
-  int device() const { return device_; }
+  // Makes this transport's stream wait for what the calling thread's current
+  // stream has queued so far (the producer of the tensors about to be sent).
+  void wait_for_current_stream();
   // Blocks until everything enqueued so far has finished; throws (after
   // aborting the communicator) on an NCCL error or after the timeout.
-  void synchronize();
+  void synchronize() override;
 
  private:
   void check(ncclResult_t r, const char* what);

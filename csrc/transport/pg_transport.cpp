@@ -14,8 +14,11 @@ void check_contiguous(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
-ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device)
+    : pg_(std::move(pg)), device_(device) {
   TORCH_CHECK_VALUE(pg_, "hetcomm: process_group is None");
+  TORCH_CHECK_VALUE(device_.is_cpu() || (device_.is_cuda() && device_.has_index()),
+                    "hetcomm: device must be cpu or cuda:<index>, got ", device_);
 }
 
 std::string ProcessGroupTransport::name() const { return "pg:" + pg_->getBackendName(); }
@@ -121,6 +124,24 @@ void ProcessGroupTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
   at::Tensor in_mut = in;
   const int64_t b = (w - 1) * nbytes(in) / w;
   wait(pg_->all_to_all_single(out, in_mut, splits, splits), "all_to_all", b, b, start);
+}
+
+void ProcessGroupTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
+  check_contiguous(in, "reduce_scatter input");
+  check_contiguous(out, "reduce_scatter output");
+  const int w = size();
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * w && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: reduce_scatter input must hold world_size * output.numel() elements of the output's dtype");
+  const auto start = std::chrono::steady_clock::now();
+  if (w == 1) {
+    out.copy_(in);
+    return;
+  }
+  at::Tensor in_mut = in;
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  const int64_t b = (w - 1) * nbytes(out);
+  wait(pg_->reduce_scatter_single(out, in_mut, opts), "reduce_scatter", b, b, start);
 }
 
 void ProcessGroupTransport::barrier() {

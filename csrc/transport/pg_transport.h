@@ -11,7 +11,9 @@ namespace hetcomm {
 
 class ProcessGroupTransport : public Transport {
  public:
-  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  // device: where the tensors of the small control collectives go (CPU for
+  // gloo; the rank's GPU for a process group with only NCCL).
+  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device = at::Device(at::kCPU));
 
   int rank() const override { return pg_->getRank(); }
   int size() const override { return pg_->getSize(); }
@@ -23,7 +25,9 @@ class ProcessGroupTransport : public Transport {
   void all_reduce_sum(at::Tensor& t) override;
   void all_gather(at::Tensor& out, const at::Tensor& in) override;
   void all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
   void barrier() override;
+  at::Device device() const override { return device_; }
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
 
@@ -33,6 +37,7 @@ class ProcessGroupTransport : public Transport {
   void check_peer(int peer, const char* name) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  at::Device device_;
 };
 
 }  // namespace hetcomm

@@ -39,7 +39,16 @@ class Transport {
   // in and out hold size() equal blocks; block j of in goes to rank j, and
   // block i of out comes from rank i.
   virtual void all_to_all(at::Tensor& out, const at::Tensor& in) = 0;
+  // out (in.numel() / size()) = the sum over ranks of block rank() of in.
+  virtual void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) = 0;
   virtual void barrier() = 0;
+
+  // Where this transport's tensors live: the small control collectives of a
+  // step (batch sizes, the configuration check) allocate there.
+  virtual at::Device device() const { return at::Device(at::kCPU); }
+  // Returns when everything issued so far has finished (calls that only
+  // enqueue work on a stream need it before the host reads a result).
+  virtual void synchronize() {}
 
   WireCounters& counters() { return counters_; }
 

@@ -2,7 +2,9 @@
 wire format: time, algbw (bytes / time), busbw (algbw * 2(W-1)/W), #wrong
 (elements that differ from the closed-form sum; -1 = lossy, not checked), and
 the planner's predicted time next to the measured one. Run it on loopback or
-inside the testbed (``hetcomm testbed ... -- hetcomm bench allreduce``)."""
+inside the testbed (``hetcomm testbed ... -- hetcomm bench allreduce``).
+``--device cuda``: one GPU per rank, hetcomm on its own NCCL communicator,
+next to torch.distributed's NCCL all-reduce (algorithm "torch")."""
 
 from __future__ import annotations
 
@@ -48,18 +50,26 @@ def _applicable(topo: topology.Topology, algo: str, wire: str) -> bool:
     return True
 
 
+def _transport(rank: int, world: int, device: torch.device):
+    if device.type == "cuda":
+        store = dist.distributed_c10d._get_default_store()
+        return _C.NcclTransport(store, "hetcomm/bench/allreduce", rank, world, device.index, 600.0)
+    return _C.ProcessGroupTransport(dist.group.WORLD)
+
+
 def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: List[str], iters: int, warmup: int,
-            check: bool) -> List[dict]:
+            check: bool, device_type: str = "cpu") -> List[dict]:
     torch.set_num_threads(1)
-    topo = topology.detect(use_cache=False)  # a benchmark measures the links it runs on
-    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    topo = topology.detect(use_cache=False, device=device)  # a benchmark measures the links it runs on
+    t = _transport(rank, world, device)
     rows = []
     for size in sizes:
         n = max(1, size // 4)
-        base = torch.full((n,), float(rank + 1))
+        base = torch.full((n,), float(rank + 1), device=device)
         expect = world * (world + 1) / 2
         for wire in wires:
-            for algo in algos:
+            for algo in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos:
                 if not _applicable(topo, algo, wire):
                     continue
                 if algo == "hierarchical" and wire in ("onebit", "topk"):
@@ -67,37 +77,47 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
                     peers, me = topo.num_nodes, topo.node_ids[rank]
                 else:
                     shard, peers, me = n, world, rank
-                state = {"w": torch.zeros(shard), "s": torch.zeros(ops.onebit_segment_numel(shard, peers, me))}
+                state = {"w": torch.zeros(shard, device=device),
+                         "s": torch.zeros(ops.onebit_segment_numel(shard, peers, me), device=device)}
+
+                def run(x):
+                    if algo == "torch":
+                        dist.all_reduce(x)
+                    else:
+                        _one(t, x, algo, wire, topo, state)
+
                 x = base.clone()
                 wrong = -1
                 if check and wire != "topk":
-                    _one(t, x, algo, wire, topo, state)
+                    run(x)
                     wrong = int((x != expect).sum())
                 for _ in range(warmup):
                     x.copy_(base)
-                    _one(t, x, algo, wire, topo, state)
+                    run(x)
+                common.sync(device)
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     x.copy_(base)
-                    _one(t, x, algo, wire, topo, state)
-                elapsed = torch.tensor([(time.perf_counter() - t0) / iters])
+                    run(x)
+                common.sync(device)
+                elapsed = torch.tensor([(time.perf_counter() - t0) / iters], device=device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                wrong_t = torch.tensor([max(wrong, 0)])
+                wrong_t = torch.tensor([max(wrong, 0)], device=device)
                 dist.all_reduce(wrong_t)
                 sec = float(elapsed)
                 algbw = size / sec / 1e9
                 rows.append({"bytes": size, "algorithm": algo, "wire": wire, "time_us": sec * 1e6,
                              "algbw": algbw, "busbw": algbw * 2 * (world - 1) / world,
                              "wrong": int(wrong_t) if wrong >= 0 else -1,
-                             "predicted_us": (topology.predict(topo, size, algo,
-                                                               "topk:0.01" if wire == "topk" else wire) or 0) * 1e6,
+                             "predicted_us": 0.0 if algo == "torch" else (topology.predict(
+                                 topo, size, algo, "topk:0.01" if wire == "topk" else wire) or 0) * 1e6,
                              "planned": topology.plan(topo, size, "topk:0.01" if wire == "topk" else wire)["algorithm"]})
     return rows if rank == 0 else []
 
 
 def main(sizes: List[int], algos: Optional[List[str]], wires: Optional[List[str]], iters: int, warmup: int,
-         check: bool, ranks: int, json_path: Optional[str]) -> List[dict]:
+         check: bool, ranks: int, json_path: Optional[str], device: str = "cpu") -> List[dict]:
     algos = algos or ALGOS
     wires = wires or WIRES
     for a in algos:
@@ -106,12 +126,13 @@ def main(sizes: List[int], algos: Optional[List[str]], wires: Optional[List[str]
     for w in wires:
         if w not in ("none", "fp16", "bf16", "onebit", "topk"):
             raise SystemExit(f"hetcomm bench allreduce: unknown wire format {w!r}")
-    results = run_distributed(_worker, ranks, sizes, algos, wires, iters, warmup, check)
+    results = run_distributed(_worker, ranks, sizes, algos, wires, iters, warmup, check, device,
+                              backend="nccl" if device == "cuda" else "gloo")
     if results is None:  # a non-zero rank under torchrun / the testbed
         return []
     rows = results
     world = int(os.environ.get("WORLD_SIZE", ranks))
-    print(f"# hetcomm bench allreduce: {world} ranks, {iters} iterations after {warmup} warm-up; "
+    print(f"# hetcomm bench allreduce: {world} ranks on {device}, {iters} iterations after {warmup} warm-up; "
           "busbw = algbw * 2(W-1)/W; #wrong -1 = lossy, not checked; planned = the planner's choice")
     common.print_table(rows, [("bytes", "size(B)", "d"), ("algorithm", "algorithm", "s"), ("wire", "wire", "s"),
                               ("time_us", "time(us)", ".1f"), ("algbw", "algbw(GB/s)", ".3f"),

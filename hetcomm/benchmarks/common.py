@@ -32,8 +32,8 @@ def size_sweep(minbytes: str, maxbytes: str, factor: int) -> List[int]:
     return sizes
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
+def sync(device) -> None:
+    if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 
 
@@ -43,10 +43,10 @@ def median_time(fn: Callable[[], object], iters: int, warmup: int, device: str =
         fn()
     times = []
     for _ in range(iters):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]

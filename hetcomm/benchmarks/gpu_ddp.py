@@ -16,7 +16,7 @@ import hetcomm
 
 from .ddp import IN, OUT, model_for
 
-MODES = ["torch-allreduce", "torch-fp16", "none", "fp16", "bf16", "onebit", "topk"]
+MODES = ["torch-allreduce", "torch-fp16", "none", "fp16", "bf16", "onebit", "topk", "lowrank"]
 
 
 def main() -> None:
