@@ -72,8 +72,16 @@ std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at:
     x = g / divisor;
   }
   at::Tensor idx64;
-  if (exact || kk == 0) {
-    idx64 = kk ? std::get<1>(at::topk(x.abs(), kk, 0, true, false)) : at::empty({0}, g.options().dtype(at::kLong));
+  if (kk == 0) {
+    idx64 = at::empty({0}, g.options().dtype(at::kLong));
+  } else if (exact) {
+    // Everything above the k-th largest |x|, then its ties from the lowest
+    // index on: the CPU's choice, whatever order at::topk keeps ties in.
+    const at::Tensor a = x.abs();
+    const at::Tensor kth = std::get<0>(at::topk(a, kk, 0, true, false)).min();
+    const at::Tensor above = at::nonzero(a > kth).view({-1});
+    const at::Tensor ties = at::nonzero(a == kth).view({-1});
+    idx64 = at::cat({above, ties.narrow(0, 0, std::max<int64_t>(0, std::min(ties.numel(), kk - above.numel())))});
   } else {
     // DGC's sampled threshold: the same deterministic sample as the CPU's.
     const int64_t m = k::topk_sample_size(n, kk);
