@@ -39,7 +39,7 @@ def _default_group_timeout() -> Optional[timedelta]:
     """The default process group's timeout (None where the backend hides it)."""
     try:
         pg = dist.group.WORLD
-        return pg._get_backend(torch.device("cpu")).options._timeout
+        return pg._get_backend(topology.group_device(pg)).options._timeout
     except Exception:
         return None
 

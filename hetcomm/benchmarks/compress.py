@@ -49,6 +49,8 @@ def _codecs(n: int, device: str = "cpu"):
     k = ops.topk_count(n, RATIO)
     h16 = (g / 3).half()
     out = torch.empty(n, device=device)
+    cols = 1024  # n is a multiple of CHUNK: an (n / 1024) x 1024 gradient matrix rebuilt from rank-4 factors
+    p, qt = torch.randn(n // cols, 4, generator=gen).to(device), torch.randn(4, cols, generator=gen).to(device)
 
     def sign_wrong(a, b):
         return int((a[0] != b[0]).sum())
@@ -69,6 +71,8 @@ def _codecs(n: int, device: str = "cpu"):
                       lambda a, b: int((a.view(torch.int16) != b.view(torch.int16)).sum()), False),
         "uncast_fp16": (lambda: ops.cast_decode(h16, 1.0, out), lambda: h16.float(),
                         lambda a, b: int((a != b).sum()), False),
+        "lowrank_outer_r4": (lambda: ops.lowrank_outer(p, qt), lambda: p @ qt,
+                             lambda a, b: int((~torch.isclose(a, b, rtol=1e-5, atol=1e-5)).sum()), False),
     }, (e0, e_a, e_b)
 
 
