@@ -106,6 +106,12 @@ def test_topk_ties_go_to_lowest_index(device):
     assert val.cpu().tolist() == [-2.0, 2.0, -2.0]
 
 
+def test_topk_orders_nan_above_infinity_and_signed_zeros_as_ties(device):
+    g = torch.tensor([float("nan"), 1.0, float("-inf"), -0.0, 0.0, 2.0], device=device)
+    assert ops.topk_encode(g, None, 1.0, 3, exact=True)[0].cpu().tolist() == [0, 2, 5]
+    assert ops.topk_encode(g, None, 1.0, 5, exact=True)[0].cpu().tolist() == [0, 1, 2, 3, 5]
+
+
 @pytest.mark.parametrize("n,ratio", [(10**6, 0.01), (10**6, 0.001), (200_000, 0.05), (2049, 0.1)])
 def test_topk_sampled_returns_about_k_of_the_largest(device, n, ratio):
     g = _data(n, device=device)

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 namespace hetcomm {
 namespace kernels {
@@ -18,9 +19,19 @@ void ef_accumulate_cpu(const float* grad, float divisor, float* x, int64_t begin
 // x[i] = grad[i] / divisor                               (no error feedback)
 void scale_copy_cpu(const float* grad, float divisor, float* x, int64_t begin, int64_t end);
 
+// Runs body(first, last) over [0, count) split into pieces, possibly on
+// several threads; returns when all are done. The default runs it inline.
+using ParallelFor = std::function<void(int64_t count, const std::function<void(int64_t, int64_t)>& body)>;
+
 // Returns the count written (k for exact; <= k for sampled). idx/val hold k slots.
-int64_t topk_select_exact_cpu(const float* x, int64_t n, int64_t k, int32_t* idx, float* val);
-int64_t topk_select_sampled_cpu(const float* x, int64_t n, int64_t k, int32_t* idx, float* val);
+// Exact: a radix select on the magnitudes' bits (a histogram of the top 11
+// bits, then the exact k-th among the one bin that holds it), then the
+// writes, each pass over fixed blocks of x run through `pfor`. NaN counts as
+// larger than infinity.
+int64_t topk_select_exact_cpu(const float* x, int64_t n, int64_t k, int32_t* idx, float* val,
+                              const ParallelFor& pfor = nullptr);
+int64_t topk_select_sampled_cpu(const float* x, int64_t n, int64_t k, int32_t* idx, float* val,
+                                const ParallelFor& pfor = nullptr);
 // Sample size used by the sampled selection (shared with the CUDA version).
 int64_t topk_sample_size(int64_t n, int64_t k);
 

@@ -159,8 +159,11 @@ std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at:
   });
   at::Tensor idx = at::empty({kk}, at::kInt);
   at::Tensor val = at::empty({kk}, at::kFloat);
-  const int64_t count = exact ? k::topk_select_exact_cpu(xp, n, kk, idx.data_ptr<int32_t>(), val.data_ptr<float>())
-                              : k::topk_select_sampled_cpu(xp, n, kk, idx.data_ptr<int32_t>(), val.data_ptr<float>());
+  const k::ParallelFor pfor = [](int64_t count, const std::function<void(int64_t, int64_t)>& body) {
+    at::parallel_for(0, count, 1, body);
+  };
+  const int64_t count = exact ? k::topk_select_exact_cpu(xp, n, kk, idx.data_ptr<int32_t>(), val.data_ptr<float>(), pfor)
+                              : k::topk_select_sampled_cpu(xp, n, kk, idx.data_ptr<int32_t>(), val.data_ptr<float>(), pfor);
   if (residual.defined()) k::topk_clear_cpu(xp, idx.data_ptr<int32_t>(), count);
   return {idx.narrow(0, 0, count), val.narrow(0, 0, count)};
 }

@@ -77,8 +77,9 @@ std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at:
   } else if (exact) {
     // Everything above the k-th largest |x|, then its ties from the lowest
     // index on: the CPU's choice, whatever order at::topk keeps ties in.
-    const at::Tensor a = x.abs();
-    const at::Tensor kth = std::get<0>(at::topk(a, kk, 0, true, false)).min();
+    // Compared as bits, as on the CPU (+0 == -0, NaN above infinity).
+    const at::Tensor a = x.abs().view(at::kInt);
+    const at::Tensor kth = std::get<0>(at::topk(a, kk, 0, true, true)).narrow(0, kk - 1, 1);
     const at::Tensor above = at::nonzero(a > kth).view({-1});
     const at::Tensor ties = at::nonzero(a == kth).view({-1});
     idx64 = at::cat({above, ties.narrow(0, 0, std::max<int64_t>(0, std::min(ties.numel(), kk - above.numel())))});
