@@ -152,25 +152,27 @@ void NcclTransport::recv(at::Tensor& t, int src, int /*tag*/) { send_recv(at::Te
 
 void NcclTransport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int /*tag*/) {
   // NCCL matches point-to-point calls by order, not tags: the algorithms
-  // issue them in the same order on both sides.
+  // issue them in the same order on both sides. An empty side is skipped
+  // (both ends see the same size).
+  if (dst >= 0) check_tensor(out, "send tensor");
+  if (src >= 0) check_tensor(in, "recv tensor");
+  const bool sending = dst >= 0 && out.numel() > 0, receiving = src >= 0 && in.numel() > 0;
+  if (!sending && !receiving) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   check(ncclGroupStart(), "ncclGroupStart");
-  if (dst >= 0) {
-    check_tensor(out, "send tensor");
+  if (sending)
     check(ncclSend(out.data_ptr(), out.numel(), nccl_dtype(out.scalar_type()), dst, comm_, stream_.stream()),
           "ncclSend");
-  }
-  if (src >= 0) {
-    check_tensor(in, "recv tensor");
+  if (receiving)
     check(ncclRecv(in.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), src, comm_, stream_.stream()), "ncclRecv");
-  }
   check(ncclGroupEnd(), "ncclGroupEnd");
   wait_ready("send/recv");
-  count(dst >= 0 ? nbytes(out) : 0, src >= 0 ? nbytes(in) : 0);
+  count(sending ? nbytes(out) : 0, receiving ? nbytes(in) : 0);
 }
 
 void NcclTransport::all_reduce_sum(at::Tensor& t) {
   check_tensor(t, "all_reduce tensor");
+  if (t.numel() == 0) return;  // the same on every rank; NCCL may reject empty (null) buffers
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_dtype(t.scalar_type()), ncclSum, comm_,
                       stream_.stream()),
@@ -185,6 +187,7 @@ void NcclTransport::all_gather(at::Tensor& out, const at::Tensor& in) {
   check_tensor(out, "all_gather output");
   TORCH_CHECK_VALUE(out.numel() == in.numel() * size_ && out.scalar_type() == in.scalar_type(),
                     "hetcomm: all_gather output must hold world_size * input.numel() elements of the input's dtype");
+  if (in.numel() == 0) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   check(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), comm_, stream_.stream()),
         "ncclAllGather");
@@ -197,6 +200,7 @@ void NcclTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
   check_tensor(out, "all_to_all output");
   TORCH_CHECK_VALUE(in.numel() == out.numel() && in.numel() % size_ == 0 && out.scalar_type() == in.scalar_type(),
                     "hetcomm: all_to_all input and output must have equal numel and dtype, divisible by world_size");
+  if (in.numel() == 0) return;
   const int64_t m = in.numel() / size_;
   const ncclDataType_t dt = nccl_dtype(in.scalar_type());
   const int64_t es = in.element_size();
@@ -216,6 +220,7 @@ void NcclTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
   check_tensor(out, "reduce_scatter output");
   TORCH_CHECK_VALUE(in.numel() == out.numel() * size_ && out.scalar_type() == in.scalar_type(),
                     "hetcomm: reduce_scatter input must hold world_size * output.numel() elements of the output's dtype");
+  if (out.numel() == 0) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   check(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_dtype(in.scalar_type()), ncclSum, comm_,
                           stream_.stream()),
