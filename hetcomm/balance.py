@@ -263,7 +263,10 @@ class Balancer:
 
 class _StepTimer:
     """Times this rank's compute for one step: from entering the block to the
-    hook call for DDP's last bucket (after that a rank only waits for others)."""
+    hook call for DDP's last bucket (after that a rank only waits for others).
+    On a GPU, between CUDA events: from one recorded on entering to the one the
+    hook records on the backward stream at the last bucket (the host only
+    queues the kernels)."""
 
     def __init__(self, balancer: Balancer, batch_size: int) -> None:
         self.b = balancer
@@ -271,12 +274,30 @@ class _StepTimer:
 
     def __enter__(self):
         self.t0 = time.monotonic()
+        self.step = self.b.state.iter
+        self.start_event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            end = self.b.state.last_bucket_time or time.monotonic()
-            if end < self.t0:
-                end = time.monotonic()
-            self.b._record(self.batch_size, end - self.t0)
+            self.b._record(self.batch_size, self._gpu_seconds() or self._host_seconds())
         return False
+
+    def _host_seconds(self) -> float:
+        end = self.b.state.last_bucket_time or time.monotonic()
+        if end < self.t0:
+            end = time.monotonic()
+        return end - self.t0
+
+    def _gpu_seconds(self) -> Optional[float]:
+        last = self.b.state.last_bucket_event
+        if self.start_event is None or last is None or last[0] != self.step:
+            return None
+        try:
+            last[1].synchronize()
+            return self.start_event.elapsed_time(last[1]) / 1000.0
+        except RuntimeError:  # events on two devices (set_device not called): the host's clock
+            return None

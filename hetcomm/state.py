@@ -190,6 +190,9 @@ class HookState:
         #: time.monotonic() of the last bucket's hook call: this rank's backward
         #: compute was done then (what follows is waiting for the others).
         self.last_bucket_time: Optional[float] = None
+        #: CUDA buckets: (step, event recorded on the backward stream at the
+        #: last bucket's hook call): the GPU's compute was done when it fired.
+        self.last_bucket_event: Optional[tuple] = None
         #: The wire format "auto-precision" settled on at the first step.
         self.resolved_compression: Optional[str] = None if compression == "auto-precision" else compression
 
@@ -427,6 +430,10 @@ class HookState:
                                    server, last, layout, q_state, ALGO_IDS[algo])
         if last:
             self.last_bucket_time = time.monotonic()
+            if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(torch.cuda.current_stream(buf.device))
+                self.last_bucket_event = (self.iter, event)
             self._step_open = False
             self.iter += 1
             self._buckets.end_step()

@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
 from hetcomm.balance import Balancer, ThroughputMeter, UnevenBatchSampler, split_batch
@@ -105,18 +104,21 @@ def test_sampler_split_change_mid_epoch():
     assert sorted(i for r in range(world) for b in out[r] for i in b) == list(range(n))
 
 
-def _balanced(rank, world, per_sample_s):
+def _balanced(rank, world, per_sample_s, device="cpu"):
     model = models.mlp()
-    ddp = DDP(model)
+    ddp = models.ddp(model, rank, device)
     state = hetcomm.HookState("none")
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    data_x, data_y = models.batch(0, 0, 4000)
+    data_x, data_y = (t.to(models.rank_device(rank, device)) for t in models.batch(0, 0, 4000))
     bal = Balancer(state, global_batch=60, dataset_len=4000, rebalance_every=5, lag=1)
     for step, idx in zip(range(40), bal.sampler):
         with bal.step(len(idx)):
             loss = torch.nn.functional.cross_entropy(ddp(data_x[idx]), data_y[idx])
-            time.sleep(per_sample_s[rank] * len(idx))  # this rank's (slow) compute
+            if device == "cuda":  # this rank's (slow) compute, on the GPU: the host does not wait for it
+                torch.cuda._sleep(int(per_sample_s[rank] * len(idx) * 1e9))
+            else:
+                time.sleep(per_sample_s[rank] * len(idx))
             loss.backward()
         opt.step()
         opt.zero_grad()
@@ -125,8 +127,13 @@ def _balanced(rank, world, per_sample_s):
 
 
 def test_rebalancing_is_identical_on_every_rank_and_follows_speed():
-    per_sample = [0.0005, 0.0015]  # rank 1 is 3x slower
-    res = run_ranks(_balanced, 2, per_sample)
+    check_rebalancing(run_ranks(_balanced, 2, PER_SAMPLE))
+
+
+PER_SAMPLE = [0.0005, 0.0015]  # rank 1 is 3x slower
+
+
+def check_rebalancing(res):
     assert res[0]["history"] == res[1]["history"] and res[0]["history"]
     assert res[0]["sizes"] == res[1]["sizes"]
     b0, b1 = res[0]["sizes"]

@@ -11,7 +11,7 @@ import torch
 import hetcomm
 from hetcomm import ops
 
-from . import test_ddp
+from . import test_balance, test_ddp
 from .dist_harness import run_ranks
 
 
@@ -122,3 +122,12 @@ def test_dead_peer_on_nccl_is_an_error_not_a_hang():
     results = run_ranks(test_ddp._dead_peer, 2, "cuda", {"timeout": timedelta(seconds=15)}, backend="nccl",
                         check=False, pg_timeout=20, timeout=120)
     test_ddp.check_dead_peer(results, 40)
+
+
+@pytest.mark.cuda2
+def test_rebalancing_follows_gpu_speed():
+    """The slow rank's extra work is GPU time the host never waits for: the
+    Balancer must time it with CUDA events to see it."""
+    _gpus(2)
+    test_balance.check_rebalancing(run_ranks(test_balance._balanced, 2, test_balance.PER_SAMPLE, "cuda",
+                                             backend="nccl"))
