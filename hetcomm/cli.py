@@ -51,10 +51,10 @@ def _topo(args) -> None:
 
 
 def _topo_worker(rank, world, wires):
-    from . import topology
+    from . import planner, topology
 
     topo = topology.detect(use_cache=False)
-    return topology.describe(topo, wires), {"topology": topo.to_json(), "plans": topology.plan_table(topo, wires)}
+    return planner.describe(topo, wires), {"topology": topo.to_json(), "plans": planner.plan_table(topo, wires)}
 
 
 def _testbed(args) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, topology
+from . import _C, planner, topology
 from .buckets import BucketStates
 from .topology import ALGO_IDS, ALGORITHMS
 
@@ -100,7 +100,7 @@ class HookState:
             process group's own all-reduce, default), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
             (exact inside nodes; with onebit/topk only the inter-node stage is
-            compressed) or ``"auto"``: the planner of :mod:`hetcomm.topology`
+            compressed) or ``"auto"``: the planner of :mod:`hetcomm.planner`
             picks per bucket from the measured topology (a few seconds of
             probing at the first step, cached per cluster). ``HETCOMM_ALGO``
             overrides the planner.
@@ -382,7 +382,7 @@ class HookState:
             return self.algorithm
         key = (numel, wire)
         if key not in self._plans:
-            self._plans[key] = topology.plan(self.topology, numel * 4, wire or "none")["algorithm"]
+            self._plans[key] = planner.plan(self.topology, numel * 4, wire or "none")["algorithm"]
         return self._plans[key]
 
     def _submit(self, bucket) -> torch.futures.Future:

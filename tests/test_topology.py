@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import topology
+from hetcomm import planner, topology
 from hetcomm.topology import LinkClass, Topology
 
 from . import models
@@ -51,33 +51,33 @@ def test_fit_recovers_alpha_beta():
 
 def test_planner_prefers_hierarchy_for_big_buckets_on_slow_inter_node_links():
     t = _topo(["a"] * 4 + ["b"] * 4)
-    big = topology.plan(t, 64 << 20)
+    big = planner.plan(t, 64 << 20)
     assert big["algorithm"] == "hierarchical"
     assert big["predicted_s"]["hierarchical"] < big["predicted_s"]["ring"]
-    small = topology.plan(t, 4096)
+    small = planner.plan(t, 4096)
     assert small["algorithm"] in ("tree", "halving_doubling")  # latency-bound
     # compressed codecs: only flat or across-nodes candidates
-    assert set(topology.plan(t, 64 << 20, "onebit")["predicted_s"]) == {"native", "hierarchical"}
-    assert topology.plan(t, 64 << 20, "onebit")["algorithm"] == "hierarchical"
+    assert set(planner.plan(t, 64 << 20, "onebit")["predicted_s"]) == {"native", "hierarchical"}
+    assert planner.plan(t, 64 << 20, "onebit")["algorithm"] == "hierarchical"
     # one node: no hierarchy to exploit
-    assert "hierarchical" not in topology.plan(_topo(["a"] * 4), 1 << 20)["predicted_s"]
+    assert "hierarchical" not in planner.plan(_topo(["a"] * 4), 1 << 20)["predicted_s"]
 
 
 def test_planner_cost_grows_with_size_and_is_deterministic():
     t = _topo(["a", "a", "b", "b"])
     for algo in topology.ALGORITHMS:
-        times = [topology.predict(t, s, algo) for s in (1 << 10, 1 << 16, 1 << 22)]
+        times = [planner.predict(t, s, algo) for s in (1 << 10, 1 << 16, 1 << 22)]
         assert times == sorted(times)
-    assert topology.plan(t, 123456) == topology.plan(t, 123456)
+    assert planner.plan(t, 123456) == planner.plan(t, 123456)
 
 
 def test_hetcomm_algo_overrides_the_planner(monkeypatch):
     t = _topo(["a", "a", "b", "b"])
     monkeypatch.setenv("HETCOMM_ALGO", "tree")
-    assert topology.plan(t, 64 << 20) == dict(topology.plan(t, 64 << 20), algorithm="tree", forced=True)
+    assert planner.plan(t, 64 << 20) == dict(planner.plan(t, 64 << 20), algorithm="tree", forced=True)
     monkeypatch.setenv("HETCOMM_ALGO", "bogus")
     with pytest.raises(ValueError, match="HETCOMM_ALGO"):
-        topology.plan(t, 1024)
+        planner.plan(t, 1024)
 
 
 def test_topology_json_round_trip():
@@ -93,7 +93,7 @@ def _detect(rank, world, cache_dir, given):
     t = topology.detect()
     devices = [str(topology.group_device(g, d)) for g in (None, dist.new_group())
                for d in (None, torch.device("cpu"), torch.device("cuda", 1))]
-    return {"topo": t.to_json(), "plan": topology.plan(t, 1 << 22), "order": t.ring_order(), "devices": devices}
+    return {"topo": t.to_json(), "plan": planner.plan(t, 1 << 22), "order": t.ring_order(), "devices": devices}
 
 
 def test_detect_measures_caches_and_agrees_on_every_rank(tmp_path):
@@ -156,9 +156,9 @@ def test_bad_algorithm_is_a_value_error():
 
 def test_planner_lowrank_goes_hierarchical_on_slow_links_and_flat_on_one_node():
     two_nodes = _topo(["a"] * 4 + ["b"] * 4, inter=(50e-6, 1 / 12.5e6))  # 100 Mbit/s between nodes
-    p = topology.plan(two_nodes, 64 << 20, "lowrank:0.02")
+    p = planner.plan(two_nodes, 64 << 20, "lowrank:0.02")
     assert set(p["predicted_s"]) == {"native", "hierarchical"} and p["algorithm"] == "hierarchical"
-    assert topology.plan(_topo(["a"] * 4), 64 << 20, "lowrank:0.02")["algorithm"] == "native"
+    assert planner.plan(_topo(["a"] * 4), 64 << 20, "lowrank:0.02")["algorithm"] == "native"
     # sending less is predicted faster
-    assert topology.predict(two_nodes, 1 << 24, "native", "lowrank:0.01") < \
-        topology.predict(two_nodes, 1 << 24, "native", "lowrank:0.1")
+    assert planner.predict(two_nodes, 1 << 24, "native", "lowrank:0.01") < \
+        planner.predict(two_nodes, 1 << 24, "native", "lowrank:0.1")

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _C, ops, topology
+from .. import _C, ops, planner, topology
 from ..testbed import run_distributed
 from . import common
 
@@ -110,9 +110,9 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
                 rows.append({"bytes": size, "algorithm": algo, "wire": wire, "time_us": sec * 1e6,
                              "algbw": algbw, "busbw": algbw * 2 * (world - 1) / world,
                              "wrong": int(wrong_t) if wrong >= 0 else -1,
-                             "predicted_us": 0.0 if algo == "torch" else (topology.predict(
+                             "predicted_us": 0.0 if algo == "torch" else (planner.predict(
                                  topo, size, algo, "topk:0.01" if wire == "topk" else wire) or 0) * 1e6,
-                             "planned": topology.plan(topo, size, "topk:0.01" if wire == "topk" else wire)["algorithm"]})
+                             "planned": planner.plan(topo, size, "topk:0.01" if wire == "topk" else wire)["algorithm"]})
     return rows if rank == 0 else []
 
 
