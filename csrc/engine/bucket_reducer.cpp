@@ -111,6 +111,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       break;
     }
   }
+  t.synchronize();  // a stream transport (NCCL): the job's GPU time counts as comm time of this bucket
   sent_ += wc.bytes_sent - s0;
   recv_ += wc.bytes_recv - r0;
   comm_ns_ += wc.comm_ns - c0;
