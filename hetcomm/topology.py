@@ -134,7 +134,9 @@ def group_device(group=None, device: Optional[torch.device] = None) -> torch.dev
                          "and no GPU is visible; use gloo for CPU training") from None
 
 
-def _sync(device: torch.device) -> None:
+def sync(device) -> None:
+    """Waits for the work queued on ``device`` (a torch.device or its name; a no-op on the CPU)."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -187,7 +189,7 @@ def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
                     else:
                         t.recv(buf, peer, 10 * rnd + i)
                         t.send(buf, peer, 10 * rnd + i)
-                    _sync(device)  # NCCL's wait() only orders streams
+                    sync(device)  # NCCL's wait() only orders streams
                     if i:  # the first exchange warms the connection up
                         samples.append((time.perf_counter() - t0) / 2)
                 times[size] = min(samples)  # the least disturbed exchange (the machine may be busy)
@@ -228,11 +230,11 @@ def measure_codec_gbps(numel: int = 1 << 20, device: Optional[torch.device] = No
     g, e = torch.randn(numel, device=device), torch.zeros(numel, device=device)
     best = math.inf
     for _ in range(3):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         w, s = ops.sign_encode(g, e)
         ops.sign_decode(w, s, numel)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return numel * 4 / best / 1e9
 

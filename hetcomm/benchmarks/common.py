@@ -8,6 +8,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..topology import sync
+
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -30,11 +32,6 @@ def size_sweep(minbytes: str, maxbytes: str, factor: int) -> List[int]:
         sizes.append(s)
         s *= factor
     return sizes
-
-
-def sync(device) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def median_time(fn: Callable[[], object], iters: int, warmup: int, device: str = "cpu") -> float:
