@@ -212,6 +212,7 @@ class Engine {
   void drain() { worker_.drain(); }
   void close() { worker_.close(); }
   bool closed() const { return worker_.closed(); }
+  int64_t nonfinite_steps() const { return reducer_.nonfinite_steps(); }
   int rank() const { return transport_->rank(); }
   int size() const { return transport_->size(); }
 
@@ -229,6 +230,8 @@ class Engine {
       return d;
     };
     py::dict d;
+    d["nonfinite_steps"] = reducer_.nonfinite_steps();
+    d["nonfinite_buckets"] = reducer_.nonfinite_buckets();
     d["total"] = to_dict(reducer_.totals());
     d["last_step"] = to_dict(reducer_.last_step());
     return d;
@@ -483,5 +486,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
+      .def("nonfinite_steps", &Engine::nonfinite_steps)
       .def("stats", &Engine::stats);
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import time
 import weakref
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, planner, topology
-from .buckets import BucketStates
+from . import buckets
 from .topology import ALGO_IDS, ALGORITHMS
 
 # Codec ids shared with csrc/engine/bucket_reducer.h (enum class Codec).
@@ -21,7 +22,9 @@ CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "topk": 4, "lowrank":
 COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank")
 # Modes with per-bucket state (residuals; Q for lowrank), compressed after start_iter.
 COMPRESSED = ("onebit", "topk", "lowrank")
-_STATE_DICT_VERSION = 1
+_STATE_DICT_VERSION = 2
+
+log = logging.getLogger("hetcomm")
 
 _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _nccl_count = 0  # NCCL communicators made by this process (the same sequence on every rank)
@@ -87,7 +90,8 @@ class HookState:
             collective: construct the state on every rank.
         start_iter: steps reduced in fp32 before compression starts. Must be
             >= 2 with error feedback: DDP rebuilds its buckets after the first
-            iteration, and residuals are kept per bucket index.
+            iteration (residuals are kept per bucket, keyed by the bucket's
+            parameters, so the first layout's would be dropped).
         error_feedback: keep what compression did not send and add it to the
             next step's gradient (default True). ``False`` exists to show why
             it matters.
@@ -147,7 +151,7 @@ class HookState:
         if error_feedback and compression in COMPRESSED and start_iter < 2:
             raise ValueError(
                 f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
-                "after the first iteration, and residuals are kept per bucket index")
+                "after the first iteration, and residuals are kept per bucket layout")
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0 or chunk_size % 32:
             raise ValueError(f"chunk_size must be a positive multiple of 32, got {chunk_size!r}")
         if not isinstance(min_compress_numel, int) or isinstance(min_compress_numel, bool) or min_compress_numel < 0:
@@ -199,12 +203,17 @@ class HookState:
         self._process_group = process_group
         self._timeout = timeout
         self._engine: Optional[Any] = None
-        self._buckets = BucketStates()
+        self._buckets = buckets.BucketStates()
+        self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
+        self._nonfinite_seen = 0
         self._local_batch: Optional[float] = None
         self._weighted: Optional[bool] = None  # decided at the first step
         self._step_open = False
         self._negotiated = False
-        if process_group is None and dist.is_available() and dist.is_initialized():
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("hetcomm: HookState needs torch.distributed to be initialized first: call "
+                               "torch.distributed.init_process_group(...) (or run under torchrun), then HookState(...)")
+        if process_group is None:
             self._group()
 
     # ---- public API ----------------------------------------------------------
@@ -385,30 +394,100 @@ class HookState:
             self._plans[key] = planner.plan(self.topology, numel * 4, wire or "none")["algorithm"]
         return self._plans[key]
 
-    def _submit(self, bucket) -> torch.futures.Future:
-        buf = bucket.buffer()
+    def _submit(self, grad_bucket) -> torch.futures.Future:
+        buf = grad_bucket.buffer()
         if not buf.is_floating_point():
             raise ValueError(f"hetcomm.hook: bucket dtype must be floating point, got {buf.dtype}")
         engine = self._ensure_engine(buf.device)
+        bucket = buckets.from_grad_bucket(grad_bucket, self._buckets.params)
         if not self._step_open:
-            if not self._negotiated:
-                self._negotiate(buf.device)
-            self._step_open = True
-            if self._weighted:
-                if self._local_batch is None:
-                    raise RuntimeError("hetcomm: batch-size weighting is on but no batch size was set")
-                engine.submit_batch_size(self._local_batch)
+            self._open_step(engine, buf.device)
+            if self._buckets.replay_layout is not None:
+                self._replaying = []
+        if self._replaying is not None:
+            return self._collect(bucket, engine)
+        return self._reduce(bucket, engine)
+
+    def _open_step(self, engine, device: torch.device) -> None:
+        if not self._negotiated:
+            self._negotiate(device)
+        self._step_open = True
+        nonfinite = engine.nonfinite_steps()
+        if nonfinite > self._nonfinite_seen:
+            log.warning("hetcomm: %d step(s) had non-finite gradients on some rank; they were reduced exactly in "
+                        "fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the error-feedback "
+                        "state untouched", nonfinite - self._nonfinite_seen)
+            self._nonfinite_seen = nonfinite
+        if self._weighted:
+            if self._local_batch is None:
+                raise RuntimeError(
+                    f"hetcomm: batch-size weighting is on but no batch size was set for step {self.iter}: call "
+                    "state.set_local_batch_size(len(batch)) on every rank before every step (a value is used for "
+                    "one step only)")
+            engine.submit_batch_size(self._local_batch)
+            self._local_batch = None
+
+    def _collect(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
+        """The first step after load_state_dict: hold DDP's buckets until the
+        step's last one, then reduce the gradients grouped as in the saved
+        layout (the original run's), so the restored state meets exactly the
+        buckets it was made for. One step without overlap."""
+        fut: torch.futures.Future = torch.futures.Future()
+        self._replaying.append((bucket, fut))
+        if not bucket.last:
+            return fut
+        collected, self._replaying = self._replaying, None
+        target, self._buckets.replay_layout = self._buckets.replay_layout, None
+        try:
+            self._replay(collected, target, engine)
+        except BaseException as e:
+            for _, f in collected[:-1]:
+                f.set_exception(e)
+            self._step_open = False
+            raise
+        for b, f in collected:
+            f.set_result(b.buffer)
+        return fut
+
+    def _replay(self, collected, target, engine) -> None:
+        self._buckets.check_saved_shapes()
+        real = [b for b, _ in collected]
+        if [b.sig for b in real] == target:
+            virtual = real  # the layout is the saved one: nothing to regroup
+        else:
+            views = {p: g for b in real for p, g in zip(b.sig, b.grads)}
+            wanted = sorted(p for sig in target for p in sig)
+            if sorted(views) != wanted:
+                raise ValueError(
+                    "hetcomm: the restored state's bucket layout holds other parameters than this step's buckets "
+                    f"({len(wanted)} vs {len(views)}): load the state saved with this model and these DDP options")
+            virtual = []
+            for i, sig in enumerate(target):
+                flat = torch.cat([views[p].reshape(-1) for p in sig])
+                grads, off = [], 0
+                for p in sig:
+                    n = views[p].numel()
+                    grads.append(flat[off:off + n].view(views[p].shape))
+                    off += n
+                virtual.append(buckets.Bucket(i, flat, grads, sig, i == len(target) - 1))
+        for fut in [self._reduce(b, engine) for b in virtual]:
+            fut.wait()
+        if virtual is not real:
+            for b in virtual:
+                for p, g in zip(b.sig, b.grads):
+                    views[p].copy_(g)
+
+    def _reduce(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
+        buf = bucket.buffer
         mode = self.resolved_compression
-        index = bucket.index()
-        last = bucket.is_last()
         numel = buf.numel()
+        key = buckets.key_of(bucket.sig)
+        self._buckets.add_to_step(bucket.sig)
         compressed = mode in COMPRESSED and self.iter >= self.start_iter and numel >= self.min_compress_numel
         residual = server = layout = q_state = None
-        if compressed:
-            key = self._buckets.key(bucket, index, numel)
-            if mode == "lowrank":
-                layout = self._buckets.lowrank_parts(bucket, key, numel, self.rank)
-                q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
+        if compressed and mode == "lowrank":
+            layout = self._buckets.lowrank_parts(bucket, key, self.rank)
+            q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
         algo = self._algorithm_for(numel, mode if compressed or mode not in COMPRESSED else "none", compressed, layout)
         if not compressed:
             codec = CODEC_IDS["none"] if mode in COMPRESSED else CODEC_IDS[mode]
@@ -426,9 +505,9 @@ class HookState:
                 if mode == "onebit":
                     server = self._buckets.residual(self._buckets.server_residuals, key,
                                                     _C.onebit_segment_numel(n, peers, me), buf.device)
-        fut = engine.submit_bucket(index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact, residual,
-                                   server, last, layout, q_state, ALGO_IDS[algo])
-        if last:
+        fut = engine.submit_bucket(bucket.index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact,
+                                   residual, server, bucket.last, layout, q_state, ALGO_IDS[algo])
+        if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event
                 event = torch.cuda.Event(enable_timing=True)
@@ -437,4 +516,5 @@ class HookState:
             self._step_open = False
             self.iter += 1
             self._buckets.end_step()
+            self._buckets.check_saved_shapes()
         return fut

@@ -136,55 +136,89 @@ def test_wire_volume_of_a_1m_element_bucket(mode, factor):
     assert st["total"]["bytes_sent"] >= 2 * fp32_ring
 
 
-def _train_span(rank, world, ckpt_dir, start, stop, save_at, bucket_cap_mb, mode="onebit"):
-    if bucket_cap_mb is None:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(models.IN, models.OUT, bias=False)
-        bucket_cap_mb = 25
-    else:
-        model = models.mlp()
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+def _model(kind):
+    """one: a single Linear (one bucket in every layout); small: the MLP in
+    several 0.01 MB buckets; default: a 1.6 MB MLP with DDP's default buckets
+    (the first step's layout is not the rebuilt one in either)."""
+    torch.manual_seed(0)
+    if kind == "one":
+        return torch.nn.Linear(models.IN, models.OUT, bias=False), {}
+    if kind == "small":
+        return models.mlp(), {"bucket_cap_mb": 0.01}
+    return models.mlp(hidden=600), {}
+
+
+def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit", opt_name="sgd"):
+    model, ddp_kwargs = _model(kind)
+    ddp = DDP(model, **ddp_kwargs)
     state = hetcomm.HookState(mode, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
     if start > 0:
         ck = torch.load(path, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         state.load_state_dict(ck["hetcomm"])
+    layouts = []
     for step in range(start, stop):
         models.train_step(ddp, opt, rank, step, 16)
+        layouts.append(list(state._buckets.step_layout))
         if step + 1 == save_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()}, path)
-    return {"params": models.flat_params(model), "residual_keys": sorted(state.state_dict()["residuals"])}
+    return {"params": models.flat_params(model), "residual_keys": sorted(state.state_dict()["residuals"]),
+            "layouts": layouts}
 
 
-@pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
-def test_resume_from_state_dict_continues_bit_for_bit(tmp_path, mode):
-    # A fresh process's first step runs in DDP's initial bucket layout
-    # (parameters in registration order), later steps in the rebuilt one
-    # (gradient-ready order). A 1-bit message depends on the layout, so a
-    # bit-for-bit resume needs the two to agree: one parameter, one bucket.
-    straight = run_ranks(_train_span, 2, str(tmp_path / "a"), 0, 60, -1, None, mode)
+@pytest.mark.parametrize("kind,mode,opt_name", [
+    ("one", "onebit", "sgd"), ("one", "topk", "sgd"), ("one", "lowrank", "sgd"),
+    ("small", "onebit", "sgd"), ("small", "topk", "adamw"), ("small", "lowrank", "sgd"),
+    ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"),
+])
+def test_resume_from_state_dict_continues_bit_for_bit(tmp_path, kind, mode, opt_name):
+    # A fresh process's first step runs in DDP's initial bucket layout, later
+    # steps in the rebuilt one. The resumed first step regroups its gradients
+    # into the saved layout, so the run continues exactly as if never stopped.
+    straight = run_ranks(_train_span, 2, str(tmp_path / "a"), 0, 16, -1, kind, mode, opt_name)
     os.makedirs(tmp_path / "b")
-    run_ranks(_train_span, 2, str(tmp_path / "b"), 0, 30, 30, None, mode)
-    resumed = run_ranks(_train_span, 2, str(tmp_path / "b"), 30, 60, -1, None, mode)
+    run_ranks(_train_span, 2, str(tmp_path / "b"), 0, 8, 8, kind, mode, opt_name)
+    resumed = run_ranks(_train_span, 2, str(tmp_path / "b"), 8, 16, -1, kind, mode, opt_name)
     assert torch.equal(straight[0]["params"], straight[1]["params"])
     assert torch.equal(resumed[0]["params"], straight[0]["params"])
     assert torch.equal(resumed[1]["params"], straight[1]["params"])
+    if kind != "one":  # the case that needs the regrouping really happened
+        assert straight[0]["layouts"][0] != straight[0]["layouts"][1]
+        assert resumed[0]["layouts"][0] == straight[0]["layouts"][8]  # step 8 was reduced in the saved layout
 
 
-def test_resume_across_ddp_bucket_rebuild_keeps_residuals_of_the_right_buckets(tmp_path):
-    # Several buckets: a fresh process's first step runs in DDP's initial
-    # (one-bucket) layout; the saved residuals belong to the rebuilt layout and
-    # must come back for it, not be applied to the initial bucket.
-    run_ranks(_train_span, 2, str(tmp_path), 0, 10, 10, 0.01)
-    saved = torch.load(tmp_path / "rank0.pt", weights_only=False)["hetcomm"]["residuals"]
-    assert sorted(saved) == ["0:10,640,64,4096", "1:64,2048"]
-    resumed = run_ranks(_train_span, 2, str(tmp_path), 10, 13, -1, 0.01)
-    assert resumed[0]["residual_keys"] == sorted(saved)
-    assert torch.equal(resumed[0]["params"], resumed[1]["params"])
+def _train_no_resume_state(rank, world, ckpt_dir):
+    # Same as a resumed run but the hetcomm state is not restored: the run
+    # differs (the residuals matter), so the bit-for-bit test above can fail.
+    model, ddp_kwargs = _model("small")
+    ddp = DDP(model, **ddp_kwargs)
+    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    ck = torch.load(os.path.join(ckpt_dir, f"rank{rank}.pt"), weights_only=False)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    sd = ck["hetcomm"]
+    sd["residuals"] = {k: torch.zeros_like(v) for k, v in sd["residuals"].items()}
+    state.load_state_dict(sd)
+    for step in range(8, 16):
+        models.train_step(ddp, opt, rank, step, 16)
+    return models.flat_params(model)
+
+
+def test_resume_without_the_residuals_differs(tmp_path):
+    straight = run_ranks(_train_span, 2, str(tmp_path / "a"), 0, 16, -1, "small", "onebit")
+    os.makedirs(tmp_path / "b")
+    run_ranks(_train_span, 2, str(tmp_path / "b"), 0, 8, 8, "small", "onebit")
+    zeroed = run_ranks(_train_no_resume_state, 2, str(tmp_path / "b"))
+    assert not torch.equal(zeroed[0], straight[0]["params"])
 
 
 def _mismatch(rank, world, case):

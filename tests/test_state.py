@@ -1,4 +1,4 @@
-"""HookState validation and the import contract (no process group needed)."""
+"""HookState validation and the import contract (a one-rank gloo group)."""
 
 import subprocess
 import sys
@@ -6,8 +6,24 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import hetcomm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_rank_group(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "fs"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_hookstate_needs_an_initialized_process_group():
+    code = ("import hetcomm\n"
+            "try:\n    hetcomm.HookState('onebit')\nexcept RuntimeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "init_process_group" in out.stdout, (out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("kwargs,option", [
@@ -97,8 +113,9 @@ def test_import_never_initialises_cuda():
         "def boom(*a, **k): raise RuntimeError('CUDA was initialised')\n"
         "torch.cuda._lazy_init = boom\n"
         "torch.cuda.init = boom\n"
-        "import sys, hetcomm, hetcomm.ops\n"
+        "import sys, tempfile, torch.distributed as dist, hetcomm, hetcomm.ops\n"
         "hetcomm.build_info()\n"
+        "dist.init_process_group('gloo', store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)\n"
         "hetcomm.HookState('auto-precision')\n"
         "assert not torch.cuda.is_initialized()\n"
         "print('ok')\n"

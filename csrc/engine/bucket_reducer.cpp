@@ -38,6 +38,14 @@ void BucketReducer::set_topology(std::vector<int> ring_order, std::vector<int> n
 
 namespace {
 
+// Whether x holds a NaN or an infinity on any rank (one 4-byte all-reduce).
+bool any_rank_nonfinite(Transport& t, const at::Tensor& x) {
+  at::Tensor flag = at::isfinite(x).all().logical_not().to(at::kFloat).reshape({1});
+  t.all_reduce_sum(flag);
+  t.synchronize();
+  return flag.cpu().item<float>() > 0;
+}
+
 // The sum of x over ranks by the chosen algorithm (x already weighted).
 void sum_by(Transport& t, at::Tensor& x, Algo algo, const std::vector<int>& order, const std::vector<int>& node_of) {
   switch (algo) {
@@ -84,6 +92,16 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
     case Codec::kOneBit:
     case Codec::kTopK:
     case Codec::kLowRank: {
+      if (any_rank_nonfinite(t, buf)) {
+        // Overflow (e.g. fp16 + GradScaler) or a NaN on some rank: reduce this
+        // bucket exactly, as allreduce_hook would (every rank sees the same
+        // NaN/Inf, so GradScaler skips the step everywhere), and leave the
+        // residuals, the server residual and Q as they were.
+        step_nonfinite_ = true;
+        nonfinite_buckets_ += 1;
+        collectives::allreduce_dense(t, buf, divisor_, at::kFloat, codec_);
+        break;
+      }
       // The codecs work in float32; other bucket dtypes go through a copy.
       at::Tensor x = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
       if (job.algo == Algo::kHierarchical && job.codec != Codec::kLowRank) {
@@ -119,6 +137,8 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
   buckets_ += 1;
   fp32_bytes_ += w > 1 ? 2 * (w - 1) * buf.numel() * 4 / w : 0;
   if (job.last) {
+    if (step_nonfinite_) nonfinite_steps_ += 1;
+    step_nonfinite_ = false;
     std::lock_guard<std::mutex> lock(snap_mu_);
     const ReduceTotals now = totals();
     last_step_ = {now.bytes_sent - step_start_.bytes_sent, now.bytes_recv - step_start_.bytes_recv,

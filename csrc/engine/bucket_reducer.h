@@ -55,6 +55,9 @@ class BucketReducer {
   void set_topology(std::vector<int> ring_order, std::vector<int> node_of);
 
   ReduceTotals totals() const;
+  // Steps (and compressed buckets) whose gradient was non-finite on some rank.
+  int64_t nonfinite_steps() const { return nonfinite_steps_; }
+  int64_t nonfinite_buckets() const { return nonfinite_buckets_; }
   ReduceTotals last_step() const;
 
  private:
@@ -63,6 +66,8 @@ class BucketReducer {
   std::vector<int> ring_order_, node_of_;
   collectives::CodecTimer codec_;
   std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0};
+  std::atomic<int64_t> nonfinite_steps_{0}, nonfinite_buckets_{0};
+  bool step_nonfinite_ = false;
   ReduceTotals step_start_, last_step_;
   mutable std::mutex snap_mu_;
 };

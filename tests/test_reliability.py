@@ -1,0 +1,204 @@
+"""Reliability: overflow steps, misuse, replicas over many steps.
+
+Run on its own with ``pytest -m reliability tests``."""
+
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
+
+from . import models
+from .dist_harness import run_ranks
+
+pytestmark = pytest.mark.reliability
+
+MODES = ["none", "fp16", "onebit", "topk", "lowrank"]
+BAD = 5  # the step whose gradient is NaN on rank 1
+
+
+def _nan_step(rank, world, mode, skip_bad):
+    """12 SGD-momentum steps; at step BAD rank 1's batch holds a NaN and the
+    optimizer step is skipped (as GradScaler does). With skip_bad the bad step
+    is not run at all: the run as if it had never happened."""
+    model = models.mlp(hidden=128)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = hetcomm.HookState(mode, min_compress_numel=1000, topk_ratio=0.05)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    bad_grads = None
+    for step in range(12):
+        if step == BAD:
+            if skip_bad:
+                continue
+            x, y = models.batch(rank, step, 16)
+            if rank == 1:
+                x[3, 0] = float("nan")
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            bad_grads = models.flat_grads(model)
+            continue
+        models.train_step(ddp, opt, rank, step, 16)
+    return {"params": models.flat_params(model), "bad_nonfinite": None if bad_grads is None else
+            int((~torch.isfinite(bad_grads)).sum()), "stats": state.stats()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_step_reaches_every_rank_and_leaves_the_state_untouched(mode):
+    bad = run_ranks(_nan_step, 2, mode, False)
+    clean = run_ranks(_nan_step, 2, mode, True)
+    for r in bad:
+        assert r["bad_nonfinite"] > 0  # every rank saw it, so every rank skips the step
+        assert torch.isfinite(r["params"]).all()
+    assert bad[0]["bad_nonfinite"] == bad[1]["bad_nonfinite"]
+    assert torch.equal(bad[0]["params"], bad[1]["params"])
+    # The next finite steps continue as if the bad step had never happened.
+    assert torch.equal(bad[0]["params"], clean[0]["params"])
+    if mode in ("onebit", "topk", "lowrank"):
+        assert bad[0]["stats"]["nonfinite_steps"] == 1 and clean[0]["stats"]["nonfinite_steps"] == 0
+
+
+def _nan_like_allreduce_hook(rank, world, mode):
+    # The bad step's reduced gradient is NaN exactly where allreduce_hook's is.
+    out = []
+    for use_hetcomm in (False, True):
+        model = models.mlp(hidden=128)
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        if use_hetcomm:
+            ddp.register_comm_hook(hetcomm.HookState(mode, min_compress_numel=0, start_iter=2), hetcomm.hook)
+        else:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(3):
+            x, y = models.batch(rank, step, 16)
+            if step == 2 and rank == 0:
+                x[0, 1] = float("inf")
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            if step < 2:
+                opt.step()
+        out.append(models.flat_grads(model))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
+def test_a_nonfinite_compressed_step_is_reduced_like_allreduce_hook(mode):
+    for theirs, ours in run_ranks(_nan_like_allreduce_hook, 2, mode):
+        assert torch.equal(torch.isfinite(theirs), torch.isfinite(ours))
+        fin = torch.isfinite(theirs)
+        assert fin.any() and not fin.all()
+        assert torch.allclose(theirs[fin], ours[fin], rtol=1e-6, atol=1e-7)
+
+
+def _grad_scaler_run(rank, world, mode, overflow_at):
+    """fp16 autocast + GradScaler on CPU (what a V100 trains with). GradScaler's
+    first scale (65536) overflows; rank 0 also overflows at overflow_at."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(models.IN, 256), torch.nn.ReLU(), torch.nn.Linear(256, models.OUT))
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = None
+    if mode == "allreduce_hook":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    else:
+        state = hetcomm.HookState(mode, min_compress_numel=1000, topk_ratio=0.05)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    scales, losses = [], []
+    xs, ys = zip(*[models.batch(r, s, 32) for r in range(world) for s in range(8)])
+    with torch.no_grad():
+        initial = torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).item()
+    for step in range(60):
+        x, y = models.batch(rank, step % 8, 32)
+        if step == overflow_at and rank == 0:
+            x = x * 3e4
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        losses.append(loss.item())
+    with torch.no_grad():
+        final = torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).item()
+    return {"params": models.flat_params(model), "scales": scales, "final": final, "initial": initial,
+            "nonfinite": state.stats()["nonfinite_steps"] if state else None}
+
+
+@pytest.mark.parametrize("mode", ["none", "onebit", "topk", "lowrank"])
+def test_grad_scaler_fp16_keeps_training_through_overflows(mode):
+    ref = run_ranks(_grad_scaler_run, 2, "allreduce_hook", 30)
+    ours = run_ranks(_grad_scaler_run, 2, mode, 30)
+    assert torch.equal(ours[0]["params"], ours[1]["params"])
+    assert ours[0]["scales"] == ours[1]["scales"]  # one skip decision on every rank
+    assert torch.isfinite(ours[0]["params"]).all()
+    # The forced overflow at step 30 was skipped: the scale backed off there.
+    assert ours[0]["scales"][30] == ours[0]["scales"][29] / 2
+    if mode != "none":
+        assert ours[0]["nonfinite"] >= 1
+    else:
+        assert torch.equal(ours[0]["params"], ref[0]["params"])
+    # ... and it kept training: the final loss is close to allreduce_hook's.
+    assert ours[0]["final"] <= ref[0]["final"] * 1.05 + 0.01, (ours[0]["final"], ref[0]["final"])
+    assert ours[0]["final"] < 0.9 * ours[0]["initial"]
+
+
+def _batch_size_forgotten(rank, world):
+    model = models.mlp()
+    ddp = DDP(model)
+    state = hetcomm.HookState("none")
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    models.train_step(ddp, opt, rank, 0, 8, state)
+    try:
+        models.train_step(ddp, opt, rank, 1, 8)  # forgot set_local_batch_size
+    except Exception as e:
+        return str(e)
+    return None
+
+
+def test_a_step_without_a_batch_size_is_an_error_once_weighting_is_on():
+    for err in run_ranks(_batch_size_forgotten, 2):
+        assert err is not None and "set_local_batch_size" in err and "every step" in err
+
+
+def _second_model(rank, world):
+    a, b = models.mlp(seed=1), models.mlp(seed=2)
+    da, db = DDP(a), DDP(b)
+    state = hetcomm.HookState("onebit")
+    da.register_comm_hook(state, hetcomm.hook)
+    db.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.05)
+    models.train_step(da, opt, rank, 0, 8)
+    try:
+        models.train_step(db, opt, rank, 0, 8)
+    except Exception as e:
+        return str(e)
+    return None
+
+
+def test_one_state_on_two_models_is_an_error_naming_the_fix():
+    for err in run_ranks(_second_model, 2):
+        assert err is not None and "HookState per DDP model" in err
+
+
+def _replicas(rank, world, mode, steps):
+    model = models.mlp(hidden=128)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = hetcomm.HookState(mode, min_compress_numel=1000, topk_ratio=0.05)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    for step in range(steps):
+        models.train_step(ddp, opt, rank, step, 8 + rank, state)  # uneven batches, weighted
+    return {"params": models.flat_params(model), "buckets": len(state._buckets.step_layout),
+            "ratio": state.stats()["last_step"]["compression_ratio"]}
+
+
+@pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
+def test_200_compressed_steps_on_4_ranks_keep_replicas_bit_identical(mode):
+    results = run_ranks(_replicas, 4, mode, 200, timeout=400)
+    for r in results[1:]:
+        assert torch.equal(r["params"], results[0]["params"])
+    assert results[0]["buckets"] >= 2 and results[0]["ratio"] > 2
