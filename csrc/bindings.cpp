@@ -75,7 +75,16 @@ class Engine {
       : transport_(std::make_shared<ProcessGroupTransport>(std::move(pg), device)), reducer_(transport_) {}
   explicit Engine(std::shared_ptr<Transport> t) : transport_(std::move(t)), reducer_(transport_) {}
 
-  ~Engine() { worker_.close(); }
+  // Dropped while jobs are queued (no close()): the comm thread needs the GIL
+  // to complete their futures, so wait for it without holding the GIL.
+  ~Engine() {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      worker_.close();
+    } else {
+      worker_.close();
+    }
+  }
 
   // Posts fn to the comm thread; the Future's value (a Python object) is
   // fn's result. One engine serves one device: its transport's.
@@ -172,6 +181,18 @@ class Engine {
                       "hetcomm: the lowrank codec needs a layout and a Q state");
     ops::check_float_vector(buffer, "bucket buffer");
     TORCH_CHECK_VALUE(buffer.is_contiguous(), "hetcomm: bucket buffer must be contiguous");
+    ops::check_chunk(chunk);
+    TORCH_CHECK_VALUE(ratio > 0.0 && ratio <= 1.0, "hetcomm: topk_ratio must be in (0, 1], got ", ratio);
+    for (const auto* st : {&residual, &server_residual, &q_state}) {
+      if (!*st) continue;
+      const at::Tensor& s = **st;
+      TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 1 &&
+                            s.device() == buffer.device(),
+                        "hetcomm: residuals and Q state must be contiguous 1-D float32 on the bucket's device");
+    }
+    if (residual && codec != static_cast<int>(Codec::kLowRank) && algo != static_cast<int>(Algo::kHierarchical))
+      TORCH_CHECK_VALUE(residual->numel() == buffer.numel(), "hetcomm: residual must have the bucket's ",
+                        buffer.numel(), " elements, got ", residual->numel());
     BucketJob job;
     job.index = index;
     job.buffer = buffer.view({-1});
@@ -203,6 +224,7 @@ class Engine {
 
   // Applies to buckets submitted after this call (FIFO on the comm thread).
   void set_topology(std::vector<int> order, std::vector<int> node_of) {
+    BucketReducer::check_topology(order, node_of, transport_->size());  // here, not on the comm thread
     run([this, order, node_of] {
       reducer_.set_topology(order, node_of);
       return at::zeros({0});
@@ -411,6 +433,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
             TORCH_CHECK_VALUE(inter == "ring" || inter == "onebit" || inter == "topk",
                               "hetcomm: inter must be 'ring', 'onebit' or 'topk', got '", inter, "'");
+            BucketReducer::check_topology(order, node_of, t.size());
+            if (inter != "ring") ops::check_chunk(chunk);
             at::Tensor flat = x.view({-1});
             blocking(t, [&] {
               if (algorithm == "native") {

@@ -225,8 +225,10 @@ void SubgroupTransport::barrier() {
 // ---- hierarchical ------------------------------------------------------------------
 
 Hierarchy hierarchy_of(const std::vector<int>& node_of, int rank, int world) {
-  TORCH_CHECK_VALUE(static_cast<int>(node_of.size()) == world, "hetcomm: node_of must name a node for each of the ",
-                    world, " ranks");
+  TORCH_CHECK_VALUE(world >= 1 && static_cast<int>(node_of.size()) == world,
+                    "hetcomm: node_of must name a node for each of the ", world, " ranks");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "hetcomm: rank must be in [0, ", world, "), got ", rank);
+  for (int nd : node_of) TORCH_CHECK_VALUE(nd >= 0, "hetcomm: node ids must be >= 0, got ", nd);
   std::vector<int> nodes;  // in order of first appearance
   std::map<int, std::vector<int>> members;
   for (int r = 0; r < world; ++r) {
@@ -245,6 +247,8 @@ Hierarchy hierarchy_of(const std::vector<int>& node_of, int rank, int world) {
 }
 
 int64_t hierarchical_shard_numel(int64_t n, const std::vector<int>& node_of, int rank) {
+  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
+  TORCH_CHECK_VALUE(!node_of.empty(), "hetcomm: node_of must name the node of at least one rank");
   const Hierarchy l = hierarchy_of(node_of, rank, static_cast<int>(node_of.size()));
   const auto b = blocks(n, static_cast<int64_t>(l.locals.size()));
   return b[l.local_index + 1] - b[l.local_index];

@@ -70,6 +70,9 @@ void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType
 }
 
 int64_t onebit_segment_numel(int64_t n, int world, int rank) {
+  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
+  TORCH_CHECK_VALUE(world >= 1, "hetcomm: world must be >= 1, got ", world);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "hetcomm: rank must be in [0, world = ", world, "), got ", rank);
   return segment_len(n, segment_stride(n, world), rank);
 }
 
@@ -78,6 +81,10 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
   const int w = t.size();
   const int me = t.rank();
   const int64_t n = x.numel();
+  ops::check_chunk(chunk);
+  ops::check_divisor(divisor);
+  TORCH_CHECK_VALUE(!worker_residual.defined() || worker_residual.numel() == n,
+                    "hetcomm: worker residual must have the bucket's ", n, " elements, got ", worker_residual.numel());
   const int64_t seg = segment_stride(n, w);
   const SignBlock blk{seg / 32, kernels::sign_num_chunks(seg, chunk)};
   const int64_t my_len = segment_len(n, seg, me);

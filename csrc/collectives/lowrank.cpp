@@ -24,7 +24,9 @@ std::vector<Part> parse(const at::Tensor& layout, int64_t n) {
   int64_t covered = 0;
   for (int64_t i = 0; i < l.size(0); ++i) {
     Part part{p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]};
-    TORCH_CHECK_VALUE(part.offset >= 0 && part.rows >= 1 && part.cols >= 1 && part.offset + part.numel() <= n,
+    // rows, cols <= n first: then rows * cols cannot overflow
+    TORCH_CHECK_VALUE(part.offset >= 0 && part.offset <= n && part.rows >= 1 && part.cols >= 1 && part.rows <= n &&
+                          part.cols <= n && part.numel() <= n - part.offset,
                       "hetcomm: lowrank layout row ", i, " lies outside the bucket");
     TORCH_CHECK_VALUE(part.rank >= 0 && part.rank <= std::min(part.rows, part.cols),
                       "hetcomm: lowrank rank of row ", i, " must be in [0, min(rows, cols)]");
@@ -38,9 +40,17 @@ std::vector<Part> parse(const at::Tensor& layout, int64_t n) {
 }  // namespace
 
 int64_t lowrank_q_numel(const at::Tensor& layout) {
+  TORCH_CHECK_VALUE(layout.dim() == 2 && layout.size(1) == 4 && layout.scalar_type() == at::kLong && layout.is_cpu(),
+                    "hetcomm: lowrank layout must be a CPU int64 [k, 4] tensor (offset, rows, cols, rank)");
   const at::Tensor l = layout.contiguous();
+  const int64_t* p = l.data_ptr<int64_t>();
   int64_t q = 0;
-  for (int64_t i = 0; i < l.size(0); ++i) q += l[i][2].item<int64_t>() * l[i][3].item<int64_t>();
+  for (int64_t i = 0; i < l.size(0); ++i) {
+    const int64_t cols = p[4 * i + 2], rank = p[4 * i + 3];
+    TORCH_CHECK_VALUE(cols >= 1 && cols < (int64_t{1} << 31) && rank >= 0 && rank < (int64_t{1} << 31),
+                      "hetcomm: lowrank layout row ", i, " needs cols in [1, 2^31) and rank in [0, 2^31)");
+    q += cols * rank;
+  }
   return q;
 }
 

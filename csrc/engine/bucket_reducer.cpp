@@ -1,5 +1,6 @@
 #include "engine/bucket_reducer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "collectives/algorithms.h"
@@ -27,11 +28,19 @@ at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
   return all.view({transport_->size(), c.numel()}).cpu();
 }
 
-void BucketReducer::set_topology(std::vector<int> ring_order, std::vector<int> node_of) {
-  const int w = transport_->size();
+void BucketReducer::check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int w) {
   TORCH_CHECK_VALUE(ring_order.empty() || static_cast<int>(ring_order.size()) == w, "hetcomm: ring order needs ", w,
                     " ranks");
   TORCH_CHECK_VALUE(node_of.empty() || static_cast<int>(node_of.size()) == w, "hetcomm: node_of needs ", w, " ranks");
+  std::vector<int> sorted = ring_order;
+  std::sort(sorted.begin(), sorted.end());
+  for (int i = 0; i < static_cast<int>(sorted.size()); ++i)
+    TORCH_CHECK_VALUE(sorted[i] == i, "hetcomm: ring order must be a permutation of the ", w, " ranks");
+  for (int nd : node_of) TORCH_CHECK_VALUE(nd >= 0, "hetcomm: node ids must be >= 0, got ", nd);
+}
+
+void BucketReducer::set_topology(std::vector<int> ring_order, std::vector<int> node_of) {
+  check_topology(ring_order, node_of, transport_->size());
   ring_order_ = std::move(ring_order);
   node_of_ = std::move(node_of);
 }

@@ -53,6 +53,7 @@ class BucketReducer {
   at::Tensor gather_config(const at::Tensor& config);
   // Ring order and node of each rank (from the topology), used by kRing and kHierarchical.
   void set_topology(std::vector<int> ring_order, std::vector<int> node_of);
+  static void check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int world);
 
   ReduceTotals totals() const;
   // Steps (and compressed buckets) whose gradient was non-finite on some rank.

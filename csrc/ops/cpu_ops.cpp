@@ -30,15 +30,6 @@ void check_cpu(const at::Tensor& t, const char* name) {
                     "); CUDA tensors need a CUDA build of hetcomm (see hetcomm.build_info())");
 }
 
-void check_divisor(double divisor) {
-  TORCH_CHECK_VALUE(std::isfinite(divisor) && divisor > 0.0, "hetcomm: divisor must be finite and > 0, got ",
-                    divisor);
-}
-
-void check_chunk(int64_t chunk) {
-  TORCH_CHECK_VALUE(chunk > 0 && chunk % 32 == 0, "hetcomm: chunk must be a positive multiple of 32, got ", chunk);
-}
-
 void check_residual(const at::Tensor& residual, int64_t n) {
   if (!residual.defined()) return;
   check_cpu(residual, "residual");
@@ -52,6 +43,15 @@ void check_residual(const at::Tensor& residual, int64_t n) {
 float* opt_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
 }  // namespace
+
+void check_divisor(double divisor) {
+  TORCH_CHECK_VALUE(std::isfinite(divisor) && divisor > 0.0, "hetcomm: divisor must be finite and > 0, got ",
+                    divisor);
+}
+
+void check_chunk(int64_t chunk) {
+  TORCH_CHECK_VALUE(chunk > 0 && chunk % 32 == 0, "hetcomm: chunk must be a positive multiple of 32, got ", chunk);
+}
 
 void check_float_vector(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), "hetcomm: ", name, " is undefined");
@@ -72,6 +72,7 @@ at::Tensor as_float32(const at::Tensor& t, const char* name) {
 }
 
 int64_t topk_count(int64_t n, double ratio) {
+  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
   TORCH_CHECK_VALUE(ratio > 0.0 && ratio <= 1.0, "hetcomm: topk ratio must be in (0, 1], got ", ratio);
   return std::min<int64_t>(n, static_cast<int64_t>(std::ceil(ratio * static_cast<double>(n))));
 }
@@ -141,7 +142,8 @@ at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t kk, bool exact) {
   check_divisor(divisor);
-  TORCH_CHECK_VALUE(kk >= 0, "hetcomm: k must be >= 0, got ", kk);
+  TORCH_CHECK_VALUE(kk >= 0 && kk <= grad.numel(), "hetcomm: k must be in [0, grad.numel() = ", grad.numel(),
+                    "], got ", kk);
   HC_CUDA_DISPATCH(grad, cuda::topk_encode(grad, residual, divisor, kk, exact));
   const at::Tensor g = as_float32(grad, "grad");
   const int64_t n = g.numel();
@@ -256,6 +258,7 @@ at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor o
 }
 
 void orthonormalize_columns(at::Tensor& p, double eps) {
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "hetcomm: eps must be finite and >= 0, got ", eps);
   TORCH_CHECK_VALUE(p.dim() == 2 && p.is_contiguous() && p.scalar_type() == at::kFloat,
                     "hetcomm: p must be a contiguous float32 matrix");
   at::Tensor host = p.is_cpu() ? p : p.cpu();

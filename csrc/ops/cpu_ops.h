@@ -42,6 +42,8 @@ void orthonormalize_columns(at::Tensor& p, double eps);
 
 // Shared checks.
 void check_float_vector(const at::Tensor& t, const char* name);
+void check_chunk(int64_t chunk);
+void check_divisor(double divisor);
 at::Tensor as_float32(const at::Tensor& t, const char* name);
 int64_t topk_count(int64_t n, double ratio);
 
