@@ -100,15 +100,20 @@ def _predict_lowrank(topo: Topology, nbytes: float, algorithm: str, frac: float)
     return local + _stage(inter, 4 * (nodes - 1), 2 * (nodes - 1) / nodes * sent)
 
 
-def plan(topo: Topology, nbytes: float, wire: str = "none", allowed: Optional[List[str]] = None) -> dict:
+_FROM_ENV = object()
+
+
+def plan(topo: Topology, nbytes: float, wire: str = "none", allowed: Optional[List[str]] = None,
+         forced=_FROM_ENV) -> dict:
     """The algorithm predicted fastest for a bucket, with every prediction.
-    HETCOMM_ALGO forces one (where it applies)."""
+    ``forced`` (default: HETCOMM_ALGO) forces one, where it applies."""
     algos = list(allowed or ALGORITHMS)
     if wire not in WIRE_BYTES:  # compressed codecs run flat ("native") or across nodes only
         algos = [a for a in algos if a in ("native", "hierarchical")]
     predictions = {a: predict(topo, nbytes, a, wire) for a in algos}
     predictions = {a: t for a, t in predictions.items() if t is not None}
-    forced = os.environ.get(ENV_ALGO)
+    if forced is _FROM_ENV:
+        forced = os.environ.get(ENV_ALGO)
     if forced:
         if forced not in ALGORITHMS:
             raise ValueError(f"{ENV_ALGO} must be one of {ALGORITHMS}, got {forced!r}")

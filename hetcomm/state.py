@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import math
+import os
+import struct
 import time
+import types
 import weakref
 from datetime import timedelta
 from typing import Any, Dict, Optional
@@ -53,6 +57,28 @@ def _device_supports_bf16(device: torch.device) -> bool:
         major, _ = torch.cuda.get_device_capability(device)
         return major >= 8
     return True
+
+
+def _owning_ddp(param: torch.Tensor, depth: int = 4):
+    """The DistributedDataParallel that holds ``param`` (its module's or its own
+    parameter lists), found through the garbage collector's referrers; None if
+    there is none within ``depth`` hops. Run once, at the first step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    seen, frontier = {id(param)}, [param]
+    for _ in range(depth):
+        found = []
+        for obj in frontier:
+            for ref in gc.get_referrers(obj):
+                if isinstance(ref, DistributedDataParallel):
+                    return ref
+                if id(ref) in seen or ref is frontier or ref is found or isinstance(ref, types.FrameType):
+                    continue
+                seen.add(id(ref))
+                if isinstance(ref, (dict, list, tuple, torch.nn.Module)):
+                    found.append(ref)
+        frontier = found
+    return None
 
 
 class HookState:
@@ -152,8 +178,9 @@ class HookState:
             raise ValueError(
                 f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
                 "after the first iteration, and residuals are kept per bucket layout")
-        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0 or chunk_size % 32:
-            raise ValueError(f"chunk_size must be a positive multiple of 32, got {chunk_size!r}")
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 0 < chunk_size <= 2**30 or \
+                chunk_size % 32:
+            raise ValueError(f"chunk_size must be a positive multiple of 32 up to 2**30, got {chunk_size!r}")
         if not isinstance(min_compress_numel, int) or isinstance(min_compress_numel, bool) or min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
         if not isinstance(topk_ratio, (int, float)) or isinstance(topk_ratio, bool) or not (
@@ -204,6 +231,7 @@ class HookState:
         self._timeout = timeout
         self._engine: Optional[Any] = None
         self._buckets = buckets.BucketStates()
+        self._forced_algo: Optional[str] = None  # HETCOMM_ALGO, as agreed at the first step
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
         self._local_batch: Optional[float] = None
@@ -221,8 +249,9 @@ class HookState:
         """This rank's number of samples in the coming step (> 0). Call it on
         every rank before every step, starting before the first one."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)) or not (
-                math.isfinite(batch_size) and batch_size > 0):
-            raise ValueError(f"batch_size must be a finite number > 0, got {batch_size!r}")
+                math.isfinite(batch_size) and 0 < batch_size <= 2**40):
+            raise ValueError(f"batch_size must be a number in (0, 2**40] (samples in this rank's step), got "
+                             f"{batch_size!r}")
         if self._weighted is False:
             raise RuntimeError(
                 "set_local_batch_size was first called after the first step; call it on every rank before the "
@@ -325,7 +354,9 @@ class HookState:
                                 timeout.total_seconds() if timeout else 600.0)
 
     def _config(self) -> list:
-        """(name, value) of everything that must agree across ranks."""
+        """(name, value) of everything that must agree across ranks, as exact
+        int64 values (floats by their bits)."""
+        forced = os.environ.get(topology.ENV_ALGO) or ""
         return [
             ("hetcomm version", _STATE_DICT_VERSION),
             ("compression", COMPRESSIONS.index(self.compression)),
@@ -333,7 +364,7 @@ class HookState:
             ("error_feedback", int(self.error_feedback)),
             ("chunk_size", self.chunk_size),
             ("min_compress_numel", self.min_compress_numel),
-            ("topk_ratio", round(self.topk_ratio * 1e9)),
+            ("topk_ratio", struct.unpack("<q", struct.pack("<d", self.topk_ratio))[0]),
             ("topk_exact", int(self.topk_exact)),
             ("rank", self.rank),
             ("algorithm", (("auto",) + ALGORITHMS).index(self.algorithm)),
@@ -341,6 +372,8 @@ class HookState:
             ("batch-size weighting (set_local_batch_size called before the first step)",
              int(self._local_batch is not None)),
             ("iter (steps done; was the state restored on every rank?)", self.iter),
+            (f"{topology.ENV_ALGO} (environment)",
+             0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
         ]
 
     def _negotiate(self, bucket_device: torch.device) -> None:
@@ -351,15 +384,24 @@ class HookState:
         capable = _device_supports_bf16(bucket_device)
         vector = torch.tensor([v for _, v in config] + [int(capable)], dtype=torch.int64)
         gathered = engine.submit_config(vector).wait()
-        show = {"compression": lambda v: COMPRESSIONS[v], "topk_ratio": lambda v: v / 1e9,
-                "algorithm": lambda v: (("auto",) + ALGORITHMS)[v]}
+        env_algo = f"{topology.ENV_ALGO} (environment)"
+        show = {"compression": lambda v: COMPRESSIONS[v],
+                "topk_ratio": lambda v: struct.unpack("<d", struct.pack("<q", v))[0],
+                "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
+                env_algo: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}
         for col, (name, _) in enumerate(config):
             column = gathered[:, col].tolist()
             if len(set(column)) > 1:
                 fmt = show.get(name, lambda v: v)
                 per_rank = ", ".join(f"rank {r}: {fmt(v)!r}" for r, v in enumerate(column))
-                raise ValueError(f"hetcomm: HookState option {name} differs across ranks ({per_rank}); "
-                                 "construct HookState with the same arguments on every rank")
+                fix = ("set the same environment on every rank" if "environment" in name else
+                       "construct HookState with the same arguments on every rank")
+                raise ValueError(f"hetcomm: HookState option {name} differs across ranks ({per_rank}); {fix}")
+        forced = int(gathered[0, [n for n, _ in config].index(env_algo)])
+        if forced < 0:
+            raise ValueError(f"hetcomm: {topology.ENV_ALGO} must be one of {ALGORITHMS}, got "
+                             f"{os.environ.get(topology.ENV_ALGO)!r}")
+        self._forced_algo = ALGORITHMS[forced - 1] if forced else None
         self._weighted = self._local_batch is not None
         if self.algorithm in ("auto", "ring", "hierarchical") and self.topology is None:
             self._detect_topology(bucket_device)
@@ -391,7 +433,8 @@ class HookState:
             return self.algorithm
         key = (numel, wire)
         if key not in self._plans:
-            self._plans[key] = planner.plan(self.topology, numel * 4, wire or "none")["algorithm"]
+            self._plans[key] = planner.plan(self.topology, numel * 4, wire or "none",
+                                            forced=self._forced_algo)["algorithm"]
         return self._plans[key]
 
     def _submit(self, grad_bucket) -> torch.futures.Future:
@@ -401,12 +444,27 @@ class HookState:
         engine = self._ensure_engine(buf.device)
         bucket = buckets.from_grad_bucket(grad_bucket, self._buckets.params)
         if not self._step_open:
+            if not self._negotiated:
+                self._check_ddp_group(grad_bucket.parameters())
             self._open_step(engine, buf.device)
             if self._buckets.replay_layout is not None:
                 self._replaying = []
         if self._replaying is not None:
             return self._collect(bucket, engine)
         return self._reduce(bucket, engine)
+
+    def _check_ddp_group(self, params) -> None:
+        """First step, before any collective: the DDP model these buckets come
+        from must reduce over the same ranks as this state's group."""
+        ddp = _owning_ddp(params[0]) if params else None
+        if ddp is None or getattr(ddp, "process_group", None) is None:
+            return
+        theirs = dist.get_process_group_ranks(ddp.process_group)
+        ours = dist.get_process_group_ranks(self._group())
+        if sorted(theirs) != sorted(ours):
+            raise ValueError(
+                f"hetcomm: DDP reduces over ranks {theirs} (its process_group) but this HookState over {ours}: "
+                "pass HookState(process_group=ddp.process_group) when DDP runs on a subgroup")
 
     def _open_step(self, engine, device: torch.device) -> None:
         if not self._negotiated:

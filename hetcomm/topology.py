@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
 import socket
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -31,6 +33,10 @@ ENV_NODE = "HETCOMM_NODE"          # node identity of this rank (default: hostna
 ENV_TOPOLOGY = "HETCOMM_TOPOLOGY"  # path of a topology JSON to load instead of probing
 ENV_ALGO = "HETCOMM_ALGO"          # force an algorithm for every bucket (native, ring, ...)
 ENV_CACHE = "HETCOMM_CACHE_DIR"    # where measured topologies are cached (default ~/.cache/hetcomm)
+ENV_CACHE_MAX_AGE = "HETCOMM_CACHE_MAX_AGE"  # seconds a cached topology is trusted (default 1 day)
+CACHE_MAX_AGE_S = float(os.environ.get(ENV_CACHE_MAX_AGE, 86400))
+
+log = logging.getLogger("hetcomm")
 
 ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "hierarchical")
 ALGO_IDS = {name: i for i, name in enumerate(ALGORITHMS)}  # csrc/engine/bucket_reducer.h Algo
@@ -85,9 +91,10 @@ class Topology:
 
     @staticmethod
     def from_json(d: dict) -> "Topology":
-        t = Topology(world=d["world"], nodes=list(d["nodes"]), devices=list(d["devices"]),
+        t = Topology(world=d["world"], nodes=list(d["nodes"]), devices=list(d["devices"]),  # validate() first
                      codec_gbps=float(d.get("codec_gbps", 5.0)), source=d.get("source", "file"))
-        t.links = {k: LinkClass(**v) for k, v in d["links"].items()}
+        t.links = {k: LinkClass(alpha=float(v["alpha"]), beta=float(v["beta"]), pairs=int(v.get("pairs", 0)))
+                   for k, v in d["links"].items()}
         return t
 
 
@@ -239,32 +246,121 @@ def measure_codec_gbps(numel: int = 1 << 20, device: Optional[torch.device] = No
     return numel * 4 / best / 1e9
 
 
+def _cluster_id(nodes: List[str], devices: List[dict]) -> str:
+    return hashlib.sha256(json.dumps([nodes, [d.get("model") for d in devices]]).encode()).hexdigest()[:16]
+
+
+def _cache_dir() -> str:
+    return os.environ.get(ENV_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "hetcomm")
+
+
 def _cache_path(nodes: List[str], devices: List[dict]) -> str:
-    ident = hashlib.sha256(json.dumps([nodes, [d.get("model") for d in devices]]).encode()).hexdigest()[:16]
-    base = os.environ.get(ENV_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "hetcomm")
-    return os.path.join(base, f"topology-{ident}.json")
+    return os.path.join(_cache_dir(), f"topology-{_cluster_id(nodes, devices)}.json")
+
+
+def _finite(x, low: float = 0.0) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= low
+
+
+def validate(d, nodes: List[str], devices: List[dict], cached: bool) -> Optional[str]:
+    """Why a topology JSON cannot be used for this job (None: it can): its
+    schema, world, hosts and device models, finite link figures; a cached one
+    also its cluster identity and age (at most HETCOMM_CACHE_MAX_AGE seconds)."""
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    if d.get("world") != len(nodes):
+        return f"it describes {d.get('world')!r} ranks, this job has {len(nodes)}"
+    if d.get("nodes") != nodes:
+        return f"its nodes {d.get('nodes')!r} are not this job's {nodes}"
+    if not isinstance(d.get("devices"), list) or [x.get("model") if isinstance(x, dict) else None
+                                                  for x in d["devices"]] != [x.get("model") for x in devices]:
+        return "its device models are not this job's"
+    links = d.get("links")
+    if not isinstance(links, dict) or not links or not set(links) <= {"intra", "inter"}:
+        return "its links must be a non-empty object with 'intra' and/or 'inter'"
+    for name, link in links.items():
+        if not isinstance(link, dict) or not _finite(link.get("alpha")) or not _finite(link.get("beta")) or \
+                link["beta"] <= 0 or not isinstance(link.get("pairs", 0), int):
+            return f"link {name!r} needs finite alpha >= 0 and beta > 0"
+    if not _finite(d.get("codec_gbps", 5.0)) or d.get("codec_gbps", 5.0) <= 0:
+        return "codec_gbps must be finite and > 0"
+    if cached:
+        if d.get("cluster") != _cluster_id(nodes, devices):
+            return "it was measured on another cluster"
+        created, now = d.get("created"), time.time()
+        if not _finite(created) or created > now + 60:
+            return "it has no valid creation time"
+        if now - created > CACHE_MAX_AGE_S:
+            return f"it is {(now - created) / 3600:.1f} h old (HETCOMM_CACHE_MAX_AGE={CACHE_MAX_AGE_S:.0f} s)"
+    return None
+
+
+def _read_json(path: str, own_only: bool) -> dict:
+    """Reads a JSON file without following a symbolic link; a cache file must
+    belong to this user."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd) as f:
+        if own_only and hasattr(os, "getuid") and os.fstat(f.fileno()).st_uid != os.getuid():
+            raise PermissionError(f"{path} belongs to another user")
+        return json.load(f)
+
+
+def _load(path: str, nodes: List[str], devices: List[dict], cached: bool) -> Optional[dict]:
+    """The topology at path if it is valid for this job, else None (warned)."""
+    try:
+        d = _read_json(path, own_only=cached)
+        why = validate(d, nodes, devices, cached)
+    except (OSError, ValueError) as e:  # unreadable, a link, truncated or not JSON
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        log.warning("hetcomm: ignoring the topology in %s (%s); probing the links again", path, why)
+        return None
+    age = time.time() - d["created"] if _finite(d.get("created")) else None
+    log.info("hetcomm: topology from %s%s", path, f" ({age / 3600:.1f} h old)" if age is not None else "")
+    return d
+
+
+def _save(topo: "Topology", nodes: List[str], devices: List[dict]) -> None:
+    """Atomically (temporary file + rename, 0600, in a directory of this
+    user's) writes the measured topology; a failure is a warning."""
+    path = _cache_path(nodes, devices)
+    try:
+        base = os.path.dirname(path)
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        st = os.lstat(base)
+        if hasattr(os, "getuid") and (st.st_uid != os.getuid() or not os.path.isdir(base) or os.path.islink(base)):
+            raise PermissionError(f"{base} is not a directory of this user's")
+        fd, tmp = tempfile.mkstemp(prefix=".topology-", dir=base)  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(dict(topo.to_json(), cluster=_cluster_id(nodes, devices), created=time.time()), f)
+            os.replace(tmp, path)  # replaces a link at path, never writes through it
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        log.warning("hetcomm: could not cache the topology in %s (%s)", path, e)
 
 
 def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = True) -> Topology:
-    """Discover, then load (HETCOMM_TOPOLOGY, or the cache for this cluster) or
-    probe. Collective; rank 0 decides and broadcasts, so every rank holds the
-    same topology."""
+    """Discover, then load (HETCOMM_TOPOLOGY, or the cache for this cluster:
+    validated, never older than HETCOMM_CACHE_MAX_AGE) or probe. Collective;
+    rank 0 decides and broadcasts, so every rank holds the same topology; a
+    file that cannot be used is ignored with a warning and the links are probed."""
     infos = discover(group, device)
     nodes, devices = [i["node"] for i in infos], infos
     world = len(infos)
     payload: List[Optional[dict]] = [None]
     if dist.get_rank(group) == 0:
-        path = os.environ.get(ENV_TOPOLOGY)
-        if path:
-            with open(path) as f:
-                d = json.load(f)
-            if d.get("world") != world:
-                raise ValueError(f"{ENV_TOPOLOGY}={path} describes {d.get('world')} ranks, this job has {world}")
-            d["source"] = path
-            payload[0] = d
-        elif use_cache and os.path.exists(_cache_path(nodes, devices)):
-            with open(_cache_path(nodes, devices)) as f:
-                payload[0] = dict(json.load(f), source="cache")
+        given = os.environ.get(ENV_TOPOLOGY)
+        if given:
+            payload[0] = _load(given, nodes, devices, cached=False)
+            if payload[0] is not None:
+                payload[0]["source"] = given
+        elif use_cache and os.path.lexists(_cache_path(nodes, devices)):
+            payload[0] = _load(_cache_path(nodes, devices), nodes, devices, cached=True)
+            if payload[0] is not None:
+                payload[0]["source"] = "cache"
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(payload, src=src, group=group)
     if payload[0] is not None:
@@ -276,8 +372,6 @@ def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = 
     dist.broadcast_object_list(gbps, src=src, group=group)  # rank 0's speed for everyone: identical plans
     topo.codec_gbps = float(gbps[0])
     if dist.get_rank(group) == 0 and use_cache:
-        path = _cache_path(nodes, devices)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(topo.to_json(), f, indent=2)
+        _save(topo, nodes, devices)
+    log.info("hetcomm: topology probed: %s", {k: (v.alpha, v.beta) for k, v in topo.links.items()})
     return topo

@@ -202,3 +202,137 @@ def test_200_compressed_steps_on_4_ranks_keep_replicas_bit_identical(mode):
     for r in results[1:]:
         assert torch.equal(r["params"], results[0]["params"])
     assert results[0]["buckets"] >= 2 and results[0]["ratio"] > 2
+
+
+def _subgroups(rank, world, pass_group):
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    model = models.mlp()
+    ddp = DDP(model, process_group=mine)
+    state = hetcomm.HookState("none", process_group=mine if pass_group else None)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    try:
+        models.train_step(ddp, opt, rank, 0, 8)
+    except Exception as e:
+        return str(e)
+    return models.flat_grads(model)
+
+
+def test_ddp_on_a_subgroup_with_a_world_state_is_an_error_naming_the_fix():
+    for err in run_ranks(_subgroups, 4, False):
+        assert isinstance(err, str) and "process_group=ddp.process_group" in err, err
+    grads = run_ranks(_subgroups, 4, True)
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[2], grads[3])
+    assert not torch.equal(grads[0], grads[2])  # each subgroup reduced on its own
+
+
+def _env_algo(rank, world, values):
+    import os
+
+    os.environ["HETCOMM_ALGO"] = values[rank]
+    model = models.mlp()
+    ddp = DDP(model)
+    state = hetcomm.HookState("none", algorithm="auto")
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    try:
+        models.train_step(ddp, opt, rank, 0, 8)
+    except Exception as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("values,needle", [(["ring", "tree"], "HETCOMM_ALGO (environment) differs"),
+                                           (["bogus", "bogus"], "HETCOMM_ALGO must be one of")])
+def test_hetcomm_algo_is_agreed_across_ranks(tmp_path, values, needle):
+    import os
+
+    os.environ["HETCOMM_CACHE_DIR"] = str(tmp_path)
+    try:
+        for err in run_ranks(_env_algo, 2, values, timeout=60):
+            assert err is not None and needle in err, err
+    finally:
+        del os.environ["HETCOMM_CACHE_DIR"]
+
+
+def _ratio_mismatch(rank, world):
+    model = models.mlp()
+    ddp = DDP(model)
+    state = hetcomm.HookState("topk", topk_ratio=0.01 + rank * 1e-12)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    try:
+        models.train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank, 0, 8)
+    except Exception as e:
+        return str(e)
+    return None
+
+
+def test_options_differing_in_the_last_bits_are_caught():
+    for err in run_ranks(_ratio_mismatch, 2, timeout=60):
+        assert err is not None and "topk_ratio differs" in err
+
+
+def _detect(rank, world, cache_dir, given=None):
+    import os
+    import time
+
+    from hetcomm import topology
+
+    os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    if given:
+        os.environ["HETCOMM_TOPOLOGY"] = given
+    t0 = time.monotonic()
+    t = topology.detect()
+    return {"source": t.source, "links": t.to_json()["links"], "seconds": time.monotonic() - t0}
+
+
+def _plant(path, text):
+    import os
+
+    if os.path.lexists(path):
+        os.unlink(path)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def test_a_bad_or_foreign_topology_cache_is_ignored_and_reprobed(tmp_path):
+    import json
+    import os
+    import stat
+
+    cache = str(tmp_path / "cache")
+    first = run_ranks(_detect, 2, cache)
+    assert [r["source"] for r in first] == ["probe", "probe"]
+    (path,) = [os.path.join(cache, f) for f in os.listdir(cache)]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and not os.listdir(cache)[0].startswith(".")
+    good = json.loads(open(path).read())
+    assert good["cluster"] and good["created"] > 0
+    assert [r["source"] for r in run_ranks(_detect, 2, cache)] == ["cache", "cache"]
+    bad = {
+        "truncated": open(path).read()[:40],
+        "nan links": json.dumps(dict(good, links={"intra": {"alpha": float("nan"), "beta": 1e-9}})),
+        "other layout": json.dumps(dict(good, nodes=["x", "y"])),
+        "other cluster": json.dumps(dict(good, cluster="0123456789abcdef")),
+        "stale": json.dumps(dict(good, created=good["created"] - 10 * 86400)),
+    }
+    for case, text in bad.items():
+        _plant(path, text)
+        res = run_ranks(_detect, 2, cache, timeout=120)
+        assert [r["source"] for r in res] == ["probe", "probe"], case
+        assert res[0]["links"] == res[1]["links"]  # agreed
+        assert res[0]["seconds"] < 30 and res[1]["seconds"] < 30
+        assert json.loads(open(path).read())["created"] > good["created"]  # rewritten, fresh
+    # A planted symbolic link is neither followed on read nor written through.
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps(good))
+    os.unlink(path)
+    os.symlink(target, path)
+    assert [r["source"] for r in run_ranks(_detect, 2, cache)] == ["probe", "probe"]
+    assert not os.path.islink(path) and json.loads(target.read_text()) == good
+    # An unreadable HETCOMM_TOPOLOGY is a warning and a probe, not an error.
+    given = tmp_path / "given.json"
+    given.write_text("{not json")
+    assert [r["source"] for r in run_ranks(_detect, 2, str(tmp_path / "c2"), str(given))] == ["probe", "probe"]
