@@ -4,43 +4,44 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 
 def _demo(args) -> None:
     from . import demo
 
-    demo.main(ranks=args.ranks, modes=args.modes.split(",") if args.modes else None, steps=args.steps,
+    demo.main(ranks=args.ranks, modes=args.modes, steps=args.steps,
               batch=args.batch, json_path=args.json)
 
 
 def _bench(args) -> None:
     if args.what == "compress":
-        from .benchmarks import compress
+        from .benchmarks import common, compress
 
-        compress.main(sizes=compress.parse_sizes(args), iters=args.iters, warmup=args.warmup, json_path=args.json,
-                      threads=args.threads, device=args.device)
+        compress.main(sizes=common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor), iters=args.iters,
+                      warmup=args.warmup, json_path=args.json, threads=args.threads, device=args.device)
     elif args.what == "allreduce":
         from .benchmarks import allreduce, common
 
         allreduce.main(sizes=common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor),
-                       algos=args.algos.split(",") if args.algos else None,
-                       wires=args.wires.split(",") if args.wires else None, iters=args.iters, warmup=args.warmup,
+                       algos=args.algos, wires=args.wires, iters=args.iters, warmup=args.warmup,
                        check=args.check, ranks=args.ranks, json_path=args.json, device=args.device)
     elif args.what == "ddp":
-        from .benchmarks import common, ddp
+        from .benchmarks import ddp
 
-        rank_cpu = [float(c) for c in args.rank_cpu.split(",")] if args.rank_cpu else None
-        ddp.main(ranks=args.ranks, modes=args.modes.split(",") if args.modes else None,
-                 params=common.parse_bytes(args.params), global_batch=args.global_batch, steps=args.iters,
-                 warmup=args.warmup, rank_cpu=rank_cpu, json_path=args.json, algorithm=args.algorithm)
+        ddp.main(ranks=args.ranks, modes=args.modes, params=args.params, global_batch=args.global_batch,
+                 steps=args.iters, warmup=args.warmup, rank_cpu=args.rank_cpu, json_path=args.json,
+                 algorithm=args.algorithm)
 
 
 def _topo(args) -> None:
     from .testbed import run_distributed
 
-    res = run_distributed(_topo_worker, args.ranks, args.wires.split(","))
+    res = run_distributed(_topo_worker, args.ranks, args.wires)
     if res is None:
         return
     text, data = res
@@ -61,8 +62,7 @@ def _testbed(args) -> None:
     from . import testbed
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    rank_cpu = [float(c) for c in args.rank_cpu.split(",")] if args.rank_cpu else None
-    sys.exit(testbed.main(args.nodes, args.ranks_per_node, args.inter_node_rate, rank_cpu, command, args.timeout))
+    sys.exit(testbed.main(args.nodes, args.ranks_per_node, args.inter_node_rate, args.rank_cpu, command, args.timeout))
 
 
 def _info(args) -> None:
@@ -71,52 +71,176 @@ def _info(args) -> None:
     print(json.dumps(hetcomm.build_info(), indent=2))
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="hetcomm", description="DDP communication for clusters of mixed GPUs")
-    sub = p.add_subparsers(dest="cmd", required=True)
+# ---- argument types: bad input is an argparse error (one line, exit 2), never a traceback ----
+_BINARY = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_DECIMAL = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
 
-    d = sub.add_parser("demo", help="train on the digits data over N gloo ranks, once per communication mode")
-    d.add_argument("--ranks", type=int, default=2, help="gloo ranks on this machine (default 2)")
-    d.add_argument("--modes", default=None, help="comma-separated modes (default: the main ones; see hetcomm.demo.MODES)")
-    d.add_argument("--steps", type=int, default=600)
-    d.add_argument("--batch", type=int, default=32, help="samples per rank per step")
-    d.add_argument("--json", default=None, metavar="PATH", help="also write the numbers as JSON")
+
+def _number(text: str, units: dict, what: str) -> int:
+    t = str(text).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([KMGB]?)(I?B)?", t, re.IGNORECASE) if t else None
+    if m is None or (units is _DECIMAL and m.group(3)):
+        raise argparse.ArgumentTypeError(f"{what} must be a number with an optional suffix "
+                                         f"({', '.join(k for k in units if k)}), got {text!r}")
+    suffix = m.group(2).upper()
+    if units is _BINARY and suffix == "B":  # "512B": bytes
+        suffix = ""
+    value = int(float(m.group(1)) * units[suffix])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{what} must be > 0, got {text!r}")
+    return value
+
+
+def size_bytes(text: str) -> int:
+    """256K, 1M, 1MiB, 4GiB, 512 (bytes; K/M/G are powers of 1024)."""
+    return _number(text, _BINARY, "size")
+
+
+def param_count(text: str) -> int:
+    """50K, 5M, 1B (a count: K/M/B are powers of 1000); at most 2**31 - 1 (one bucket's limit)."""
+    n = _number(text, _DECIMAL, "parameter count")
+    if n >= 2**31:
+        raise argparse.ArgumentTypeError(f"parameter count must be below 2**31 (a DDP bucket's limit), got {text!r}")
+    return n
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
+def quotas(text: str) -> List[float]:
+    """0.25,0.75: CPU cores per rank, each > 0."""
+    return [positive_float(c) for c in text.split(",")]
+
+
+def choices_list(allowed, noun: str) -> Callable[[str], List[str]]:
+    def parse(text: str) -> List[str]:
+        items = [x for x in text.split(",") if x]
+        bad = [x for x in items if x not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"unknown {noun} {', '.join(map(repr, bad)) or '(empty list)'}; choose "
+                                             f"from {', '.join(allowed)}")
+        return items
+    return parse
+
+
+def writable_path(text: str) -> str:
+    """An output file: its folder must exist and be writable now, not after the run."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder) or not os.access(folder, os.W_OK) or (
+            os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r} (no such folder, or not writable)")
+    return text
+
+
+def rate(text: str) -> str:
+    """A tc rate: 100mbit, 1gbit, 500kbit."""
+    if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)", text.strip().lower()):
+        raise argparse.ArgumentTypeError(f"rate must look like 100mbit or 1gbit, got {text!r}")
+    return text.strip().lower()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    import hetcomm
+    from . import demo, topology
+    from .benchmarks import ddp as bench_ddp
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="hetcomm", description="DDP communication for clusters of mixed GPUs",
+                                formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"hetcomm {hetcomm.__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,bench,topo,testbed,info}")
+
+    d = sub.add_parser("demo", help="train on the digits data over N gloo ranks, once per communication mode",
+                       formatter_class=fmt)
+    d.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks on this machine")
+    d.add_argument("--modes", type=choices_list(list(demo.MODES), "mode"), default=None,
+                   help=f"comma-separated modes (default {','.join(demo.DEFAULT_MODES)})")
+    d.add_argument("--steps", type=positive_int, default=600)
+    d.add_argument("--batch", type=positive_int, default=32, help="samples per rank per step")
+    d.add_argument("--json", type=writable_path, default=None, metavar="PATH", help="also write the numbers as JSON")
     d.set_defaults(fn=_demo)
 
-    b = sub.add_parser("bench", help="benchmarks (nccl-tests style tables)")
-    b.add_argument("what", choices=["compress", "allreduce", "ddp"])
-    b.add_argument("-b", "--minbytes", default="256K", help="smallest input size in bytes (K/M/G suffixes)")
-    b.add_argument("-e", "--maxbytes", default="64M", help="largest input size in bytes")
-    b.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows")
-    b.add_argument("-n", "--iters", type=int, default=10)
-    b.add_argument("-w", "--warmup", type=int, default=2)
-    b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="compress, allreduce: cpu or cuda (a CUDA build of hetcomm; allreduce: one GPU per rank, NCCL)")
-    b.add_argument("--json", default=None, metavar="PATH")
-    b.add_argument("--ranks", type=int, default=2, help="ddp: gloo ranks on this machine")
-    b.add_argument("--rank-cpu", default=None, help="ddp: per-rank CPU quotas in cores, e.g. 0.25,0.75 (root)")
-    b.add_argument("--params", default="1M", help="ddp: model size in parameters (K/M suffixes)")
-    b.add_argument("--global-batch", type=int, default=64, help="ddp: samples per step over all ranks")
-    b.add_argument("--modes", default=None, help="ddp: comma-separated modes (default: all; +bal = balanced)")
-    b.add_argument("--algorithm", default="native", help="ddp: HookState(algorithm=...) of hetcomm's modes")
-    b.add_argument("--algos", default=None, help="allreduce: comma-separated algorithms (default: all)")
-    b.add_argument("--wires", default=None, help="allreduce: comma-separated wire formats (default none,fp16,onebit)")
-    b.add_argument("-c", "--check", type=int, default=1, help="allreduce: count wrong elements (1) or not (0)")
-    b.set_defaults(fn=_bench)
+    b = sub.add_parser("bench", help="benchmarks (nccl-tests style tables)", formatter_class=fmt)
+    bs = b.add_subparsers(dest="what", required=True)
 
-    t = sub.add_parser("topo", help="detect and measure the topology; print it and the plan table")
-    t.add_argument("--ranks", type=int, default=2, help="local gloo ranks when not under torchrun / the testbed")
-    t.add_argument("--wires", default="none,onebit", help="wire formats of the plan table")
-    t.add_argument("--json", default=None, metavar="PATH")
+    def common(q, sizes=True):
+        if sizes:
+            q.add_argument("-b", "--minbytes", type=size_bytes, default=size_bytes("256K"),
+                           help="smallest input size in bytes (K/M/G or KiB/MiB/GiB)")
+            q.add_argument("-e", "--maxbytes", type=size_bytes, default=size_bytes("64M"),
+                           help="largest input size in bytes")
+            q.add_argument("-f", "--stepfactor", type=positive_int, default=4, help="size multiplier between rows (>= 2)")
+        q.add_argument("-n", "--iters", type=positive_int, default=10, help="timed iterations")
+        q.add_argument("-w", "--warmup", type=nonneg_int, default=2, help="untimed iterations first")
+        q.add_argument("--json", type=writable_path, default=None, metavar="PATH")
+
+    c = bs.add_parser("compress", help="each codec's GB/s next to pure torch and the memory bandwidth",
+                      formatter_class=fmt)
+    common(c)
+    c.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda needs a CUDA build of hetcomm")
+    a = bs.add_parser("allreduce", help="time, algbw, busbw, #wrong per size x algorithm x wire", formatter_class=fmt)
+    common(a)
+    a.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun/testbed")
+    a.add_argument("--algos", type=choices_list(topology.ALGORITHMS, "algorithm"), default=None,
+                   help="comma-separated algorithms (default: all that apply)")
+    a.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "onebit", "topk"), "wire"), default=None,
+                   help="comma-separated wire formats (default none,fp16,onebit)")
+    a.add_argument("-c", "--check", type=int, choices=[0, 1], default=1, help="count wrong elements (1) or not (0)")
+    a.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
+    g = bs.add_parser("ddp", help="real DDP steps: PyTorch's hooks next to hetcomm's modes", formatter_class=fmt)
+    common(g, sizes=False)
+    g.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks on this machine")
+    g.add_argument("--rank-cpu", type=quotas, default=None, help="per-rank CPU quotas in cores, e.g. 0.25,0.75 (root)")
+    g.add_argument("--params", type=param_count, default=param_count("1M"), help="model size in parameters (K/M/B)")
+    g.add_argument("--global-batch", type=positive_int, default=64, help="samples per step over all ranks")
+    g.add_argument("--modes", type=choices_list(bench_ddp.ALL_MODES, "mode"), default=None,
+                   help="comma-separated modes (default: all; +bal = balanced)")
+    g.add_argument("--algorithm", default="native", choices=("auto",) + topology.ALGORITHMS,
+                   help="HookState(algorithm=...) of hetcomm's modes")
+
+    t = sub.add_parser("topo", help="detect and measure the topology; print it and the plan table",
+                       formatter_class=fmt)
+    t.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun / testbed")
+    t.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "onebit"), "wire"), default=["none", "onebit"],
+                   help="wire formats of the plan table")
+    t.add_argument("--json", type=writable_path, default=None, metavar="PATH")
     t.set_defaults(fn=_topo)
 
-    tb = sub.add_parser("testbed", help="run a command once per rank in a simulated cluster (root)")
-    tb.add_argument("--nodes", type=int, default=2)
-    tb.add_argument("--ranks-per-node", type=int, default=2)
-    tb.add_argument("--inter-node-rate", default=None, help="tc tbf rate of each node's link, e.g. 100mbit, 1gbit")
-    tb.add_argument("--rank-cpu", default=None, help="per-rank CPU quotas in cores, e.g. 0.25,0.75,0.5,0.5")
-    tb.add_argument("--timeout", type=float, default=1800)
+    tb = sub.add_parser("testbed", help="run a command once per rank in a simulated cluster (root)",
+                        formatter_class=fmt)
+    tb.add_argument("--nodes", type=positive_int, default=2)
+    tb.add_argument("--ranks-per-node", type=positive_int, default=2)
+    tb.add_argument("--inter-node-rate", type=rate, default=None, help="tc tbf rate of each node's link, e.g. 100mbit")
+    tb.add_argument("--rank-cpu", type=quotas, default=None, help="per-rank CPU quotas in cores, e.g. 0.25,0.75,0.5,0.5")
+    tb.add_argument("--timeout", type=positive_float, default=1800)
     tb.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- hetcomm bench allreduce")
     tb.set_defaults(fn=_testbed)
 
@@ -124,6 +248,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     i.set_defaults(fn=_info)
 
     args = p.parse_args(argv)
+    if args.cmd == "bench":
+        args.fn = _bench
+        if args.what != "ddp":
+            if args.stepfactor < 2:
+                p.error("-f/--stepfactor must be >= 2")
+            if args.minbytes > args.maxbytes:
+                p.error(f"need -b <= -e (got {args.minbytes} > {args.maxbytes} bytes)")
+        elif args.rank_cpu is not None and len(args.rank_cpu) != args.ranks:
+            p.error(f"--rank-cpu needs one quota per rank ({args.ranks}), got {len(args.rank_cpu)}")
+    if args.cmd == "testbed":
+        if args.rank_cpu is not None and len(args.rank_cpu) != args.nodes * args.ranks_per_node:
+            p.error(f"--rank-cpu needs one quota per rank ({args.nodes * args.ranks_per_node}), "
+                    f"got {len(args.rank_cpu)}")
+        if not [c for c in args.command if c != "--"]:
+            p.error("testbed needs a command after --")
     args.fn(args)
 
 

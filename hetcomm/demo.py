@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -126,15 +125,13 @@ def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batc
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, out: str, modes: List[str], steps: int, batch: int) -> None:
+def _worker(rank: int, world: int, tmp: str, out: str, modes: List[str], steps: int, batch: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # Rendezvous through a file (no listening store socket); gloo's own
+    # sockets on the loopback interface only.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank,
+                            world_size=world)
     try:
         res = train_digits(rank, world, modes, steps=steps, batch=batch, progress=True)
         if rank == 0:
@@ -166,7 +163,7 @@ def main(ranks: int = 2, modes: Optional[List[str]] = None, steps: int = 600, ba
           file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        torch.multiprocessing.spawn(_worker, args=(ranks, _free_port(), out, modes, steps, batch), nprocs=ranks)
+        torch.multiprocessing.spawn(_worker, args=(ranks, tmp, out, modes, steps, batch), nprocs=ranks)
         with open(out) as f:
             results = json.load(f)
     print(format_table(results, ranks))

@@ -126,8 +126,10 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
     if rank_cpu is not None and len(rank_cpu) != world:
         raise ValueError(f"rank_cpu must give one quota per rank ({world}), got {list(rank_cpu)}")
     ctx = mp.get_context("spawn")
-    quotas = [CpuQuota(f"hetcomm-{os.getpid()}-{r}", c) for r, c in enumerate(rank_cpu)] if rank_cpu else []
+    quotas: List[CpuQuota] = []
     try:
+        for r, c in enumerate(rank_cpu or []):  # inside the try: a failed quota removes the ones made before it
+            quotas.append(CpuQuota(f"hetcomm-{os.getpid()}-{r}", c))
         with tempfile.TemporaryDirectory() as tmp:
             procs = [ctx.Process(target=_entry, daemon=True,
                                  args=(fn, r, world, tmp, pg_timeout, quotas[r].path if quotas else None, args,
@@ -296,12 +298,16 @@ class Cluster:
         world = self.nodes * ranks_per_node
         if rank_cpu is not None and len(rank_cpu) != world:
             raise ValueError(f"rank_cpu must give one quota per rank ({world})")
-        quotas = [CpuQuota(f"hetcomm-{os.getpid()}-{r}", c) for r, c in enumerate(rank_cpu)] if rank_cpu else []
+        if rank_cpu is not None and not all(c > 0 for c in rank_cpu):
+            raise ValueError(f"rank_cpu quotas must be > 0 cores, got {list(rank_cpu)}")
+        quotas: List[CpuQuota] = []
         port = 29000 + os.getpid() % 20000
         procs, logs = [], []
         # Each testbed run has links of its own: never reuse a topology cached for other ones.
         cache = tempfile.TemporaryDirectory(prefix="hetcomm-testbed-")
         try:
+            for r, c in enumerate(rank_cpu or []):  # a failed quota still removes the ones made before it
+                quotas.append(CpuQuota(f"hetcomm-{os.getpid()}-{r}", c))
             for node, ns in enumerate(self.node_ns):
                 for local in range(ranks_per_node):
                     rank = node * ranks_per_node + local

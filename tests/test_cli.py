@@ -87,3 +87,50 @@ def test_bench_ddp_side_by_side(tmp_path):
     assert rows["lowrank"]["bytes_per_step"] * 5 < rows["torch-allreduce"]["bytes_per_step"]
     assert sum(int(b) for b in rows["none+bal"]["local_batches"].split("/")) == 16
     assert all(0 <= r["hidden"] <= 1 and r["step_ms"] > 0 for r in rows.values())
+
+
+MALFORMED = [
+    ["demo", "--ranks", "0"], ["demo", "--steps", "0"], ["demo", "--steps", "-3"], ["demo", "--batch", "x"],
+    ["demo", "--modes", ""], ["demo", "--modes", "none,zip"], ["demo", "--json", "/nonexistent/dir/x.json"],
+    ["demo", "--json", "/"], ["bench"], ["bench", "zip"], ["bench", "compress", "-b", "foo"],
+    ["bench", "compress", "-b", "1MiBx"], ["bench", "compress", "-b", "-1M"], ["bench", "compress", "-f", "1"],
+    ["bench", "compress", "-f", "0"], ["bench", "compress", "-b", "8M", "-e", "1M"], ["bench", "compress", "-n", "0"],
+    ["bench", "compress", "-w", "-1"], ["bench", "compress", "--threads", "0"], ["bench", "compress", "--device", "tpu"],
+    ["bench", "compress", "--ranks", "2"], ["bench", "allreduce", "--algos", "butterfly"],
+    ["bench", "allreduce", "--wires", "int8"], ["bench", "allreduce", "-c", "2"], ["bench", "allreduce", "--ranks", "0"],
+    ["bench", "allreduce", "-e", "1e9999"], ["bench", "ddp", "--params", "1B9"], ["bench", "ddp", "--params", "3B"],
+    ["bench", "ddp", "--params", "0"], ["bench", "ddp", "--modes", "bogus"], ["bench", "ddp", "--modes", "torch-fp16+bal"],
+    ["bench", "ddp", "--rank-cpu", "0,1"], ["bench", "ddp", "--rank-cpu", "0.5"], ["bench", "ddp", "--rank-cpu", "a,b"],
+    ["bench", "ddp", "--global-batch", "0"], ["bench", "ddp", "--algorithm", "butterfly"], ["bench", "ddp", "-b", "1M"],
+    ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],
+    ["testbed", "--inter-node-rate", "fast", "--", "true"], ["testbed", "--rank-cpu", "0,0,0,0", "--", "true"],
+    ["testbed", "--timeout", "0", "--", "true"], ["testbed"], ["info", "--bogus"], ["--bogus"], [],
+]
+
+
+@pytest.mark.parametrize("argv", MALFORMED, ids=lambda a: " ".join(a) or "(none)")
+def test_malformed_invocations_are_one_line_argparse_errors(argv, capsys):
+    from hetcomm import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert "error:" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+@pytest.mark.parametrize("text,value", [("256K", 256 << 10), ("1MiB", 1 << 20), ("1M", 1 << 20), ("4gib", 4 << 30),
+                                        ("512", 512), ("512B", 512), ("1.5K", 1536)])
+def test_sizes_take_binary_suffixes(text, value):
+    from hetcomm import cli
+
+    assert cli.size_bytes(text) == value
+
+
+def test_version_and_param_counts():
+    from hetcomm import cli
+
+    out = subprocess.run(HETCOMM + ["--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("hetcomm ")
+    assert cli.param_count("50K") == 50_000 and cli.param_count("1B") == 10**9 and cli.param_count("5M") == 5 * 10**6

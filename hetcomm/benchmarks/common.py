@@ -10,23 +10,10 @@ import torch
 
 from ..topology import sync
 
-_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    text = str(text).strip().upper().rstrip("B")
-    mul = _SUFFIX.get(text[-1:], 1)
-    num = text[:-1] if text[-1:] in _SUFFIX else text
-    value = int(float(num) * mul)
-    if value <= 0:
-        raise ValueError(f"size must be > 0 bytes, got {text!r}")
-    return value
-
-
-def size_sweep(minbytes: str, maxbytes: str, factor: int) -> List[int]:
-    lo, hi = parse_bytes(minbytes), parse_bytes(maxbytes)
-    if factor < 2 or lo > hi:
-        raise ValueError("need -b <= -e and -f >= 2")
+def size_sweep(lo: int, hi: int, factor: int) -> List[int]:
+    """lo, lo * factor, ... up to hi bytes (the CLI checks lo <= hi, factor >= 2)."""
+    if lo < 1 or factor < 2 or lo > hi:
+        raise ValueError(f"need 1 <= -b <= -e and -f >= 2, got {lo}, {hi}, {factor}")
     sizes, s = [], lo
     while s <= hi:
         sizes.append(s)

@@ -76,10 +76,6 @@ def _codecs(n: int, device: str = "cpu"):
     }, (e0, e_a, e_b)
 
 
-def parse_sizes(args) -> List[int]:
-    return common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
-
-
 def run(sizes: List[int], iters: int = 10, warmup: int = 2, device: str = "cpu") -> Dict:
     membw = common.memory_bandwidth(device=device)
     rows = []

@@ -27,6 +27,7 @@ from . import common
 IN, OUT = 256, 10
 TORCH_MODES = ("torch-allreduce", "torch-fp16", "torch-powersgd")
 HETCOMM_MODES = ("none", "fp16", "bf16", "onebit", "topk", "lowrank")
+ALL_MODES = TORCH_MODES + HETCOMM_MODES + tuple(f"{m}+bal" for m in HETCOMM_MODES)
 DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk", "lowrank",
                  "none+bal", "onebit+bal", "topk+bal", "lowrank+bal"]
 
