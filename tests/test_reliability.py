@@ -336,3 +336,65 @@ def test_a_bad_or_foreign_topology_cache_is_ignored_and_reprobed(tmp_path):
     given = tmp_path / "given.json"
     given.write_text("{not json")
     assert [r["source"] for r in run_ranks(_detect, 2, str(tmp_path / "c2"), str(given))] == ["probe", "probe"]
+
+
+def _dead_peer(rank, world, mode, algorithm, cache_dir):
+    import os
+    import time
+
+    os.environ["HETCOMM_NODE"] = f"node{rank}"
+    os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    model = models.mlp()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = hetcomm.HookState(mode, algorithm=algorithm, min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(3):
+        models.train_step(ddp, opt, rank, step, 8)
+    if rank == 1:
+        os._exit(3)  # dies without a word, after compression started
+    start = time.monotonic()
+    try:
+        for step in range(3, 10):
+            models.train_step(ddp, opt, rank, step, 8)
+    except Exception as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("mode,algorithm", [
+    ("none", "native"), ("fp16", "native"), ("bf16", "native"), ("onebit", "native"), ("topk", "native"),
+    ("lowrank", "native"), ("none", "ring"), ("none", "tree"), ("none", "halving_doubling"),
+    ("none", "hierarchical"), ("onebit", "hierarchical"), ("topk", "hierarchical"), ("lowrank", "hierarchical"),
+    ("none", "auto"),
+])
+def test_a_dead_peer_is_an_error_on_the_survivor_in_every_mode_and_algorithm(tmp_path, mode, algorithm):
+    r0 = run_ranks(_dead_peer, 2, mode, algorithm, str(tmp_path), check=False, pg_timeout=6, timeout=90)[0]
+    assert r0 is not None and r0["error"] and "hetcomm" in r0["error"], r0
+    assert r0["seconds"] < 20
+
+
+def _rss(rank, world, mode, steps):
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    model = models.mlp(hidden=128)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = hetcomm.HookState(mode, min_compress_numel=1000, topk_ratio=0.05)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    rss = []
+    for step in range(steps):
+        models.train_step(ddp, opt, rank, step % 16, 8, state)
+        if step % 100 == 99:
+            state.stats()
+            with open("/proc/self/statm") as f:
+                rss.append(int(f.read().split()[1]) * page)
+    return rss
+
+
+@pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
+def test_memory_stays_flat_over_500_steps(mode):
+    for rss in run_ranks(_rss, 2, mode, 500, timeout=300):
+        # after warm-up (step 100) it may not grow by more than 8 MiB over 400 steps
+        assert rss[-1] - rss[0] < 8 << 20, [r >> 20 for r in rss]
