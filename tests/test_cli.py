@@ -108,6 +108,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("argv", MALFORMED, ids=lambda a: " ".join(a) or "(none)")
 def test_malformed_invocations_are_one_line_argparse_errors(argv, capsys):
     from hetcomm import cli

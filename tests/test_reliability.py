@@ -127,9 +127,14 @@ def _grad_scaler_run(rank, world, mode, overflow_at):
             "nonfinite": state.stats()["nonfinite_steps"] if state else None}
 
 
+@pytest.fixture(scope="module")
+def allreduce_hook_scaler_run():
+    return run_ranks(_grad_scaler_run, 2, "allreduce_hook", 30)
+
+
 @pytest.mark.parametrize("mode", ["none", "onebit", "topk", "lowrank"])
-def test_grad_scaler_fp16_keeps_training_through_overflows(mode):
-    ref = run_ranks(_grad_scaler_run, 2, "allreduce_hook", 30)
+def test_grad_scaler_fp16_keeps_training_through_overflows(mode, allreduce_hook_scaler_run):
+    ref = allreduce_hook_scaler_run
     ours = run_ranks(_grad_scaler_run, 2, mode, 30)
     assert torch.equal(ours[0]["params"], ours[1]["params"])
     assert ours[0]["scales"] == ours[1]["scales"]  # one skip decision on every rank

@@ -31,7 +31,8 @@ at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
 void BucketReducer::check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int w) {
   TORCH_CHECK_VALUE(ring_order.empty() || static_cast<int>(ring_order.size()) == w, "hetcomm: ring order needs ", w,
                     " ranks");
-  TORCH_CHECK_VALUE(node_of.empty() || static_cast<int>(node_of.size()) == w, "hetcomm: node_of needs ", w, " ranks");
+  TORCH_CHECK_VALUE(node_of.empty() || static_cast<int>(node_of.size()) == w,
+                    "hetcomm: node_of must name a node for each of the ", w, " ranks");
   std::vector<int> sorted = ring_order;
   std::sort(sorted.begin(), sorted.end());
   for (int i = 0; i < static_cast<int>(sorted.size()); ++i)
