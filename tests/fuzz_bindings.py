@@ -12,7 +12,6 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import hetcomm
 from hetcomm import _C, ops
 
 LOG = open(sys.argv[1] if len(sys.argv) > 1 else os.devnull, "w")

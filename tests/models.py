@@ -1,6 +1,9 @@
 """Small models and deterministic data shared by the DDP tests. The same
 bodies run on the CPU (gloo) and, with device="cuda", one GPU per rank (NCCL)."""
 
+import os
+import time
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -46,3 +49,28 @@ def train_step(ddp, opt, rank, step, size, state=None):
     opt.zero_grad(set_to_none=False)
     nn.functional.cross_entropy(ddp(x.to(dev)), y.to(dev)).backward()
     opt.step()
+
+
+def kill_rank1_then_time_error(ddp, opt, rank):
+    """Three steps, then rank 1 dies without a word; the others train on and
+    return the error they got and how long it took (None: no error)."""
+    for step in range(3):
+        train_step(ddp, opt, rank, step, 8)
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        for step in range(3, 10):
+            train_step(ddp, opt, rank, step, 8)
+    except Exception as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def first_error(ddp, opt, rank, state=None):
+    """The error of one training step on this rank (DDP re-raises the hook's), or None."""
+    try:
+        train_step(ddp, opt, rank, 0, 8, state)
+    except Exception as e:
+        return str(e)
+    return None

@@ -255,18 +255,7 @@ def _dead_peer(rank, world, device="cpu", options=None):
     ddp = models.ddp(model, rank, device)
     state = hetcomm.HookState("onebit", min_compress_numel=0, **(options or {}))
     ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for step in range(3):
-        models.train_step(ddp, opt, rank, step, 8)
-    if rank == 1:
-        os._exit(3)  # dies without a word
-    start = time.monotonic()
-    try:
-        for step in range(3, 10):
-            models.train_step(ddp, opt, rank, step, 8)
-    except Exception as e:
-        return {"error": str(e), "seconds": time.monotonic() - start}
-    return {"error": None}
+    return models.kill_rank1_then_time_error(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank)
 
 
 def test_dead_peer_is_an_error_not_a_hang():

@@ -218,12 +218,7 @@ def _subgroups(rank, world, pass_group):
     ddp = DDP(model, process_group=mine)
     state = hetcomm.HookState("none", process_group=mine if pass_group else None)
     ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    try:
-        models.train_step(ddp, opt, rank, 0, 8)
-    except Exception as e:
-        return str(e)
-    return models.flat_grads(model)
+    return models.first_error(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank) or models.flat_grads(model)
 
 
 def test_ddp_on_a_subgroup_with_a_world_state_is_an_error_naming_the_fix():
@@ -242,12 +237,7 @@ def _env_algo(rank, world, values):
     ddp = DDP(model)
     state = hetcomm.HookState("none", algorithm="auto")
     ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    try:
-        models.train_step(ddp, opt, rank, 0, 8)
-    except Exception as e:
-        return str(e)
-    return None
+    return models.first_error(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank)
 
 
 @pytest.mark.parametrize("values,needle", [(["ring", "tree"], "HETCOMM_ALGO (environment) differs"),
@@ -268,11 +258,7 @@ def _ratio_mismatch(rank, world):
     ddp = DDP(model)
     state = hetcomm.HookState("topk", topk_ratio=0.01 + rank * 1e-12)
     ddp.register_comm_hook(state, hetcomm.hook)
-    try:
-        models.train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank, 0, 8)
-    except Exception as e:
-        return str(e)
-    return None
+    return models.first_error(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank)
 
 
 def test_options_differing_in_the_last_bits_are_caught():
@@ -345,7 +331,6 @@ def test_a_bad_or_foreign_topology_cache_is_ignored_and_reprobed(tmp_path):
 
 def _dead_peer(rank, world, mode, algorithm, cache_dir):
     import os
-    import time
 
     os.environ["HETCOMM_NODE"] = f"node{rank}"
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
@@ -353,18 +338,7 @@ def _dead_peer(rank, world, mode, algorithm, cache_dir):
     ddp = DDP(model, bucket_cap_mb=0.01)
     state = hetcomm.HookState(mode, algorithm=algorithm, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for step in range(3):
-        models.train_step(ddp, opt, rank, step, 8)
-    if rank == 1:
-        os._exit(3)  # dies without a word, after compression started
-    start = time.monotonic()
-    try:
-        for step in range(3, 10):
-            models.train_step(ddp, opt, rank, step, 8)
-    except Exception as e:
-        return {"error": str(e), "seconds": time.monotonic() - start}
-    return {"error": None}
+    return models.kill_rank1_then_time_error(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank)
 
 
 @pytest.mark.parametrize("mode,algorithm", [
