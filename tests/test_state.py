@@ -7,6 +7,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hetcomm
 
@@ -122,3 +124,26 @@ def test_import_never_initialises_cuda():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 5000), st.sampled_from([2**63, -2**63, 2**31]),
+                 st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
+                 st.sampled_from(["onebit", "topk", "lowrank", "auto", "ring", "pg", "none", "hierarchical"]))
+
+
+@pytest.mark.reliability
+@settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.dictionaries(st.sampled_from(["compression", "start_iter", "error_feedback", "chunk_size",
+                                        "min_compress_numel", "topk_ratio", "topk_exact", "rank", "algorithm",
+                                        "transport", "timeout"]), _ANY, max_size=4), _ANY)
+def test_fuzz_hookstate_arguments_are_accepted_or_value_errors(kwargs, batch):
+    try:
+        s = hetcomm.HookState(**kwargs)
+    except ValueError as e:
+        assert any(name in str(e) for name in kwargs) or "start_iter" in str(e), (kwargs, e)
+        return
+    try:
+        s.set_local_batch_size(batch)
+    except ValueError as e:
+        assert "batch_size" in str(e)
+    s.close()
