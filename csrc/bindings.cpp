@@ -174,7 +174,8 @@ class Engine {
 
   py::object submit_bucket(int64_t index, at::Tensor buffer, int codec, int64_t chunk, double ratio, bool exact,
                            c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
-                           c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, int algo) {
+                           c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, int algo,
+                           c10::optional<at::Tensor> momentum, double beta) {
     TORCH_CHECK_VALUE(algo >= 0 && algo <= static_cast<int>(Algo::kHierarchical), "hetcomm: unknown algorithm id ", algo);
     TORCH_CHECK_VALUE(codec >= 0 && codec <= static_cast<int>(Codec::kLowRank), "hetcomm: unknown codec id ", codec);
     TORCH_CHECK_VALUE(codec != static_cast<int>(Codec::kLowRank) || (layout && q_state),
@@ -183,7 +184,11 @@ class Engine {
     TORCH_CHECK_VALUE(buffer.is_contiguous(), "hetcomm: bucket buffer must be contiguous");
     ops::check_chunk(chunk);
     TORCH_CHECK_VALUE(ratio > 0.0 && ratio <= 1.0, "hetcomm: topk_ratio must be in (0, 1], got ", ratio);
-    for (const auto* st : {&residual, &server_residual, &q_state}) {
+    TORCH_CHECK_VALUE(std::isfinite(beta) && beta >= 0.0 && beta < 1.0, "hetcomm: momentum beta must be in [0, 1), got ",
+                      beta);
+    TORCH_CHECK_VALUE(!momentum || momentum->numel() == buffer.numel(), "hetcomm: momentum must have the bucket's ",
+                      buffer.numel(), " elements");
+    for (const auto* st : {&residual, &server_residual, &q_state, &momentum}) {
       if (!*st) continue;
       const at::Tensor& s = **st;
       TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 1 &&
@@ -205,6 +210,8 @@ class Engine {
     job.last = last;
     job.layout = opt(layout);
     job.q_state = opt(q_state);
+    job.momentum = opt(momentum);
+    job.beta = beta;
     job.algo = static_cast<Algo>(algo);
     return run([this, job]() mutable { return reducer_.reduce(job); }, job.buffer);
   }
@@ -501,7 +508,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("submit_bucket", &Engine::submit_bucket, py::arg("index"), py::arg("buffer"), py::arg("codec"),
            py::arg("chunk"), py::arg("topk_ratio"), py::arg("topk_exact"), py::arg("residual"),
            py::arg("server_residual"), py::arg("last"), py::arg("layout") = py::none(),
-           py::arg("q_state") = py::none(), py::arg("algorithm") = 0)
+           py::arg("q_state") = py::none(), py::arg("algorithm") = 0, py::arg("momentum") = py::none(),
+           py::arg("beta") = 0.0)
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("submit_batch_size", &Engine::submit_batch_size, py::arg("local_batch_size"))
       .def("submit_config", &Engine::submit_config, py::arg("config"))

@@ -78,6 +78,7 @@ class BucketStates:
         self.residuals: Dict[str, torch.Tensor] = {}
         self.server_residuals: Dict[str, torch.Tensor] = {}
         self.lowrank_q: Dict[str, torch.Tensor] = {}
+        self.momentum: Dict[str, torch.Tensor] = {}  # SGD momentum per bucket (HookState.attach_optimizer)
         self.layouts: Dict[str, torch.Tensor] = {}
         #: signatures of the buckets of the last complete step, in order
         self.step_layout: List[Signature] = []
@@ -89,7 +90,7 @@ class BucketStates:
         self._saved_shapes: Optional[List[Tuple[int, ...]]] = None
 
     def has_state(self) -> bool:
-        return bool(self.residuals or self.server_residuals or self.lowrank_q)
+        return bool(self.residuals or self.server_residuals or self.lowrank_q or self.momentum)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
@@ -98,6 +99,7 @@ class BucketStates:
             "residuals": {k: t.clone() for k, t in self.residuals.items()},
             "server_residuals": {k: t.clone() for k, t in self.server_residuals.items()},
             "lowrank_q": {k: t.clone() for k, t in self.lowrank_q.items()},
+            "momentum": {k: t.clone() for k, t in self.momentum.items()},
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -107,13 +109,14 @@ class BucketStates:
         self.residuals = restore(sd["residuals"])
         self.server_residuals = restore(sd["server_residuals"])
         self.lowrank_q = restore(sd.get("lowrank_q", {}))
+        self.momentum = restore(sd.get("momentum", {}))
         self.layouts = {}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
         self.step_layout = layout
         self.replay_layout = layout if layout and self.has_state() else None
         self._saved_shapes = [tuple(s) for s in sd.get("param_shapes", [])]
         # kept through the first steps of a resumed run
-        self.prev_touched = set(self.residuals) | set(self.server_residuals) | set(self.lowrank_q)
+        self.prev_touched = set(self.residuals) | set(self.server_residuals) | set(self.lowrank_q) | set(self.momentum)
 
     def check_saved_shapes(self) -> None:
         """After the first step numbered the parameters: they must be the ones
@@ -187,7 +190,7 @@ class BucketStates:
         # Drop per-bucket state of layouts not used in this step or the one before.
         keep = self.touched | self.prev_touched
         if self.touched:
-            for store in (self.residuals, self.server_residuals, self.lowrank_q):
+            for store in (self.residuals, self.server_residuals, self.lowrank_q, self.momentum):
                 for key in [k for k in store if k not in keep]:
                     del store[key]
         self.prev_touched, self.touched = self.touched, set()

@@ -232,6 +232,7 @@ class HookState:
         self._engine: Optional[Any] = None
         self._buckets = buckets.BucketStates()
         self._forced_algo: Optional[str] = None  # HETCOMM_ALGO, as agreed at the first step
+        self._beta: Optional[float] = None  # the SGD momentum hetcomm compresses (attach_optimizer)
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
         self._local_batch: Optional[float] = None
@@ -257,6 +258,39 @@ class HookState:
                 "set_local_batch_size was first called after the first step; call it on every rank before the "
                 "first backward so all ranks agree on batch-size weighting")
         self._local_batch = float(batch_size)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> "HookState":
+        """Compress the optimizer's momentum instead of the gradient (call on
+        every rank before the first step; returns the state).
+
+        With ``torch.optim.SGD(momentum=beta)`` and a compressed mode, each
+        rank sends its local momentum ``beta * m + g`` through the codec (error
+        feedback included), every rank gets the same new momentum ``m``, and
+        the hook hands the optimizer ``m_new - beta * m_old``: the optimizer's
+        own momentum buffer then *is* the compressed momentum (plus the
+        momentum of its weight decay, which stays exact). This is the scheme
+        of 1-bit Adam applied to SGD; compressing the gradient under momentum
+        lets the codec's error be amplified by 1 / (1 - beta). Nothing to
+        retune: keep the optimizer, its learning rate and momentum. Before
+        ``start_iter`` (and for buckets below ``min_compress_numel``) ``m``
+        follows the optimizer's buffer bit for bit. Expects unscaled
+        gradients (no GradScaler) for now.
+        """
+        if self._negotiated:
+            raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise ValueError(f"optimizer must be a torch.optim.SGD (momentum compression), got "
+                             f"{type(optimizer).__name__}; Adam-family optimizers need no attaching")
+        betas = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
+        if len(betas) != 1:
+            raise ValueError(f"optimizer: every parameter group must have the same momentum, got {sorted(betas)}")
+        beta = betas.pop()
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"optimizer momentum must be in (0, 1) to be compressed, got {beta}")
+        if any(float(g.get("dampening", 0.0)) != 0.0 for g in optimizer.param_groups):
+            raise ValueError("optimizer: dampening must be 0 for momentum compression")
+        self._beta = beta
+        return self
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, lowrank Q matrices and the step counter of this rank
@@ -372,6 +406,7 @@ class HookState:
             ("batch-size weighting (set_local_batch_size called before the first step)",
              int(self._local_batch is not None)),
             ("iter (steps done; was the state restored on every rank?)", self.iter),
+            ("momentum (attach_optimizer)", struct.unpack("<q", struct.pack("<d", self._beta or 0.0))[0]),
             (f"{topology.ENV_ALGO} (environment)",
              0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
         ]
@@ -387,6 +422,7 @@ class HookState:
         env_algo = f"{topology.ENV_ALGO} (environment)"
         show = {"compression": lambda v: COMPRESSIONS[v],
                 "topk_ratio": lambda v: struct.unpack("<d", struct.pack("<q", v))[0],
+                "momentum (attach_optimizer)": lambda v: struct.unpack("<d", struct.pack("<q", v))[0],
                 "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
                 env_algo: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}
         for col, (name, _) in enumerate(config):
@@ -563,8 +599,12 @@ class HookState:
                 if mode == "onebit":
                     server = self._buckets.residual(self._buckets.server_residuals, key,
                                                     _C.onebit_segment_numel(n, peers, me), buf.device)
+        momentum = None
+        if self._beta is not None and mode in COMPRESSED and numel >= self.min_compress_numel:
+            momentum = self._buckets.residual(self._buckets.momentum, key, numel, buf.device)
         fut = engine.submit_bucket(bucket.index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact,
-                                   residual, server, bucket.last, layout, q_state, ALGO_IDS[algo])
+                                   residual, server, bucket.last, layout, q_state, ALGO_IDS[algo], momentum,
+                                   self._beta or 0.0)
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event

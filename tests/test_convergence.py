@@ -1,28 +1,114 @@
-"""Convergence on real data (scikit-learn's digits): compressed DDP with error
-feedback trains as well as fp32 at the same step count; without error
-feedback 1-bit is measurably worse."""
+"""Compressed training with the optimizers people use, at fp32's learning rate.
 
-from hetcomm import demo
+The task: an MLP regression (standardised target from a fixed teacher), 2 gloo
+ranks, 16 samples per rank per step, SGD lr 0.02 with momentum 0.9 (fp32's
+setting). Compressing the gradient under momentum amplifies the codec's error
+by 1 / (1 - momentum); compressing the momentum (HookState.attach_optimizer)
+does not."""
 
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
+
+from . import models
 from .dist_harness import run_ranks
 
-
-def _train(rank, world, modes):
-    return demo.train_digits(rank, world, modes, steps=600, batch=32, lr=0.02)
+N, D = 4096, 32
 
 
-def test_digits_onebit_topk_lowrank_match_fp32_accuracy():
-    res = run_ranks(_train, 2, ["none", "onebit", "topk", "lowrank", "onebit-no-ef"], timeout=240)[0]
-    acc = {m: r["accuracy"] for m, r in res.items()}
-    loss = {m: r["test_loss"] for m, r in res.items()}
-    assert acc["none"] > 94, acc  # the fp32 run itself learned the task
-    assert acc["onebit"] >= acc["none"] - 0.5, acc
-    assert acc["topk"] >= acc["none"] - 0.5, acc
-    assert acc["lowrank"] >= acc["none"] - 0.5, acc  # rank 4
-    # error feedback is what makes 1-bit work
-    assert acc["onebit-no-ef"] <= acc["onebit"] - 1.0, acc
-    assert loss["onebit-no-ef"] > loss["onebit"], loss
-    # and the compressed runs really were compressed
-    assert res["none"]["bytes_per_step"] / res["onebit"]["bytes_per_step"] > 25
-    assert res["none"]["bytes_per_step"] / res["topk"]["bytes_per_step"] > 25
-    assert res["none"]["bytes_per_step"] / res["lowrank"]["bytes_per_step"] > 10
+def regression_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D, generator=g)
+    w1, w2 = torch.randn(D, 64, generator=g) / D ** 0.5, torch.randn(64, generator=g) / 8
+    y = torch.tanh(x @ w1) @ w2 + 0.1 * torch.randn(N, generator=g)
+    return x, (y - y.mean()) / y.std()
+
+
+def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_decay=0.0, options=None):
+    x, y = regression_data()
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(D, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                                torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    ddp = DDP(model, bucket_cap_mb=0.03)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    state = None
+    if mode == "allreduce_hook":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    else:
+        state = hetcomm.HookState(mode, min_compress_numel=1000, **(options or {}))
+        if attach:
+            state.attach_optimizer(opt)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    for step in range(steps):
+        idx = torch.randint(0, N, (16,), generator=torch.Generator().manual_seed(step * 10 + rank))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[idx]).squeeze(1), y[idx]).backward()
+        opt.step()
+    with torch.no_grad():
+        loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y).item()
+    return {"loss": loss, "params": models.flat_params(model),
+            "ratio": state.stats()["last_step"]["compression_ratio"] if state else 1.0}
+
+
+def test_momentum_compression_with_a_lossless_codec_is_sgd_momentum():
+    # top-k with ratio 1 sends everything: compressing the momentum must then
+    # be plain SGD with momentum (and weight decay), up to float rounding.
+    ref = run_ranks(_train, 2, "allreduce_hook", False, 30, 0.02, 0.9, 1e-3)
+    ours = run_ranks(_train, 2, "topk", True, 30, 0.02, 0.9, 1e-3, {"topk_ratio": 1.0})
+    assert torch.equal(ours[0]["params"], ours[1]["params"])
+    assert torch.allclose(ours[0]["params"], ref[0]["params"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def fp32_sgd_momentum():
+    return run_ranks(_train, 2, "allreduce_hook", False)[0]["loss"]
+
+
+@pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
+def test_compressing_the_momentum_reaches_fp32s_loss_at_fp32s_lr(mode, fp32_sgd_momentum):
+    # Measured (this task): fp32 0.0925; onebit 0.622 compressing the gradient,
+    # 0.0944 compressing the momentum; topk 0.0950 / 0.0915; lowrank 0.0933 / 0.0947.
+    ours = run_ranks(_train, 2, mode, True)
+    assert torch.equal(ours[0]["params"], ours[1]["params"])
+    assert ours[0]["ratio"] > 3
+    assert ours[0]["loss"] <= 1.05 * fp32_sgd_momentum, (ours[0]["loss"], fp32_sgd_momentum)
+    if mode == "onebit":  # the naive path is measurably worse: the test can fail
+        naive = run_ranks(_train, 2, mode, False)
+        assert naive[0]["loss"] >= 2 * fp32_sgd_momentum, (naive[0]["loss"], fp32_sgd_momentum)
+
+
+def _attach_errors(rank, world):
+    model = models.mlp()
+    ddp = DDP(model)
+    out = []
+    for opt in (torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1),
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)):
+        try:
+            hetcomm.HookState("onebit").attach_optimizer(opt)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    state = hetcomm.HookState("onebit")
+    state.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if rank == 0 else 0.8))
+    ddp.register_comm_hook(state, hetcomm.hook)
+    out.append(models.first_error(ddp, torch.optim.SGD(model.parameters(), lr=0.1), rank))
+    other = models.mlp(seed=3)
+    ddp2, state2 = DDP(other), hetcomm.HookState("onebit")
+    ddp2.register_comm_hook(state2, hetcomm.hook)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    models.train_step(ddp2, opt, rank, 0, 8)
+    try:
+        state2.attach_optimizer(opt)
+    except RuntimeError as e:
+        out.append(str(e))
+    return out
+
+
+def test_attach_optimizer_rejects_what_it_cannot_compress_and_agrees_across_ranks():
+    for errs in run_ranks(_attach_errors, 2):
+        assert "torch.optim.SGD" in errs[0] and "momentum must be in (0, 1)" in errs[1] and "dampening" in errs[2]
+        assert "momentum (attach_optimizer) differs" in errs[3]
+        assert "before the first step" in errs[4]

@@ -153,8 +153,10 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
     ddp = DDP(model, **ddp_kwargs)
     state = hetcomm.HookState(mode, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
-    if opt_name == "sgd":
+    if opt_name.startswith("sgd"):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if opt_name == "sgd-attach":  # momentum compression: the per-bucket momentum is resumed too
+            state.attach_optimizer(opt)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
@@ -175,7 +177,7 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
 
 @pytest.mark.parametrize("kind,mode,opt_name", [
     ("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"), ("small", "lowrank", "sgd"),
-    ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"),
+    ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"), ("default", "onebit", "sgd-attach"),
 ])
 def test_resume_from_state_dict_continues_bit_for_bit(tmp_path, kind, mode, opt_name):
     # A fresh process's first step runs in DDP's initial bucket layout, later

@@ -97,6 +97,9 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       const auto& nodes = node_of_;
       collectives::allreduce_dense(t, buf, divisor_, wire, codec_,
                                    [algo, &order, &nodes](Transport& tr, at::Tensor& y) { sum_by(tr, y, algo, order, nodes); });
+      // Warm-up and dense buckets: m follows the optimizer's own buffer, with
+      // the same operations (m = beta m + g), so it matches it bit for bit.
+      if (job.momentum.defined()) job.momentum.mul_(job.beta).add_(buf);
       break;
     }
     case Codec::kOneBit:
@@ -114,6 +117,11 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       }
       // The codecs work in float32; other bucket dtypes go through a copy.
       at::Tensor x = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
+      // Momentum compression (1-bit Adam's scheme for SGD): every rank sends
+      // its local momentum beta m + g_i (weighted: sum_i x_i / d_i = beta m +
+      // the weighted mean of g), so the codec's error feedback runs on the
+      // momentum and every rank gets the same new m.
+      if (job.momentum.defined()) x.add_(job.momentum, job.beta * divisor_ / w);
       if (job.algo == Algo::kHierarchical && job.codec != Codec::kLowRank) {
         // Exact inside nodes, compressed across them.
         TORCH_CHECK_VALUE(!node_of_.empty(), "hetcomm: the hierarchical algorithm needs the topology");
@@ -135,6 +143,13 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         collectives::allreduce_lowrank(t, x, divisor_, job.layout, job.q_state, job.residual, codec_);
       else
         collectives::allreduce_topk(t, x, divisor_, job.topk_ratio, job.topk_exact, job.residual, codec_);
+      if (job.momentum.defined()) {
+        // Hand the optimizer m_new - beta m_old: its own buffer (beta buf + that)
+        // becomes m_new, the compressed momentum, and m keeps m_new.
+        at::Tensor m_new = x.clone();
+        x.sub_(job.momentum, job.beta);
+        job.momentum.copy_(m_new);
+      }
       if (!x.is_same(buf)) buf.copy_(x);
       break;
     }

@@ -33,6 +33,10 @@ struct BucketJob {
   at::Tensor server_residual;  // onebit only, may be undefined
   at::Tensor layout;           // lowrank only: int64 [k, 4]
   at::Tensor q_state;          // lowrank only: warm-start Q, updated in place
+  // Momentum compression (HookState.attach_optimizer): the SGD momentum m of
+  // the bucket, identical on every rank; float32, may be undefined.
+  at::Tensor momentum;
+  double beta = 0.0;
   bool last = false;           // last bucket of the step
 };
 
