@@ -15,7 +15,7 @@ def _demo(args) -> None:
     from . import demo
 
     demo.main(ranks=args.ranks, modes=args.modes, steps=args.steps,
-              batch=args.batch, json_path=args.json)
+              batch=args.batch, json_path=args.json, lr=args.lr)
 
 
 def _bench(args) -> None:
@@ -182,6 +182,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help=f"comma-separated modes (default {','.join(demo.DEFAULT_MODES)})")
     d.add_argument("--steps", type=positive_int, default=600)
     d.add_argument("--batch", type=positive_int, default=32, help="samples per rank per step")
+    d.add_argument("--lr", type=positive_float, default=0.02, help="SGD learning rate (momentum 0.9)")
     d.add_argument("--json", type=writable_path, default=None, metavar="PATH", help="also write the numbers as JSON")
     d.set_defaults(fn=_demo)
 

@@ -27,10 +27,14 @@ MODES = {
     "onebit": ("hetcomm", dict(compression="onebit")),
     "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01)),
     "lowrank": ("hetcomm", dict(compression="lowrank", rank=4)),
+    # +m: the optimizer's momentum is compressed (HookState.attach_optimizer)
+    "onebit+m": ("hetcomm", dict(compression="onebit", attach=True)),
+    "topk+m": ("hetcomm", dict(compression="topk", topk_ratio=0.01, attach=True)),
+    "lowrank+m": ("hetcomm", dict(compression="lowrank", rank=4, attach=True)),
     "onebit-no-ef": ("hetcomm", dict(compression="onebit", error_feedback=False)),
     "topk-no-ef": ("hetcomm", dict(compression="topk", topk_ratio=0.01, error_feedback=False)),
 }
-DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "none", "fp16", "onebit", "topk"]
+DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "none", "fp16", "onebit", "onebit+m", "topk", "topk+m"]
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0):
@@ -53,7 +57,7 @@ def make_model(seed: int = 0, hidden: int = 256) -> nn.Module:
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
-def _register(ddp, mode: str, state_kwargs: Optional[dict]):
+def _register(ddp, mode: str, state_kwargs: Optional[dict], opt: torch.optim.Optimizer):
     kind, spec = MODES[mode]
     if kind == "torch":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -63,7 +67,10 @@ def _register(ddp, mode: str, state_kwargs: Optional[dict]):
         return None
     kwargs = dict(spec)
     kwargs.update(state_kwargs or {})
+    attach = kwargs.pop("attach", False)
     state = hetcomm.HookState(**kwargs)
+    if attach:
+        state.attach_optimizer(opt)
     ddp.register_comm_hook(state, hetcomm.hook)
     return state
 
@@ -87,8 +94,8 @@ def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batc
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         model = make_model(seed)
         ddp = nn.parallel.DistributedDataParallel(model)
-        state = _register(ddp, mode, state_kwargs)
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+        state = _register(ddp, mode, state_kwargs, opt)
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
         dist.barrier()
         times = []
@@ -125,7 +132,8 @@ def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batc
     return results
 
 
-def _worker(rank: int, world: int, tmp: str, out: str, modes: List[str], steps: int, batch: int) -> None:
+def _worker(rank: int, world: int, tmp: str, out: str, modes: List[str], steps: int, batch: int,
+            lr: float) -> None:
     torch.set_num_threads(1)
     # Rendezvous through a file (no listening store socket); gloo's own
     # sockets on the loopback interface only.
@@ -133,7 +141,7 @@ def _worker(rank: int, world: int, tmp: str, out: str, modes: List[str], steps: 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank,
                             world_size=world)
     try:
-        res = train_digits(rank, world, modes, steps=steps, batch=batch, progress=True)
+        res = train_digits(rank, world, modes, steps=steps, batch=batch, lr=lr, progress=True)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(res, f)
@@ -152,22 +160,23 @@ def format_table(results: Dict[str, dict], world: int) -> str:
 
 
 def main(ranks: int = 2, modes: Optional[List[str]] = None, steps: int = 600, batch: int = 32,
-         json_path: Optional[str] = None) -> Dict[str, dict]:
+         json_path: Optional[str] = None, lr: float = 0.02) -> Dict[str, dict]:
     modes = modes or DEFAULT_MODES
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"hetcomm demo: unknown mode {m!r}; choose from {', '.join(MODES)}")
     if ranks < 1:
         raise SystemExit("hetcomm demo: --ranks must be >= 1")
-    print(f"hetcomm demo: digits MLP, {ranks} gloo ranks on 127.0.0.1, {steps} steps x {batch} samples per rank",
+    print(f"hetcomm demo: digits MLP, {ranks} gloo ranks on 127.0.0.1, {steps} steps x {batch} samples per rank, "
+          f"SGD lr {lr} momentum 0.9",
           file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        torch.multiprocessing.spawn(_worker, args=(ranks, tmp, out, modes, steps, batch), nprocs=ranks)
+        torch.multiprocessing.spawn(_worker, args=(ranks, tmp, out, modes, steps, batch, lr), nprocs=ranks)
         with open(out) as f:
             results = json.load(f)
     print(format_table(results, ranks))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"ranks": ranks, "steps": steps, "batch": batch, "results": results}, f, indent=2)
+            json.dump({"ranks": ranks, "steps": steps, "batch": batch, "lr": lr, "results": results}, f, indent=2)
     return results

@@ -33,7 +33,10 @@ def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_d
     model = torch.nn.Sequential(torch.nn.Linear(D, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
                                 torch.nn.ReLU(), torch.nn.Linear(128, 1))
     ddp = DDP(model, bucket_cap_mb=0.03)
-    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if momentum is None:  # AdamW at lr
+        opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     state = None
     if mode == "allreduce_hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
