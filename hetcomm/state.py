@@ -280,7 +280,7 @@ class HookState:
             raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
         if not isinstance(optimizer, torch.optim.SGD):
             raise ValueError(f"optimizer must be a torch.optim.SGD (momentum compression), got "
-                             f"{type(optimizer).__name__}; Adam-family optimizers need no attaching")
+                             f"{type(optimizer).__name__} (Adam-family optimizers cannot be attached yet)")
         betas = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
         if len(betas) != 1:
             raise ValueError(f"optimizer: every parameter group must have the same momentum, got {sorted(betas)}")
@@ -293,8 +293,8 @@ class HookState:
         return self
 
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals, lowrank Q matrices and the step counter of this rank
-        (waits for queued work)."""
+        """Residuals, lowrank Q matrices, compressed momentum, the last step's
+        bucket layout and the step counter of this rank (waits for queued work)."""
         self._drain()
         return {
             "version": _STATE_DICT_VERSION,

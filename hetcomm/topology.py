@@ -33,8 +33,7 @@ ENV_NODE = "HETCOMM_NODE"          # node identity of this rank (default: hostna
 ENV_TOPOLOGY = "HETCOMM_TOPOLOGY"  # path of a topology JSON to load instead of probing
 ENV_ALGO = "HETCOMM_ALGO"          # force an algorithm for every bucket (native, ring, ...)
 ENV_CACHE = "HETCOMM_CACHE_DIR"    # where measured topologies are cached (default ~/.cache/hetcomm)
-ENV_CACHE_MAX_AGE = "HETCOMM_CACHE_MAX_AGE"  # seconds a cached topology is trusted (default 1 day)
-CACHE_MAX_AGE_S = float(os.environ.get(ENV_CACHE_MAX_AGE, 86400))
+ENV_CACHE_MAX_AGE = "HETCOMM_CACHE_MAX_AGE"  # seconds a cached topology is trusted (default 86400: a day)
 
 log = logging.getLogger("hetcomm")
 
@@ -258,6 +257,19 @@ def _cache_path(nodes: List[str], devices: List[dict]) -> str:
     return os.path.join(_cache_dir(), f"topology-{_cluster_id(nodes, devices)}.json")
 
 
+def cache_max_age_s() -> float:
+    """HETCOMM_CACHE_MAX_AGE in seconds; a value that is not a number >= 0 is a warning and the default."""
+    text = os.environ.get(ENV_CACHE_MAX_AGE, "86400")
+    try:
+        value = float(text)
+        if math.isfinite(value) and value >= 0:
+            return value
+    except ValueError:
+        pass
+    log.warning("hetcomm: %s=%r is not a number of seconds >= 0; using 86400", ENV_CACHE_MAX_AGE, text)
+    return 86400.0
+
+
 def _finite(x, low: float = 0.0) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= low
 
@@ -290,8 +302,8 @@ def validate(d, nodes: List[str], devices: List[dict], cached: bool) -> Optional
         created, now = d.get("created"), time.time()
         if not _finite(created) or created > now + 60:
             return "it has no valid creation time"
-        if now - created > CACHE_MAX_AGE_S:
-            return f"it is {(now - created) / 3600:.1f} h old (HETCOMM_CACHE_MAX_AGE={CACHE_MAX_AGE_S:.0f} s)"
+        if now - created > cache_max_age_s():
+            return f"it is {(now - created) / 3600:.1f} h old (HETCOMM_CACHE_MAX_AGE={cache_max_age_s():.0f} s)"
     return None
 
 
