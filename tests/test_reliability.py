@@ -14,22 +14,25 @@ from .dist_harness import run_ranks
 
 pytestmark = pytest.mark.reliability
 
-MODES = ["none", "fp16", "onebit", "topk", "lowrank"]
+MODES = ["none", "fp16", "onebit", "topk", "lowrank", "onebit+m"]
 BAD = 5  # the step whose gradient is NaN on rank 1
 
 
-def _nan_step(rank, world, mode, skip_bad):
-    """12 SGD-momentum steps; at step BAD rank 1's batch holds a NaN and the
+def _nan_step(rank, world, mode, skip_bad, bad=BAD):
+    """12 SGD-momentum steps; at step `bad` rank 1's batch holds a NaN and the
     optimizer step is skipped (as GradScaler does). With skip_bad the bad step
-    is not run at all: the run as if it had never happened."""
+    is not run at all: the run as if it had never happened. A mode ending in
+    "+m" compresses the momentum (attach_optimizer)."""
     model = models.mlp(hidden=128)
     ddp = DDP(model, bucket_cap_mb=0.02)
-    state = hetcomm.HookState(mode, min_compress_numel=1000, topk_ratio=0.05)
+    state = hetcomm.HookState(mode.removesuffix("+m"), min_compress_numel=1000, topk_ratio=0.05)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if mode.endswith("+m"):
+        state.attach_optimizer(opt)
     bad_grads = None
     for step in range(12):
-        if step == BAD:
+        if step == bad:
             if skip_bad:
                 continue
             x, y = models.batch(rank, step, 16)
@@ -55,8 +58,15 @@ def test_a_nan_step_reaches_every_rank_and_leaves_the_state_untouched(mode):
     assert torch.equal(bad[0]["params"], bad[1]["params"])
     # The next finite steps continue as if the bad step had never happened.
     assert torch.equal(bad[0]["params"], clean[0]["params"])
-    if mode in ("onebit", "topk", "lowrank"):
+    if mode in ("onebit", "topk", "lowrank", "onebit+m"):
         assert bad[0]["stats"]["nonfinite_steps"] == 1 and clean[0]["stats"]["nonfinite_steps"] == 0
+
+
+def test_a_nan_warm_up_step_leaves_the_compressed_momentum_finite():
+    # Before start_iter the momentum follows the optimizer's buffer; a skipped
+    # non-finite step must not enter it (it would poison every later step).
+    for r in run_ranks(_nan_step, 2, "onebit+m", False, 1):
+        assert r["bad_nonfinite"] > 0 and torch.isfinite(r["params"]).all()
 
 
 def _nan_like_allreduce_hook(rank, world, mode):

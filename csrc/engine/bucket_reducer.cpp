@@ -98,8 +98,10 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       collectives::allreduce_dense(t, buf, divisor_, wire, codec_,
                                    [algo, &order, &nodes](Transport& tr, at::Tensor& y) { sum_by(tr, y, algo, order, nodes); });
       // Warm-up and dense buckets: m follows the optimizer's own buffer, with
-      // the same operations (m = beta m + g), so it matches it bit for bit.
-      if (job.momentum.defined()) job.momentum.mul_(job.beta).add_(buf);
+      // the same operations (m = beta m + g), so it matches it bit for bit. A
+      // non-finite result (the same on every rank) is a step the optimizer
+      // skips: m skips it too.
+      if (job.momentum.defined() && at::isfinite(buf).all().item<bool>()) job.momentum.mul_(job.beta).add_(buf);
       break;
     }
     case Codec::kOneBit:
