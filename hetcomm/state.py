@@ -59,6 +59,15 @@ def _device_supports_bf16(device: torch.device) -> bool:
     return True
 
 
+def _float_bits(x: float) -> int:
+    """x's IEEE-754 bits as an int64: floats agreed across ranks are compared exactly."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(v: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", v))[0]
+
+
 def _owning_ddp(param: torch.Tensor, depth: int = 4):
     """The DistributedDataParallel that holds ``param`` (its module's or its own
     parameter lists), found through the garbage collector's referrers; None if
@@ -398,7 +407,7 @@ class HookState:
             ("error_feedback", int(self.error_feedback)),
             ("chunk_size", self.chunk_size),
             ("min_compress_numel", self.min_compress_numel),
-            ("topk_ratio", struct.unpack("<q", struct.pack("<d", self.topk_ratio))[0]),
+            ("topk_ratio", _float_bits(self.topk_ratio)),
             ("topk_exact", int(self.topk_exact)),
             ("rank", self.rank),
             ("algorithm", (("auto",) + ALGORITHMS).index(self.algorithm)),
@@ -406,7 +415,7 @@ class HookState:
             ("batch-size weighting (set_local_batch_size called before the first step)",
              int(self._local_batch is not None)),
             ("iter (steps done; was the state restored on every rank?)", self.iter),
-            ("momentum (attach_optimizer)", struct.unpack("<q", struct.pack("<d", self._beta or 0.0))[0]),
+            ("momentum (attach_optimizer)", _float_bits(self._beta or 0.0)),
             (f"{topology.ENV_ALGO} (environment)",
              0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
         ]
@@ -421,8 +430,8 @@ class HookState:
         gathered = engine.submit_config(vector).wait()
         env_algo = f"{topology.ENV_ALGO} (environment)"
         show = {"compression": lambda v: COMPRESSIONS[v],
-                "topk_ratio": lambda v: struct.unpack("<d", struct.pack("<q", v))[0],
-                "momentum (attach_optimizer)": lambda v: struct.unpack("<d", struct.pack("<q", v))[0],
+                "topk_ratio": _bits_float,
+                "momentum (attach_optimizer)": _bits_float,
                 "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
                 env_algo: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}
         for col, (name, _) in enumerate(config):
