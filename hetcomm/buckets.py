@@ -78,7 +78,7 @@ class BucketStates:
         self.residuals: Dict[str, torch.Tensor] = {}
         self.server_residuals: Dict[str, torch.Tensor] = {}
         self.lowrank_q: Dict[str, torch.Tensor] = {}
-        self.momentum: Dict[str, torch.Tensor] = {}  # SGD momentum per bucket (HookState.attach_optimizer)
+        self.momentum: Dict[str, torch.Tensor] = {}  # optimizer momentum per bucket (HookState.attach_optimizer)
         self.layouts: Dict[str, torch.Tensor] = {}
         #: signatures of the buckets of the last complete step, in order
         self.step_layout: List[Signature] = []

@@ -30,6 +30,11 @@ def _bench(args) -> None:
         allreduce.main(sizes=common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor),
                        algos=args.algos, wires=args.wires, iters=args.iters, warmup=args.warmup,
                        check=args.check, ranks=args.ranks, json_path=args.json, device=args.device)
+    elif args.what == "train":
+        from .benchmarks import train
+
+        train.main(ranks=args.ranks, tasks=args.tasks, optims=args.optims, modes=args.modes, scale=args.scale,
+                   eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale)
     elif args.what == "ddp":
         from .benchmarks import ddp
 
@@ -168,6 +173,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     import hetcomm
     from . import demo, topology
     from .benchmarks import ddp as bench_ddp
+    from .benchmarks import tasks as bench_tasks
+    from .benchmarks import train as bench_train
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(prog="hetcomm", description="DDP communication for clusters of mixed GPUs",
@@ -225,6 +232,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     g.add_argument("--algorithm", default="native", choices=("auto",) + topology.ALGORITHMS,
                    help="HookState(algorithm=...) of hetcomm's modes")
 
+    tr = bs.add_parser("train", help="time to accuracy: real models, each optimizer and mode at fp32's lr",
+                       formatter_class=fmt)
+    tr.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun/testbed")
+    tr.add_argument("--tasks", type=choices_list(list(bench_tasks.TASKS), "task"), default=list(bench_tasks.TASKS),
+                    help="comma-separated tasks")
+    tr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
+                    default=list(bench_train.OPTIMIZERS), help="comma-separated optimizers (SGD momentum 0.9, AdamW)")
+    tr.add_argument("--modes", type=choices_list(list(bench_train.MODES), "mode"), default=bench_train.DEFAULT_MODES,
+                    help="comma-separated modes (fp32 is always run: it sets the target)")
+    tr.add_argument("--scale", type=positive_float, default=1.0, help="multiplies each task's number of steps")
+    tr.add_argument("--lr-scale", type=positive_float, default=1.0,
+                    help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")
+    tr.add_argument("--eval-every", type=positive_int, default=20, help="steps between quality measurements")
+    tr.add_argument("--json", type=writable_path, default=None, metavar="PATH")
+    tr.add_argument("--png", type=writable_path, default=None, metavar="PATH", help="loss curves (needs matplotlib)")
+
     t = sub.add_parser("topo", help="detect and measure the topology; print it and the plan table",
                        formatter_class=fmt)
     t.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun / testbed")
@@ -249,12 +272,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.cmd == "bench":
         args.fn = _bench
-        if args.what != "ddp":
+        if args.what in ("compress", "allreduce"):
             if args.stepfactor < 2:
                 p.error("-f/--stepfactor must be >= 2")
             if args.minbytes > args.maxbytes:
                 p.error(f"need -b <= -e (got {args.minbytes} > {args.maxbytes} bytes)")
-        elif args.rank_cpu is not None and len(args.rank_cpu) != args.ranks:
+        elif args.what == "ddp" and args.rank_cpu is not None and len(args.rank_cpu) != args.ranks:
             p.error(f"--rank-cpu needs one quota per rank ({args.ranks}), got {len(args.rank_cpu)}")
     if args.cmd == "testbed":
         if args.rank_cpu is not None and len(args.rank_cpu) != args.nodes * args.ranks_per_node:

@@ -12,7 +12,7 @@ import time
 import types
 import weakref
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,8 @@ COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk", "low
 # Modes with per-bucket state (residuals; Q for lowrank), compressed after start_iter.
 COMPRESSED = ("onebit", "topk", "lowrank")
 _STATE_DICT_VERSION = 2
+Compression = Literal["none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank"]
+Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 
 log = logging.getLogger("hetcomm")
 
@@ -165,7 +167,7 @@ class HookState:
 
     def __init__(
         self,
-        compression: str = "none",
+        compression: Compression = "none",
         *,
         process_group: Optional[dist.ProcessGroup] = None,
         start_iter: int = 2,
@@ -175,8 +177,8 @@ class HookState:
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
         rank: int = 4,
-        algorithm: str = "native",
-        transport: str = "auto",
+        algorithm: Algorithm = "native",
+        transport: Literal["auto", "pg"] = "auto",
         timeout: Optional[timedelta] = None,
     ) -> None:
         if compression not in COMPRESSIONS:
@@ -241,7 +243,8 @@ class HookState:
         self._engine: Optional[Any] = None
         self._buckets = buckets.BucketStates()
         self._forced_algo: Optional[str] = None  # HETCOMM_ALGO, as agreed at the first step
-        self._beta: Optional[float] = None  # the SGD momentum hetcomm compresses (attach_optimizer)
+        self._beta: Optional[float] = None  # the momentum hetcomm compresses (attach_optimizer)
+        self._exact_steps = False  # Adam attached: steps start_iter + 2**j - 1 are exact
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
         self._local_batch: Optional[float] = None
@@ -272,33 +275,50 @@ class HookState:
         """Compress the optimizer's momentum instead of the gradient (call on
         every rank before the first step; returns the state).
 
-        With ``torch.optim.SGD(momentum=beta)`` and a compressed mode, each
-        rank sends its local momentum ``beta * m + g`` through the codec (error
-        feedback included), every rank gets the same new momentum ``m``, and
-        the hook hands the optimizer ``m_new - beta * m_old``: the optimizer's
-        own momentum buffer then *is* the compressed momentum (plus the
-        momentum of its weight decay, which stays exact). This is the scheme
-        of 1-bit Adam applied to SGD; compressing the gradient under momentum
-        lets the codec's error be amplified by 1 / (1 - beta). Nothing to
-        retune: keep the optimizer, its learning rate and momentum. Before
-        ``start_iter`` (and for buckets below ``min_compress_numel``) ``m``
-        follows the optimizer's buffer bit for bit. Expects unscaled
-        gradients (no GradScaler) for now.
+        ``torch.optim.SGD(momentum=beta)``: each rank sends its local momentum
+        ``beta * m + g`` through the codec (error feedback included), every
+        rank gets the same new momentum ``m``, and the hook hands the optimizer
+        ``m_new - beta * m_old``: the optimizer's own momentum buffer then *is*
+        the compressed momentum (plus the momentum of its weight decay, which
+        stays exact). Compressing the gradient under momentum lets the codec's
+        error be amplified by 1 / (1 - beta). Before ``start_iter`` (and for
+        buckets below ``min_compress_numel``) ``m`` follows the optimizer's
+        buffer bit for bit.
+
+        :class:`hetcomm.optim.AdamW` (recommended), ``torch.optim.Adam`` /
+        ``AdamW``: the same for Adam's first moment (``betas[0]``), and the
+        steps ``start_iter + 2**j - 1`` (j = 0, 1, 2, ...: a few dozen in a
+        long run) are reduced exactly in fp32. hetcomm's AdamW updates its
+        variance on those steps only; torch's sees every step's compressed
+        difference (noisier, smaller steps: measured in the README).
+
+        Nothing to retune: keep the optimizer, its learning rate and betas.
+        Expects unscaled gradients (no GradScaler) for now.
         """
         if self._negotiated:
             raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
-        if not isinstance(optimizer, torch.optim.SGD):
-            raise ValueError(f"optimizer must be a torch.optim.SGD (momentum compression), got "
-                             f"{type(optimizer).__name__} (Adam-family optimizers cannot be attached yet)")
-        betas = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
+        from . import optim
+
+        adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, optim.AdamW))
+        if adam:
+            betas, what = {float(g["betas"][0]) for g in optimizer.param_groups}, "betas[0]"
+        elif isinstance(optimizer, torch.optim.SGD):
+            betas, what = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}, "momentum"
+            if any(float(g.get("dampening", 0.0)) != 0.0 for g in optimizer.param_groups):
+                raise ValueError("optimizer: dampening must be 0 for momentum compression")
+        else:
+            raise ValueError(f"optimizer must be a torch.optim.SGD with momentum, hetcomm.optim.AdamW, "
+                             f"torch.optim.Adam or torch.optim.AdamW, got {type(optimizer).__name__}")
         if len(betas) != 1:
-            raise ValueError(f"optimizer: every parameter group must have the same momentum, got {sorted(betas)}")
+            raise ValueError(f"optimizer: every parameter group must have the same {what}, got {sorted(betas)}")
         beta = betas.pop()
         if not 0.0 < beta < 1.0:
-            raise ValueError(f"optimizer momentum must be in (0, 1) to be compressed, got {beta}")
-        if any(float(g.get("dampening", 0.0)) != 0.0 for g in optimizer.param_groups):
-            raise ValueError("optimizer: dampening must be 0 for momentum compression")
+            raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
         self._beta = beta
+        self._exact_steps = adam
+        if isinstance(optimizer, optim.AdamW):
+            ref = weakref.ref(self)
+            optimizer._exact = lambda: (lambda s: s is None or s._last_step_exact())(ref())
         return self
 
     def state_dict(self) -> Dict[str, Any]:
@@ -416,6 +436,7 @@ class HookState:
              int(self._local_batch is not None)),
             ("iter (steps done; was the state restored on every rank?)", self.iter),
             ("momentum (attach_optimizer)", _float_bits(self._beta or 0.0)),
+            ("exact steps (attach_optimizer with an Adam)", int(self._exact_steps)),
             (f"{topology.ENV_ALGO} (environment)",
              0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
         ]
@@ -460,6 +481,21 @@ class HookState:
             raise ValueError("algorithm 'hierarchical' needs the same number of ranks on every node, found "
                              f"{self.topology.nodes}")
         self._ensure_engine().set_topology(self.topology.ring_order(), self.topology.node_ids)
+
+    def _compress_step(self) -> bool:
+        """Whether this step's compressed-mode buckets are compressed: from
+        ``start_iter`` on, except steps ``start_iter + 2**j - 1`` with an
+        Adam attached."""
+        t = self.iter - self.start_iter
+        return t >= 0 and not (self._exact_steps and (t & (t + 1)) == 0)
+
+    def _last_step_exact(self) -> bool:
+        """Whether the last complete step was reduced exactly (fp32) in every
+        bucket: what an attached hetcomm.optim.AdamW is applying."""
+        if self.resolved_compression not in COMPRESSED:
+            return True
+        t = self.iter - 1 - self.start_iter
+        return t < 0 or (self._exact_steps and (t & (t + 1)) == 0)
 
     def _algorithm_for(self, numel: int, mode: str, compressed: bool, layout: Optional[torch.Tensor] = None) -> str:
         """The bucket's algorithm: forced, or the planner's choice (cached per size and wire)."""
@@ -517,9 +553,13 @@ class HookState:
         self._step_open = True
         nonfinite = engine.nonfinite_steps()
         if nonfinite > self._nonfinite_seen:
-            log.warning("hetcomm: %d step(s) had non-finite gradients on some rank; they were reduced exactly in "
-                        "fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the error-feedback "
-                        "state untouched", nonfinite - self._nonfinite_seen)
+            # Once per power of two: a diverged run has a NaN every step, and
+            # GradScaler's occasional overflows are routine.
+            if (nonfinite).bit_length() > self._nonfinite_seen.bit_length():
+                log.warning("hetcomm: %d step(s) so far had non-finite gradients on some rank; they were reduced "
+                            "exactly in fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the "
+                            "error-feedback state untouched (next warning at %d)", nonfinite,
+                            1 << nonfinite.bit_length())
             self._nonfinite_seen = nonfinite
         if self._weighted:
             if self._local_batch is None:
@@ -586,7 +626,7 @@ class HookState:
         numel = buf.numel()
         key = buckets.key_of(bucket.sig)
         self._buckets.add_to_step(bucket.sig)
-        compressed = mode in COMPRESSED and self.iter >= self.start_iter and numel >= self.min_compress_numel
+        compressed = mode in COMPRESSED and self._compress_step() and numel >= self.min_compress_numel
         residual = server = layout = q_state = None
         if compressed and mode == "lowrank":
             layout = self._buckets.lowrank_parts(bucket, key, self.rank)

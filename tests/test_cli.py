@@ -1,11 +1,13 @@
 """The command line, end to end (small sizes)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 HETCOMM = [sys.executable, "-m", "hetcomm.cli"]
 
@@ -89,6 +91,39 @@ def test_bench_ddp_side_by_side(tmp_path):
     assert all(0 <= r["hidden"] <= 1 and r["step_ms"] > 0 for r in rows.values())
 
 
+def test_bench_train_time_to_accuracy(tmp_path):
+    out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
+                "--scale", "0.2", "--eval-every", "10", "--json", "t.json", "--png", "t.png"], tmp_path)
+    data = json.load(open(tmp_path / "t.json"))
+    runs = {r["mode"]: r for r in data["runs"]}
+    assert set(runs) == {"fp32", "torch-powersgd", "onebit+m"}  # fp32 always runs: it sets the target
+    fp32 = runs["fp32"]
+    assert fp32["steps"] == 60 and [p["step"] for p in fp32["curve"]] == list(range(10, 70, 10))
+    assert fp32["target"] == fp32["final"] == fp32["curve"][-1]["mse"] and fp32["reached"] and fp32["vs_fp32"] == 1.0
+    for r in runs.values():
+        times = [p["time_s"] for p in r["curve"]]
+        assert times == sorted(times) and r["s_per_step"] * r["steps"] >= times[-1] * 0.999
+        if r["reached"]:  # the first evaluation within 2 % of fp32's final MSE
+            first = next(p for p in r["curve"] if p["mse"] <= 1.02 * fp32["final"])
+            assert (r["steps_to_target"], r["time_to_target_s"]) == (first["step"], first["time_s"])
+    assert runs["fp32"]["bytes_per_step"] / runs["onebit+m"]["bytes_per_step"] > 10
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert "vs PowerSGD" in out.stdout and data["meta"]["world_size"] == 2
+
+
+def test_bench_train_lm_text_is_generated_the_same_every_time():
+    from hetcomm.benchmarks import tasks
+
+    a, b = tasks.grammar_text(5000), tasks.grammar_text(5000)
+    assert a == b and len(a) == 5000 and a != tasks.grammar_text(5000, seed=1)
+    lm = tasks.LanguageModel()
+    x, y = lm.batch_for(0, 0)
+    assert x.shape == (16, 64) and torch.equal(x[:, 1:], y[:, :-1])  # next-character targets
+    ev = lm.evaluate(lm.model())
+    assert abs(ev["perplexity"] - math.exp(ev["loss"])) < 1e-6 * ev["perplexity"]
+    assert 0.5 * lm.vocab < ev["perplexity"] < 2 * lm.vocab  # an untrained model is about uniform
+
+
 MALFORMED = [
     ["demo", "--ranks", "0"], ["demo", "--steps", "0"], ["demo", "--steps", "-3"], ["demo", "--batch", "x"],
     ["demo", "--modes", ""], ["demo", "--modes", "none,zip"], ["demo", "--json", "/nonexistent/dir/x.json"],
@@ -102,6 +137,9 @@ MALFORMED = [
     ["bench", "ddp", "--params", "0"], ["bench", "ddp", "--modes", "bogus"], ["bench", "ddp", "--modes", "torch-fp16+bal"],
     ["bench", "ddp", "--rank-cpu", "0,1"], ["bench", "ddp", "--rank-cpu", "0.5"], ["bench", "ddp", "--rank-cpu", "a,b"],
     ["bench", "ddp", "--global-batch", "0"], ["bench", "ddp", "--algorithm", "butterfly"], ["bench", "ddp", "-b", "1M"],
+    ["bench", "train", "--tasks", "mnist"], ["bench", "train", "--optims", "lamb"],
+    ["bench", "train", "--modes", "fp16"], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
+    ["bench", "train", "--eval-every", "0"], ["bench", "train", "--png", "/no/such/dir/x.png"],
     ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],
     ["testbed", "--inter-node-rate", "fast", "--", "true"], ["testbed", "--rank-cpu", "0,0,0,0", "--", "true"],
     ["testbed", "--timeout", "0", "--", "true"], ["testbed"], ["info", "--bogus"], ["--bogus"], [],

@@ -159,6 +159,8 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
             state.attach_optimizer(opt)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        if opt_name == "adamw-attach":  # Adam's first moment compressed, exact steps 2, 3, 5, 9, 17, ...
+            state.attach_optimizer(opt)
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
     if start > 0:
         ck = torch.load(path, weights_only=False)
@@ -178,6 +180,7 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
 @pytest.mark.parametrize("kind,mode,opt_name", [
     ("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"), ("small", "lowrank", "sgd"),
     ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"), ("default", "onebit", "sgd-attach"),
+    ("small", "onebit", "adamw-attach"),
 ])
 def test_resume_from_state_dict_continues_bit_for_bit(tmp_path, kind, mode, opt_name):
     # A fresh process's first step runs in DDP's initial bucket layout, later

@@ -69,6 +69,35 @@ def test_a_nan_warm_up_step_leaves_the_compressed_momentum_finite():
         assert r["bad_nonfinite"] > 0 and torch.isfinite(r["params"]).all()
 
 
+def _warnings_of_a_diverged_run(rank, world, steps):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hetcomm").addHandler(handler)
+    model = models.mlp(hidden=128)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = hetcomm.HookState("onebit", min_compress_numel=1000)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    for step in range(steps):
+        x, y = models.batch(rank, step, 16)
+        if step >= 2:
+            x[0, 0] = float("nan")  # every step from 2 on: a run that diverged
+        ddp.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    return [r.getMessage() for r in records], state.stats()["nonfinite_steps"]
+
+
+def test_a_diverged_run_warns_once_per_power_of_two_not_every_step():
+    messages, count = run_ranks(_warnings_of_a_diverged_run, 2, 40)[0]
+    assert count == 38
+    # Seen at the next step's start: counts 1..37, a warning at 1, 2, 4, 8, 16, 32.
+    assert len(messages) == 6, messages
+    assert [int(m.split()[1]) for m in messages] == [1, 2, 4, 8, 16, 32]
+    assert all("non-finite" in m for m in messages)
+
+
 def _nan_like_allreduce_hook(rank, world, mode):
     # The bad step's reduced gradient is NaN exactly where allreduce_hook's is.
     out = []

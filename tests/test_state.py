@@ -1,5 +1,6 @@
 """HookState validation and the import contract (a one-rank gloo group)."""
 
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -147,3 +148,14 @@ def test_fuzz_hookstate_arguments_are_accepted_or_value_errors(kwargs, batch):
     except ValueError as e:
         assert "batch_size" in str(e)
     s.close()
+
+
+def test_literal_option_types_match_the_accepted_values():
+    # The Literal annotations (for type checkers; hetcomm ships py.typed) cannot drift from what HookState accepts.
+    import typing
+
+    from hetcomm import state, topology
+
+    assert set(typing.get_args(state.Compression)) == set(state.COMPRESSIONS)
+    assert set(typing.get_args(state.Algorithm)) == set(topology.ALGORITHMS) | {"auto"}
+    assert os.path.exists(os.path.join(os.path.dirname(state.__file__), "py.typed"))

@@ -1,0 +1,221 @@
+"""The training tasks of `hetcomm bench train`: three kinds, each on CPU in
+seconds to minutes, none downloading anything.
+
+- ``classify``: scikit-learn's digits (real 8x8 images, 10 classes), an MLP;
+  quality is test accuracy.
+- ``regress``: a fixed random teacher network plus noise, standardised; an
+  MLP; quality is the mean squared error on all 4096 points.
+- ``lm``: a character-level causal transformer on text generated from a small
+  fixed grammar (deterministic, so every run and version sees the same text);
+  quality is the perplexity of a held-out tail of the text.
+
+Each task gives the learning rates fp32 trains best with: the best final
+quality of fp32 runs at 0.3, 1, 3, 6 and 10 times a first guess on 2 ranks
+(``hetcomm bench train --modes fp32 --lr-scale X``); for the language model
+with SGD the largest rate that also trains on 4 ranks (0.3 was best on 2 and
+diverges on 4). The compressed modes run at fp32's rate, never retuned.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Tuple
+
+import torch
+from torch import nn
+
+
+class Task:
+    name = ""
+    kind = ""
+    metric = ""            # the quality reported
+    higher_is_better = False
+    batch = 16             # samples per rank per step
+    steps = 300
+    lr: Dict[str, float] = {}
+
+    def model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def batch_for(self, step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> Dict[str, float]:
+        """{"loss": held-out loss, self.metric: quality}."""
+        raise NotImplementedError
+
+    @staticmethod
+    def reached(value: float, reference: float) -> bool:
+        """Whether quality ``value`` is within this task's tolerance of fp32's ``reference``."""
+        raise NotImplementedError
+
+    def _gen(self, step: int, rank: int) -> torch.Generator:
+        return torch.Generator().manual_seed(1_000_003 * step + rank)
+
+
+class Regress(Task):
+    name, kind, metric = "regress", "regression", "mse"
+    batch, steps = 16, 300
+    lr = {"sgd": 0.02, "adamw": 3e-3}
+    N, D = 4096, 32
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(self.N, self.D, generator=g)
+        w1, w2 = torch.randn(self.D, 64, generator=g) / self.D ** 0.5, torch.randn(64, generator=g) / 8
+        y = torch.tanh(self.x @ w1) @ w2 + 0.1 * torch.randn(self.N, generator=g)
+        self.y = (y - y.mean()) / y.std()
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(self.D, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1))
+
+    def batch_for(self, step, rank):
+        idx = torch.randint(0, self.N, (self.batch,), generator=self._gen(step, rank))
+        return self.x[idx], self.y[idx]
+
+    def loss(self, out, target):
+        return nn.functional.mse_loss(out.squeeze(1), target)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        mse = self.loss(model(self.x), self.y).item()
+        return {"loss": mse, "mse": mse}
+
+    @staticmethod
+    def reached(value, reference):  # within 2 % of fp32's training MSE
+        return value <= 1.02 * reference
+
+
+class Classify(Task):
+    name, kind, metric, higher_is_better = "classify", "classification", "accuracy", True
+    batch, steps = 32, 600
+    lr = {"sgd": 0.15, "adamw": 1e-2}
+
+    def __init__(self) -> None:
+        from ..demo import load_digits
+
+        self.x, self.y, self.x_test, self.y_test = load_digits()
+
+    def model(self) -> nn.Module:
+        from ..demo import make_model
+
+        return make_model(seed=0)
+
+    def batch_for(self, step, rank):
+        idx = torch.randint(0, len(self.y), (self.batch,), generator=self._gen(step, rank))
+        return self.x[idx], self.y[idx]
+
+    def loss(self, out, target):
+        return nn.functional.cross_entropy(out, target)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        out = model(self.x_test)
+        return {"loss": self.loss(out, self.y_test).item(),
+                "accuracy": 100.0 * (out.argmax(1) == self.y_test).float().mean().item()}
+
+    @staticmethod
+    def reached(value, reference):  # within 0.5 points of fp32's test accuracy
+        return value >= reference - 0.5
+
+
+# ---- the language model's text: a small grammar, expanded with a fixed seed ----
+_GRAMMAR = {
+    "S": [["NP", "VP", "."], ["NP", "VP", "PP", "."], ["when", "NP", "VP", ",", "NP", "VP", "."]],
+    "NP": [["the", "ADJ", "N"], ["the", "N"], ["a", "ADJ", "N"], ["every", "N"]],
+    "VP": [["V", "NP"], ["V"], ["V", "NP", "ADV"]],
+    "PP": [["P", "NP"]],
+    "ADJ": [["slow"], ["fast"], ["mixed"], ["sparse"], ["dense"], ["noisy"], ["stale"], ["exact"]],
+    "N": [["gpu"], ["rank"], ["bucket"], ["gradient"], ["ring"], ["tree"], ["link"], ["node"], ["residual"],
+          ["optimizer"], ["step"], ["model"]],
+    "V": [["sends"], ["reduces"], ["waits"], ["compresses"], ["keeps"], ["drops"], ["measures"], ["trains"]],
+    "ADV": [["quickly"], ["twice"], ["again"], ["exactly"]],
+    "P": [["over"], ["after"], ["beside"], ["inside"]],
+}
+
+
+def grammar_text(n_chars: int, seed: int = 0) -> str:
+    g = torch.Generator().manual_seed(seed)
+
+    def expand(sym):
+        if sym not in _GRAMMAR:
+            return [sym]
+        rules = _GRAMMAR[sym]
+        rule = rules[int(torch.randint(0, len(rules), (1,), generator=g))]
+        return [w for s in rule for w in expand(s)]
+
+    words = []
+    length = 0
+    while length < n_chars:
+        sentence = " ".join(expand("S")).replace(" .", ".").replace(" ,", ",")
+        words.append(sentence)
+        length += len(sentence) + 1
+    return " ".join(words)[:n_chars]
+
+
+class _CausalLM(nn.Module):
+    def __init__(self, vocab: int, ctx: int, dim: int = 96, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(ctx, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.embed(idx) + self.pos[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+class LanguageModel(Task):
+    name, kind, metric = "lm", "language model", "perplexity"
+    batch, steps = 16, 400
+    lr = {"sgd": 0.15, "adamw": 3e-3}
+    CTX = 64
+
+    def __init__(self) -> None:
+        text = grammar_text(120_000)
+        chars = sorted(set(text))
+        self.vocab = len(chars)
+        data = torch.tensor([chars.index(c) for c in text], dtype=torch.int64)
+        cut = int(0.9 * len(data))
+        self.train, self.held_out = data[:cut], data[cut:]
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(2)
+        return _CausalLM(self.vocab, self.CTX)
+
+    def _windows(self, data: torch.Tensor, starts: torch.Tensor):
+        idx = starts[:, None] + torch.arange(self.CTX + 1)
+        w = data[idx]
+        return w[:, :-1], w[:, 1:]
+
+    def batch_for(self, step, rank):
+        starts = torch.randint(0, len(self.train) - self.CTX - 1, (self.batch,), generator=self._gen(step, rank))
+        return self._windows(self.train, starts)
+
+    def loss(self, out, target):
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        starts = torch.arange(0, len(self.held_out) - self.CTX - 1, self.CTX)
+        x, y = self._windows(self.held_out, starts)
+        loss = self.loss(model(x), y).item()
+        return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}  # a diverged run: inf
+
+    @staticmethod
+    def reached(value, reference):  # within 3 % of fp32's perplexity
+        return value <= 1.03 * reference
+
+
+TASKS: Dict[str, Callable[[], Task]] = {"classify": Classify, "regress": Regress, "lm": LanguageModel}

@@ -1,0 +1,232 @@
+"""`hetcomm bench train`: time to accuracy. Each task trains once per
+optimizer and mode, every mode at fp32's best learning rate, side by side in
+one run; the reference is PyTorch's own fp32 all-reduce (``allreduce_hook``).
+
+Per run: the quality curve against training wall time (evaluation paused
+out of the clock), the final quality, whether and when (steps, seconds) it
+came within the task's tolerance of fp32's final quality, seconds per step
+and bytes sent per step (ring-equivalent, per rank). Under ``hetcomm testbed``
+the same command measures a simulated cluster (e.g. 2 nodes x 2 ranks at
+100 Mbit between nodes)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hetcomm
+
+from ..testbed import run_distributed
+from . import common
+from .ddp import _powersgd_bytes
+from .tasks import TASKS, Task
+
+REFERENCE = "fp32"
+# mode -> (hook, HookState kwargs, attach the optimizer)
+MODES = {
+    "fp32": ("allreduce", None, False),
+    "torch-powersgd": ("powersgd", None, False),
+    "none": ("hetcomm", dict(compression="none"), False),
+    "onebit": ("hetcomm", dict(compression="onebit"), False),
+    "onebit+m": ("hetcomm", dict(compression="onebit"), True),
+    "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01), False),
+    "topk+m": ("hetcomm", dict(compression="topk", topk_ratio=0.01), True),
+    "lowrank": ("hetcomm", dict(compression="lowrank", rank=4), False),
+    "lowrank+m": ("hetcomm", dict(compression="lowrank", rank=4), True),
+}
+DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.optim.Optimizer:
+    """SGD momentum 0.9, or AdamW (hetcomm's where its momentum is compressed: the recommended pairing)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return hetcomm.optim.AdamW(params, lr=lr) if attach else torch.optim.AdamW(params, lr=lr)
+
+
+def _register(ddp, mode: str, opt: torch.optim.Optimizer):
+    """Registers the mode's hook; returns (hetcomm state or None, bytes per step function)."""
+    hook, kwargs, attach = MODES[mode]
+    numel = sum(p.numel() for p in ddp.module.parameters())
+    world = dist.get_world_size()
+    if hook == "allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return None, lambda steps: 2 * (world - 1) * numel * 4 // world
+    if hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                         use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
+        dense, low = 2 * (world - 1) * numel * 4 // world, _powersgd_bytes(ddp.module, world)
+        return None, lambda steps: (min(steps, 2) * dense + max(steps - 2, 0) * low) / max(steps, 1)
+    state = hetcomm.HookState(**kwargs)
+    if attach:
+        state.attach_optimizer(opt)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    return state, lambda steps: state.stats()["total"]["bytes_sent"] / max(steps, 1)
+
+
+def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float) -> Optional[Dict]:
+    model = task.model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = make_optimizer(optim, ddp.parameters(), lr, MODES[mode][2])
+    state, bytes_per_step = _register(ddp, mode, opt)
+    curve, train_s = [], 0.0
+    for step in range(steps):
+        x, y = task.batch_for(step, rank)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        task.loss(ddp(x), y).backward()
+        opt.step()
+        train_s += time.perf_counter() - t0
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            if rank == 0:
+                curve.append({"step": step + 1, "time_s": train_s, **task.evaluate(model)})
+            dist.barrier()  # every rank resumes the clock together
+    sent = bytes_per_step(steps)
+    if state is not None:
+        state.close()
+    if rank != 0:
+        return None
+    final = curve[-1]
+    return {"task": task.name, "optimizer": optim, "mode": mode, "lr": lr, "steps": steps,
+            "world_size": dist.get_world_size(),
+            "curve": curve, "final": final[task.metric], "final_loss": final["loss"],
+            "s_per_step": train_s / steps, "bytes_per_step": sent,
+            "finite": bool(torch.isfinite(torch.tensor(final["loss"])))}
+
+
+def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: List[str], scale: float,
+            eval_every: int, lr_scale: float, partial_path: Optional[str] = None) -> List[Dict]:
+    out = []
+    for name in tasks:
+        task = TASKS[name]()
+        steps = max(eval_every, int(task.steps * scale))
+        for optim in optims:
+            for mode in modes:
+                r = _run(rank, task, optim, mode, steps, eval_every, task.lr[optim] * lr_scale)
+                if r is not None:
+                    print(f"  {name:9s} {optim:6s} {mode:15s} {task.metric} {r['final']:.4g}  "
+                          f"{1000 * r['s_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+                    out.append(r)
+                    common.write_json(partial_path, {"partial": True, "runs": out})  # kept if a later run fails
+    return out
+
+
+def summarise(runs: List[Dict]) -> List[Dict]:
+    """Adds to each run: target (fp32's final quality), reached, steps / time to
+    target and the time ratios against fp32 and torch-powersgd."""
+    ref = {(r["task"], r["optimizer"]): r for r in runs if r["mode"] == REFERENCE}
+    for r in runs:
+        task = TASKS[r["task"]]
+        base = ref[(r["task"], r["optimizer"])]
+        r["target"] = base["final"]
+        hit = next((p for p in r["curve"] if r["finite"] and task.reached(p[task.metric], r["target"])), None)
+        r["reached"] = hit is not None
+        r["steps_to_target"] = hit["step"] if hit else None
+        r["time_to_target_s"] = hit["time_s"] if hit else None
+    for r in runs:
+        for other, key in ((REFERENCE, "vs_fp32"), ("torch-powersgd", "vs_powersgd")):
+            o = next((x for x in runs if (x["task"], x["optimizer"], x["mode"]) ==
+                      (r["task"], r["optimizer"], other)), None)
+            r[key] = (r["time_to_target_s"] / o["time_to_target_s"]
+                      if o and r["reached"] and o["reached"] and o["time_to_target_s"] else None)
+    return runs
+
+
+def plot(runs: List[Dict], path: str) -> bool:
+    """Quality against training time: a row per optimizer, a column per task
+    (matplotlib); the y range follows fp32's curve so a diverged run does not
+    flatten the others."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("hetcomm bench train: matplotlib is not installed, no PNG written (pip install matplotlib)",
+              file=sys.stderr)
+        return False
+    tasks = [t for t in TASKS if any(r["task"] == t for r in runs)]
+    optims = [o for o in OPTIMIZERS if any(r["optimizer"] == o for r in runs)]
+    fig, axes = plt.subplots(len(optims), len(tasks), figsize=(4.6 * len(tasks), 3.4 * len(optims)), squeeze=False)
+    for i, optim in enumerate(optims):
+        for j, task in enumerate(tasks):
+            ax, metric = axes[i][j], TASKS[task].metric
+            panel = [r for r in runs if (r["task"], r["optimizer"]) == (task, optim)]
+            for r in panel:
+                ax.plot([p["time_s"] for p in r["curve"]], [p[metric] for p in r["curve"]], label=r["mode"],
+                        lw=2.2 if r["mode"] == REFERENCE else 1.2, color="black" if r["mode"] == REFERENCE else None)
+            ref = [p[metric] for r in panel if r["mode"] == REFERENCE for p in r["curve"]]
+            if ref and metric == "accuracy":
+                ax.set_ylim(max(0.0, min(ref) - 10), 100.5)
+            elif ref:
+                ax.set_yscale("log")
+                ax.set_ylim(0.8 * min(ref), 1.5 * max(ref))
+            ax.set_title(f"{task} / {optim} (lr {panel[0]['lr']:g})")
+            ax.set_xlabel("training time (s)")
+            ax.set_ylabel(metric)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float = 1.0,
+        eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None) -> List[Dict]:
+    for name in tasks:
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r}: choose from {list(TASKS)}")
+    for o in optims:
+        if o not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {o!r}: choose from {OPTIMIZERS}")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}: choose from {list(MODES)}")
+    if REFERENCE not in modes:
+        modes = [REFERENCE] + list(modes)
+    runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path)
+    return summarise(runs) if runs is not None else []
+
+
+def _fmt(v, f):
+    return "-" if v is None else format(v, f)
+
+
+def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
+         json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0) -> None:
+    t0 = time.time()
+    runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path)
+    if not runs:  # a rank other than 0 under torchrun / the testbed
+        return
+    world = runs[0]["world_size"]
+    print(f"# hetcomm bench train: {world} ranks, each mode at fp32's learning rate; target = fp32's final "
+          "quality within the task's tolerance (accuracy -0.5 pt, MSE +2 %, perplexity +3 %)")
+    cols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"), ("final", "final", ".4g"),
+            ("target", "fp32", ".4g"), ("steps_to_target", "steps", "d"), ("time_to_target_s", "time(s)", ".2f"),
+            ("vs_fp32", "vs fp32", ".2f"), ("vs_powersgd", "vs PowerSGD", ".2f"), ("s_per_step", "ms/step", ".1f"),
+            ("bytes_per_step", "KB/step", ".1f")]
+    print("  ".join(f"{h:>11}" for _, h, _ in cols))
+    for r in runs:
+        row = dict(r, s_per_step=1000 * r["s_per_step"], bytes_per_step=r["bytes_per_step"] / 1000)
+        print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
+    meta = {"command": " ".join(["hetcomm"] + sys.argv[1:]) if sys.argv else "", "world_size": world,
+            "hetcomm": hetcomm.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "host": platform.node(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "wall_s": time.time() - t0, "scale": scale, "eval_every": eval_every, "lr_scale": lr_scale}
+    common.write_json(json_path, {"meta": meta, "runs": runs})
+    if png_path and plot(runs, png_path):
+        print(f"# loss curves: {png_path}")

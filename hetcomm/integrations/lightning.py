@@ -1,0 +1,106 @@
+"""PyTorch Lightning: ``Trainer(strategy=hetcomm.integrations.lightning.HetcommDDPStrategy("onebit"))``.
+
+Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers comm hooks only on
+CUDA and needs the hook's state before the process group exists. This
+strategy builds the :class:`hetcomm.HookState` once the group is up (on every
+rank, with the same arguments), registers :func:`hetcomm.hook` on any device,
+optionally attaches the optimizer (momentum compression), and saves / restores
+each rank's hetcomm state next to Lightning's checkpoint
+(``<checkpoint>.hetcomm-rank<r>.pt``: residuals are per rank, Lightning's file
+is written by rank 0 alone).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..hooks import hook
+from ..state import HookState
+
+try:
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError:  # the standalone package
+    try:
+        from pytorch_lightning.strategies import DDPStrategy
+    except ImportError as e:  # pragma: no cover - only without Lightning
+        raise ImportError("hetcomm.integrations.lightning needs PyTorch Lightning: pip install pytorch-lightning") \
+            from e
+
+
+def _rank_file(filepath: str, rank: int) -> str:
+    return f"{filepath}.hetcomm-rank{rank}.pt"
+
+
+class HetcommDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with hetcomm's hook on every bucket.
+
+    Args:
+        compression: :class:`hetcomm.HookState`'s ``compression``.
+        attach_optimizer: compress the optimizer's momentum
+            (:meth:`HookState.attach_optimizer`; SGD with momentum, Adam or
+            AdamW, one optimizer).
+        hook_options: the other :class:`HookState` arguments (``start_iter``,
+            ``algorithm``, ``topk_ratio``, ...).
+        **kwargs: ``DDPStrategy``'s own (``process_group_backend``,
+            ``find_unused_parameters``, ...).
+    """
+
+    strategy_name = "hetcomm_ddp"
+
+    def __init__(self, compression: str = "onebit", *, attach_optimizer: bool = False,
+                 hook_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        if "ddp_comm_hook" in kwargs or "ddp_comm_state" in kwargs or "ddp_comm_wrapper" in kwargs:
+            raise ValueError("HetcommDDPStrategy registers hetcomm's hook itself: do not pass ddp_comm_hook, "
+                             "ddp_comm_state or ddp_comm_wrapper")
+        super().__init__(**kwargs)
+        self._compression = compression
+        self._attach = attach_optimizer
+        self._hook_options = dict(hook_options or {})
+        self._pending: Optional[Dict[str, Any]] = None
+        #: The HookState, once fit has set up DDP (None before).
+        self.hook_state: Optional[HookState] = None
+
+    def _register_ddp_hooks(self) -> None:
+        # Called by configure_ddp once the model is wrapped: the group exists.
+        self.hook_state = HookState(self._compression, **self._hook_options)
+        self.model.register_comm_hook(self.hook_state, hook)
+        if self._pending is not None:
+            self.hook_state.load_state_dict(self._pending)
+            self._pending = None
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if self._attach and self.hook_state is not None:
+            if len(self.optimizers) != 1:
+                raise ValueError(f"HetcommDDPStrategy(attach_optimizer=True) needs exactly one optimizer, got "
+                                 f"{len(self.optimizers)}")
+            self.hook_state.attach_optimizer(self.optimizers[0])
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.hook_state is not None:  # every rank its own state
+            torch.save(self.hook_state.state_dict(), _rank_file(str(filepath), self.global_rank))
+        self.barrier("hetcomm_save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        path = _rank_file(str(checkpoint_path), self.global_rank)
+        if os.path.exists(path):
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            if self.hook_state is not None:
+                self.hook_state.load_state_dict(state)
+            else:
+                self._pending = state
+        return checkpoint
+
+    def remove_checkpoint(self, filepath) -> None:
+        super().remove_checkpoint(filepath)
+        path = _rank_file(str(filepath), self.global_rank)
+        if os.path.exists(path):
+            os.remove(path)
+
+
+__all__ = ["HetcommDDPStrategy"]

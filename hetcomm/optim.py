@@ -1,0 +1,96 @@
+"""``hetcomm.optim.AdamW``: AdamW for compressed momentum.
+
+Attached to a HookState (``state.attach_optimizer(opt)``), the hook compresses
+Adam's first moment (1-bit Adam's scheme) and reduces the gradient exactly in
+fp32 on the steps ``start_iter + 2**j - 1``. This optimizer updates the
+variance (second moment) on those exact steps only: a compressed step's
+gradient carries the codec's error, about 1 / (1 - beta1) times the gradient
+for onebit, which squared into the variance shrinks every step. Between
+updates the variance is frozen; an update after ``k`` steps decays it by
+``beta2 ** k``, so it keeps Adam's time constant, and its bias correction counts
+the steps it covers.
+
+A frozen variance can be zero where the compressed momentum is not (a ReLU unit
+that was dead on every exact step): ``variance_floor`` keeps each tensor's
+per-coordinate variance at least that fraction of the tensor's mean, so the
+step there stays bounded (without it such a run diverges at the first
+compressed step).
+
+Unattached it is AdamW: every step updates the variance and no floor applies;
+it matches ``torch.optim.AdamW(foreach=False)`` up to float rounding (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional, Tuple
+
+import torch
+
+
+class AdamW(torch.optim.Optimizer):
+    r"""AdamW whose variance only exact gradients update (see the module).
+
+    Args: ``torch.optim.AdamW``'s ``params, lr, betas, eps, weight_decay``
+    (``amsgrad``, ``maximize``, ``foreach``, ``fused``, sparse gradients and
+    complex parameters are not supported), and ``variance_floor`` (>= 0,
+    applied only when attached).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, variance_floor: float = 0.1) -> None:
+        for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("variance_floor", variance_floor)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        super().__init__(params, dict(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
+                                      weight_decay=float(weight_decay), variance_floor=float(variance_floor)))
+        #: Set by HookState.attach_optimizer: whether the step being applied
+        #: was reduced exactly (None: unattached, every step is).
+        self._exact: Optional[Callable[[], bool]] = None
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        attached = self._exact is not None
+        exact = not attached or self._exact()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse or torch.is_complex(p):
+                    raise ValueError("hetcomm.optim.AdamW: sparse gradients and complex parameters are not supported")
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["variance_step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                t, last = int(st["step"].item()), int(st["variance_step"].item())
+                p.mul_(1.0 - lr * group["weight_decay"])
+                exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+                exp_avg.lerp_(grad, 1.0 - beta1)
+                if exact or last == 0:
+                    decay = beta2 ** (t - last)
+                    exp_avg_sq.mul_(decay).addcmul_(grad, grad, value=1.0 - decay)
+                    st["variance_step"].fill_(t)
+                    last = t
+                bias1 = 1.0 - beta1 ** t
+                bias2_sqrt = math.sqrt(1.0 - beta2 ** last)
+                root = exp_avg_sq.sqrt()
+                if attached and group["variance_floor"] > 0.0:
+                    root.clamp_(min=math.sqrt(group["variance_floor"]) * exp_avg_sq.mean().sqrt().item())
+                denom = (root / bias2_sqrt).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+        return loss
+
+
+__all__ = ["AdamW"]
