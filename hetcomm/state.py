@@ -482,20 +482,17 @@ class HookState:
                              f"{self.topology.nodes}")
         self._ensure_engine().set_topology(self.topology.ring_order(), self.topology.node_ids)
 
-    def _compress_step(self) -> bool:
-        """Whether this step's compressed-mode buckets are compressed: from
+    def _compressed_at(self, step: int) -> bool:
+        """Whether step ``step``'s compressed-mode buckets are compressed: from
         ``start_iter`` on, except steps ``start_iter + 2**j - 1`` with an
         Adam attached."""
-        t = self.iter - self.start_iter
+        t = step - self.start_iter
         return t >= 0 and not (self._exact_steps and (t & (t + 1)) == 0)
 
     def _last_step_exact(self) -> bool:
         """Whether the last complete step was reduced exactly (fp32) in every
         bucket: what an attached hetcomm.optim.AdamW is applying."""
-        if self.resolved_compression not in COMPRESSED:
-            return True
-        t = self.iter - 1 - self.start_iter
-        return t < 0 or (self._exact_steps and (t & (t + 1)) == 0)
+        return self.resolved_compression not in COMPRESSED or not self._compressed_at(self.iter - 1)
 
     def _algorithm_for(self, numel: int, mode: str, compressed: bool, layout: Optional[torch.Tensor] = None) -> str:
         """The bucket's algorithm: forced, or the planner's choice (cached per size and wire)."""
@@ -555,7 +552,7 @@ class HookState:
         if nonfinite > self._nonfinite_seen:
             # Once per power of two: a diverged run has a NaN every step, and
             # GradScaler's occasional overflows are routine.
-            if (nonfinite).bit_length() > self._nonfinite_seen.bit_length():
+            if nonfinite.bit_length() > self._nonfinite_seen.bit_length():
                 log.warning("hetcomm: %d step(s) so far had non-finite gradients on some rank; they were reduced "
                             "exactly in fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the "
                             "error-feedback state untouched (next warning at %d)", nonfinite,
@@ -626,7 +623,7 @@ class HookState:
         numel = buf.numel()
         key = buckets.key_of(bucket.sig)
         self._buckets.add_to_step(bucket.sig)
-        compressed = mode in COMPRESSED and self._compress_step() and numel >= self.min_compress_numel
+        compressed = mode in COMPRESSED and self._compressed_at(self.iter) and numel >= self.min_compress_numel
         residual = server = layout = q_state = None
         if compressed and mode == "lowrank":
             layout = self._buckets.lowrank_parts(bucket, key, self.rank)
