@@ -26,11 +26,11 @@ MODES = {
     "bf16": ("hetcomm", dict(compression="bf16")),
     "onebit": ("hetcomm", dict(compression="onebit")),
     "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01)),
-    "lowrank": ("hetcomm", dict(compression="lowrank", rank=4)),
+    "lowrank": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4)),
     # +m: the optimizer's momentum is compressed (HookState.attach_optimizer)
     "onebit+m": ("hetcomm", dict(compression="onebit", attach=True)),
     "topk+m": ("hetcomm", dict(compression="topk", topk_ratio=0.01, attach=True)),
-    "lowrank+m": ("hetcomm", dict(compression="lowrank", rank=4, attach=True)),
+    "lowrank+m": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4, attach=True)),
     "onebit-no-ef": ("hetcomm", dict(compression="onebit", error_feedback=False)),
     "topk-no-ef": ("hetcomm", dict(compression="topk", topk_ratio=0.01, error_feedback=False)),
 }

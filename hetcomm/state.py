@@ -10,6 +10,7 @@ import os
 import struct
 import time
 import types
+import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, Dict, Literal, Optional
@@ -137,6 +138,8 @@ class HookState:
         topk_ratio: fraction of entries top-k sends, in (0, 1].
         topk_exact: exact top-k selection (default) or, with ``False``, the
             sampled-threshold selection of DGC (about k entries, faster).
+        matrix_approximation_rank: lowrank's rank r (P and Q have r columns),
+            as in PyTorch's PowerSGD; ``rank`` is its deprecated old name.
         algorithm: how each bucket's sum is computed: ``"native"`` (the
             process group's own all-reduce, default), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
@@ -176,11 +179,19 @@ class HookState:
         min_compress_numel: int = 8192,
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
-        rank: int = 4,
+        matrix_approximation_rank: int = 4,
         algorithm: Algorithm = "native",
         transport: Literal["auto", "pg"] = "auto",
         timeout: Optional[timedelta] = None,
+        rank: Optional[int] = None,
     ) -> None:
+        if rank is not None:
+            warnings.warn("HookState(rank=...) is deprecated: it is lowrank's matrix_approximation_rank (rank reads "
+                          "like the process rank); pass matrix_approximation_rank=...", DeprecationWarning,
+                          stacklevel=2)
+            if matrix_approximation_rank not in (4, rank):
+                raise ValueError("pass matrix_approximation_rank or its deprecated alias rank, not both")
+            matrix_approximation_rank = rank
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if not isinstance(start_iter, int) or isinstance(start_iter, bool) or start_iter < 0:
@@ -197,8 +208,10 @@ class HookState:
         if not isinstance(topk_ratio, (int, float)) or isinstance(topk_ratio, bool) or not (
                 0.0 < float(topk_ratio) <= 1.0):
             raise ValueError(f"topk_ratio must be a number in (0, 1], got {topk_ratio!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank (the lowrank approximation rank) must be an int >= 1, got {rank!r}")
+        if isinstance(matrix_approximation_rank, bool) or not isinstance(matrix_approximation_rank, int) or \
+                matrix_approximation_rank < 1:
+            raise ValueError(f"matrix_approximation_rank (lowrank's rank) must be an int >= 1, got "
+                             f"{matrix_approximation_rank!r}")
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
         if not isinstance(topk_exact, bool):
@@ -221,7 +234,7 @@ class HookState:
         self.min_compress_numel = min_compress_numel
         self.topk_ratio = float(topk_ratio)
         self.topk_exact = topk_exact
-        self.rank = rank
+        self.matrix_approximation_rank = matrix_approximation_rank
         self.algorithm = algorithm
         self.transport = transport
         #: The measured topology (algorithm "auto", "ring" or "hierarchical").
@@ -429,7 +442,7 @@ class HookState:
             ("min_compress_numel", self.min_compress_numel),
             ("topk_ratio", _float_bits(self.topk_ratio)),
             ("topk_exact", int(self.topk_exact)),
-            ("rank", self.rank),
+            ("matrix_approximation_rank", self.matrix_approximation_rank),
             ("algorithm", (("auto",) + ALGORITHMS).index(self.algorithm)),
             ("transport", ("auto", "pg").index(self.transport)),
             ("batch-size weighting (set_local_batch_size called before the first step)",
@@ -626,7 +639,7 @@ class HookState:
         compressed = mode in COMPRESSED and self._compressed_at(self.iter) and numel >= self.min_compress_numel
         residual = server = layout = q_state = None
         if compressed and mode == "lowrank":
-            layout = self._buckets.lowrank_parts(bucket, key, self.rank)
+            layout = self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank)
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
         algo = self._algorithm_for(numel, mode if compressed or mode not in COMPRESSED else "none", compressed, layout)
         if not compressed:

@@ -114,7 +114,7 @@ def test_lowrank_layout_errors_are_clear():
 def _many_buckets(rank, world, steps):
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.0001)  # about one bucket per parameter
-    state = hetcomm.HookState("lowrank", rank=2, min_compress_numel=0)
+    state = hetcomm.HookState("lowrank", matrix_approximation_rank=2, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):

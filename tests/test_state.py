@@ -49,6 +49,8 @@ def test_hookstate_needs_an_initialized_process_group():
     (dict(transport="mpi"), "transport"),
     (dict(algorithm="butterfly"), "algorithm"),
     (dict(rank=0), "rank"),
+    (dict(matrix_approximation_rank=0), "matrix_approximation_rank"),
+    (dict(matrix_approximation_rank=2, rank=3), "not both"),
 ])
 def test_bad_options_are_value_errors_naming_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):
@@ -136,6 +138,7 @@ _ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 5000), st.sampled_fro
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.dictionaries(st.sampled_from(["compression", "start_iter", "error_feedback", "chunk_size",
                                         "min_compress_numel", "topk_ratio", "topk_exact", "rank", "algorithm",
+                                        "matrix_approximation_rank",
                                         "transport", "timeout"]), _ANY, max_size=4), _ANY)
 def test_fuzz_hookstate_arguments_are_accepted_or_value_errors(kwargs, batch):
     try:
@@ -147,6 +150,13 @@ def test_fuzz_hookstate_arguments_are_accepted_or_value_errors(kwargs, batch):
         s.set_local_batch_size(batch)
     except ValueError as e:
         assert "batch_size" in str(e)
+    s.close()
+
+
+def test_rank_is_a_deprecated_alias_of_matrix_approximation_rank():
+    with pytest.warns(DeprecationWarning, match="matrix_approximation_rank"):
+        s = hetcomm.HookState("lowrank", rank=2)
+    assert s.matrix_approximation_rank == 2
     s.close()
 
 

@@ -38,8 +38,8 @@ MODES = {
     "onebit+m": ("hetcomm", dict(compression="onebit"), True),
     "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01), False),
     "topk+m": ("hetcomm", dict(compression="topk", topk_ratio=0.01), True),
-    "lowrank": ("hetcomm", dict(compression="lowrank", rank=4), False),
-    "lowrank+m": ("hetcomm", dict(compression="lowrank", rank=4), True),
+    "lowrank": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4), False),
+    "lowrank+m": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4), True),
 }
 DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
 OPTIMIZERS = ("sgd", "adamw")
