@@ -524,8 +524,12 @@ class HookState:
             return self.algorithm
         key = (numel, wire)
         if key not in self._plans:
-            self._plans[key] = planner.plan(self.topology, numel * 4, wire or "none",
-                                            forced=self._forced_algo)["algorithm"]
+            choice = planner.plan(self.topology, numel * 4, wire or "none", forced=self._forced_algo)
+            self._plans[key] = choice["algorithm"]
+            predicted = (choice.get("predicted_s") or {}).get(choice["algorithm"])
+            log.info("hetcomm: plan for %d-element buckets, wire %s: %s%s%s", numel, wire or "none",
+                     choice["algorithm"], " (HETCOMM_ALGO)" if self._forced_algo else "",
+                     f", predicted {1000 * predicted:.3g} ms" if isinstance(predicted, float) else "")
         return self._plans[key]
 
     def _submit(self, grad_bucket) -> torch.futures.Future:
