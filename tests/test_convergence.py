@@ -16,27 +16,25 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
+from hetcomm.benchmarks.tasks import Regress
 
 from . import models
 from .dist_harness import run_ranks
 
-N, D = 4096, 32
+N, D = Regress.N, Regress.D
 
 
 def regression_data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, D, generator=g)
-    w1, w2 = torch.randn(D, 64, generator=g) / D ** 0.5, torch.randn(64, generator=g) / 8
-    y = torch.tanh(x @ w1) @ w2 + 0.1 * torch.randn(N, generator=g)
-    return x, (y - y.mean()) / y.std()
+    """bench train's regression task (a fixed teacher network, standardised target)."""
+    task = Regress()
+    return task.x, task.y
 
 
 def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_decay=0.0, options=None,
            adamw=torch.optim.AdamW):
-    x, y = regression_data()
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(D, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
-                                torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    task = Regress()
+    x, y = task.x, task.y
+    model = task.model()
     ddp = DDP(model, bucket_cap_mb=0.03)
     if momentum is None:  # AdamW at lr
         opt = adamw(ddp.parameters(), lr=lr, weight_decay=weight_decay or 0.01)

@@ -27,9 +27,7 @@ from torch import nn
 
 class Task:
     name = ""
-    kind = ""
     metric = ""            # the quality reported
-    higher_is_better = False
     batch = 16             # samples per rank per step
     steps = 300
     lr: Dict[str, float] = {}
@@ -58,7 +56,7 @@ class Task:
 
 
 class Regress(Task):
-    name, kind, metric = "regress", "regression", "mse"
+    name, metric = "regress", "mse"
     batch, steps = 16, 300
     lr = {"sgd": 0.02, "adamw": 3e-3}
     N, D = 4096, 32
@@ -92,7 +90,7 @@ class Regress(Task):
 
 
 class Classify(Task):
-    name, kind, metric, higher_is_better = "classify", "classification", "accuracy", True
+    name, metric = "classify", "accuracy"
     batch, steps = 32, 600
     lr = {"sgd": 0.15, "adamw": 1e-2}
 
@@ -177,7 +175,7 @@ class _CausalLM(nn.Module):
 
 
 class LanguageModel(Task):
-    name, kind, metric = "lm", "language model", "perplexity"
+    name, metric = "lm", "perplexity"
     batch, steps = 16, 400
     lr = {"sgd": 0.15, "adamw": 3e-3}
     CTX = 64

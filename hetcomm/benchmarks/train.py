@@ -12,6 +12,7 @@ the same command measures a simulated cluster (e.g. 2 nodes x 2 ranks at
 from __future__ import annotations
 
 import datetime
+import math
 import platform
 import sys
 import time
@@ -104,7 +105,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
             "world_size": dist.get_world_size(),
             "curve": curve, "final": final[task.metric], "final_loss": final["loss"],
             "s_per_step": train_s / steps, "bytes_per_step": sent,
-            "finite": bool(torch.isfinite(torch.tensor(final["loss"])))}
+            "finite": math.isfinite(final["loss"])}
 
 
 def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: List[str], scale: float,
