@@ -175,7 +175,7 @@ class Engine {
   py::object submit_bucket(int64_t index, at::Tensor buffer, int codec, int64_t chunk, double ratio, bool exact,
                            c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
                            c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, int algo,
-                           c10::optional<at::Tensor> momentum, double beta) {
+                           c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry) {
     TORCH_CHECK_VALUE(algo >= 0 && algo <= static_cast<int>(Algo::kHierarchical), "hetcomm: unknown algorithm id ", algo);
     TORCH_CHECK_VALUE(codec >= 0 && codec <= static_cast<int>(Codec::kLowRank), "hetcomm: unknown codec id ", codec);
     TORCH_CHECK_VALUE(codec != static_cast<int>(Codec::kLowRank) || (layout && q_state),
@@ -188,7 +188,9 @@ class Engine {
                       beta);
     TORCH_CHECK_VALUE(!momentum || momentum->numel() == buffer.numel(), "hetcomm: momentum must have the bucket's ",
                       buffer.numel(), " elements");
-    for (const auto* st : {&residual, &server_residual, &q_state, &momentum}) {
+    TORCH_CHECK_VALUE(!carry || carry->numel() == buffer.numel(), "hetcomm: carry must have the bucket's ",
+                      buffer.numel(), " elements");
+    for (const auto* st : {&residual, &server_residual, &q_state, &momentum, &carry}) {
       if (!*st) continue;
       const at::Tensor& s = **st;
       TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 1 &&
@@ -212,6 +214,7 @@ class Engine {
     job.q_state = opt(q_state);
     job.momentum = opt(momentum);
     job.beta = beta;
+    job.carry = opt(carry);
     job.algo = static_cast<Algo>(algo);
     return run([this, job]() mutable { return reducer_.reduce(job); }, job.buffer);
   }
@@ -242,6 +245,7 @@ class Engine {
   void close() { worker_.close(); }
   bool closed() const { return worker_.closed(); }
   int64_t nonfinite_steps() const { return reducer_.nonfinite_steps(); }
+  std::vector<std::pair<int64_t, double>> last_step_buckets() const { return reducer_.last_step_buckets(); }
   int rank() const { return transport_->rank(); }
   int size() const { return transport_->size(); }
 
@@ -348,6 +352,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rank"));
   m.def("lowrank_q_numel", &collectives::lowrank_q_numel, py::arg("layout"));
   m.def("onebit_segment_numel", &collectives::onebit_segment_numel, py::arg("n"), py::arg("world"), py::arg("rank"));
+  m.def("state_offsets", &collectives::state_offsets, py::arg("n"), py::arg("world"), py::arg("rank"),
+        py::arg("node_of"), py::arg("hierarchical"),
+        "(worker residual offset, server residual offset) of a bucket's error-feedback state, in the bucket");
 
   // ---- transports (blocking calls; the GIL is released around every one) ----
   // Defined once on the base class, so every transport has them all.
@@ -509,7 +516,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("chunk"), py::arg("topk_ratio"), py::arg("topk_exact"), py::arg("residual"),
            py::arg("server_residual"), py::arg("last"), py::arg("layout") = py::none(),
            py::arg("q_state") = py::none(), py::arg("algorithm") = 0, py::arg("momentum") = py::none(),
-           py::arg("beta") = 0.0)
+           py::arg("beta") = 0.0, py::arg("carry") = py::none())
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("submit_batch_size", &Engine::submit_batch_size, py::arg("local_batch_size"))
       .def("submit_config", &Engine::submit_config, py::arg("config"))
@@ -519,5 +526,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def("nonfinite_steps", &Engine::nonfinite_steps)
-      .def("stats", &Engine::stats);
+      .def("stats", &Engine::stats)
+      .def("last_step_buckets", &Engine::last_step_buckets);
 }

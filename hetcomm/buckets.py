@@ -79,6 +79,11 @@ class BucketStates:
         self.server_residuals: Dict[str, torch.Tensor] = {}
         self.lowrank_q: Dict[str, torch.Tensor] = {}
         self.momentum: Dict[str, torch.Tensor] = {}  # optimizer momentum per bucket (HookState.attach_optimizer)
+        #: what an earlier plan's residuals still owe, added at the bucket's next reduction
+        self.carry: Dict[str, torch.Tensor] = {}
+        self._carry_sent: set = set()
+        #: the plan (wire format, hierarchical?) each bucket's residuals belong to
+        self.plan_of: Dict[str, Tuple[str, bool]] = {}
         self.layouts: Dict[str, torch.Tensor] = {}
         #: signatures of the buckets of the last complete step, in order
         self.step_layout: List[Signature] = []
@@ -90,7 +95,7 @@ class BucketStates:
         self._saved_shapes: Optional[List[Tuple[int, ...]]] = None
 
     def has_state(self) -> bool:
-        return bool(self.residuals or self.server_residuals or self.lowrank_q or self.momentum)
+        return bool(self.residuals or self.server_residuals or self.lowrank_q or self.momentum or self.carry)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
@@ -100,6 +105,8 @@ class BucketStates:
             "server_residuals": {k: t.clone() for k, t in self.server_residuals.items()},
             "lowrank_q": {k: t.clone() for k, t in self.lowrank_q.items()},
             "momentum": {k: t.clone() for k, t in self.momentum.items()},
+            "carry": {k: t.clone() for k, t in self.carry.items()},
+            "plans": {k: [m, h] for k, (m, h) in self.plan_of.items()},
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -110,13 +117,16 @@ class BucketStates:
         self.server_residuals = restore(sd["server_residuals"])
         self.lowrank_q = restore(sd.get("lowrank_q", {}))
         self.momentum = restore(sd.get("momentum", {}))
+        self.carry, self._carry_sent = restore(sd.get("carry", {})), set()
+        self.plan_of = {str(k): (str(m), bool(h)) for k, (m, h) in sd.get("plans", {}).items()}
         self.layouts = {}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
         self.step_layout = layout
         self.replay_layout = layout if layout and self.has_state() else None
         self._saved_shapes = [tuple(s) for s in sd.get("param_shapes", [])]
         # kept through the first steps of a resumed run
-        self.prev_touched = set(self.residuals) | set(self.server_residuals) | set(self.lowrank_q) | set(self.momentum)
+        self.prev_touched = set(self.residuals) | set(self.server_residuals) | set(self.lowrank_q) | \
+            set(self.momentum) | set(self.carry)
 
     def check_saved_shapes(self) -> None:
         """After the first step numbered the parameters: they must be the ones
@@ -138,6 +148,66 @@ class BucketStates:
         elif r.device != device:  # restored from a checkpoint on another device
             r = store[key] = r.to(device)
         return r
+
+    def state_for(self, plan, key: str, numel: int, device: torch.device, *, error_feedback: bool, world: int,
+                  rank: int, node_of: Sequence[int]):
+        """(worker residual, server residual, carry) for a bucket reduced by
+        ``plan`` (a :class:`hetcomm.plan.BucketPlan`). When the bucket's
+        compressed plan changed, the old plan's residuals are folded into the
+        carry first (placed where they belong in the bucket: they are parts of
+        this rank's contribution to the sum) and dropped."""
+        new = plan.state_class if error_feedback else None
+        old = self.plan_of.get(key)
+        if old is not None and plan.interim:
+            self.touched.add(key)  # an exact step: the state waits for the next compressed one
+        elif old is not None and old != new:
+            self._fold(key, numel, old, device, world, rank, node_of)
+        residual = server = None
+        if new is not None:
+            self.plan_of[key] = new
+            self.touched.add(key)
+            mode, hierarchical = new
+            n, peers, me = numel, world, rank
+            if hierarchical and mode != "lowrank":  # this rank's shard of the node's sum, across the nodes
+                order = list(dict.fromkeys(node_of))
+                n, peers, me = _C.hierarchical_shard_numel(numel, list(node_of), rank), len(order), \
+                    order.index(node_of[rank])
+            residual = self.residual(self.residuals, key, n, device)
+            if mode == "onebit":
+                server = self.residual(self.server_residuals, key, _C.onebit_segment_numel(n, peers, me), device)
+        return residual, server, self._pending_carry(key, device)
+
+    def _fold(self, key: str, numel: int, old, device, world: int, rank: int, node_of) -> None:
+        mode, hierarchical = old
+        carry = self.carry.get(key)
+        carry = torch.zeros(numel, dtype=torch.float32, device=device) if carry is None else carry.to(device)
+        worker_off, server_off = _C.state_offsets(numel, world, rank, list(node_of) if hierarchical else [],
+                                                  hierarchical)
+        r, s = self.residuals.pop(key, None), self.server_residuals.pop(key, None)
+        if r is not None:
+            off = 0 if r.numel() == numel else worker_off  # lowrank keeps a whole-bucket residual
+            carry.narrow(0, off, r.numel()).add_(r.to(device))
+        if s is not None:
+            carry.narrow(0, server_off, s.numel()).add_(s.to(device))
+        self.lowrank_q.pop(key, None)
+        self.plan_of.pop(key, None)
+        self.carry[key] = carry
+        self._carry_sent.discard(key)
+
+    def _pending_carry(self, key: str, device: torch.device) -> Optional[torch.Tensor]:
+        """The bucket's carry until a reduction has added it (and zeroed it)."""
+        c = self.carry.get(key)
+        if c is None:
+            return None
+        self.touched.add(key)
+        if key in self._carry_sent and not bool(c.any()):
+            del self.carry[key]
+            self._carry_sent.discard(key)
+            return None
+        if c.device != device:
+            c = self.carry[key] = c.to(device)
+        self._carry_sent.add(key)
+        return c
 
     def lowrank_parts(self, bucket: Bucket, key: str, rank: int) -> torch.Tensor:
         """int64 [k, 4] rows (offset, rows, cols, rank) of the bucket's tensors;
@@ -190,7 +260,8 @@ class BucketStates:
         # Drop per-bucket state of layouts not used in this step or the one before.
         keep = self.touched | self.prev_touched
         if self.touched:
-            for store in (self.residuals, self.server_residuals, self.lowrank_q, self.momentum):
+            for store in (self.residuals, self.server_residuals, self.lowrank_q, self.momentum, self.carry,
+                          self.plan_of):
                 for key in [k for k in store if k not in keep]:
                     del store[key]
         self.prev_touched, self.touched = self.touched, set()

@@ -6,30 +6,23 @@ import atexit
 import gc
 import logging
 import math
-import os
-import struct
 import time
 import types
-import warnings
 import weakref
 from datetime import timedelta
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _C, planner, topology
+from . import _C, options, plan, topology
 from . import buckets
-from .topology import ALGO_IDS, ALGORITHMS
+from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
+from .topology import ALGO_IDS
 
 # Codec ids shared with csrc/engine/bucket_reducer.h (enum class Codec).
 CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "topk": 4, "lowrank": 5}
-COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank")
-# Modes with per-bucket state (residuals; Q for lowrank), compressed after start_iter.
-COMPRESSED = ("onebit", "topk", "lowrank")
-_STATE_DICT_VERSION = 2
-Compression = Literal["none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank"]
-Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
+_STATE_DICT_VERSION = options.STATE_DICT_VERSION
 
 log = logging.getLogger("hetcomm")
 
@@ -60,15 +53,6 @@ def _device_supports_bf16(device: torch.device) -> bool:
         major, _ = torch.cuda.get_device_capability(device)
         return major >= 8
     return True
-
-
-def _float_bits(x: float) -> int:
-    """x's IEEE-754 bits as an int64: floats agreed across ranks are compared exactly."""
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _bits_float(v: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", v))[0]
 
 
 def _owning_ddp(param: torch.Tensor, depth: int = 4):
@@ -121,6 +105,12 @@ class HookState:
             steps, error feedback); vectors and small matrices go dense in one
             all-reduce. Every collective runs on the comm thread in order, so
             any number of buckets works on gloo.
+            ``"auto"``: per bucket, whichever of the wire formats that converge
+            like fp32 with the attached optimizer (``candidates``) and the
+            algorithms that apply finishes first: ranked by the cost model,
+            verified by timing the best few (fp32 included) in the first
+            compressed steps, agreed across ranks, re-checked every 1000
+            compressed steps (see :mod:`hetcomm.plan`).
         process_group: group to reduce over. ``None`` (default) creates a new
             group over all ranks with the default backend, so hetcomm's
             collectives never interleave with DDP's own (buffer broadcasts,
@@ -141,7 +131,8 @@ class HookState:
         matrix_approximation_rank: lowrank's rank r (P and Q have r columns),
             as in PyTorch's PowerSGD; ``rank`` is its deprecated old name.
         algorithm: how each bucket's sum is computed: ``"native"`` (the
-            process group's own all-reduce, default), ``"ring"`` (ranks grouped
+            process group's own all-reduce, default; ``"auto"`` with
+            ``compression="auto"``), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
             (exact inside nodes; with onebit/topk only the inter-node stage is
             compressed) or ``"auto"``: the planner of :mod:`hetcomm.planner`
@@ -154,6 +145,11 @@ class HookState:
             group; ``"pg"``: always the process group (CUDA buckets then need
             a group with a CUDA backend, e.g. NCCL). One state serves the
             buckets of one device.
+        candidates: ``compression="auto"`` only: the modes it may choose from
+            (``"none"``, ``"fp16"``, ``"bf16"``, ``"onebit"``, ``"topk"``,
+            ``"lowrank"``). Default: fp32 and bf16 (fp16 where a device lacks
+            bf16), plus onebit and topk once :meth:`attach_optimizer` was given
+            SGD-momentum or :class:`hetcomm.optim.AdamW`.
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
@@ -180,66 +176,32 @@ class HookState:
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
         matrix_approximation_rank: int = 4,
-        algorithm: Algorithm = "native",
+        algorithm: Optional[Algorithm] = None,
         transport: Literal["auto", "pg"] = "auto",
         timeout: Optional[timedelta] = None,
+        candidates: Optional[Sequence[str]] = None,
         rank: Optional[int] = None,
     ) -> None:
-        if rank is not None:
-            warnings.warn("HookState(rank=...) is deprecated: it is lowrank's matrix_approximation_rank (rank reads "
-                          "like the process rank); pass matrix_approximation_rank=...", DeprecationWarning,
-                          stacklevel=2)
-            if matrix_approximation_rank not in (4, rank):
-                raise ValueError("pass matrix_approximation_rank or its deprecated alias rank, not both")
-            matrix_approximation_rank = rank
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-        if not isinstance(start_iter, int) or isinstance(start_iter, bool) or start_iter < 0:
-            raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
-        if error_feedback and compression in COMPRESSED and start_iter < 2:
-            raise ValueError(
-                f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
-                "after the first iteration, and residuals are kept per bucket layout")
-        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 0 < chunk_size <= 2**30 or \
-                chunk_size % 32:
-            raise ValueError(f"chunk_size must be a positive multiple of 32 up to 2**30, got {chunk_size!r}")
-        if not isinstance(min_compress_numel, int) or isinstance(min_compress_numel, bool) or min_compress_numel < 0:
-            raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
-        if not isinstance(topk_ratio, (int, float)) or isinstance(topk_ratio, bool) or not (
-                0.0 < float(topk_ratio) <= 1.0):
-            raise ValueError(f"topk_ratio must be a number in (0, 1], got {topk_ratio!r}")
-        if isinstance(matrix_approximation_rank, bool) or not isinstance(matrix_approximation_rank, int) or \
-                matrix_approximation_rank < 1:
-            raise ValueError(f"matrix_approximation_rank (lowrank's rank) must be an int >= 1, got "
-                             f"{matrix_approximation_rank!r}")
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
-        if not isinstance(topk_exact, bool):
-            raise ValueError(f"topk_exact must be a bool, got {topk_exact!r}")
-        if algorithm != "auto" and algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
-        if compression == "lowrank" and algorithm not in ("native", "auto", "hierarchical"):
-            raise ValueError("algorithm must be 'native', 'hierarchical' or 'auto' with compression='lowrank'")
-        if transport not in ("auto", "pg"):
-            raise ValueError(f"transport must be 'auto' or 'pg', got {transport!r}")
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-            raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
-
-        self.compression = compression
-        self.start_iter = start_iter
-        self.error_feedback = error_feedback
-        self.chunk_size = chunk_size
-        self.min_compress_numel = min_compress_numel
-        self.topk_ratio = float(topk_ratio)
-        self.topk_exact = topk_exact
-        self.matrix_approximation_rank = matrix_approximation_rank
-        self.algorithm = algorithm
-        self.transport = transport
-        #: The measured topology (algorithm "auto", "ring" or "hierarchical").
+        opts = options.validate(compression, start_iter, error_feedback, chunk_size, min_compress_numel, topk_ratio,
+                                topk_exact, matrix_approximation_rank, algorithm, transport, timeout, process_group,
+                                rank, candidates)
+        self.compression: str = opts["compression"]
+        self.start_iter: int = opts["start_iter"]
+        self.error_feedback: bool = opts["error_feedback"]
+        self.chunk_size: int = opts["chunk_size"]
+        self.min_compress_numel: int = opts["min_compress_numel"]
+        self.topk_ratio: float = opts["topk_ratio"]
+        self.topk_exact: bool = opts["topk_exact"]
+        self.matrix_approximation_rank: int = opts["matrix_approximation_rank"]
+        self.algorithm: str = opts["algorithm"]
+        self.transport: str = opts["transport"]
+        self.candidates: Optional[tuple] = opts["candidates"]
+        #: The measured topology (algorithm "auto", "ring" or "hierarchical", compression "auto").
         self.topology = None
-        self._plans: Dict[tuple, str] = {}
+        self._planner = plan.Planner(self)
+        #: each bucket's plan in the last complete step (state key -> BucketPlan)
+        self.last_plans: Dict[str, plan.BucketPlan] = {}
+        self._step_plans: Dict[str, plan.BucketPlan] = {}
         #: Steps completed (a step ends with the hook call for DDP's last bucket).
         self.iter = 0
         #: time.monotonic() of the last bucket's hook call: this rank's backward
@@ -257,6 +219,7 @@ class HookState:
         self._buckets = buckets.BucketStates()
         self._forced_algo: Optional[str] = None  # HETCOMM_ALGO, as agreed at the first step
         self._beta: Optional[float] = None  # the momentum hetcomm compresses (attach_optimizer)
+        self._attached: Optional[str] = None  # the kind of optimizer attached (options.ATTACHED)
         self._exact_steps = False  # Adam attached: steps start_iter + 2**j - 1 are exact
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
@@ -329,6 +292,7 @@ class HookState:
             raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
         self._beta = beta
         self._exact_steps = adam
+        self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
         if isinstance(optimizer, optim.AdamW):
             ref = weakref.ref(self)
             optimizer._exact = lambda: (lambda s: s is None or s._last_step_exact())(ref())
@@ -346,6 +310,7 @@ class HookState:
             "rank": self._rank(),
             "world_size": self._world(),
             **self._buckets.state_dict(),
+            "auto": self._planner.state_dict(),
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -363,6 +328,7 @@ class HookState:
         if sd.get("resolved_compression") is not None:
             self.resolved_compression = sd["resolved_compression"]
         self._buckets.load_state_dict(sd)
+        self._planner.load_state_dict(sd.get("auto", {}))
 
     def stats(self) -> Dict[str, Any]:
         """Bytes and time of the last complete step and of the whole run:
@@ -374,6 +340,11 @@ class HookState:
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:
             out.update(self._engine.stats())
+        out["plans"] = {k: {"mode": p.mode, "algorithm": p.algorithm, "why": p.why, "predicted_s": p.predicted_s}
+                        for k, p in self.last_plans.items()}
+        if self.compression == "auto":
+            out["auto"] = {"modes": list(self._planner.modes), "round_step_s": self._planner.round_times,
+                           "buckets": self._planner.describe()}
         return out
 
     def close(self) -> None:
@@ -429,63 +400,28 @@ class HookState:
                                 dist.get_world_size(self._group()), device.index or 0,
                                 timeout.total_seconds() if timeout else 600.0)
 
-    def _config(self) -> list:
-        """(name, value) of everything that must agree across ranks, as exact
-        int64 values (floats by their bits)."""
-        forced = os.environ.get(topology.ENV_ALGO) or ""
-        return [
-            ("hetcomm version", _STATE_DICT_VERSION),
-            ("compression", COMPRESSIONS.index(self.compression)),
-            ("start_iter", self.start_iter),
-            ("error_feedback", int(self.error_feedback)),
-            ("chunk_size", self.chunk_size),
-            ("min_compress_numel", self.min_compress_numel),
-            ("topk_ratio", _float_bits(self.topk_ratio)),
-            ("topk_exact", int(self.topk_exact)),
-            ("matrix_approximation_rank", self.matrix_approximation_rank),
-            ("algorithm", (("auto",) + ALGORITHMS).index(self.algorithm)),
-            ("transport", ("auto", "pg").index(self.transport)),
-            ("batch-size weighting (set_local_batch_size called before the first step)",
-             int(self._local_batch is not None)),
-            ("iter (steps done; was the state restored on every rank?)", self.iter),
-            ("momentum (attach_optimizer)", _float_bits(self._beta or 0.0)),
-            ("exact steps (attach_optimizer with an Adam)", int(self._exact_steps)),
-            (f"{topology.ENV_ALGO} (environment)",
-             0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
-        ]
-
     def _negotiate(self, bucket_device: torch.device) -> None:
         """First step: all-gather the options and device capabilities; every
         rank raises the same ValueError if any option differs."""
         engine = self._ensure_engine(bucket_device)
-        config = self._config()
+        cfg = options.config(self)
         capable = _device_supports_bf16(bucket_device)
-        vector = torch.tensor([v for _, v in config] + [int(capable)], dtype=torch.int64)
-        gathered = engine.submit_config(vector).wait()
-        env_algo = f"{topology.ENV_ALGO} (environment)"
-        show = {"compression": lambda v: COMPRESSIONS[v],
-                "topk_ratio": _bits_float,
-                "momentum (attach_optimizer)": _bits_float,
-                "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
-                env_algo: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}
-        for col, (name, _) in enumerate(config):
-            column = gathered[:, col].tolist()
-            if len(set(column)) > 1:
-                fmt = show.get(name, lambda v: v)
-                per_rank = ", ".join(f"rank {r}: {fmt(v)!r}" for r, v in enumerate(column))
-                fix = ("set the same environment on every rank" if "environment" in name else
-                       "construct HookState with the same arguments on every rank")
-                raise ValueError(f"hetcomm: HookState option {name} differs across ranks ({per_rank}); {fix}")
-        forced = int(gathered[0, [n for n, _ in config].index(env_algo)])
-        if forced < 0:
-            raise ValueError(f"hetcomm: {topology.ENV_ALGO} must be one of {ALGORITHMS}, got "
-                             f"{os.environ.get(topology.ENV_ALGO)!r}")
-        self._forced_algo = ALGORITHMS[forced - 1] if forced else None
+        gathered = engine.submit_config(torch.tensor([v for _, v in cfg] + [int(capable)], dtype=torch.int64)).wait()
+        self._forced_algo = options.check_agreement(cfg, gathered)
+        bf16_everywhere = bool(gathered[:, len(cfg)].all())
         self._weighted = self._local_batch is not None
-        if self.algorithm in ("auto", "ring", "hierarchical") and self.topology is None:
+        if self.compression == "auto":
+            modes = self.candidates or plan.safe_modes(self._attached, bf16_everywhere)
+            if "bf16" in modes and not bf16_everywhere:
+                raise ValueError("hetcomm: candidates include 'bf16' but some rank's device has no native bf16 "
+                                 "(CUDA compute capability < 8.0): use 'fp16' there")
+            self._planner.modes = tuple(modes)
+            log.info("hetcomm: compression='auto' chooses per bucket among %s", ", ".join(modes))
+        if (self.algorithm in ("auto", "ring", "hierarchical") or self.compression == "auto") and \
+                self.topology is None:
             self._detect_topology(bucket_device)
         if self.compression == "auto-precision":
-            self.resolved_compression = "bf16" if bool(gathered[:, len(config)].all()) else "fp16"
+            self.resolved_compression = "bf16" if bf16_everywhere else "fp16"
         self._negotiated = True
 
     def _detect_topology(self, device: Optional[torch.device] = None) -> None:
@@ -503,34 +439,9 @@ class HookState:
         return t >= 0 and not (self._exact_steps and (t & (t + 1)) == 0)
 
     def _last_step_exact(self) -> bool:
-        """Whether the last complete step was reduced exactly (fp32) in every
-        bucket: what an attached hetcomm.optim.AdamW is applying."""
-        return self.resolved_compression not in COMPRESSED or not self._compressed_at(self.iter - 1)
-
-    def _algorithm_for(self, numel: int, mode: str, compressed: bool, layout: Optional[torch.Tensor] = None) -> str:
-        """The bucket's algorithm: forced, or the planner's choice (cached per size and wire)."""
-        wire = mode
-        if compressed:
-            if mode == "onebit":
-                wire = "onebit"
-            elif mode == "topk":
-                wire = f"topk:{self.topk_ratio}"
-            else:  # lowrank: the fraction of the bucket that P, Q and the dense parts carry
-                sent = sum((rows + cols) * k if k else rows * cols for _, rows, cols, k in layout.tolist())
-                wire = f"lowrank:{sent / numel:.4f}"
-        if self.algorithm != "auto":
-            if compressed and self.algorithm not in ("native", "hierarchical"):
-                return "native"  # the codecs run flat or across nodes only
-            return self.algorithm
-        key = (numel, wire)
-        if key not in self._plans:
-            choice = planner.plan(self.topology, numel * 4, wire or "none", forced=self._forced_algo)
-            self._plans[key] = choice["algorithm"]
-            predicted = (choice.get("predicted_s") or {}).get(choice["algorithm"])
-            log.info("hetcomm: plan for %d-element buckets, wire %s: %s%s%s", numel, wire or "none",
-                     choice["algorithm"], " (HETCOMM_ALGO)" if self._forced_algo else "",
-                     f", predicted {1000 * predicted:.3g} ms" if isinstance(predicted, float) else "")
-        return self._plans[key]
+        """Whether the last complete step sent no bucket through a lossy codec
+        (onebit, topk, lowrank): what an attached hetcomm.optim.AdamW is applying."""
+        return not any(p.compressed for p in self.last_plans.values())
 
     def _submit(self, grad_bucket) -> torch.futures.Future:
         buf = grad_bucket.buffer()
@@ -565,6 +476,7 @@ class HookState:
         if not self._negotiated:
             self._negotiate(device)
         self._step_open = True
+        self._planner.begin_step(engine)
         nonfinite = engine.nonfinite_steps()
         if nonfinite > self._nonfinite_seen:
             # Once per power of two: a diverged run has a NaN every step, and
@@ -636,38 +548,27 @@ class HookState:
 
     def _reduce(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
         buf = bucket.buffer
-        mode = self.resolved_compression
         numel = buf.numel()
         key = buckets.key_of(bucket.sig)
         self._buckets.add_to_step(bucket.sig)
-        compressed = mode in COMPRESSED and self._compressed_at(self.iter) and numel >= self.min_compress_numel
-        residual = server = layout = q_state = None
-        if compressed and mode == "lowrank":
+        p = self._planner.plan(numel, key, bucket.index, self.iter,
+                               lambda: self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank))
+        self._step_plans[key] = p
+        layout = q_state = None
+        if p.mode == "lowrank":
             layout = self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank)
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
-        algo = self._algorithm_for(numel, mode if compressed or mode not in COMPRESSED else "none", compressed, layout)
-        if not compressed:
-            codec = CODEC_IDS["none"] if mode in COMPRESSED else CODEC_IDS[mode]
-        else:
-            codec = CODEC_IDS[mode]
-            if self.error_feedback:
-                # Flat codecs compress the whole bucket; hierarchical ones this
-                # rank's shard, across the nodes.
-                n, peers, me = numel, engine.size, engine.rank
-                if algo == "hierarchical" and mode != "lowrank":  # lowrank keeps a whole-bucket residual
-                    nodes = self.topology.node_ids
-                    n, peers, me = _C.hierarchical_shard_numel(numel, nodes, engine.rank), self.topology.num_nodes, \
-                        nodes[engine.rank]
-                residual = self._buckets.residual(self._buckets.residuals, key, n, buf.device)
-                if mode == "onebit":
-                    server = self._buckets.residual(self._buckets.server_residuals, key,
-                                                    _C.onebit_segment_numel(n, peers, me), buf.device)
+        node_of = self.topology.node_ids if self.topology is not None else []
+        residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,
+                                                          world=engine.size, rank=engine.rank, node_of=node_of)
         momentum = None
-        if self._beta is not None and mode in COMPRESSED and numel >= self.min_compress_numel:
+        if self._beta is not None and self.compression in COMPRESSED + ("auto",) and numel >= self.min_compress_numel:
             momentum = self._buckets.residual(self._buckets.momentum, key, numel, buf.device)
-        fut = engine.submit_bucket(bucket.index, buf, codec, self.chunk_size, self.topk_ratio, self.topk_exact,
-                                   residual, server, bucket.last, layout, q_state, ALGO_IDS[algo], momentum,
-                                   self._beta or 0.0)
+        fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=CODEC_IDS[p.mode], chunk=self.chunk_size,
+                                   topk_ratio=self.topk_ratio, topk_exact=self.topk_exact, residual=residual,
+                                   server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
+                                   algorithm=ALGO_IDS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
+                                   carry=carry)
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event
@@ -675,6 +576,8 @@ class HookState:
                 event.record(torch.cuda.current_stream(buf.device))
                 self.last_bucket_event = (self.iter, event)
             self._step_open = False
+            self._planner.end_step(self._compressed_at(self.iter))
+            self.last_plans, self._step_plans = self._step_plans, {}
             self.iter += 1
             self._buckets.end_step()
             self._buckets.check_saved_shapes()

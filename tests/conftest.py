@@ -1,5 +1,12 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Topologies measured by the tests are cached here, not in ~/.cache/hetcomm
+# (spawned ranks inherit it; a test may point its ranks elsewhere).
+os.environ.setdefault("HETCOMM_CACHE_DIR", tempfile.mkdtemp(prefix="hetcomm-test-cache-"))
 
 
 def _cuda_usable() -> bool:

@@ -139,7 +139,7 @@ _ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 5000), st.sampled_fro
 @given(st.dictionaries(st.sampled_from(["compression", "start_iter", "error_feedback", "chunk_size",
                                         "min_compress_numel", "topk_ratio", "topk_exact", "rank", "algorithm",
                                         "matrix_approximation_rank",
-                                        "transport", "timeout"]), _ANY, max_size=4), _ANY)
+                                        "transport", "timeout", "candidates"]), _ANY, max_size=4), _ANY)
 def test_fuzz_hookstate_arguments_are_accepted_or_value_errors(kwargs, batch):
     try:
         s = hetcomm.HookState(**kwargs)
@@ -151,6 +151,19 @@ def test_fuzz_hookstate_arguments_are_accepted_or_value_errors(kwargs, batch):
     except ValueError as e:
         assert "batch_size" in str(e)
     s.close()
+
+
+def test_auto_options_are_checked():
+    with pytest.raises(ValueError, match="candidates is for compression='auto'"):
+        hetcomm.HookState("onebit", candidates=["onebit"])
+    for bad in (["zip"], [], "onebit", ["none", "none"]):
+        with pytest.raises(ValueError, match="candidates must be"):
+            hetcomm.HookState("auto", candidates=bad)
+    with pytest.raises(ValueError, match="start_iter"):
+        hetcomm.HookState("auto", start_iter=1)
+    s = hetcomm.HookState("auto")
+    assert s.algorithm == "auto"  # auto compression chooses the algorithm too
+    assert hetcomm.HookState("onebit").algorithm == "native"
 
 
 def test_rank_is_a_deprecated_alias_of_matrix_approximation_rank():

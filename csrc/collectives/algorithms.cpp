@@ -254,6 +254,18 @@ int64_t hierarchical_shard_numel(int64_t n, const std::vector<int>& node_of, int
   return b[l.local_index + 1] - b[l.local_index];
 }
 
+std::pair<int64_t, int64_t> state_offsets(int64_t n, int world, int rank, const std::vector<int>& node_of,
+                                          bool hierarchical) {
+  if (!hierarchical) return {0, onebit_segment_offset(n, world, rank)};
+  TORCH_CHECK_VALUE(static_cast<int>(node_of.size()) == world, "hetcomm: node_of must name a node for each of the ",
+                    world, " ranks");
+  const Hierarchy l = hierarchy_of(node_of, rank, world);
+  const auto b = blocks(n, static_cast<int64_t>(l.locals.size()));
+  const int64_t shard = b[l.local_index + 1] - b[l.local_index];
+  const int me = static_cast<int>(std::find(l.peers.begin(), l.peers.end(), rank) - l.peers.begin());
+  return {b[l.local_index], b[l.local_index] + onebit_segment_offset(shard, static_cast<int>(l.peers.size()), me)};
+}
+
 void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of, const InterOptions& inter) {
   check_x(x);
   const Hierarchy l = hierarchy_of(node_of, t.rank(), t.size());

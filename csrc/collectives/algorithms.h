@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "transport/transport.h"
@@ -83,6 +84,12 @@ Hierarchy hierarchy_of(const std::vector<int>& node_of, int rank, int world);
 // This rank's shard of an n-element bucket in the hierarchical algorithm
 // (the size of its inter-node residuals).
 int64_t hierarchical_shard_numel(int64_t n, const std::vector<int>& node_of, int rank);
+// Where a bucket's error-feedback state sits in the bucket, as (worker residual
+// offset, onebit server residual offset): flat codecs keep a whole-bucket
+// worker residual; hierarchical onebit / top-k keep this rank's shard of the
+// node's sum, and onebit's server residual is a segment of that.
+std::pair<int64_t, int64_t> state_offsets(int64_t n, int world, int rank, const std::vector<int>& node_of,
+                                          bool hierarchical);
 
 }  // namespace collectives
 }  // namespace hetcomm

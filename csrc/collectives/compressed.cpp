@@ -76,6 +76,11 @@ int64_t onebit_segment_numel(int64_t n, int world, int rank) {
   return segment_len(n, segment_stride(n, world), rank);
 }
 
+int64_t onebit_segment_offset(int64_t n, int world, int rank) {
+  onebit_segment_numel(n, world, rank);  // checks the arguments
+  return std::min<int64_t>(n, rank * segment_stride(n, world));
+}
+
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                       const at::Tensor& server_residual, CodecTimer& timer) {
   const int w = t.size();

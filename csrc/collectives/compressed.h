@@ -50,6 +50,8 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
                       const at::Tensor& server_residual, CodecTimer& timer);
 // Elements of the segment this rank averages (its server residual's size).
 int64_t onebit_segment_numel(int64_t n, int world, int rank);
+// Where that segment starts in x.
+int64_t onebit_segment_offset(int64_t n, int world, int rank);
 
 // Top-k all-gather all-reduce (x float32, contiguous). residual may be undefined.
 void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,

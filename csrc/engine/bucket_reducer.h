@@ -37,6 +37,10 @@ struct BucketJob {
   // the bucket, identical on every rank; float32, may be undefined.
   at::Tensor momentum;
   double beta = 0.0;
+  // What an earlier plan of this bucket did not deliver yet (its residuals,
+  // placed at their offsets, in units of this rank's weighted contribution):
+  // added to this step's contribution, then zeroed. float32, may be undefined.
+  at::Tensor carry;
   bool last = false;           // last bucket of the step
 };
 
@@ -64,6 +68,8 @@ class BucketReducer {
   int64_t nonfinite_steps() const { return nonfinite_steps_; }
   int64_t nonfinite_buckets() const { return nonfinite_buckets_; }
   ReduceTotals last_step() const;
+  // (bucket index, seconds on the comm thread) of each bucket of the last complete step.
+  std::vector<std::pair<int64_t, double>> last_step_buckets() const;
 
  private:
   std::shared_ptr<Transport> transport_;
@@ -74,6 +80,7 @@ class BucketReducer {
   std::atomic<int64_t> nonfinite_steps_{0}, nonfinite_buckets_{0};
   bool step_nonfinite_ = false;
   ReduceTotals step_start_, last_step_;
+  std::vector<std::pair<int64_t, double>> step_buckets_, last_step_buckets_;
   mutable std::mutex snap_mu_;
 };
 

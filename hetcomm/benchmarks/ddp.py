@@ -6,7 +6,10 @@ quotas (``--rank-cpu 0.25,0.75``: ranks of really different speeds).
 Per mode: step time (median), samples/s, bytes sent per step (ring-equivalent,
 per rank), and the fraction of communication hidden behind backward: 1 -
 (time backward still waits after its last bucket was handed over) / (time
-some bucket's communication was in flight)."""
+some bucket's communication was in flight). The optimizer is SGD with momentum
+0.9; hetcomm's compressed modes and ``auto`` compress the momentum
+(``attach_optimizer``), as the README asks of momentum users. ``auto``'s trial
+steps are part of its warm-up, not timed."""
 
 from __future__ import annotations
 
@@ -21,12 +24,13 @@ from torch import nn
 import hetcomm
 
 from ..balance import Balancer, ThroughputMeter
+from ..plan import AUTO_REPEATS, AUTO_TOP
 from ..testbed import run_distributed, spawn_ranks
 from . import common
 
 IN, OUT = 256, 10
 TORCH_MODES = ("torch-allreduce", "torch-fp16", "torch-powersgd")
-HETCOMM_MODES = ("none", "fp16", "bf16", "onebit", "topk", "lowrank")
+HETCOMM_MODES = ("none", "fp16", "bf16", "onebit", "topk", "lowrank", "auto")
 ALL_MODES = TORCH_MODES + HETCOMM_MODES + tuple(f"{m}+bal" for m in HETCOMM_MODES)
 DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk", "lowrank",
                  "none+bal", "onebit+bal", "topk+bal", "lowrank+bal"]
@@ -101,7 +105,10 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
             hook_state = None
             inner = default_hooks.allreduce_hook if base == "torch-allreduce" else default_hooks.fp16_compress_hook
     else:
-        state = hook_state = hetcomm.HookState(base, algorithm=cfg.get("algorithm", "native"))
+        algorithm = cfg.get("algorithm", "native")
+        # auto chooses the algorithm too unless one is asked for
+        state = hook_state = hetcomm.HookState(base, algorithm=None if base == "auto" and algorithm == "native"
+                                               else algorithm)
         inner = hetcomm.hook
     tl = _Timeline(inner)
 
@@ -109,7 +116,13 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         return tl.hook(state, bucket)
 
     ddp.register_comm_hook(hook_state, hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    if base in ("onebit", "topk", "lowrank", "auto"):
+        # momentum compression, as the README asks of SGD-momentum users (and
+        # what lets auto choose 1-bit and top-k): every compressed mode pays it
+        state.attach_optimizer(opt)
+    # auto's first steps after start_iter try its candidates: not counted
+    warmup = cfg["warmup"] + (2 + AUTO_REPEATS * (AUTO_TOP + 1) if base == "auto" else 0)
     gb = cfg["global_batch"]
     if balanced:
         bal = Balancer(state, gb, dataset_len=gb * 10_000, rebalance_every=3, lag=0, threshold=0.05)
@@ -117,7 +130,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     gen = torch.Generator().manual_seed(rank)
     times, exposed, busy = [], [], []
     local = gb // world + (1 if rank < gb % world else 0)
-    for step in range(cfg["warmup"] + cfg["steps"]):
+    for step in range(warmup + cfg["steps"]):
         b = bal.sizes[rank] if balanced else local
         x, y = torch.randn(b, IN, generator=gen), torch.randint(0, OUT, (b,), generator=gen)
         dist.barrier()
@@ -135,13 +148,21 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         t1 = time.monotonic()
         meter.update(b, tl.last_submit - t0)
         comm = tl.take()
-        if step >= cfg["warmup"]:
+        if step >= warmup:
             times.append(t1 - t0)
             exposed.append(max(0.0, t_bwd - tl.last_submit))
             busy.append(comm)
     times.sort()
+    plans, auto = "-", None
     if state is not None:
-        sent = state.stats()["last_step"]["bytes_sent"]
+        stats = state.stats()
+        sent = stats["last_step"]["bytes_sent"]
+        counts: Dict[str, int] = {}
+        for p in stats["plans"].values():
+            name = f"{p['mode']}/{p['algorithm']}"
+            counts[name] = counts.get(name, 0) + 1
+        plans = " ".join(f"{n}x{c}" if c > 1 else n for n, c in sorted(counts.items()))
+        auto = stats.get("auto")
         state.close()
     elif base == "torch-powersgd":
         sent = _powersgd_bytes(model, world)
@@ -150,7 +171,8 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     hidden = 1.0 - sum(exposed) / sum(busy) if sum(busy) > 0 else 1.0
     return {"step_ms": 1000 * times[len(times) // 2], "samples_per_s": gb / times[len(times) // 2],
             "bytes_per_step": sent, "hidden": min(1.0, max(0.0, hidden)), "compute_rate": meter.rate,
-            "local_batch": bal.sizes[rank] if balanced else local, "params": numel}
+            "local_batch": bal.sizes[rank] if balanced else local, "params": numel, "plans": plans,
+            **({"auto": auto} if auto else {})}
 
 
 def _solo_rate(rank: int, world: int, cfg: Dict) -> float:
@@ -220,7 +242,7 @@ def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int,
           f"{res['rows'][0]['params']:,} parameters, global batch {global_batch}, {steps} timed steps")
     cols = [("mode", "mode", "s"), ("step_ms", "step ms", ".1f"), ("samples_per_s", "samples/s", ".1f"),
             ("bytes_per_step", "bytes/step", ",d"), ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
-    cols += [("of_ideal", "of ideal", ".2f"), ("vs_plain_ddp", "vs DDP", ".2f")]
+    cols += [("of_ideal", "of ideal", ".2f"), ("vs_plain_ddp", "vs DDP", ".2f"), ("plans", "bucket plans", "s")]
     solo = ", ".join(f"{r:.0f}" for r in res["summary"]["solo_rates"])
     print(f"# ideal = sum of each rank's solo speed (training alone, samples/s: {solo}) = "
           f"{res['summary']['ideal_samples_per_s']:.1f} samples/s; vs DDP = vs torch-allreduce")

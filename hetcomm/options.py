@@ -1,0 +1,153 @@
+"""HookState's options: their rules (checked at construction) and what every
+rank must agree on (checked collectively at the first step)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+from datetime import timedelta
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import topology
+from .plan import AUTO_MODES
+from .topology import ALGORITHMS
+
+COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank", "auto")
+# Modes with per-bucket state (residuals; Q for lowrank), compressed after start_iter.
+COMPRESSED = ("onebit", "topk", "lowrank")
+Compression = Literal["none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank", "auto"]
+Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
+# What attach_optimizer saw (the auto mode's safe set depends on it).
+ATTACHED = (None, "sgd", "adam", "hetcomm-adamw")
+STATE_DICT_VERSION = 2
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size: int, min_compress_numel: int,
+             topk_ratio: float, topk_exact: bool, matrix_approximation_rank: int, algorithm: Optional[str],
+             transport: str, timeout: Optional[timedelta], process_group: Any, rank: Optional[int],
+             candidates: Optional[Sequence[str]]) -> Dict[str, Any]:
+    """The options after their rules, or a ValueError naming the argument."""
+    if rank is not None:
+        warnings.warn("HookState(rank=...) is deprecated: it is lowrank's matrix_approximation_rank (rank reads "
+                      "like the process rank); pass matrix_approximation_rank=...", DeprecationWarning, stacklevel=3)
+        if matrix_approximation_rank not in (4, rank):
+            raise ValueError("pass matrix_approximation_rank or its deprecated alias rank, not both")
+        matrix_approximation_rank = rank
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if not _is_int(start_iter) or start_iter < 0:
+        raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
+    if error_feedback and compression in COMPRESSED + ("auto",) and start_iter < 2:
+        raise ValueError(
+            f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
+            "after the first iteration, and residuals are kept per bucket layout")
+    if not _is_int(chunk_size) or not 0 < chunk_size <= 2**30 or chunk_size % 32:
+        raise ValueError(f"chunk_size must be a positive multiple of 32 up to 2**30, got {chunk_size!r}")
+    if not _is_int(min_compress_numel) or min_compress_numel < 0:
+        raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
+    if not isinstance(topk_ratio, (int, float)) or isinstance(topk_ratio, bool) or not 0.0 < float(topk_ratio) <= 1.0:
+        raise ValueError(f"topk_ratio must be a number in (0, 1], got {topk_ratio!r}")
+    if not _is_int(matrix_approximation_rank) or matrix_approximation_rank < 1:
+        raise ValueError(f"matrix_approximation_rank (lowrank's rank) must be an int >= 1, got "
+                         f"{matrix_approximation_rank!r}")
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
+    if not isinstance(topk_exact, bool):
+        raise ValueError(f"topk_exact must be a bool, got {topk_exact!r}")
+    if algorithm is None:  # compression="auto" chooses the algorithm too
+        algorithm = "auto" if compression == "auto" else "native"
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
+    if compression == "lowrank" and algorithm not in ("native", "auto", "hierarchical"):
+        raise ValueError("algorithm must be 'native', 'hierarchical' or 'auto' with compression='lowrank'")
+    if transport not in ("auto", "pg"):
+        raise ValueError(f"transport must be 'auto' or 'pg', got {transport!r}")
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}")
+    if candidates is not None:
+        if compression != "auto":
+            raise ValueError(f"candidates is for compression='auto' only (got compression={compression!r})")
+        if isinstance(candidates, str) or not candidates or any(c not in AUTO_MODES for c in candidates) or \
+                len(set(candidates)) != len(candidates):
+            raise ValueError(f"candidates must be a non-empty sequence of distinct modes from {AUTO_MODES}, got "
+                             f"{candidates!r}")
+        candidates = tuple(sorted(candidates, key=AUTO_MODES.index))
+    return dict(compression=compression, start_iter=start_iter, error_feedback=error_feedback, chunk_size=chunk_size,
+                min_compress_numel=min_compress_numel, topk_ratio=float(topk_ratio), topk_exact=topk_exact,
+                matrix_approximation_rank=matrix_approximation_rank, algorithm=algorithm, transport=transport,
+                candidates=candidates)
+
+
+def float_bits(x: float) -> int:
+    """x's IEEE-754 bits as an int64: floats agreed across ranks are compared exactly."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def bits_float(v: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", v))[0]
+
+
+ENV_NAME = f"{topology.ENV_ALGO} (environment)"
+
+
+def config(s) -> List[Tuple[str, int]]:
+    """(name, value) of everything HookState ``s`` must agree on across ranks,
+    as exact int64 values (floats by their bits)."""
+    forced = os.environ.get(topology.ENV_ALGO) or ""
+    mask = sum(1 << AUTO_MODES.index(c) for c in s.candidates) if s.candidates else 0
+    return [
+        ("hetcomm version", STATE_DICT_VERSION),
+        ("compression", COMPRESSIONS.index(s.compression)),
+        ("candidates", mask),
+        ("start_iter", s.start_iter),
+        ("error_feedback", int(s.error_feedback)),
+        ("chunk_size", s.chunk_size),
+        ("min_compress_numel", s.min_compress_numel),
+        ("topk_ratio", float_bits(s.topk_ratio)),
+        ("topk_exact", int(s.topk_exact)),
+        ("matrix_approximation_rank", s.matrix_approximation_rank),
+        ("algorithm", (("auto",) + ALGORITHMS).index(s.algorithm)),
+        ("transport", ("auto", "pg").index(s.transport)),
+        ("batch-size weighting (set_local_batch_size called before the first step)", int(s._local_batch is not None)),
+        ("iter (steps done; was the state restored on every rank?)", s.iter),
+        ("momentum (attach_optimizer)", float_bits(s._beta or 0.0)),
+        ("optimizer kind (attach_optimizer)", ATTACHED.index(s._attached)),
+        (ENV_NAME, 0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
+    ]
+
+
+_SHOW = {"compression": lambda v: COMPRESSIONS[v],
+         "candidates": lambda v: [m for i, m in enumerate(AUTO_MODES) if v >> i & 1] or "default",
+         "topk_ratio": bits_float,
+         "momentum (attach_optimizer)": bits_float,
+         "optimizer kind (attach_optimizer)": lambda v: ATTACHED[v] or "none",
+         "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
+         ENV_NAME: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}
+
+
+def check_agreement(cfg: List[Tuple[str, int]], gathered: torch.Tensor) -> Optional[str]:
+    """Raise the same ValueError on every rank if a column of ``gathered``
+    ([world, len(cfg)]) differs; return the agreed HETCOMM_ALGO (None: unset)."""
+    for col, (name, _) in enumerate(cfg):
+        column = gathered[:, col].tolist()
+        if len(set(column)) > 1:
+            fmt = _SHOW.get(name, lambda v: v)
+            per_rank = ", ".join(f"rank {r}: {fmt(v)!r}" for r, v in enumerate(column))
+            fix = ("set the same environment on every rank" if "environment" in name else
+                   "construct HookState with the same arguments on every rank")
+            raise ValueError(f"hetcomm: HookState option {name} differs across ranks ({per_rank}); {fix}")
+    forced = int(gathered[0, [n for n, _ in cfg].index(ENV_NAME)])
+    if forced < 0:
+        raise ValueError(f"hetcomm: {topology.ENV_ALGO} must be one of {ALGORITHMS}, got "
+                         f"{os.environ.get(topology.ENV_ALGO)!r}")
+    return ALGORITHMS[forced - 1] if forced else None

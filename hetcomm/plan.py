@@ -1,0 +1,346 @@
+"""Per-bucket plans: what each bucket sends, how, and why, decided in one place.
+
+A :class:`BucketPlan` is the whole decision for one bucket in one step (wire
+format, algorithm, whether the step runs exactly while the bucket's compressed
+state waits). :class:`Planner` makes it: for a fixed ``compression`` from the
+options and the cost model of :mod:`hetcomm.planner`; for
+``compression="auto"`` by *predict, then verify*:
+
+1. Candidates per bucket: every (wire, algorithm) pair allowed for the user's
+   optimizer (:func:`safe_modes`), ranked by the cost model on the measured
+   topology; the best few (``AUTO_TOP``) plus fp32 on the process group's own
+   all-reduce (the "never loses" baseline) are kept.
+2. Trial: the first compressed steps after ``start_iter`` run rounds in turn,
+   ``AUTO_REPEATS`` times each; in round c every bucket runs its c-th candidate.
+   Each round's *step* time is measured (one period of the training loop:
+   what the user waits for, including what the codecs and the intra-node
+   traffic take from the compute on a shared CPU); the comm thread also times
+   every bucket (shown in ``stats()``, not decided on: measured on the
+   testbed, a bucket's own time missed 50 ms/step of such effects).
+3. Decision: every rank all-gathers its round times, takes the slowest rank's
+   time per round and the fastest round: the same choice everywhere, whatever
+   each rank measured (:func:`choose`).
+4. Re-check every ``AUTO_RECHECK`` compressed steps (round 0: the current
+   plans), switching only to a round at least ``1 / AUTO_HYSTERESIS`` faster.
+
+A bucket's error-feedback state belongs to the plan that made it: when a
+bucket's compressed plan changes, what its residuals still owe is folded into
+a *carry* that the next step's reduction adds (see
+:meth:`hetcomm.buckets.BucketStates.state_for`), so nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import planner
+
+log = logging.getLogger("hetcomm")
+
+DENSE = ("none", "fp16", "bf16")
+COMPRESSED = ("onebit", "topk", "lowrank")
+AUTO_MODES = DENSE + COMPRESSED
+AUTO_TOP = 3          # candidates by prediction kept for the trial (plus fp32 native)
+AUTO_REPEATS = 3      # trial steps per candidate, interleaved (the minimum counts: the first may warm up)
+AUTO_RECHECK = 1000   # compressed steps between re-checks
+AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket's reduction in one step."""
+    mode: str            # wire format this step: none, fp16, bf16, onebit, topk, lowrank
+    algorithm: str       # native, ring, halving_doubling, tree, hierarchical
+    why: str             # fixed, predicted, HETCOMM_ALGO, trial, measured, warm-up, exact step, small bucket
+    interim: bool = False  # an exact step of a compressed bucket: its error-feedback state waits, untouched
+    predicted_s: Optional[float] = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.mode in COMPRESSED
+
+    @property
+    def state_class(self) -> Optional[Tuple[str, bool]]:
+        """What shape the bucket's error-feedback state has under this plan."""
+        return (self.mode, self.algorithm == "hierarchical") if self.compressed else None
+
+
+def safe_modes(attached: Optional[str], bf16_everywhere: bool) -> Tuple[str, ...]:
+    """The wire formats ``auto`` may choose without the user retuning anything:
+    those measured to reach fp32's quality at fp32's learning rate with this
+    optimizer (README "Time to accuracy"). ``attached``: None, "sgd" (momentum
+    compression of SGD), "hetcomm-adamw", or "adam" (torch's Adam/AdamW)."""
+    half = "bf16" if bf16_everywhere else "fp16"
+    if attached in ("sgd", "hetcomm-adamw"):
+        return ("none", half, "onebit", "topk")
+    # Without momentum compression (or with torch's Adam, whose variance sees
+    # the codec's error), 1-bit and top-k miss fp32's loss: dense only.
+    return ("none", half)
+
+
+def choose(times: Sequence[Sequence[float]], current: Optional[int] = None,
+           hysteresis: float = AUTO_HYSTERESIS) -> int:
+    """The candidate to keep, from ``times[rank][candidate]`` (seconds; inf
+    where not measured): the one whose slowest rank is fastest (ties: the
+    earlier, better-predicted one). With a ``current`` choice, switch only to
+    one at least ``1 / hysteresis`` times faster."""
+    worst = [max(col) for col in zip(*times)]
+    best = min(range(len(worst)), key=lambda j: (worst[j], j))
+    if current is not None and worst[best] > hysteresis * worst[current]:
+        return current
+    return best
+
+
+def wire_of(mode: str, topk_ratio: float, lowrank_fraction: Optional[float] = None) -> str:
+    """The cost model's name of a wire format."""
+    if mode == "topk":
+        return f"topk:{topk_ratio}"
+    if mode == "lowrank":
+        return f"lowrank:{lowrank_fraction:.4f}"
+    return mode
+
+
+def lowrank_fraction(layout, numel: int) -> float:
+    """The fraction of a bucket's fp32 elements that lowrank's P, Q and dense parts carry."""
+    return sum((rows + cols) * k if k else rows * cols for _, rows, cols, k in layout.tolist()) / max(numel, 1)
+
+
+class Planner:
+    """Decides every bucket's :class:`BucketPlan` for one HookState."""
+
+    def __init__(self, state) -> None:
+        self.s = state
+        self._algo: Dict[Tuple[int, str], Tuple[str, Optional[float]]] = {}
+        #: compression="auto": per bucket key, the candidates [(mode, algorithm, predicted_s)] ...
+        self.candidates: Dict[str, List[Tuple[str, str, Optional[float]]]] = {}
+        #: ... and the index of the chosen one
+        self.decided: Dict[str, int] = {}
+        self.modes: Tuple[str, ...] = ()   # set at negotiation
+        self.compressed_steps = 0          # steps where compression was on (the auto clock)
+        self.trial_start: Optional[int] = None  # compressed step at which the running trial began
+        self.next_check = 0
+        #: per bucket key, this rank's comm-thread seconds of each candidate in the last trial
+        self.measured: Dict[str, List[float]] = {}
+        self._restored: Dict[str, Tuple[str, str]] = {}
+        self._times: Dict[str, Dict[int, List[float]]] = {}  # comm-thread seconds per bucket and candidate
+        self._step_times: Dict[int, List[float]] = {}  # trial round -> step seconds
+        self._order: Dict[str, List[int]] = {}  # bucket key -> candidate indices in trial-round order
+        self._rechecking = False
+        self._opened: Optional[float] = None
+        self._last_round: Optional[int] = None
+        #: the slowest rank's step time of each round of the last trial
+        self.round_times: List[float] = []
+        self._step_trial: Dict[int, Tuple[str, int]] = {}  # bucket index -> (key, candidate) of the open step
+        self._last_trial: Dict[int, Tuple[str, int]] = {}
+
+    # ---- fixed modes -------------------------------------------------------------
+    def algorithm(self, numel: int, wire: str, compressed: bool) -> Tuple[str, str, Optional[float]]:
+        """(algorithm, why, predicted seconds) for a bucket of ``numel`` fp32
+        elements sent as ``wire``: the option, or the cost model's choice."""
+        s = self.s
+        if s.algorithm != "auto":
+            if compressed and s.algorithm not in ("native", "hierarchical"):
+                return "native", "fixed", None  # the codecs run flat or across nodes only
+            return s.algorithm, "fixed", None
+        key = (numel, wire)
+        if key not in self._algo:
+            choice = planner.plan(s.topology, numel * 4, wire, forced=s._forced_algo)
+            predicted = (choice.get("predicted_s") or {}).get(choice["algorithm"])
+            self._algo[key] = (choice["algorithm"], predicted)
+            log.info("hetcomm: plan for %d-element buckets, wire %s: %s%s%s", numel, wire, choice["algorithm"],
+                     " (HETCOMM_ALGO)" if s._forced_algo else "",
+                     f", predicted {1000 * predicted:.3g} ms" if isinstance(predicted, float) else "")
+        algo, predicted = self._algo[key]
+        return algo, "HETCOMM_ALGO" if s._forced_algo else "predicted", predicted
+
+    def plan(self, numel: int, key: str, index: int, step: int, layout_of) -> BucketPlan:
+        """The plan of one bucket (``index`` in this step, state key ``key``).
+        ``layout_of()`` gives lowrank's layout of the bucket."""
+        s = self.s
+        mode = s.resolved_compression
+        if mode == "auto":
+            return self._auto(numel, key, index, step, layout_of)
+        if mode in DENSE:
+            return self._dense(numel, mode, "fixed")
+        if numel < s.min_compress_numel:
+            return self._dense(numel, "none", "small bucket")
+        if not s._compressed_at(step):
+            return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
+        wire = wire_of(mode, s.topk_ratio, lowrank_fraction(layout_of(), numel) if mode == "lowrank" else None)
+        algo, why, predicted = self.algorithm(numel, wire, True)
+        return BucketPlan(mode, algo, why, predicted_s=predicted)
+
+    def _dense(self, numel: int, mode: str, why: str, interim: bool = False) -> BucketPlan:
+        algo, how, predicted = self.algorithm(numel, mode, False)
+        return BucketPlan(mode, algo, why if why != "fixed" else how, interim, predicted)
+
+    # ---- compression="auto" -----------------------------------------------------------
+    def _candidates(self, numel: int, layout_of) -> List[Tuple[str, str, Optional[float]]]:
+        s = self.s
+        if s.algorithm != "auto":
+            algos = [s.algorithm]
+        elif s._forced_algo:
+            algos = [s._forced_algo]
+        else:
+            algos = list(planner.ALGORITHMS)
+        ranked = []
+        for mode in self.modes:
+            wire = wire_of(mode, s.topk_ratio, lowrank_fraction(layout_of(), numel) if mode == "lowrank" else None)
+            usable = [a for a in algos if a in ("native", "hierarchical")] if mode in COMPRESSED else algos
+            if mode in COMPRESSED and not usable:
+                usable = ["native"]
+            preds = [(planner.predict(s.topology, numel * 4, a, wire), a) for a in usable]
+            preds = [(t, a) for t, a in preds if t is not None]
+            if mode in DENSE:  # one algorithm per dense wire: the predicted best
+                preds = sorted(preds, key=lambda p: (p[0], planner.ALGORITHMS.index(p[1])))[:1]
+            ranked += [(t, mode, a) for t, a in preds]
+        ranked.sort(key=lambda r: (r[0], AUTO_MODES.index(r[1]), planner.ALGORITHMS.index(r[2])))
+        top = [(m, a, t) for t, m, a in ranked[:AUTO_TOP]]
+        if not any(m == "none" and a == "native" for m, a, _ in top) and "none" in self.modes:
+            native = planner.predict(s.topology, numel * 4, "native", "none")
+            top.append(("none", "native", native))
+        return top
+
+    def _auto(self, numel: int, key: str, index: int, step: int, layout_of) -> BucketPlan:
+        s = self.s
+        if numel < s.min_compress_numel:
+            return self._dense(numel, "none", "small bucket")
+        if not s._compressed_at(step):
+            return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
+        if key not in self.candidates:
+            cands = self.candidates[key] = self._candidates(numel, layout_of)
+            restored = self._restored.pop(key, None)
+            if restored is not None:
+                if restored not in [c[:2] for c in cands]:  # another cluster now: keep it, verify it again
+                    cands.append((*restored, None))
+                self.decided[key] = [c[:2] for c in cands].index(restored)
+            elif self.trial_start is None:
+                self._start_trial()
+            self._order.setdefault(key, self._order_of(key))
+        cands = self.candidates[key]
+        if self._in_trial():
+            order, c = self._order[key], self._round()
+            j = order[c] if c < len(order) else order[0]
+            self._step_trial[index] = (key, j)
+            mode, algo, predicted = cands[j]
+            return BucketPlan(mode, algo, "trial", predicted_s=predicted)
+        mode, algo, predicted = cands[self.decided.get(key, 0)]
+        return BucketPlan(mode, algo, "measured" if key in self.decided else "predicted", predicted_s=predicted)
+
+    def _order_of(self, key: str) -> List[int]:
+        """The candidates of ``key`` in trial order: the current choice first
+        (round 0 of a re-check), then by prediction."""
+        first = self.decided.get(key)
+        rest = [j for j in range(len(self.candidates[key])) if j != first]
+        return rest if first is None else [first] + rest
+
+    def _start_trial(self) -> None:
+        self.trial_start = self.compressed_steps
+        self._rechecking = bool(self.decided)
+        self._order = {k: self._order_of(k) for k in self.candidates}
+        self._step_times, self._times = {}, {}
+
+    def _in_trial(self) -> bool:
+        return self.trial_start is not None and self.compressed_steps - self.trial_start < \
+            AUTO_REPEATS * self._rounds()
+
+    def _rounds(self) -> int:
+        return max((len(o) for o in self._order.values()), default=0)
+
+    def _round(self) -> int:
+        """This step's trial round: rounds take turns, so a drifting load
+        (another job, a warming cache) weighs on every candidate alike."""
+        return (self.compressed_steps - self.trial_start) % self._rounds()
+
+    def end_step(self, compressed: bool) -> None:
+        """After the step's last bucket was submitted."""
+        self._last_round = None
+        if compressed and self.s.resolved_compression == "auto":
+            if self._in_trial():
+                self._last_round = self._round()
+            self.compressed_steps += 1
+        self._last_trial, self._step_trial = self._step_trial, {}
+
+    def begin_step(self, engine) -> None:
+        """Before the step's first bucket: time the last step if it was a trial
+        round (from this call to the next: a whole period of the training
+        loop), and its buckets on the comm thread (they are done: DDP waited);
+        decide when the trial is over; start a re-check when one is due."""
+        if self.s.resolved_compression != "auto":
+            return
+        now = time.monotonic()
+        if self._last_round is not None and self._opened is not None:
+            self._step_times.setdefault(self._last_round, []).append(now - self._opened)
+        self._opened, self._last_round = now, None
+        if self._last_trial:
+            for index, secs in engine.last_step_buckets():
+                if index in self._last_trial:
+                    key, j = self._last_trial[index]
+                    self._times.setdefault(key, {}).setdefault(j, []).append(secs)
+            self._last_trial = {}
+        if self.trial_start is not None and not self._in_trial():
+            self._decide(engine)
+            self.trial_start = None
+            self.next_check = self.compressed_steps + AUTO_RECHECK
+        elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check:
+            self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
+
+    def _decide(self, engine) -> None:
+        """Every rank all-gathers its step time per trial round (and a
+        fingerprint of its candidates); the round whose slowest rank was
+        fastest gives every bucket its plan."""
+        import torch
+
+        keys = sorted(self.candidates)
+        rounds = max(len(self._order[k]) for k in keys)
+        names = ";".join(f"{k}:" + ",".join(f"{m}/{a}" for m, a, _ in self.candidates[k]) for k in keys)
+        row = [zlib.crc32(names.encode())]
+        row += [int(min(self._step_times[c]) * 1e9) if self._step_times.get(c) else -1 for c in range(rounds)]
+        gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
+        if (gathered[:, 0] != gathered[0, 0]).any():
+            raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
+                             "(different topologies or options): construct HookState alike on every rank")
+        times = [[t / 1e9 if t >= 0 else float("inf") for t in r[1:]] for r in gathered.tolist()]
+        best = choose(times, 0 if self._rechecking else None)
+        self.round_times = [max(c) for c in zip(*times)]
+        changed = 0
+        for k in keys:
+            order = self._order[k]
+            j = order[best] if best < len(order) else order[0]
+            changed += self.decided.get(k, j) != j
+            self.decided[k] = j
+            per_bucket = self._times.get(k, {})
+            self.measured[k] = [min(per_bucket[i]) if per_bucket.get(i) else None
+                                for i in range(len(self.candidates[k]))]
+        log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s; buckets: %s", best,
+                 ", ".join(f"{1000 * t:.4g}" for t in self.round_times),
+                 f" - re-planned {changed} bucket(s)" if self._rechecking and changed else "",
+                 "; ".join(f"[{k[:24]}] {self.candidates[k][self.decided[k]][0]}/"
+                           f"{self.candidates[k][self.decided[k]][1]}" for k in keys))
+        self._times, self._step_times = {}, {}
+
+    # ---- what is saved ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"decided": {k: list(self.candidates[k][j][:2]) for k, j in self.decided.items()},
+                "compressed_steps": self.compressed_steps, "next_check": self.next_check}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.compressed_steps = int(sd.get("compressed_steps", 0))
+        self.next_check = int(sd.get("next_check", 0))
+        self._restored = {str(k): tuple(v) for k, v in sd.get("decided", {}).items()}
+        self.candidates, self.decided, self.trial_start, self._times, self._order = {}, {}, None, {}, {}
+
+    def describe(self) -> Dict[str, dict]:
+        """Per bucket key: the candidates, their predictions and the choice."""
+        out = {}
+        for k, cands in self.candidates.items():
+            j = self.decided.get(k)
+            seen = self.measured.get(k, [None] * len(cands))
+            out[k] = {"candidates": [{"mode": m, "algorithm": a, "predicted_s": t, "comm_s": w}
+                                     for (m, a, t), w in zip(cands, seen)],
+                      "chosen": None if j is None else {"mode": cands[j][0], "algorithm": cands[j][1]}}
+        return out
