@@ -13,12 +13,10 @@ import torch
 import torch.distributed as dist
 
 from . import topology
-from .plan import AUTO_MODES
+from .plan import AUTO_MODES, COMPRESSED  # COMPRESSED: modes with per-bucket state, compressed after start_iter
 from .topology import ALGORITHMS
 
 COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank", "auto")
-# Modes with per-bucket state (residuals; Q for lowrank), compressed after start_iter.
-COMPRESSED = ("onebit", "topk", "lowrank")
 Compression = Literal["none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank", "auto"]
 Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 # What attach_optimizer saw (the auto mode's safe set depends on it).

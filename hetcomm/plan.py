@@ -170,9 +170,12 @@ class Planner:
             return self._dense(numel, "none", "small bucket")
         if not s._compressed_at(step):
             return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
-        wire = wire_of(mode, s.topk_ratio, lowrank_fraction(layout_of(), numel) if mode == "lowrank" else None)
-        algo, why, predicted = self.algorithm(numel, wire, True)
+        algo, why, predicted = self.algorithm(numel, self._wire(mode, numel, layout_of), True)
         return BucketPlan(mode, algo, why, predicted_s=predicted)
+
+    def _wire(self, mode: str, numel: int, layout_of) -> str:
+        fraction = lowrank_fraction(layout_of(), numel) if mode == "lowrank" else None
+        return wire_of(mode, self.s.topk_ratio, fraction)
 
     def _dense(self, numel: int, mode: str, why: str, interim: bool = False) -> BucketPlan:
         algo, how, predicted = self.algorithm(numel, mode, False)
@@ -189,7 +192,7 @@ class Planner:
             algos = list(planner.ALGORITHMS)
         ranked = []
         for mode in self.modes:
-            wire = wire_of(mode, s.topk_ratio, lowrank_fraction(layout_of(), numel) if mode == "lowrank" else None)
+            wire = self._wire(mode, numel, layout_of)
             usable = [a for a in algos if a in ("native", "hierarchical")] if mode in COMPRESSED else algos
             if mode in COMPRESSED and not usable:
                 usable = ["native"]

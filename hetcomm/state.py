@@ -551,12 +551,14 @@ class HookState:
         numel = buf.numel()
         key = buckets.key_of(bucket.sig)
         self._buckets.add_to_step(bucket.sig)
-        p = self._planner.plan(numel, key, bucket.index, self.iter,
-                               lambda: self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank))
+        def layout_of() -> torch.Tensor:  # lowrank's, cached per bucket
+            return self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank)
+
+        p = self._planner.plan(numel, key, bucket.index, self.iter, layout_of)
         self._step_plans[key] = p
         layout = q_state = None
         if p.mode == "lowrank":
-            layout = self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank)
+            layout = layout_of()
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
         node_of = self.topology.node_ids if self.topology is not None else []
         residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,

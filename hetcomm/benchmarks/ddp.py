@@ -24,7 +24,7 @@ from torch import nn
 import hetcomm
 
 from ..balance import Balancer, ThroughputMeter
-from ..plan import AUTO_REPEATS, AUTO_TOP
+from ..plan import AUTO_REPEATS, AUTO_TOP, COMPRESSED
 from ..testbed import run_distributed, spawn_ranks
 from . import common
 
@@ -117,12 +117,12 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
 
     ddp.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    if base in ("onebit", "topk", "lowrank", "auto"):
+    if base in COMPRESSED + ("auto",):
         # momentum compression, as the README asks of SGD-momentum users (and
         # what lets auto choose 1-bit and top-k): every compressed mode pays it
         state.attach_optimizer(opt)
     # auto's first steps after start_iter try its candidates: not counted
-    warmup = cfg["warmup"] + (2 + AUTO_REPEATS * (AUTO_TOP + 1) if base == "auto" else 0)
+    warmup = cfg["warmup"] + (state.start_iter + AUTO_REPEATS * (AUTO_TOP + 1) if base == "auto" else 0)
     gb = cfg["global_batch"]
     if balanced:
         bal = Balancer(state, gb, dataset_len=gb * 10_000, rebalance_every=3, lag=0, threshold=0.05)
