@@ -34,7 +34,14 @@ def _bench(args) -> None:
         from .benchmarks import train
 
         train.main(ranks=args.ranks, tasks=args.tasks, optims=args.optims, modes=args.modes, scale=args.scale,
-                   eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale)
+                   eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale,
+                   seeds=args.seeds)
+    elif args.what == "ddp" and args.grid:
+        from .benchmarks import grid
+
+        grid.main(networks=args.networks, params=args.grid_params, ranks=args.grid_ranks,
+                  modes=args.modes or grid.DEFAULT_MODES, iters=args.iters, warmup=args.warmup,
+                  global_batch=args.global_batch, json_path=args.json)
     elif args.what == "ddp":
         from .benchmarks import ddp
 
@@ -142,6 +149,21 @@ def quotas(text: str) -> List[float]:
     return [positive_float(c) for c in text.split(",")]
 
 
+def comma_list(item: Callable[[str], object]) -> Callable[[str], list]:
+    """1M,5M / 2,4: a non-empty comma-separated list of ``item``s."""
+    def parse(text: str) -> list:
+        items = [x for x in text.split(",") if x]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list, got an empty one")
+        return [item(x) for x in items]
+    return parse
+
+
+def network(text: str) -> str:
+    """loopback (unshaped), or a tc rate for the testbed: 100mbit, 1gbit."""
+    return "loopback" if text.strip().lower() == "loopback" else rate(text)
+
+
 def choices_list(allowed, noun: str) -> Callable[[str], List[str]]:
     def parse(text: str) -> List[str]:
         items = [x for x in text.split(",") if x]
@@ -231,6 +253,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="comma-separated modes (default: all; +bal = balanced)")
     g.add_argument("--algorithm", default="native", choices=("auto",) + topology.ALGORITHMS,
                    help="HookState(algorithm=...) of hetcomm's modes")
+    g.add_argument("--grid", action="store_true",
+                   help="run every cell of --networks x --grid-params x --grid-ranks (a shaped network under "
+                        "`hetcomm testbed`, 2 nodes, root) and compare auto with the best fixed mode per cell")
+    g.add_argument("--networks", type=comma_list(network), default=["loopback", "1gbit", "100mbit"],
+                   help="grid: loopback and/or inter-node rates")
+    g.add_argument("--grid-params", type=comma_list(param_count), default=[10**6, 5 * 10**6],
+                   help="grid: model sizes")
+    g.add_argument("--grid-ranks", type=comma_list(positive_int), default=[2, 4],
+                   help="grid: rank counts (even: split over 2 nodes when shaped)")
 
     tr = bs.add_parser("train", help="time to accuracy: real models, each optimizer and mode at fp32's lr",
                        formatter_class=fmt)
@@ -245,6 +276,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--lr-scale", type=positive_float, default=1.0,
                     help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")
     tr.add_argument("--eval-every", type=positive_int, default=20, help="steps between quality measurements")
+    tr.add_argument("--seeds", type=positive_int, default=1,
+                    help="runs per mode with different initialisation and data order; >1 adds a table of means")
     tr.add_argument("--json", type=writable_path, default=None, metavar="PATH")
     tr.add_argument("--png", type=writable_path, default=None, metavar="PATH", help="loss curves (needs matplotlib)")
 
@@ -279,6 +312,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 p.error(f"need -b <= -e (got {args.minbytes} > {args.maxbytes} bytes)")
         elif args.what == "ddp" and args.rank_cpu is not None and len(args.rank_cpu) != args.ranks:
             p.error(f"--rank-cpu needs one quota per rank ({args.ranks}), got {len(args.rank_cpu)}")
+        elif args.what == "ddp" and args.grid and any(r < 2 or r % 2 for r in args.grid_ranks):
+            p.error(f"--grid-ranks must be even and >= 2 (the testbed splits them over 2 nodes), got {args.grid_ranks}")
     if args.cmd == "testbed":
         if args.rank_cpu is not None and len(args.rank_cpu) != args.nodes * args.ranks_per_node:
             p.error(f"--rank-cpu needs one quota per rank ({args.nodes * args.ranks_per_node}), "

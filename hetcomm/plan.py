@@ -75,8 +75,12 @@ def safe_modes(attached: Optional[str], bf16_everywhere: bool) -> Tuple[str, ...
     optimizer (README "Time to accuracy"). ``attached``: None, "sgd" (momentum
     compression of SGD), "hetcomm-adamw", or "adam" (torch's Adam/AdamW)."""
     half = "bf16" if bf16_everywhere else "fp16"
-    if attached in ("sgd", "hetcomm-adamw"):
+    if attached == "sgd":
         return ("none", half, "onebit", "topk")
+    if attached == "hetcomm-adamw":
+        # top-k of Adam's momentum missed fp32 on digits (95.7 vs 98.6 % over 3
+        # seeds) and on the language model (perplexity +11 %); 1-bit did not.
+        return ("none", half, "onebit")
     # Without momentum compression (or with torch's Adam, whose variance sees
     # the codec's error), 1-bit and top-k miss fp32's loss: dense only.
     return ("none", half)

@@ -38,7 +38,7 @@ def test_safe_modes_follow_the_optimizer():
     assert plan.safe_modes(None, True) == ("none", "bf16")
     assert plan.safe_modes("adam", False) == ("none", "fp16")  # torch's Adam attached: dense only
     assert plan.safe_modes("sgd", True) == ("none", "bf16", "onebit", "topk")
-    assert plan.safe_modes("hetcomm-adamw", True) == ("none", "bf16", "onebit", "topk")
+    assert plan.safe_modes("hetcomm-adamw", True) == ("none", "bf16", "onebit")
 
 
 def _rank_predict(first):

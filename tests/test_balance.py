@@ -22,10 +22,28 @@ def test_split_sums_and_is_proportional(ts, extra):
     b = len(ts) + extra
     sizes = split_batch(b, ts)
     assert sum(sizes) == b and all(s >= 1 for s in sizes)
-    ideal = [b * t / sum(ts) for t in ts]
-    if all(i >= 1 for i in ideal):
-        assert all(abs(s - i) < 1 for s, i in zip(sizes, ideal)), (sizes, ideal)
+    # no rank is more than one sample past the proportional step time
+    step = max(s / t for s, t in zip(sizes, ts))
+    assert step <= max(max(b / sum(ts), 1 / t) + 1 / t for t in ts) + 1e-9
+    # ... and faster ranks never get fewer samples
+    assert all(sizes[i] >= sizes[j] for i in range(len(ts)) for j in range(len(ts)) if ts[i] > ts[j])
     assert split_batch(b, ts) == sizes  # deterministic
+
+
+def _min_step(b, ts):
+    """The smallest step time max(b_i / t_i) over every split of b into sizes >= 1 (brute force)."""
+    if len(ts) == 1:
+        return b / ts[0]
+    return min(max(c / ts[0], _min_step(b - c, ts[1:])) for c in range(1, b - len(ts) + 2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0.5, 1.0, 1.3, 2.0, 3.0, 4.0, 7.0, 10.0, 100.0]), min_size=1, max_size=4),
+       st.integers(min_value=0, max_value=26))
+def test_split_minimises_the_step_time(ts, extra):
+    b = len(ts) + extra
+    sizes = split_batch(b, ts)
+    assert max(s / t for s, t in zip(sizes, ts)) == pytest.approx(_min_step(b, ts), rel=1e-12), sizes
 
 
 @settings(max_examples=300, deadline=None)
@@ -56,6 +74,9 @@ def test_split_rejects_bad_input():
 def test_split_example():
     assert split_batch(100, [1, 3]) == [25, 75]
     assert split_batch(10, [1, 1, 1]) == [4, 3, 3]
+    assert split_batch(64, [1, 2, 4]) == [9, 18, 37]  # the slowest rank 9 units, the fastest 9.25
+    # largest remainder gives 26/2 (0.286 time units); the step is shorter with 27/1 (0.27)
+    assert split_batch(28, [100, 7]) == [27, 1]
     # the floor of one sample per rank overshoots; the pinned rank gives one back
     assert split_batch(3, [1000, 1, 1], caps=[2, 5, 5]) == [1, 1, 1]
     assert split_batch(8, [1, 1, 1, 8, 1, 9], caps=[1, 1, 1, 4, 1, 2]) == [1, 1, 1, 2, 1, 2]
@@ -104,7 +125,9 @@ def test_sampler_split_change_mid_epoch():
     assert sorted(i for r in range(world) for b in out[r] for i in b) == list(range(n))
 
 
-def _balanced(rank, world, per_sample_s, device="cpu"):
+def _balanced(rank, world, per_sample_s, device="cpu", steps=40, slow_down=None):
+    """``slow_down=(step, per_sample_s)``: from that step on the ranks' compute
+    takes the new per-sample times (throttling, a co-tenant)."""
     model = models.mlp()
     ddp = models.ddp(model, rank, device)
     state = hetcomm.HookState("none")
@@ -112,7 +135,9 @@ def _balanced(rank, world, per_sample_s, device="cpu"):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data_x, data_y = (t.to(models.rank_device(rank, device)) for t in models.batch(0, 0, 4000))
     bal = Balancer(state, global_batch=60, dataset_len=4000, rebalance_every=5, lag=1)
-    for step, idx in zip(range(40), bal.sampler):
+    for step, idx in zip(range(steps), bal.sampler):
+        if slow_down is not None and step == slow_down[0]:
+            per_sample_s = slow_down[1]
         with bal.step(len(idx)):
             loss = torch.nn.functional.cross_entropy(ddp(data_x[idx]), data_y[idx])
             if device == "cuda":  # this rank's (slow) compute, on the GPU: the host does not wait for it
@@ -131,6 +156,20 @@ def test_rebalancing_is_identical_on_every_rank_and_follows_speed():
 
 
 PER_SAMPLE = [0.0005, 0.0015]  # rank 1 is 3x slower
+
+
+def test_rebalancing_follows_a_rank_that_slows_down_mid_run():
+    """Both ranks equally fast, then rank 0 becomes 3x slower at step 30: the
+    split must follow within a few rebalance periods (every 5 steps here)."""
+    res = run_ranks(_balanced, 2, [0.001, 0.001], "cpu", 70, (30, [0.003, 0.001]))
+    assert res[0]["history"] == res[1]["history"]
+    before = [sizes for step, sizes in res[0]["history"] if step <= 30]
+    after = [(step, sizes) for step, sizes in res[0]["history"] if step > 30]
+    assert not before or all(0.6 < b0 / b1 < 1.6 for b0, b1 in before), before
+    assert after and after[0][0] <= 45, after  # adopted within 3 periods of the change
+    b0, b1 = res[0]["sizes"]
+    assert 1 / 4.5 < b0 / b1 < 1 / 2.0, res[0]["sizes"]  # about 1:3
+    assert torch.equal(res[0]["params"], res[1]["params"])
 
 
 def check_rebalancing(res):

@@ -111,6 +111,38 @@ def test_bench_train_time_to_accuracy(tmp_path):
     assert "vs PowerSGD" in out.stdout and data["meta"]["world_size"] == 2
 
 
+def test_bench_train_seeds_compare_means(tmp_path):
+    out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "onebit+m", "--scale", "0.1",
+                "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)
+    data = json.load(open(tmp_path / "s.json"))
+    runs = data["runs"]
+    assert sorted((r["mode"], r["seed"]) for r in runs) == [("fp32", 0), ("fp32", 1), ("onebit+m", 0), ("onebit+m", 1)]
+    # a seed moves the initialisation and the data: the two fp32 runs differ
+    fp32 = [r["final"] for r in runs if r["mode"] == "fp32"]
+    assert fp32[0] != fp32[1]
+    for r in runs:  # each run's target is fp32's of the same seed
+        assert r["target"] == fp32[r["seed"]]
+    summary = {a["mode"]: a for a in data["summary"]}
+    finals = [r["final"] for r in runs if r["mode"] == "onebit+m"]
+    assert summary["onebit+m"]["final_mean"] == pytest.approx(sum(finals) / 2)
+    assert summary["onebit+m"]["final_std"] == pytest.approx(float(torch.tensor(finals, dtype=torch.float64).std()))
+    assert summary["fp32"]["fp32_mean"] == pytest.approx(sum(fp32) / 2) and summary["fp32"]["reached_mean"]
+    assert summary["onebit+m"]["reached_mean"] == (summary["onebit+m"]["final_mean"] <= 1.02 * sum(fp32) / 2)
+    assert "over 2 seeds" in out.stdout
+
+
+def test_bench_ddp_grid_compares_auto_with_the_best_fixed_mode(tmp_path):
+    out = _run(["bench", "ddp", "--grid", "--networks", "loopback", "--grid-params", "50K", "--grid-ranks", "2",
+                "--modes", "torch-allreduce,none,auto", "-n", "3", "--json", "g.json"], tmp_path)
+    cells = json.load(open(tmp_path / "g.json"))["cells"]
+    assert [(c["network"], c["params"], c["ranks"]) for c in cells] == [("loopback", 50_000, 2)]
+    rows = {r["mode"]: r["step_ms"] for r in cells[0]["rows"]}
+    best = min(("torch-allreduce", "none"), key=rows.get)
+    assert cells[0]["best_mode"] == best and cells[0]["auto_vs_best"] == pytest.approx(rows["auto"] / rows[best])
+    assert cells[0]["auto_vs_powersgd"] is None  # not measured in this cell
+    assert "auto/best" in out.stdout
+
+
 def test_bench_train_lm_text_is_generated_the_same_every_time():
     from hetcomm.benchmarks import tasks
 
@@ -140,6 +172,8 @@ MALFORMED = [
     ["bench", "train", "--tasks", "mnist"], ["bench", "train", "--optims", "lamb"],
     ["bench", "train", "--modes", "fp16"], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
     ["bench", "train", "--eval-every", "0"], ["bench", "train", "--png", "/no/such/dir/x.png"],
+    ["bench", "train", "--seeds", "0"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
+    ["bench", "ddp", "--grid", "--networks", "fast"], ["bench", "ddp", "--grid", "--grid-params", ""],
     ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],
     ["testbed", "--inter-node-rate", "fast", "--", "true"], ["testbed", "--rank-cpu", "0,0,0,0", "--", "true"],
     ["testbed", "--timeout", "0", "--", "true"], ["testbed"], ["info", "--bogus"], ["--bogus"], [],

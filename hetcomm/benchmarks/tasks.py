@@ -11,7 +11,8 @@ seconds to minutes, none downloading anything.
 
 Each task gives the learning rates fp32 trains best with: the best final
 quality of fp32 runs at 0.3, 1, 3, 6 and 10 times a first guess on 2 ranks
-(``hetcomm bench train --modes fp32 --lr-scale X``); for the language model
+(``hetcomm bench train --modes fp32 --lr-scale X``; for digits with AdamW the
+best mean over seeds, see Classify); for the language model
 with SGD the largest rate that also trains on 4 ranks (0.3 was best on 2 and
 diverges on 4). The compressed modes run at fp32's rate, never retuned.
 """
@@ -31,6 +32,7 @@ class Task:
     batch = 16             # samples per rank per step
     steps = 300
     lr: Dict[str, float] = {}
+    seed = 0               # moves the model's initialisation and the order of the data
 
     def model(self) -> nn.Module:
         raise NotImplementedError
@@ -52,7 +54,7 @@ class Task:
         raise NotImplementedError
 
     def _gen(self, step: int, rank: int) -> torch.Generator:
-        return torch.Generator().manual_seed(1_000_003 * step + rank)
+        return torch.Generator().manual_seed(1_000_003 * step + rank + 7_919 * self.seed)
 
 
 class Regress(Task):
@@ -69,7 +71,7 @@ class Regress(Task):
         self.y = (y - y.mean()) / y.std()
 
     def model(self) -> nn.Module:
-        torch.manual_seed(1)
+        torch.manual_seed(1 + 1000 * self.seed)
         return nn.Sequential(nn.Linear(self.D, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1))
 
     def batch_for(self, step, rank):
@@ -92,7 +94,11 @@ class Regress(Task):
 class Classify(Task):
     name, metric = "classify", "accuracy"
     batch, steps = 32, 600
-    lr = {"sgd": 0.15, "adamw": 1e-2}
+    # AdamW: 1e-2 had the best single run, but there the result is chaotic (the
+    # same run with lr * (1 + 1e-6) or eps * 1.0001 ends anywhere in 95-98.9 %);
+    # over 3 seeds x 4 such perturbations 6e-3 is best (98.5 % mean, spread
+    # 0.3) and 1e-2 averages 97.9 %.
+    lr = {"sgd": 0.15, "adamw": 6e-3}
 
     def __init__(self) -> None:
         from ..demo import load_digits
@@ -102,7 +108,7 @@ class Classify(Task):
     def model(self) -> nn.Module:
         from ..demo import make_model
 
-        return make_model(seed=0)
+        return make_model(seed=1000 * self.seed)
 
     def batch_for(self, step, rank):
         idx = torch.randint(0, len(self.y), (self.batch,), generator=self._gen(step, rank))
@@ -189,7 +195,7 @@ class LanguageModel(Task):
         self.train, self.held_out = data[:cut], data[cut:]
 
     def model(self) -> nn.Module:
-        torch.manual_seed(2)
+        torch.manual_seed(2 + 1000 * self.seed)
         return _CausalLM(self.vocab, self.CTX)
 
     def _windows(self, data: torch.Tensor, starts: torch.Tensor):

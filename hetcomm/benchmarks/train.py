@@ -101,7 +101,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
     if rank != 0:
         return None
     final = curve[-1]
-    return {"task": task.name, "optimizer": optim, "mode": mode, "lr": lr, "steps": steps,
+    return {"task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr, "steps": steps,
             "world_size": dist.get_world_size(),
             "curve": curve, "final": final[task.metric], "final_loss": final["loss"],
             "s_per_step": train_s / steps, "bytes_per_step": sent,
@@ -109,19 +109,21 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
 
 
 def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: List[str], scale: float,
-            eval_every: int, lr_scale: float, partial_path: Optional[str] = None) -> List[Dict]:
+            eval_every: int, lr_scale: float, partial_path: Optional[str] = None, seeds: int = 1) -> List[Dict]:
     out = []
     for name in tasks:
         task = TASKS[name]()
         steps = max(eval_every, int(task.steps * scale))
         for optim in optims:
-            for mode in modes:
-                r = _run(rank, task, optim, mode, steps, eval_every, task.lr[optim] * lr_scale)
-                if r is not None:
-                    print(f"  {name:9s} {optim:6s} {mode:15s} {task.metric} {r['final']:.4g}  "
-                          f"{1000 * r['s_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
-                    out.append(r)
-                    common.write_json(partial_path, {"partial": True, "runs": out})  # kept if a later run fails
+            for seed in range(seeds):
+                task.seed = seed
+                for mode in modes:
+                    r = _run(rank, task, optim, mode, steps, eval_every, task.lr[optim] * lr_scale)
+                    if r is not None:
+                        print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
+                              f"{1000 * r['s_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+                        out.append(r)
+                        common.write_json(partial_path, {"partial": True, "runs": out})  # kept if a later run fails
     return out
 
 
@@ -129,10 +131,10 @@ def summarise(runs: List[Dict]) -> List[Dict]:
     """Adds to each run: target (fp32's final quality), reached (the final
     quality is within the task's tolerance of it), steps / time to the first
     evaluation within it, and the time ratios against fp32 and torch-powersgd."""
-    ref = {(r["task"], r["optimizer"]): r for r in runs if r["mode"] == REFERENCE}
+    ref = {(r["task"], r["optimizer"], r.get("seed", 0)): r for r in runs if r["mode"] == REFERENCE}
     for r in runs:
         task = TASKS[r["task"]]
-        base = ref[(r["task"], r["optimizer"])]
+        base = ref[(r["task"], r["optimizer"], r.get("seed", 0))]
         r["target"] = base["final"]
         hit = next((p for p in r["curve"] if r["finite"] and task.reached(p[task.metric], r["target"])), None)
         if not task.reached(r["final"], r["target"]):
@@ -142,11 +144,34 @@ def summarise(runs: List[Dict]) -> List[Dict]:
         r["time_to_target_s"] = hit["time_s"] if hit else None
     for r in runs:
         for other, key in ((REFERENCE, "vs_fp32"), ("torch-powersgd", "vs_powersgd")):
-            o = next((x for x in runs if (x["task"], x["optimizer"], x["mode"]) ==
-                      (r["task"], r["optimizer"], other)), None)
+            o = next((x for x in runs if (x["task"], x["optimizer"], x["mode"], x.get("seed", 0)) ==
+                      (r["task"], r["optimizer"], other, r.get("seed", 0))), None)
             r[key] = (r["time_to_target_s"] / o["time_to_target_s"]
                       if o and r["reached"] and o["reached"] and o["time_to_target_s"] else None)
     return runs
+
+
+def aggregate(runs: List[Dict]) -> List[Dict]:
+    """Per task, optimizer and mode over its seeds: the mean and spread of the
+    final quality, fp32's mean, whether the mean is within the task's tolerance
+    of fp32's mean, in how many seeds the run reached its own seed's target,
+    and the mean time to target over the seeds that reached it."""
+    out = []
+    keys = list(dict.fromkeys((r["task"], r["optimizer"], r["mode"]) for r in runs))
+    for task_name, optim, mode in keys:
+        group = [r for r in runs if (r["task"], r["optimizer"], r["mode"]) == (task_name, optim, mode)]
+        ref = [r["final"] for r in runs if (r["task"], r["optimizer"], r["mode"]) == (task_name, optim, REFERENCE)]
+        finals = torch.tensor([r["final"] for r in group], dtype=torch.float64)
+        times = [r["time_to_target_s"] for r in group if r["reached"]]
+        mean, ref_mean = finals.mean().item(), sum(ref) / len(ref)
+        out.append({"task": task_name, "optimizer": optim, "mode": mode, "seeds": len(group),
+                    "final_mean": mean, "final_std": finals.std().item() if len(group) > 1 else 0.0,
+                    "fp32_mean": ref_mean, "reached_mean": bool(math.isfinite(mean) and
+                                                                TASKS[task_name].reached(mean, ref_mean)),
+                    "reached_seeds": sum(r["reached"] for r in group),
+                    "time_to_target_s": sum(times) / len(times) if times else None,
+                    "s_per_step": sum(r["s_per_step"] for r in group) / len(group)})
+    return out
 
 
 def plot(runs: List[Dict], path: str) -> bool:
@@ -190,7 +215,10 @@ def plot(runs: List[Dict], path: str) -> bool:
 
 
 def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float = 1.0,
-        eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None) -> List[Dict]:
+        eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None,
+        seeds: int = 1) -> List[Dict]:
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
     for name in tasks:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}: choose from {list(TASKS)}")
@@ -202,7 +230,7 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
             raise ValueError(f"unknown mode {m!r}: choose from {list(MODES)}")
     if REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
-    runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path)
+    runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds)
     return summarise(runs) if runs is not None else []
 
 
@@ -211,15 +239,16 @@ def _fmt(v, f):
 
 
 def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
-         json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0) -> None:
+         json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0, seeds: int = 1) -> None:
     t0 = time.time()
-    runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path)
+    runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds)
     if not runs:  # a rank other than 0 under torchrun / the testbed
         return
     world = runs[0]["world_size"]
     print(f"# hetcomm bench train: {world} ranks, each mode at fp32's learning rate; target = fp32's final "
           "quality within the task's tolerance (accuracy -0.5 pt, MSE +2 %, perplexity +3 %)")
-    cols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"), ("final", "final", ".4g"),
+    cols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"), ("seed", "seed", "d"),
+            ("final", "final", ".4g"),
             ("target", "fp32", ".4g"), ("steps_to_target", "steps", "d"), ("time_to_target_s", "time(s)", ".2f"),
             ("vs_fp32", "vs fp32", ".2f"), ("vs_powersgd", "vs PowerSGD", ".2f"), ("s_per_step", "ms/step", ".1f"),
             ("bytes_per_step", "KB/step", ".1f")]
@@ -230,7 +259,17 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
     meta = {"command": " ".join(["hetcomm"] + sys.argv[1:]) if sys.argv else "", "world_size": world,
             "hetcomm": hetcomm.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "host": platform.node(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "wall_s": time.time() - t0, "scale": scale, "eval_every": eval_every, "lr_scale": lr_scale}
-    common.write_json(json_path, {"meta": meta, "runs": runs})
+            "wall_s": time.time() - t0, "scale": scale, "eval_every": eval_every, "lr_scale": lr_scale,
+            "seeds": seeds}
+    summary = aggregate(runs)
+    if seeds > 1:
+        print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean")
+        acols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"),
+                 ("final_mean", "mean", ".4g"), ("final_std", "std", ".3g"), ("fp32_mean", "fp32 mean", ".4g"),
+                 ("reached_mean", "ok", ""), ("reached_seeds", "seeds ok", "d"), ("time_to_target_s", "time(s)", ".2f")]
+        print("  ".join(f"{h:>11}" for _, h, _ in acols))
+        for a in summary:
+            print("  ".join(f"{_fmt(a[k], f):>11}" for k, _, f in acols))
+    common.write_json(json_path, {"meta": meta, "runs": runs, "summary": summary})
     if png_path and plot(runs, png_path):
         print(f"# loss curves: {png_path}")
