@@ -66,8 +66,8 @@ def split_batch(global_batch: int, throughputs: Sequence[float], caps: Optional[
     left = global_batch - sum(sizes)
     # Round to minimise the step, i.e. the slowest rank's time sizes[i] /
     # speeds[i]: each remaining sample goes to the rank that is done first with
-    # it (largest remainder can leave the slowest rank one sample too many:
-    # 64 at speeds 1:2:4 as 10/18/36 takes 10 units, 9/18/37 takes 9.25).
+    # it (largest remainder can give a slow rank one sample too many: 28 at
+    # speeds 100:7 as 26/2 takes 0.286 time units, 27/1 takes 0.27).
     while left > 0:
         room = [i for i in free if sizes[i] < limit[i]]
         if not room:  # pragma: no cover - excluded by the caps check above

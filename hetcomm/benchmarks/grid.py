@@ -23,13 +23,13 @@ DEFAULT_MODES = ["torch-allreduce", "torch-powersgd", "none", "bf16", "onebit", 
 
 def _cell_command(network: str, ranks: int, params: int, modes: List[str], iters: int, warmup: int,
                   global_batch: int, json_path: str) -> List[str]:
-    bench = [sys.executable, "-c", "import sys; from hetcomm.cli import main; sys.exit(main())", "bench", "ddp",
-             "--params", str(params), "--modes", ",".join(modes), "--iters", str(iters), "--warmup", str(warmup),
-             "--global-batch", str(global_batch), "--json", json_path]
+    hetcomm = [sys.executable, "-c", "import sys; from hetcomm.cli import main; sys.exit(main())"]
+    bench = hetcomm + ["bench", "ddp", "--params", str(params), "--modes", ",".join(modes), "--iters", str(iters),
+                       "--warmup", str(warmup), "--global-batch", str(global_batch), "--json", json_path]
     if network == LOOPBACK:
         return bench + ["--ranks", str(ranks)]
-    return [sys.executable, "-c", "import sys; from hetcomm.cli import main; sys.exit(main())", "testbed",
-            "--nodes", "2", "--ranks-per-node", str(ranks // 2), "--inter-node-rate", network, "--"] + bench
+    return hetcomm + ["testbed", "--nodes", "2", "--ranks-per-node", str(ranks // 2), "--inter-node-rate", network,
+                      "--"] + bench
 
 
 def summarise_cell(rows: List[Dict]) -> Dict:
