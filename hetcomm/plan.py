@@ -166,14 +166,14 @@ class Planner:
         ``layout_of()`` gives lowrank's layout of the bucket."""
         s = self.s
         mode = s.resolved_compression
-        if mode == "auto":
-            return self._auto(numel, key, index, step, layout_of)
         if mode in DENSE:
             return self._dense(numel, mode, "fixed")
         if numel < s.min_compress_numel:
             return self._dense(numel, "none", "small bucket")
         if not s._compressed_at(step):
             return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
+        if mode == "auto":
+            return self._auto(numel, key, index, layout_of)
         algo, why, predicted = self.algorithm(numel, self._wire(mode, numel, layout_of), True)
         return BucketPlan(mode, algo, why, predicted_s=predicted)
 
@@ -212,12 +212,8 @@ class Planner:
             top.append(("none", "native", native))
         return top
 
-    def _auto(self, numel: int, key: str, index: int, step: int, layout_of) -> BucketPlan:
-        s = self.s
-        if numel < s.min_compress_numel:
-            return self._dense(numel, "none", "small bucket")
-        if not s._compressed_at(step):
-            return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
+    def _auto(self, numel: int, key: str, index: int, layout_of) -> BucketPlan:
+        """A compressed step's plan under compression="auto"."""
         if key not in self.candidates:
             cands = self.candidates[key] = self._candidates(numel, layout_of)
             restored = self._restored.pop(key, None)
@@ -230,8 +226,7 @@ class Planner:
             self._order.setdefault(key, self._order_of(key))
         cands = self.candidates[key]
         if self._in_trial():
-            order, c = self._order[key], self._round()
-            j = order[c] if c < len(order) else order[0]
+            j = self._candidate_in_round(key, self._round())
             self._step_trial[index] = (key, j)
             mode, algo, predicted = cands[j]
             return BucketPlan(mode, algo, "trial", predicted_s=predicted)
@@ -244,6 +239,12 @@ class Planner:
         first = self.decided.get(key)
         rest = [j for j in range(len(self.candidates[key])) if j != first]
         return rest if first is None else [first] + rest
+
+    def _candidate_in_round(self, key: str, c: int) -> int:
+        """The candidate of ``key`` that trial round ``c`` runs (a bucket with
+        fewer candidates than rounds runs its first again)."""
+        order = self._order[key]
+        return order[c] if c < len(order) else order[0]
 
     def _start_trial(self) -> None:
         self.trial_start = self.compressed_steps
@@ -303,7 +304,7 @@ class Planner:
         import torch
 
         keys = sorted(self.candidates)
-        rounds = max(len(self._order[k]) for k in keys)
+        rounds = self._rounds()
         names = ";".join(f"{k}:" + ",".join(f"{m}/{a}" for m, a, _ in self.candidates[k]) for k in keys)
         row = [zlib.crc32(names.encode())]
         row += [int(min(self._step_times[c]) * 1e9) if self._step_times.get(c) else -1 for c in range(rounds)]
@@ -316,8 +317,7 @@ class Planner:
         self.round_times = [max(c) for c in zip(*times)]
         changed = 0
         for k in keys:
-            order = self._order[k]
-            j = order[best] if best < len(order) else order[0]
+            j = self._candidate_in_round(k, best)
             changed += self.decided.get(k, j) != j
             self.decided[k] = j
             per_bucket = self._times.get(k, {})

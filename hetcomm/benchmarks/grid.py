@@ -23,7 +23,7 @@ DEFAULT_MODES = ["torch-allreduce", "torch-powersgd", "none", "bf16", "onebit", 
 
 def _cell_command(network: str, ranks: int, params: int, modes: List[str], iters: int, warmup: int,
                   global_batch: int, json_path: str) -> List[str]:
-    hetcomm = [sys.executable, "-c", "import sys; from hetcomm.cli import main; sys.exit(main())"]
+    hetcomm = [sys.executable, "-m", "hetcomm.cli"]
     bench = hetcomm + ["bench", "ddp", "--params", str(params), "--modes", ",".join(modes), "--iters", str(iters),
                        "--warmup", str(warmup), "--global-batch", str(global_batch), "--json", json_path]
     if network == LOOPBACK:

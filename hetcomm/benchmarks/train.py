@@ -131,10 +131,10 @@ def summarise(runs: List[Dict]) -> List[Dict]:
     """Adds to each run: target (fp32's final quality), reached (the final
     quality is within the task's tolerance of it), steps / time to the first
     evaluation within it, and the time ratios against fp32 and torch-powersgd."""
-    ref = {(r["task"], r["optimizer"], r.get("seed", 0)): r for r in runs if r["mode"] == REFERENCE}
+    ref = {(r["task"], r["optimizer"], r["seed"]): r for r in runs if r["mode"] == REFERENCE}
     for r in runs:
         task = TASKS[r["task"]]
-        base = ref[(r["task"], r["optimizer"], r.get("seed", 0))]
+        base = ref[(r["task"], r["optimizer"], r["seed"])]
         r["target"] = base["final"]
         hit = next((p for p in r["curve"] if r["finite"] and task.reached(p[task.metric], r["target"])), None)
         if not task.reached(r["final"], r["target"]):
@@ -144,8 +144,8 @@ def summarise(runs: List[Dict]) -> List[Dict]:
         r["time_to_target_s"] = hit["time_s"] if hit else None
     for r in runs:
         for other, key in ((REFERENCE, "vs_fp32"), ("torch-powersgd", "vs_powersgd")):
-            o = next((x for x in runs if (x["task"], x["optimizer"], x["mode"], x.get("seed", 0)) ==
-                      (r["task"], r["optimizer"], other, r.get("seed", 0))), None)
+            o = next((x for x in runs if (x["task"], x["optimizer"], x["mode"], x["seed"]) ==
+                      (r["task"], r["optimizer"], other, r["seed"])), None)
             r[key] = (r["time_to_target_s"] / o["time_to_target_s"]
                       if o and r["reached"] and o["reached"] and o["time_to_target_s"] else None)
     return runs
