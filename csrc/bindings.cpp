@@ -245,6 +245,7 @@ class Engine {
   void close() { worker_.close(); }
   bool closed() const { return worker_.closed(); }
   int64_t nonfinite_steps() const { return reducer_.nonfinite_steps(); }
+  int64_t carry_holds() const { return reducer_.carry_holds(); }
   std::vector<std::pair<int64_t, double>> last_step_buckets() const { return reducer_.last_step_buckets(); }
   int rank() const { return transport_->rank(); }
   int size() const { return transport_->size(); }
@@ -526,6 +527,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def("nonfinite_steps", &Engine::nonfinite_steps)
+      .def("carry_holds", &Engine::carry_holds)
       .def("stats", &Engine::stats)
       .def("last_step_buckets", &Engine::last_step_buckets);
 }

@@ -81,7 +81,9 @@ class BucketStates:
         self.momentum: Dict[str, torch.Tensor] = {}  # optimizer momentum per bucket (HookState.attach_optimizer)
         #: what an earlier plan's residuals still owe, added at the bucket's next reduction
         self.carry: Dict[str, torch.Tensor] = {}
-        self._carry_sent: set = set()
+        #: per carry handed to a reduction: the engine's carry-hold count at the start of that step
+        self._carry_sent: Dict[str, int] = {}
+        self._holds = 0  # the engine's carry-hold count at the start of this step
         #: the plan (wire format, hierarchical?) each bucket's residuals belong to
         self.plan_of: Dict[str, Tuple[str, bool]] = {}
         self.layouts: Dict[str, torch.Tensor] = {}
@@ -117,7 +119,7 @@ class BucketStates:
         self.server_residuals = restore(sd["server_residuals"])
         self.lowrank_q = restore(sd.get("lowrank_q", {}))
         self.momentum = restore(sd.get("momentum", {}))
-        self.carry, self._carry_sent = restore(sd.get("carry", {})), set()
+        self.carry, self._carry_sent = restore(sd.get("carry", {})), {}
         self.plan_of = {str(k): (str(m), bool(h)) for k, (m, h) in sd.get("plans", {}).items()}
         self.layouts = {}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
@@ -192,21 +194,31 @@ class BucketStates:
         self.lowrank_q.pop(key, None)
         self.plan_of.pop(key, None)
         self.carry[key] = carry
-        self._carry_sent.discard(key)
+        self._carry_sent.pop(key, None)
+
+    def begin_step(self, carry_holds: int) -> None:
+        """Before the step's first bucket (the last step's reductions are done):
+        the engine's count of reductions that held a carry back."""
+        self._holds = carry_holds
 
     def _pending_carry(self, key: str, device: torch.device) -> Optional[torch.Tensor]:
-        """The bucket's carry until a reduction has added it (and zeroed it)."""
+        """The bucket's carry until a reduction has added it (and zeroed it).
+        Whether it did is decided from what every rank saw alike: no reduction
+        held a carry back since it was handed over (a non-finite step holds it
+        on every rank). A carry's own contents differ between ranks (one may be
+        all zero) and must not decide: the reducer's non-finite check runs only
+        with a carry, so the ranks would run different collectives."""
         c = self.carry.get(key)
         if c is None:
             return None
         self.touched.add(key)
-        if key in self._carry_sent and not bool(c.any()):
+        if self._carry_sent.get(key) == self._holds:
             del self.carry[key]
-            self._carry_sent.discard(key)
+            del self._carry_sent[key]
             return None
         if c.device != device:
             c = self.carry[key] = c.to(device)
-        self._carry_sent.add(key)
+        self._carry_sent[key] = self._holds
         return c
 
     def lowrank_parts(self, bucket: Bucket, key: str, rank: int) -> torch.Tensor:

@@ -477,6 +477,7 @@ class HookState:
             self._negotiate(device)
         self._step_open = True
         self._planner.begin_step(engine)
+        self._buckets.begin_step(engine.carry_holds())
         nonfinite = engine.nonfinite_steps()
         if nonfinite > self._nonfinite_seen:
             # Once per power of two: a diverged run has a NaN every step, and

@@ -105,9 +105,13 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
           job.codec == Codec::kNone ? at::kFloat : (job.codec == Codec::kFP16 ? at::kHalf : at::kBFloat16);
       // A plan change's carry joins the exact sum, unless the step is
       // non-finite somewhere (then it waits for the next step).
-      if (job.carry.defined() && !any_rank_nonfinite(t, buf)) {
-        buf.add_(job.carry, divisor_);
-        job.carry.zero_();
+      if (job.carry.defined()) {
+        if (any_rank_nonfinite(t, buf)) {
+          carry_holds_ += 1;
+        } else {
+          buf.add_(job.carry, divisor_);
+          job.carry.zero_();
+        }
       }
       const Algo algo = job.algo;
       const auto& order = ring_order_;
@@ -131,6 +135,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         // residuals, the server residual and Q as they were.
         step_nonfinite_ = true;
         nonfinite_buckets_ += 1;
+        if (job.carry.defined()) carry_holds_ += 1;
         collectives::allreduce_dense(t, buf, divisor_, at::kFloat, codec_);
         break;
       }

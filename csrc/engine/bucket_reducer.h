@@ -67,6 +67,9 @@ class BucketReducer {
   // Steps (and compressed buckets) whose gradient was non-finite on some rank.
   int64_t nonfinite_steps() const { return nonfinite_steps_; }
   int64_t nonfinite_buckets() const { return nonfinite_buckets_; }
+  // Reductions that held a plan change's carry back (a non-finite step): the
+  // same count on every rank, so the ranks agree when a carry was consumed.
+  int64_t carry_holds() const { return carry_holds_; }
   ReduceTotals last_step() const;
   // (bucket index, seconds on the comm thread) of each bucket of the last complete step.
   std::vector<std::pair<int64_t, double>> last_step_buckets() const;
@@ -77,7 +80,7 @@ class BucketReducer {
   std::vector<int> ring_order_, node_of_;
   collectives::CodecTimer codec_;
   std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0};
-  std::atomic<int64_t> nonfinite_steps_{0}, nonfinite_buckets_{0};
+  std::atomic<int64_t> nonfinite_steps_{0}, nonfinite_buckets_{0}, carry_holds_{0};
   bool step_nonfinite_ = false;
   ReduceTotals step_start_, last_step_;
   std::vector<std::pair<int64_t, double>> step_buckets_, last_step_buckets_;
