@@ -15,7 +15,7 @@ def _demo(args) -> None:
     from . import demo
 
     demo.main(ranks=args.ranks, modes=args.modes, steps=args.steps,
-              batch=args.batch, json_path=args.json, lr=args.lr)
+              batch=args.batch, json_path=args.json, lr=args.lr, png_path=args.plot)
 
 
 def _bench(args) -> None:
@@ -29,7 +29,8 @@ def _bench(args) -> None:
 
         allreduce.main(sizes=common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor),
                        algos=args.algos, wires=args.wires, iters=args.iters, warmup=args.warmup,
-                       check=args.check, ranks=args.ranks, json_path=args.json, device=args.device)
+                       check=args.check, ranks=args.ranks, json_path=args.json, device=args.device,
+                       png_path=args.plot)
     elif args.what == "train":
         from .benchmarks import train
 
@@ -213,6 +214,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     d.add_argument("--batch", type=positive_int, default=32, help="samples per rank per step")
     d.add_argument("--lr", type=positive_float, default=0.02, help="SGD learning rate (momentum 0.9)")
     d.add_argument("--json", type=writable_path, default=None, metavar="PATH", help="also write the numbers as JSON")
+    d.add_argument("--plot", type=writable_path, default=None, metavar="PATH",
+                   help="training loss per mode and step times, as a PNG (needs matplotlib)")
     d.set_defaults(fn=_demo)
 
     b = sub.add_parser("bench", help="benchmarks (nccl-tests style tables)", formatter_class=fmt)
@@ -241,7 +244,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="comma-separated algorithms (default: all that apply)")
     a.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "onebit", "topk"), "wire"), default=None,
                    help="comma-separated wire formats (default none,fp16,onebit)")
-    a.add_argument("-c", "--check", type=int, choices=[0, 1], default=1, help="count wrong elements (1) or not (0)")
+    a.add_argument("-c", "--check", type=int, choices=[0, 1], default=1,
+                   help="compare with a float64 sum of random inputs (1) or not (0); see max_err and #wrong")
+    a.add_argument("--plot", type=writable_path, default=None, metavar="PATH",
+                   help="busbw against size per algorithm and wire, as a PNG (needs matplotlib)")
     a.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
     g = bs.add_parser("ddp", help="real DDP steps: PyTorch's hooks next to hetcomm's modes", formatter_class=fmt)
     common(g, sizes=False)
@@ -279,7 +285,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--seeds", type=positive_int, default=1,
                     help="runs per mode with different initialisation and data order; >1 adds a table of means")
     tr.add_argument("--json", type=writable_path, default=None, metavar="PATH")
-    tr.add_argument("--png", type=writable_path, default=None, metavar="PATH", help="loss curves (needs matplotlib)")
+    tr.add_argument("--plot", "--png", dest="png", type=writable_path, default=None, metavar="PATH",
+                    help="quality against time per mode, as a PNG (needs matplotlib)")
 
     t = sub.add_parser("topo", help="detect and measure the topology; print it and the plan table",
                        formatter_class=fmt)

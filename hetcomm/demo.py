@@ -98,14 +98,16 @@ def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batc
         state = _register(ddp, mode, state_kwargs, opt)
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
         dist.barrier()
-        times = []
+        times, losses = [], []
         for step in range(steps):
             idx = shard[torch.randint(0, len(shard), (batch,), generator=gen)]
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=False)
-            nn.functional.cross_entropy(ddp(x_tr[idx]), y_tr[idx]).backward()
+            loss = nn.functional.cross_entropy(ddp(x_tr[idx]), y_tr[idx])
+            loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
             if progress and rank == 0 and (step + 1) % max(1, steps // 5) == 0:
                 print(f"  {mode:<16} step {step + 1:>4}/{steps}", file=sys.stderr, flush=True)
         with torch.no_grad():
@@ -113,6 +115,7 @@ def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batc
             acc = (logits.argmax(1) == y_te).float().mean().item() * 100
             loss = nn.functional.cross_entropy(logits, y_te).item()
         numel = sum(p.numel() for p in model.parameters())
+        window = max(1, steps // 50)
         if state is not None:
             st = state.stats()
             bytes_per_step = st["last_step"]["bytes_sent"]
@@ -127,6 +130,9 @@ def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batc
             "bytes_per_step": bytes_per_step,
             "fp32_bytes_per_step": _torch_hook_bytes("torch-allreduce", numel, world),
             "params": numel,
+            # rank 0's training loss, averaged over windows of steps (for --plot)
+            "loss_curve": [[i + len(w), sum(w) / len(w)] for i in range(0, steps, window)
+                           for w in [losses[i:i + window]]],
         }
         dist.barrier()
     return results
@@ -159,8 +165,34 @@ def format_table(results: Dict[str, dict], world: int) -> str:
     return "\n".join(lines)
 
 
+def plot(results: Dict[str, dict], path: str, world: int) -> bool:
+    """Training loss against step per mode, and each mode's median step time."""
+    from .benchmarks import common
+
+    plt = common.pyplot("demo")
+    if plt is None:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    for mode, r in results.items():
+        left.plot([p[0] for p in r["loss_curve"]], [p[1] for p in r["loss_curve"]], label=mode)
+    left.set_xlabel("step")
+    left.set_ylabel("training loss (rank 0, window mean)")
+    left.set_yscale("log")
+    left.set_title(f"hetcomm demo: digits MLP, {world} gloo ranks")
+    left.legend(fontsize=7)
+    left.grid(True, alpha=0.3)
+    names = list(results)
+    right.barh(names, [results[m]["step_ms"] for m in names])
+    right.set_xlabel("median step time (ms)")
+    right.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(ranks: int = 2, modes: Optional[List[str]] = None, steps: int = 600, batch: int = 32,
-         json_path: Optional[str] = None, lr: float = 0.02) -> Dict[str, dict]:
+         json_path: Optional[str] = None, lr: float = 0.02, png_path: Optional[str] = None) -> Dict[str, dict]:
     modes = modes or DEFAULT_MODES
     for m in modes:
         if m not in MODES:
@@ -176,7 +208,10 @@ def main(ranks: int = 2, modes: Optional[List[str]] = None, steps: int = 600, ba
         with open(out) as f:
             results = json.load(f)
     print(format_table(results, ranks))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"ranks": ranks, "steps": steps, "batch": batch, "lr": lr, "results": results}, f, indent=2)
+    from .benchmarks import common
+
+    common.write_json(json_path, {"ranks": ranks, "steps": steps, "batch": batch, "lr": lr, "results": results},
+                      common.metadata(ranks, steps=steps, batch=batch, lr=lr))
+    if png_path and plot(results, png_path, ranks):
+        print(f"# loss curves and step times: {png_path}")
     return results

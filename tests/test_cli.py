@@ -20,11 +20,15 @@ def _run(args, tmp_path, timeout=240):
 
 
 def test_demo_prints_a_table_and_writes_json(tmp_path):
-    out = _run(["demo", "--steps", "30", "--modes", "none,onebit,torch-allreduce", "--json", "d.json"], tmp_path)
+    out = _run(["demo", "--steps", "30", "--modes", "none,onebit,torch-allreduce", "--json", "d.json",
+                "--plot", "d.png"], tmp_path)
     assert "mode" in out.stdout and "onebit" in out.stdout and "torch-allreduce" in out.stdout
     assert "step" in out.stderr  # progress while it runs
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.load(open(tmp_path / "d.json"))
+    assert data["meta"]["world_size"] == 2 and data["meta"]["torch"] == torch.__version__
     res = data["results"]
+    assert all(r["loss_curve"][-1][0] == 30 for r in res.values())
     assert set(res) == {"none", "onebit", "torch-allreduce"}
     # 30 steps: onebit's last step is compressed (start_iter=2)
     assert res["none"]["bytes_per_step"] == res["torch-allreduce"]["bytes_per_step"]
@@ -69,13 +73,22 @@ def test_topo_prints_links_and_plan(tmp_path):
 
 def test_bench_allreduce_rows_are_correct(tmp_path):
     out = _run(["bench", "allreduce", "-b", "64K", "-e", "256K", "-f", "4", "-n", "2", "-w", "1", "--ranks", "3",
-                "--wires", "none,fp16,onebit", "--json", "a.json"], tmp_path)
-    assert "busbw" in out.stdout
-    rows = json.load(open(tmp_path / "a.json"))["rows"]
+                "--wires", "none,fp16,onebit,topk", "--json", "a.json", "--plot", "a.png"], tmp_path)
+    assert "busbw" in out.stdout and "# Out of bounds values : 0 OK" in out.stdout
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.load(open(tmp_path / "a.json"))
+    assert data["meta"]["world_size"] == 3 and data["meta"]["topology"]["nodes"] == 1
+    rows = data["rows"]
     assert {r["algorithm"] for r in rows} == {"native", "ring", "halving_doubling", "tree"}  # one node: no hierarchy
+    # random inputs against a float64 sum: every wire within its bound (dense:
+    # rounding; 1-bit/top-k: results + residuals = the exact sums)
     assert all(r["wrong"] == 0 for r in rows), rows
+    err = {}
     for r in rows:
-        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * 2 / 3)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * 2 / 3)
+        err.setdefault(r["wire"], []).append(r["max_err"])
+    assert max(err["none"]) < 1e-6 and 1e-5 < max(err["fp16"]) < 2e-3  # fp32 / fp16 rounding of a 3-term sum
+    assert min(err["onebit"] + err["topk"]) > 0.1  # one call of a lossy wire is far off; error feedback repays it
 
 
 def test_bench_ddp_side_by_side(tmp_path):

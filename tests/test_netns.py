@@ -56,8 +56,10 @@ def test_bench_allreduce_inside_the_testbed_is_correct(tmp_path):
     assert {(x["algorithm"], x["wire"]) for x in rows} >= {("native", "none"), ("ring", "none"),
                                                            ("hierarchical", "none"), ("hierarchical", "onebit"),
                                                            ("native", "onebit")}
-    assert all(x["wrong"] == 0 for x in rows), rows  # constant inputs: 1-bit is exact too
-    assert all(x["busbw"] > 0 for x in rows)
+    # random inputs: dense wires within rounding of the float64 sum; 1-bit flat
+    # and across nodes loses nothing (results + residuals = the exact sums)
+    assert all(x["wrong"] == 0 for x in rows), rows
+    assert all(x["busbw_GBps"] > 0 for x in rows)
 
 
 def test_a_failing_rank_fails_the_testbed_run(tmp_path):

@@ -1,8 +1,20 @@
 """`hetcomm bench allreduce`: nccl-tests style. One row per size x algorithm x
-wire format: time, algbw (bytes / time), busbw (algbw * 2(W-1)/W), #wrong
-(elements that differ from the closed-form sum; -1 = lossy, not checked), and
-the planner's predicted time next to the measured one. Run it on loopback or
-inside the testbed (``hetcomm testbed ... -- hetcomm bench allreduce``).
+wire format, printed as it finishes: time, algbw (bytes / time), busbw (algbw *
+2(W-1)/W), the planner's predicted time next to the measured one, and with
+``--check 1`` (the default) how right the result is. Every rank sums its own
+random input (seeded, so each rank can rebuild all of them) and the result is
+compared with a float64 sum of the same inputs:
+
+- ``max_err``: max |result - exact| / max |exact| of one call. Dense wires are
+  within rounding; 1-bit and top-k are lossy by design and show how lossy.
+- ``#wrong``: elements outside the wire's bound. Dense wires: the floating-point
+  bound of a W-term sum in the wire's precision, 2 W u sum_r |x_r| (u = 2^-24
+  fp32, 2^-11 fp16, 2^-8 bf16). 1-bit and top-k: error feedback's invariant,
+  checked over 3 calls from zero state: the results plus what every rank still
+  holds in its residuals (worker and server, placed where they belong) equal
+  3 x the exact sum within fp32 rounding. Nothing is lost, only delayed.
+
+Run it on loopback or inside the testbed (``hetcomm testbed ... -- hetcomm bench allreduce``).
 ``--device cuda``: one GPU per rank, hetcomm on its own NCCL communicator,
 next to torch.distributed's NCCL all-reduce (algorithm "torch")."""
 
@@ -57,17 +69,85 @@ def _transport(rank: int, world: int, device: torch.device):
     return _C.ProcessGroupTransport(dist.group.WORLD)
 
 
+CHECK_CALLS = 3  # calls from zero state in a compressed wire's invariant check
+UNIT_ROUNDOFF = {"none": 2.0 ** -24, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+COLUMNS = [("bytes", "size(B)", "d"), ("algorithm", "algorithm", "s", 16), ("wire", "wire", "s"),
+           ("time_us", "time(us)", ".1f"), ("algbw_GBps", "algbw(GB/s)", ".3f"), ("busbw_GBps", "busbw(GB/s)", ".3f"),
+           ("max_err", "max_err", ".2e"), ("wrong", "#wrong", "d"), ("predicted_us", "predicted(us)", ".1f"),
+           ("planned", "planned", "s", 16)]
+
+
+def _inputs(n: int, size: int, world: int, rank: int):
+    """This rank's random input, the float64 sum of every rank's and the sum
+    of their magnitudes (every rank's input rebuilt from its seed)."""
+    exact = torch.zeros(n, dtype=torch.float64)
+    magnitude = torch.zeros(n, dtype=torch.float64)
+    mine = None
+    for r in range(world):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(size * 1009 + r))
+        exact += x
+        magnitude += x.abs()
+        if r == rank:
+            mine = x
+    return mine, exact, magnitude
+
+
+def _state_sum(state: Dict, n: int, algo: str, topo: topology.Topology, rank: int, world: int,
+               device: torch.device) -> torch.Tensor:
+    """What all ranks' residuals (worker and server) still owe the sum, placed
+    where they belong in it (float64, on the CPU)."""
+    hierarchical = algo == "hierarchical"
+    worker_off, server_off = _C.state_offsets(n, world, rank, list(topo.node_ids) if hierarchical else [],
+                                              hierarchical)
+    owed = torch.zeros(n, device=device)
+    owed.narrow(0, worker_off, state["w"].numel()).add_(state["w"])
+    owed.narrow(0, server_off, state["s"].numel()).add_(state["s"])
+    dist.all_reduce(owed)
+    return owed.double().cpu()
+
+
+def _check(run, base: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, wire: str, state: Dict,
+           owed) -> tuple:
+    """(max_err of one call, #wrong) as the module's docstring defines them."""
+    scale = float(exact.abs().max())
+    x = base.clone()
+    run(x)
+    first = x.double().cpu()
+    max_err = float((first - exact).abs().max()) / scale
+    if wire in UNIT_ROUNDOFF:
+        world = dist.get_world_size()
+        bound = 2 * world * UNIT_ROUNDOFF[wire] * magnitude + world * 2.0 ** -24  # + fp16's subnormal spacing
+        return max_err, int(((first - exact).abs() > bound).sum())
+    delivered = first
+    for _ in range(CHECK_CALLS - 1):
+        x.copy_(base)
+        run(x)
+        delivered += x.double().cpu()
+    gap = (delivered + owed() - CHECK_CALLS * exact).abs()
+    return max_err, int((gap > 1e-5 * CHECK_CALLS * float(magnitude.max())).sum())
+
+
 def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: List[str], iters: int, warmup: int,
             check: bool, device_type: str = "cpu") -> List[dict]:
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     topo = topology.detect(use_cache=False, device=device)  # a benchmark measures the links it runs on
     t = _transport(rank, world, device)
+    table = common.Table(COLUMNS)
+    if rank == 0:
+        print(f"# hetcomm bench allreduce: {world} ranks on {device.type}, {iters} iterations after {warmup} "
+              "warm-up; busbw = algbw * 2(W-1)/W; max_err = max |result - exact| / max |exact| of one call; "
+              "#wrong = elements outside the wire's bound (-1: not checked); planned = the planner's choice",
+              flush=True)
+        table.header()
     rows = []
     for size in sizes:
         n = max(1, size // 4)
-        base = torch.full((n,), float(rank + 1), device=device)
-        expect = world * (world + 1) / 2
+        if check:
+            base, exact, magnitude = _inputs(n, size, world, rank)
+            base = base.to(device)
+        else:
+            base = torch.randn(n, generator=torch.Generator().manual_seed(size * 1009 + rank)).to(device)
         for wire in wires:
             for algo in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos:
                 if not _applicable(topo, algo, wire):
@@ -86,11 +166,11 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
                     else:
                         _one(t, x, algo, wire, topo, state)
 
+                max_err, wrong = float("nan"), -1
+                if check:
+                    max_err, wrong = _check(run, base, exact, magnitude, wire, state,
+                                            lambda: _state_sum(state, n, algo, topo, rank, world, device))
                 x = base.clone()
-                wrong = -1
-                if check and wire != "topk":
-                    run(x)
-                    wrong = int((x != expect).sum())
                 for _ in range(warmup):
                     x.copy_(base)
                     run(x)
@@ -103,21 +183,24 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
                 common.sync(device)
                 elapsed = torch.tensor([(time.perf_counter() - t0) / iters], device=device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                wrong_t = torch.tensor([max(wrong, 0)], device=device)
-                dist.all_reduce(wrong_t)
                 sec = float(elapsed)
                 algbw = size / sec / 1e9
-                rows.append({"bytes": size, "algorithm": algo, "wire": wire, "time_us": sec * 1e6,
-                             "algbw": algbw, "busbw": algbw * 2 * (world - 1) / world,
-                             "wrong": int(wrong_t) if wrong >= 0 else -1,
-                             "predicted_us": 0.0 if algo == "torch" else (planner.predict(
-                                 topo, size, algo, "topk:0.01" if wire == "topk" else wire) or 0) * 1e6,
-                             "planned": planner.plan(topo, size, "topk:0.01" if wire == "topk" else wire)["algorithm"]})
-    return rows if rank == 0 else []
+                tk = "topk:0.01" if wire == "topk" else wire
+                row = {"bytes": size, "algorithm": algo, "wire": wire, "time_us": sec * 1e6,
+                       "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (world - 1) / world,
+                       "max_err": max_err, "wrong": wrong,
+                       "predicted_us": 0.0 if algo == "torch" else (planner.predict(topo, size, algo, tk) or 0) * 1e6,
+                       "planned": planner.plan(topo, size, tk)["algorithm"]}
+                rows.append(row)
+                if rank == 0:
+                    table.row(row)
+    topo_summary = {"nodes": topo.num_nodes, "node_of_rank": list(topo.node_ids), "source": topo.source}
+    return (rows, topo_summary) if rank == 0 else ([], None)
 
 
 def main(sizes: List[int], algos: Optional[List[str]], wires: Optional[List[str]], iters: int, warmup: int,
-         check: bool, ranks: int, json_path: Optional[str], device: str = "cpu") -> List[dict]:
+         check: bool, ranks: int, json_path: Optional[str], device: str = "cpu",
+         png_path: Optional[str] = None) -> List[dict]:
     algos = algos or ALGOS
     wires = wires or WIRES
     for a in algos:
@@ -130,13 +213,42 @@ def main(sizes: List[int], algos: Optional[List[str]], wires: Optional[List[str]
                               backend="nccl" if device == "cuda" else "gloo")
     if results is None:  # a non-zero rank under torchrun / the testbed
         return []
-    rows = results
+    rows, topo_summary = results
     world = int(os.environ.get("WORLD_SIZE", ranks))
-    print(f"# hetcomm bench allreduce: {world} ranks on {device}, {iters} iterations after {warmup} warm-up; "
-          "busbw = algbw * 2(W-1)/W; #wrong -1 = lossy, not checked; planned = the planner's choice")
-    common.print_table(rows, [("bytes", "size(B)", "d"), ("algorithm", "algorithm", "s"), ("wire", "wire", "s"),
-                              ("time_us", "time(us)", ".1f"), ("algbw", "algbw(GB/s)", ".3f"),
-                              ("busbw", "busbw(GB/s)", ".3f"), ("wrong", "#wrong", "d"),
-                              ("predicted_us", "predicted(us)", ".1f"), ("planned", "planned", "s")])
-    common.write_json(json_path, {"world": world, "rows": rows})
+    # nccl-tests' footer
+    print(f"# Out of bounds values : {sum(max(r['wrong'], 0) for r in rows)} "
+          f"{'OK' if all(r['wrong'] <= 0 for r in rows) else 'FAILED'}" + ("" if check else " (not checked)"))
+    print(f"# Avg bus bandwidth    : {sum(r['busbw_GBps'] for r in rows) / max(len(rows), 1):.4g} GB/s")
+    common.write_json(json_path, {"rows": rows}, common.metadata(
+        world, device=device, iters=iters, warmup=warmup, topology=topo_summary,
+        units={"bytes": "B", "time_us": "microseconds", "algbw_GBps": "GB/s", "busbw_GBps": "GB/s",
+               "max_err": "relative to max |exact sum|", "predicted_us": "microseconds"}))
+    if png_path and plot(rows, png_path, world):
+        print(f"# busbw vs size: {png_path}")
     return rows
+
+
+def plot(rows: List[dict], path: str, world: int) -> bool:
+    """busbw against message size, one line per algorithm and wire (matplotlib)."""
+    plt = common.pyplot("bench allreduce")
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    wires = list(dict.fromkeys(r["wire"] for r in rows))
+    styles, markers = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))], "osD^v"
+    for key in dict.fromkeys((r["algorithm"], r["wire"]) for r in rows):  # colour: algorithm; line: wire
+        pts = [r for r in rows if (r["algorithm"], r["wire"]) == key]
+        w = wires.index(key[1]) % len(styles)
+        ax.plot([r["bytes"] for r in pts], [r["busbw_GBps"] for r in pts], color=f"C{algos.index(key[0]) % 10}",
+                linestyle=styles[w], marker=markers[w], label=f"{key[0]} / {key[1]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes of fp32)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"hetcomm bench allreduce, {world} ranks")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

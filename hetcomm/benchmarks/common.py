@@ -45,14 +45,64 @@ def memory_bandwidth(nbytes: int = 256 << 20, iters: int = 5, device: str = "cpu
     return 2 * nbytes / t / 1e9
 
 
+class Table:
+    """A table printed a row at a time, as rows finish (nccl-tests' way):
+    columns are (key, header, format[, width]); a column is as wide as its
+    header, its width or 10, whichever is most."""
+
+    def __init__(self, columns: List[tuple]) -> None:
+        self.columns = [(c[0], c[1], c[2], max(len(c[1]), c[3] if len(c) > 3 else 10)) for c in columns]
+
+    def header(self) -> None:
+        print("  ".join(f"{h:>{w}}" for _, h, _, w in self.columns), flush=True)
+
+    def row(self, r: Dict) -> None:
+        print("  ".join(f"{format(r[k], f):>{w}}" for k, _, f, w in self.columns), flush=True)
+
+
 def print_table(rows: List[Dict], columns: List[tuple]) -> None:
-    """columns: (key, header, format)."""
-    print("  ".join(f"{h:>{max(len(h), 10)}}" for _, h, _ in columns))
+    """columns: (key, header, format); each column fits its widest cell."""
+    cols = [(k, h, f, max([10, len(h)] + [len(format(r[k], f)) for r in rows])) for k, h, f in columns]
+    t = Table(cols)
+    t.header()
     for r in rows:
-        print("  ".join(f"{format(r[k], f):>{max(len(h), 10)}}" for k, h, f in columns))
+        t.row(r)
 
 
-def write_json(path: Optional[str], payload: Dict) -> None:
+def pyplot(who: str):
+    """matplotlib.pyplot on the file-only Agg backend, or None (with a note on
+    stderr) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        import sys
+
+        print(f"hetcomm {who}: matplotlib is not installed, no PNG written (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def metadata(world: int, **extra) -> Dict:
+    """What a result file needs to be read later: the command, versions and
+    build, the machine, the date (UTC) and the run's own settings."""
+    import datetime
+    import platform
+    import sys
+
+    import hetcomm
+
+    return {"command": " ".join(["hetcomm"] + sys.argv[1:]), "world_size": world,
+            "hetcomm": hetcomm.__version__, "torch": torch.__version__, "build": hetcomm.build_info(),
+            "python": platform.python_version(), "host": platform.node(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **extra}
+
+
+def write_json(path: Optional[str], payload: Dict, meta: Optional[Dict] = None) -> None:
+    """payload as JSON at path (nothing when path is None), with ``meta`` (see
+    :func:`metadata`) first."""
     if path:
         with open(path, "w") as f:
-            json.dump(payload, f, indent=2)
+            json.dump({"meta": meta, **payload} if meta is not None else payload, f, indent=2)

@@ -110,5 +110,6 @@ def main(sizes: List[int], iters: int = 10, warmup: int = 2, json_path: Optional
                                      ("gbps", "GB/s", ".2f"), ("torch_gbps", "torch GB/s", ".2f"),
                                      ("speedup", "vs torch", ".2f"), ("of_membw", "of membw", ".2f"),
                                      ("wrong", "#wrong", "d")])
-    common.write_json(json_path, res)
+    common.write_json(json_path, res, common.metadata(1, iters=iters, warmup=warmup,
+                                                      units={"gbps": "GB/s of fp32 input", "time_us": "microseconds"}))
     return res

@@ -228,7 +228,8 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
     plain = next((r for r in rows if r["mode"] == "torch-allreduce"), None)
     for r in rows:
         r["of_ideal"] = r["samples_per_s"] / ideal
-        r["vs_plain_ddp"] = r["samples_per_s"] / plain["samples_per_s"] if plain else float("nan")
+        if plain:
+            r["vs_plain_ddp"] = r["samples_per_s"] / plain["samples_per_s"]
     return {"ranks": ranks, "rank_cpu": rank_cpu, "cfg": cfg, "rows": rows, "summary": summary}
 
 
@@ -242,10 +243,14 @@ def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int,
           f"{res['rows'][0]['params']:,} parameters, global batch {global_batch}, {steps} timed steps")
     cols = [("mode", "mode", "s"), ("step_ms", "step ms", ".1f"), ("samples_per_s", "samples/s", ".1f"),
             ("bytes_per_step", "bytes/step", ",d"), ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
-    cols += [("of_ideal", "of ideal", ".2f"), ("vs_plain_ddp", "vs DDP", ".2f"), ("plans", "bucket plans", "s")]
+    cols += [("of_ideal", "of ideal", ".2f")]
+    if "vs_plain_ddp" in res["rows"][0]:  # torch-allreduce ran
+        cols += [("vs_plain_ddp", "vs DDP", ".2f")]
+    cols += [("plans", "bucket plans", "s")]
     solo = ", ".join(f"{r:.0f}" for r in res["summary"]["solo_rates"])
     print(f"# ideal = sum of each rank's solo speed (training alone, samples/s: {solo}) = "
           f"{res['summary']['ideal_samples_per_s']:.1f} samples/s; vs DDP = vs torch-allreduce")
     common.print_table(res["rows"], cols)
-    common.write_json(json_path, res)
+    common.write_json(json_path, res, common.metadata(res["ranks"], iters=steps, warmup=warmup,
+                                                      units={"step_ms": "milliseconds", "bytes_per_step": "B"}))
     return res

@@ -93,5 +93,6 @@ def main(networks: List[str], params: List[int], ranks: List[int], modes: List[s
         if "error" in c:
             print(f"# {c['network']} {c['params']:,} {c['ranks']}: {c['error']}")
     common.write_json(json_path, {"cells": cells, "modes": modes, "iters": iters, "warmup": warmup,
-                                  "global_batch": global_batch})
+                                  "global_batch": global_batch},
+                      common.metadata(max(ranks), units={"best_ms": "milliseconds", "auto_ms": "milliseconds"}))
     return cells

@@ -11,9 +11,7 @@ the same command measures a simulated cluster (e.g. 2 nodes x 2 ranks at
 
 from __future__ import annotations
 
-import datetime
 import math
-import platform
 import sys
 import time
 from typing import Dict, List, Optional
@@ -178,14 +176,8 @@ def plot(runs: List[Dict], path: str) -> bool:
     """Quality against training time: a row per optimizer, a column per task
     (matplotlib); the y range follows fp32's curve so a diverged run does not
     flatten the others."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("hetcomm bench train: matplotlib is not installed, no PNG written (pip install matplotlib)",
-              file=sys.stderr)
+    plt = common.pyplot("bench train")
+    if plt is None:
         return False
     tasks = [t for t in TASKS if any(r["task"] == t for r in runs)]
     optims = [o for o in OPTIMIZERS if any(r["optimizer"] == o for r in runs)]
@@ -256,11 +248,8 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
     for r in runs:
         row = dict(r, s_per_step=1000 * r["s_per_step"], bytes_per_step=r["bytes_per_step"] / 1000)
         print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
-    meta = {"command": " ".join(["hetcomm"] + sys.argv[1:]) if sys.argv else "", "world_size": world,
-            "hetcomm": hetcomm.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "host": platform.node(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "wall_s": time.time() - t0, "scale": scale, "eval_every": eval_every, "lr_scale": lr_scale,
-            "seeds": seeds}
+    meta = common.metadata(world, wall_s=time.time() - t0, scale=scale, eval_every=eval_every, lr_scale=lr_scale,
+                           seeds=seeds)
     summary = aggregate(runs)
     if seeds > 1:
         print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean")
@@ -270,6 +259,6 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         print("  ".join(f"{h:>11}" for _, h, _ in acols))
         for a in summary:
             print("  ".join(f"{_fmt(a[k], f):>11}" for k, _, f in acols))
-    common.write_json(json_path, {"meta": meta, "runs": runs, "summary": summary})
+    common.write_json(json_path, {"runs": runs, "summary": summary}, meta)
     if png_path and plot(runs, png_path):
         print(f"# loss curves: {png_path}")
