@@ -32,7 +32,7 @@ import torch.distributed as dist
 ENV_NODE = "HETCOMM_NODE"          # node identity of this rank (default: hostname)
 ENV_TOPOLOGY = "HETCOMM_TOPOLOGY"  # path of a topology JSON to load instead of probing
 ENV_ALGO = "HETCOMM_ALGO"          # force an algorithm for every bucket (native, ring, ...)
-ENV_CACHE = "HETCOMM_CACHE_DIR"    # where measured topologies are cached (default ~/.cache/hetcomm)
+ENV_CACHE = "HETCOMM_CACHE_DIR"    # where measured topologies are cached (default: platformdirs' user cache dir)
 ENV_CACHE_MAX_AGE = "HETCOMM_CACHE_MAX_AGE"  # seconds a cached topology is trusted (default 86400: a day)
 
 log = logging.getLogger("hetcomm")
@@ -250,7 +250,11 @@ def _cluster_id(nodes: List[str], devices: List[dict]) -> str:
 
 
 def _cache_dir() -> str:
-    return os.environ.get(ENV_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "hetcomm")
+    if os.environ.get(ENV_CACHE):
+        return os.environ[ENV_CACHE]
+    import platformdirs  # the platform's convention: ~/.cache/hetcomm on Linux (XDG_CACHE_HOME honoured)
+
+    return platformdirs.user_cache_dir("hetcomm", appauthor=False)
 
 
 def _cache_path(nodes: List[str], devices: List[dict]) -> str:
