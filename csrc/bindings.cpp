@@ -1,4 +1,5 @@
-// The only file that sees both pybind11 and ATen. C++ errors leave here as
+// Binds the core for Python (with engine/engine.cpp, which completes Python
+// futures, the only file that sees pybind11). C++ errors leave here as
 // Python exceptions (c10::ValueError -> ValueError, c10::TypeError -> TypeError,
 // anything else -> RuntimeError, through torch's translators); input checks
 // inside name the argument and the rule.
@@ -10,20 +11,16 @@
 #include <torch/version.h>
 
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "collectives/algorithms.h"
 #include "collectives/compressed.h"
 #include "collectives/lowrank.h"
-#include "engine/bucket_reducer.h"
-#include "engine/worker.h"
+#include "engine/engine.h"
 #include "ops/cpu_ops.h"
 #include "transport/pg_transport.h"
 #ifdef HETCOMM_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_runtime.h>
 
 #include "transport/nccl_transport.h"
 #endif
@@ -32,8 +29,6 @@ namespace py = pybind11;
 using namespace hetcomm;
 
 namespace {
-
-using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
 
@@ -66,218 +61,37 @@ void blocking(Transport& t, const std::function<void()>& fn) {
   fn();
 }
 
-// Comm engine of one HookState: a transport, the reducer and its FIFO thread.
-// Once a job fails every later job fails at once with the first error: after
-// a failed collective the ranks are out of step, and going on would hang.
-class Engine {
- public:
-  Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device)
-      : transport_(std::make_shared<ProcessGroupTransport>(std::move(pg), device)), reducer_(transport_) {}
-  explicit Engine(std::shared_ptr<Transport> t) : transport_(std::move(t)), reducer_(transport_) {}
+// The names Python uses for the enums (py::enum_ exports them as _C.Algo / _C.Codec).
+const std::vector<std::pair<const char*, Algo>> kAlgoNames = {{"native", Algo::kNative},
+                                                                {"ring", Algo::kRing},
+                                                                {"halving_doubling", Algo::kHalvingDoubling},
+                                                                {"tree", Algo::kTree},
+                                                                {"hierarchical", Algo::kHierarchical}};
+const std::vector<std::pair<const char*, Codec>> kCodecNames = {{"none", Codec::kNone},   {"fp16", Codec::kFP16},
+                                                                  {"bf16", Codec::kBF16},   {"onebit", Codec::kOneBit},
+                                                                  {"topk", Codec::kTopK},   {"lowrank", Codec::kLowRank}};
 
-  // Dropped while jobs are queued (no close()): the comm thread needs the GIL
-  // to complete their futures, so wait for it without holding the GIL.
-  ~Engine() {
-    if (PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      worker_.close();
-    } else {
-      worker_.close();
-    }
+Algo algo_named(const std::string& name) {
+  std::string all;
+  for (const auto& [n, a] : kAlgoNames) {
+    if (name == n) return a;
+    all += (all.empty() ? "" : ", ") + std::string(n);
   }
+  TORCH_CHECK_VALUE(false, "hetcomm: algorithm must be one of ", all, ", got '", name, "'");
+}
 
-  // Posts fn to the comm thread; the Future's value (a Python object) is
-  // fn's result. One engine serves one device: its transport's.
-  py::object run(std::function<at::Tensor()> fn, const at::Tensor& bucket = at::Tensor()) {
-    const at::Device device = transport_->device();
-    TORCH_CHECK_VALUE(!bucket.defined() || bucket.device() == device, "hetcomm: bucket is on ", bucket.device(),
-                      " but this HookState's transport works on ", device,
-                      " (one HookState serves the buckets of one device)");
-#ifdef HETCOMM_WITH_CUDA
-    if (device.is_cuda()) return run_cuda(std::move(fn), bucket);
-#endif
-    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
-    worker_.post([this, fut, fn = std::move(fn)] { execute(fut, fn); });
-    return wrap_future(fut);
-  }
-
-#ifdef HETCOMM_WITH_CUDA
-  // A CUDA transport: the comm stream first waits for what the caller's
-  // stream has queued (the gradients), the job's kernels and collectives run
-  // on the comm stream, and the Future is CUDA-aware: completed with events
-  // on the comm stream, so DDP's wait() makes its stream wait without blocking
-  // the host. The comm thread then waits for the stream itself (NCCL: polling
-  // async errors, aborting on timeout) so a dead peer raises, not hangs.
-  py::object run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket) {
-    const c10::Device device = transport_->device();
-    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get(), std::vector<c10::Device>{device});
-    cudaEvent_t ready;
-    c10::cuda::CUDAStream stream = comm_stream();
-    {
-      c10::cuda::CUDAGuard guard(device);
-      TORCH_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming) == cudaSuccess, "hetcomm: cudaEventCreate");
-      TORCH_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()) == cudaSuccess,
-                  "hetcomm: cudaEventRecord");
-    }
-    worker_.post([this, fut, fn = std::move(fn), bucket, ready, stream] {
-      c10::cuda::CUDAStreamGuard guard(stream);
-      cudaStreamWaitEvent(stream.stream(), ready, 0);
-      cudaEventDestroy(ready);
-      execute(fut, fn, [&] {
-        transport_->synchronize();  // NCCL: bounded by the timeout, aborts the communicator
-        stream.synchronize();       // a process group: its own watchdog bounds this
-        if (bucket.defined()) c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), stream);
-      });  // markCompleted records the future's events on the comm stream
-    });
-    return wrap_future(fut);
-  }
-
-  // NcclTransport enqueues on its own stream; with a process group the
-  // engine keeps a stream of its own.
-  c10::cuda::CUDAStream comm_stream() {
-    if (auto nccl = std::dynamic_pointer_cast<NcclTransport>(transport_)) return nccl->stream();
-    if (!stream_) stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, transport_->device().index());
-    return *stream_;
-  }
-  c10::optional<c10::cuda::CUDAStream> stream_;
-#endif
-
-  // On the comm thread: runs fn (then `after`, inside the same error
-  // handling) and completes fut with its result or its error.
-  void execute(const FuturePtr& fut, const std::function<at::Tensor()>& fn,
-               const std::function<void()>& after = nullptr) {
-    std::string earlier;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      earlier = failure_;
-    }
-    if (!earlier.empty()) {
-      fut->setError(std::make_exception_ptr(
-          std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier)));
-      return;
-    }
-    at::Tensor result;
-    try {
-      result = fn();
-      if (after) after();
-    } catch (const std::exception& e) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        failure_ = e.what();
-      }
-      fut->setError(std::current_exception());
-      return;
-    }
-    py::gil_scoped_acquire gil;
-    fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));
-  }
-
-  py::object submit_bucket(int64_t index, at::Tensor buffer, int codec, int64_t chunk, double ratio, bool exact,
-                           c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
-                           c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, int algo,
-                           c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry) {
-    TORCH_CHECK_VALUE(algo >= 0 && algo <= static_cast<int>(Algo::kHierarchical), "hetcomm: unknown algorithm id ", algo);
-    TORCH_CHECK_VALUE(codec >= 0 && codec <= static_cast<int>(Codec::kLowRank), "hetcomm: unknown codec id ", codec);
-    TORCH_CHECK_VALUE(codec != static_cast<int>(Codec::kLowRank) || (layout && q_state),
-                      "hetcomm: the lowrank codec needs a layout and a Q state");
-    ops::check_float_vector(buffer, "bucket buffer");
-    TORCH_CHECK_VALUE(buffer.is_contiguous(), "hetcomm: bucket buffer must be contiguous");
-    ops::check_chunk(chunk);
-    TORCH_CHECK_VALUE(ratio > 0.0 && ratio <= 1.0, "hetcomm: topk_ratio must be in (0, 1], got ", ratio);
-    TORCH_CHECK_VALUE(std::isfinite(beta) && beta >= 0.0 && beta < 1.0, "hetcomm: momentum beta must be in [0, 1), got ",
-                      beta);
-    TORCH_CHECK_VALUE(!momentum || momentum->numel() == buffer.numel(), "hetcomm: momentum must have the bucket's ",
-                      buffer.numel(), " elements");
-    TORCH_CHECK_VALUE(!carry || carry->numel() == buffer.numel(), "hetcomm: carry must have the bucket's ",
-                      buffer.numel(), " elements");
-    for (const auto* st : {&residual, &server_residual, &q_state, &momentum, &carry}) {
-      if (!*st) continue;
-      const at::Tensor& s = **st;
-      TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 1 &&
-                            s.device() == buffer.device(),
-                        "hetcomm: residuals and Q state must be contiguous 1-D float32 on the bucket's device");
-    }
-    if (residual && codec != static_cast<int>(Codec::kLowRank) && algo != static_cast<int>(Algo::kHierarchical))
-      TORCH_CHECK_VALUE(residual->numel() == buffer.numel(), "hetcomm: residual must have the bucket's ",
-                        buffer.numel(), " elements, got ", residual->numel());
-    BucketJob job;
-    job.index = index;
-    job.buffer = buffer.view({-1});
-    job.codec = static_cast<Codec>(codec);
-    job.chunk = chunk;
-    job.topk_ratio = ratio;
-    job.topk_exact = exact;
-    job.residual = residual.value_or(at::Tensor());
-    job.server_residual = server_residual.value_or(at::Tensor());
-    job.last = last;
-    job.layout = opt(layout);
-    job.q_state = opt(q_state);
-    job.momentum = opt(momentum);
-    job.beta = beta;
-    job.carry = opt(carry);
-    job.algo = static_cast<Algo>(algo);
-    return run([this, job]() mutable { return reducer_.reduce(job); }, job.buffer);
-  }
-
-  py::object submit_batch_size(double local) {
-    TORCH_CHECK_VALUE(std::isfinite(local) && local > 0, "hetcomm: local batch size must be > 0, got ", local);
-    return run([this, local] {
-      reducer_.set_batch_size(local);
-      return at::full({1}, reducer_.divisor(), at::kDouble);
-    });
-  }
-
-  py::object submit_config(at::Tensor config) {
-    TORCH_CHECK_VALUE(config.dim() == 1, "hetcomm: config must be 1-D");
-    return run([this, config] { return reducer_.gather_config(config); });
-  }
-
-  // Applies to buckets submitted after this call (FIFO on the comm thread).
-  void set_topology(std::vector<int> order, std::vector<int> node_of) {
-    BucketReducer::check_topology(order, node_of, transport_->size());  // here, not on the comm thread
-    run([this, order, node_of] {
-      reducer_.set_topology(order, node_of);
-      return at::zeros({0});
-    });
-  }
-
-  void drain() { worker_.drain(); }
-  void close() { worker_.close(); }
-  bool closed() const { return worker_.closed(); }
-  int64_t nonfinite_steps() const { return reducer_.nonfinite_steps(); }
-  int64_t carry_holds() const { return reducer_.carry_holds(); }
-  std::vector<std::pair<int64_t, double>> last_step_buckets() const { return reducer_.last_step_buckets(); }
-  int rank() const { return transport_->rank(); }
-  int size() const { return transport_->size(); }
-
-  py::dict stats() {
-    auto to_dict = [](const ReduceTotals& t) {
-      py::dict d;
-      d["bytes_sent"] = t.bytes_sent;
-      d["bytes_recv"] = t.bytes_recv;
-      d["comm_s"] = t.comm_ns * 1e-9;
-      d["codec_s"] = t.codec_ns * 1e-9;
-      d["numel"] = t.numel;
-      d["buckets"] = t.buckets;
-      d["fp32_bytes"] = t.fp32_bytes;
-      d["compression_ratio"] = t.bytes_sent > 0 ? static_cast<double>(t.fp32_bytes) / t.bytes_sent : 1.0;
-      return d;
-    };
-    py::dict d;
-    d["nonfinite_steps"] = reducer_.nonfinite_steps();
-    d["nonfinite_buckets"] = reducer_.nonfinite_buckets();
-    d["total"] = to_dict(reducer_.totals());
-    d["last_step"] = to_dict(reducer_.last_step());
-    return d;
-  }
-
- private:
-  std::shared_ptr<Transport> transport_;
-  BucketReducer reducer_;
-  std::mutex mu_;
-  std::string failure_;
-  Worker worker_;  // last: its thread stops before the members it uses go away
-};
+py::dict totals_dict(const ReduceTotals& t) {
+  py::dict d;
+  d["bytes_sent"] = t.bytes_sent;
+  d["bytes_recv"] = t.bytes_recv;
+  d["comm_s"] = t.comm_ns * 1e-9;
+  d["codec_s"] = t.codec_ns * 1e-9;
+  d["numel"] = t.numel;
+  d["buckets"] = t.buckets;
+  d["fp32_bytes"] = t.fp32_bytes;
+  d["compression_ratio"] = t.bytes_sent > 0 ? static_cast<double>(t.fp32_bytes) / t.bytes_sent : 1.0;
+  return d;
+}
 
 py::dict build_info() {
   py::dict d;
@@ -451,30 +265,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             BucketReducer::check_topology(order, node_of, t.size());
             if (inter != "ring") ops::check_chunk(chunk);
             at::Tensor flat = x.view({-1});
-            blocking(t, [&] {
-              if (algorithm == "native") {
-                t.all_reduce_sum(flat);
-              } else if (algorithm == "ring") {
-                collectives::allreduce_ring(t, flat, order);
-              } else if (algorithm == "halving_doubling") {
-                collectives::allreduce_halving_doubling(t, flat);
-              } else if (algorithm == "tree") {
-                collectives::allreduce_tree(t, flat);
-              } else if (algorithm == "hierarchical") {
-                collectives::InterOptions o;
-                o.codec = inter == "ring" ? collectives::InterCodec::kRing
-                                          : (inter == "onebit" ? collectives::InterCodec::kOneBit
-                                                               : collectives::InterCodec::kTopK);
-                o.residual = opt(res);
-                o.server_residual = opt(sres);
-                o.chunk = chunk;
-                o.topk_ratio = ratio;
-                collectives::allreduce_hierarchical(t, flat, node_of, o);
-              } else {
-                TORCH_CHECK_VALUE(false, "hetcomm: algorithm must be native, ring, halving_doubling, tree or "
-                                         "hierarchical, got '", algorithm, "'");
-              }
-            });
+            const Algo algo = algo_named(algorithm);
+            collectives::InterOptions o;
+            o.codec = inter == "ring" ? collectives::InterCodec::kRing
+                                      : (inter == "onebit" ? collectives::InterCodec::kOneBit
+                                                           : collectives::InterCodec::kTopK);
+            o.residual = opt(res);
+            o.server_residual = opt(sres);
+            o.chunk = chunk;
+            o.topk_ratio = ratio;
+            blocking(t, [&] { collectives::allreduce_by(t, flat, algo, order, node_of, o); });
           },
           py::arg("x"), py::arg("algorithm"), py::arg("order") = std::vector<int>{},
           py::arg("node_of") = std::vector<int>{}, py::arg("inter") = "ring", py::arg("residual") = py::none(),
@@ -505,6 +305,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 
   // ---- engine ----------------------------------------------------------------
+  py::enum_<Algo> algo_enum(m, "Algo", "How a sum is computed (csrc/collectives/algorithms.h)");
+  for (const auto& [n, a] : kAlgoNames) algo_enum.value(n, a);
+  py::enum_<Codec> codec_enum(m, "Codec", "A bucket's wire format (csrc/engine/bucket_reducer.h)");
+  for (const auto& [n, c] : kCodecNames) codec_enum.value(n, c);
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("process_group"),
            py::arg("device") = at::Device(at::kCPU))
@@ -513,21 +317,56 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "with_nccl", [](std::shared_ptr<NcclTransport> t) { return std::make_shared<Engine>(std::static_pointer_cast<Transport>(t)); },
           py::arg("transport"))
 #endif
-      .def("submit_bucket", &Engine::submit_bucket, py::arg("index"), py::arg("buffer"), py::arg("codec"),
-           py::arg("chunk"), py::arg("topk_ratio"), py::arg("topk_exact"), py::arg("residual"),
-           py::arg("server_residual"), py::arg("last"), py::arg("layout") = py::none(),
-           py::arg("q_state") = py::none(), py::arg("algorithm") = 0, py::arg("momentum") = py::none(),
-           py::arg("beta") = 0.0, py::arg("carry") = py::none())
+      .def(
+          "submit_bucket",
+          [](Engine& e, int64_t index, at::Tensor buffer, Codec codec, int64_t chunk, double ratio, bool exact,
+             c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
+             c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, Algo algo,
+             c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry) {
+            BucketJob job;
+            job.index = index;
+            job.buffer = buffer;
+            job.codec = codec;
+            job.algo = algo;
+            job.chunk = chunk;
+            job.topk_ratio = ratio;
+            job.topk_exact = exact;
+            job.residual = opt(residual);
+            job.server_residual = opt(server_residual);
+            job.last = last;
+            job.layout = opt(layout);
+            job.q_state = opt(q_state);
+            job.momentum = opt(momentum);
+            job.beta = beta;
+            job.carry = opt(carry);
+            return wrap_future(e.submit_bucket(std::move(job)));
+          },
+          py::arg("index"), py::arg("buffer"), py::arg("codec"), py::arg("chunk"), py::arg("topk_ratio"),
+          py::arg("topk_exact"), py::arg("residual"), py::arg("server_residual"), py::arg("last"),
+          py::arg("layout") = py::none(), py::arg("q_state") = py::none(), py::arg("algorithm") = Algo::kNative,
+          py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none())
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
-      .def("submit_batch_size", &Engine::submit_batch_size, py::arg("local_batch_size"))
-      .def("submit_config", &Engine::submit_config, py::arg("config"))
+      .def(
+          "submit_batch_size", [](Engine& e, double local) { return wrap_future(e.submit_batch_size(local)); },
+          py::arg("local_batch_size"))
+      .def(
+          "submit_config", [](Engine& e, at::Tensor config) { return wrap_future(e.submit_config(config)); },
+          py::arg("config"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def("nonfinite_steps", &Engine::nonfinite_steps)
       .def("carry_holds", &Engine::carry_holds)
-      .def("stats", &Engine::stats)
+      .def("stats",
+           [](const Engine& e) {
+             const EngineStats s = e.stats();
+             py::dict d;
+             d["nonfinite_steps"] = s.nonfinite_steps;
+             d["nonfinite_buckets"] = s.nonfinite_buckets;
+             d["total"] = totals_dict(s.total);
+             d["last_step"] = totals_dict(s.last_step);
+             return d;
+           })
       .def("last_step_buckets", &Engine::last_step_buckets);
 }

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import atexit
-import gc
 import logging
 import math
-import time
-import types
 import weakref
 from datetime import timedelta
 from typing import Any, Dict, Literal, Optional, Sequence
@@ -18,10 +15,8 @@ import torch.distributed as dist
 from . import _C, options, plan, topology
 from . import buckets
 from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
-from .topology import ALGO_IDS
+from .hooks import BucketSteps
 
-# Codec ids shared with csrc/engine/bucket_reducer.h (enum class Codec).
-CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "onebit": 3, "topk": 4, "lowrank": 5}
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
 
 log = logging.getLogger("hetcomm")
@@ -55,29 +50,7 @@ def _device_supports_bf16(device: torch.device) -> bool:
     return True
 
 
-def _owning_ddp(param: torch.Tensor, depth: int = 4):
-    """The DistributedDataParallel that holds ``param`` (its module's or its own
-    parameter lists), found through the garbage collector's referrers; None if
-    there is none within ``depth`` hops. Run once, at the first step."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    seen, frontier = {id(param)}, [param]
-    for _ in range(depth):
-        found = []
-        for obj in frontier:
-            for ref in gc.get_referrers(obj):
-                if isinstance(ref, DistributedDataParallel):
-                    return ref
-                if id(ref) in seen or ref is frontier or ref is found or isinstance(ref, types.FrameType):
-                    continue
-                seen.add(id(ref))
-                if isinstance(ref, (dict, list, tuple, torch.nn.Module)):
-                    found.append(ref)
-        frontier = found
-    return None
-
-
-class HookState:
+class HookState(BucketSteps):
     r"""State and options of :func:`hetcomm.hook`, the DDP communication hook.
 
     ``ddp.register_comm_hook(HookState(...), hetcomm.hook)`` makes DDP reduce
@@ -442,146 +415,3 @@ class HookState:
         """Whether the last complete step sent no bucket through a lossy codec
         (onebit, topk, lowrank): what an attached hetcomm.optim.AdamW is applying."""
         return not any(p.compressed for p in self.last_plans.values())
-
-    def _submit(self, grad_bucket) -> torch.futures.Future:
-        buf = grad_bucket.buffer()
-        if not buf.is_floating_point():
-            raise ValueError(f"hetcomm.hook: bucket dtype must be floating point, got {buf.dtype}")
-        engine = self._ensure_engine(buf.device)
-        bucket = buckets.from_grad_bucket(grad_bucket, self._buckets.params)
-        if not self._step_open:
-            if not self._negotiated:
-                self._check_ddp_group(grad_bucket.parameters())
-            self._open_step(engine, buf.device)
-            if self._buckets.replay_layout is not None:
-                self._replaying = []
-        if self._replaying is not None:
-            return self._collect(bucket, engine)
-        return self._reduce(bucket, engine)
-
-    def _check_ddp_group(self, params) -> None:
-        """First step, before any collective: the DDP model these buckets come
-        from must reduce over the same ranks as this state's group."""
-        ddp = _owning_ddp(params[0]) if params else None
-        if ddp is None or getattr(ddp, "process_group", None) is None:
-            return
-        theirs = dist.get_process_group_ranks(ddp.process_group)
-        ours = dist.get_process_group_ranks(self._group())
-        if sorted(theirs) != sorted(ours):
-            raise ValueError(
-                f"hetcomm: DDP reduces over ranks {theirs} (its process_group) but this HookState over {ours}: "
-                "pass HookState(process_group=ddp.process_group) when DDP runs on a subgroup")
-
-    def _open_step(self, engine, device: torch.device) -> None:
-        if not self._negotiated:
-            self._negotiate(device)
-        self._step_open = True
-        self._planner.begin_step(engine)
-        self._buckets.begin_step(engine.carry_holds())
-        nonfinite = engine.nonfinite_steps()
-        if nonfinite > self._nonfinite_seen:
-            # Once per power of two: a diverged run has a NaN every step, and
-            # GradScaler's occasional overflows are routine.
-            if nonfinite.bit_length() > self._nonfinite_seen.bit_length():
-                log.warning("hetcomm: %d step(s) so far had non-finite gradients on some rank; they were reduced "
-                            "exactly in fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the "
-                            "error-feedback state untouched (next warning at %d)", nonfinite,
-                            1 << nonfinite.bit_length())
-            self._nonfinite_seen = nonfinite
-        if self._weighted:
-            if self._local_batch is None:
-                raise RuntimeError(
-                    f"hetcomm: batch-size weighting is on but no batch size was set for step {self.iter}: call "
-                    "state.set_local_batch_size(len(batch)) on every rank before every step (a value is used for "
-                    "one step only)")
-            engine.submit_batch_size(self._local_batch)
-            self._local_batch = None
-
-    def _collect(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
-        """The first step after load_state_dict: hold DDP's buckets until the
-        step's last one, then reduce the gradients grouped as in the saved
-        layout (the original run's), so the restored state meets exactly the
-        buckets it was made for. One step without overlap."""
-        fut: torch.futures.Future = torch.futures.Future()
-        self._replaying.append((bucket, fut))
-        if not bucket.last:
-            return fut
-        collected, self._replaying = self._replaying, None
-        target, self._buckets.replay_layout = self._buckets.replay_layout, None
-        try:
-            self._replay(collected, target, engine)
-        except BaseException as e:
-            for _, f in collected[:-1]:
-                f.set_exception(e)
-            self._step_open = False
-            raise
-        for b, f in collected:
-            f.set_result(b.buffer)
-        return fut
-
-    def _replay(self, collected, target, engine) -> None:
-        self._buckets.check_saved_shapes()
-        real = [b for b, _ in collected]
-        if [b.sig for b in real] == target:
-            virtual = real  # the layout is the saved one: nothing to regroup
-        else:
-            views = {p: g for b in real for p, g in zip(b.sig, b.grads)}
-            wanted = sorted(p for sig in target for p in sig)
-            if sorted(views) != wanted:
-                raise ValueError(
-                    "hetcomm: the restored state's bucket layout holds other parameters than this step's buckets "
-                    f"({len(wanted)} vs {len(views)}): load the state saved with this model and these DDP options")
-            virtual = []
-            for i, sig in enumerate(target):
-                flat = torch.cat([views[p].reshape(-1) for p in sig])
-                grads, off = [], 0
-                for p in sig:
-                    n = views[p].numel()
-                    grads.append(flat[off:off + n].view(views[p].shape))
-                    off += n
-                virtual.append(buckets.Bucket(i, flat, grads, sig, i == len(target) - 1))
-        for fut in [self._reduce(b, engine) for b in virtual]:
-            fut.wait()
-        if virtual is not real:
-            for b in virtual:
-                for p, g in zip(b.sig, b.grads):
-                    views[p].copy_(g)
-
-    def _reduce(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
-        buf = bucket.buffer
-        numel = buf.numel()
-        key = buckets.key_of(bucket.sig)
-        self._buckets.add_to_step(bucket.sig)
-        def layout_of() -> torch.Tensor:  # lowrank's, cached per bucket
-            return self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank)
-
-        p = self._planner.plan(numel, key, bucket.index, self.iter, layout_of)
-        self._step_plans[key] = p
-        layout = q_state = None
-        if p.mode == "lowrank":
-            layout = layout_of()
-            q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
-        node_of = self.topology.node_ids if self.topology is not None else []
-        residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,
-                                                          world=engine.size, rank=engine.rank, node_of=node_of)
-        momentum = None
-        if self._beta is not None and self.compression in COMPRESSED + ("auto",) and numel >= self.min_compress_numel:
-            momentum = self._buckets.residual(self._buckets.momentum, key, numel, buf.device)
-        fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=CODEC_IDS[p.mode], chunk=self.chunk_size,
-                                   topk_ratio=self.topk_ratio, topk_exact=self.topk_exact, residual=residual,
-                                   server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
-                                   algorithm=ALGO_IDS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
-                                   carry=carry)
-        if bucket.last:
-            self.last_bucket_time = time.monotonic()
-            if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(torch.cuda.current_stream(buf.device))
-                self.last_bucket_event = (self.iter, event)
-            self._step_open = False
-            self._planner.end_step(self._compressed_at(self.iter))
-            self.last_plans, self._step_plans = self._step_plans, {}
-            self.iter += 1
-            self._buckets.end_step()
-            self._buckets.check_saved_shapes()
-        return fut

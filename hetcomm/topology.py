@@ -38,7 +38,6 @@ ENV_CACHE_MAX_AGE = "HETCOMM_CACHE_MAX_AGE"  # seconds a cached topology is trus
 log = logging.getLogger("hetcomm")
 
 ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "hierarchical")
-ALGO_IDS = {name: i for i, name in enumerate(ALGORITHMS)}  # csrc/engine/bucket_reducer.h Algo
 WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0}
 
 

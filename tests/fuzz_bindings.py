@@ -145,8 +145,10 @@ def fuzz_transport_p2p(a, b, peer, tag):
 
 
 @common
-@given(ints, tensors(), st.integers(-2, 8), ints, floats, st.booleans(), opt_tensors, opt_tensors, st.booleans(),
-       st.integers(-1, 6), node_lists, node_lists, floats)
+@given(ints, tensors(), st.one_of(st.sampled_from(list(_C.Codec.__members__.values())), st.integers(-2, 8)), ints,
+       floats, st.booleans(), opt_tensors, opt_tensors, st.booleans(),
+       st.one_of(st.sampled_from(list(_C.Algo.__members__.values())), st.integers(-1, 6)), node_lists, node_lists,
+       floats)
 def fuzz_engine(index, buf, codec, chunk, ratio, exact, res, sres, last, algo, order, nodes, batch):
     def submit():
         ENGINE.submit_bucket(index, buf, codec, chunk, ratio, exact, res, sres, last, None, None, algo).wait()

@@ -182,3 +182,20 @@ def test_literal_option_types_match_the_accepted_values():
     assert set(typing.get_args(state.Compression)) == set(state.COMPRESSIONS)
     assert set(typing.get_args(state.Algorithm)) == set(topology.ALGORITHMS) | {"auto"}
     assert os.path.exists(os.path.join(os.path.dirname(state.__file__), "py.typed"))
+
+
+def test_the_cores_enums_are_the_names_python_plans_with():
+    # One table per concept: the planner's algorithm and wire names are the
+    # C++ enums' own (exported with py::enum_), not a mirrored id table.
+    from hetcomm import _C, options, topology
+
+    assert tuple(_C.Algo.__members__) == topology.ALGORITHMS
+    wires = set(options.COMPRESSIONS) - {"auto", "auto-precision"}
+    assert set(_C.Codec.__members__) == wires
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    with pytest.raises(ValueError, match="algorithm must be one of native, ring, halving_doubling, tree, hierarchical"):
+        t.allreduce(torch.zeros(4), "butterfly")
+    x = torch.arange(4.0)
+    for name in topology.ALGORITHMS[:-1]:  # one rank: every flat algorithm leaves x as it is
+        t.allreduce(x, name)
+    assert torch.equal(x, torch.arange(4.0))

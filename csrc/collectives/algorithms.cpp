@@ -295,5 +295,28 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
   if (l.locals.size() > 1) ring_all_gather(local, x, identity(local.size()), b, 500);
 }
 
+void allreduce_by(Transport& t, at::Tensor& x, Algo algo, const std::vector<int>& order,
+                  const std::vector<int>& node_of, const InterOptions& inter) {
+  switch (algo) {
+    case Algo::kNative:
+      t.all_reduce_sum(x);
+      return;
+    case Algo::kRing:
+      allreduce_ring(t, x, order);
+      return;
+    case Algo::kHalvingDoubling:
+      allreduce_halving_doubling(t, x);
+      return;
+    case Algo::kTree:
+      allreduce_tree(t, x);
+      return;
+    case Algo::kHierarchical:
+      TORCH_CHECK_VALUE(!node_of.empty(), "hetcomm: the hierarchical algorithm needs the topology (node of each rank)");
+      allreduce_hierarchical(t, x, node_of, inter);
+      return;
+  }
+  TORCH_CHECK_VALUE(false, "hetcomm: unknown algorithm id ", static_cast<int>(algo));
+}
+
 }  // namespace collectives
 }  // namespace hetcomm

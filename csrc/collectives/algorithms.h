@@ -72,6 +72,14 @@ struct InterOptions {
 };
 void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of,
                             const InterOptions& inter = InterOptions());
+
+// How a sum is computed (hetcomm/planner.py picks one per bucket). The one
+// dispatch by algorithm: the reducer and the Python binding both call it.
+enum class Algo : int { kNative = 0, kRing = 1, kHalvingDoubling = 2, kTree = 3, kHierarchical = 4 };
+// x becomes the sum over ranks by `algo`: the ring in `order` (empty: rank
+// order), the hierarchy by `node_of` with its inter-node stage as `inter` says.
+void allreduce_by(Transport& t, at::Tensor& x, Algo algo, const std::vector<int>& order = {},
+                  const std::vector<int>& node_of = {}, const InterOptions& inter = InterOptions());
 // Where this rank sits: its node's ranks (ascending), the ranks with its local
 // index (one per node, in node order), and its local index.
 struct Hierarchy {

@@ -66,28 +66,6 @@ bool any_rank_nonfinite(Transport& t, const at::Tensor& x) {
   return flag.cpu().item<float>() > 0;
 }
 
-// The sum of x over ranks by the chosen algorithm (x already weighted).
-void sum_by(Transport& t, at::Tensor& x, Algo algo, const std::vector<int>& order, const std::vector<int>& node_of) {
-  switch (algo) {
-    case Algo::kNative:
-      t.all_reduce_sum(x);
-      return;
-    case Algo::kRing:
-      collectives::allreduce_ring(t, x, order);
-      return;
-    case Algo::kHalvingDoubling:
-      collectives::allreduce_halving_doubling(t, x);
-      return;
-    case Algo::kTree:
-      collectives::allreduce_tree(t, x);
-      return;
-    case Algo::kHierarchical:
-      TORCH_CHECK_VALUE(!node_of.empty(), "hetcomm: the hierarchical algorithm needs the topology (node of each rank)");
-      collectives::allreduce_hierarchical(t, x, node_of);
-      return;
-  }
-}
-
 }  // namespace
 
 at::Tensor BucketReducer::reduce(BucketJob& job) {
@@ -116,8 +94,9 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       const Algo algo = job.algo;
       const auto& order = ring_order_;
       const auto& nodes = node_of_;
-      collectives::allreduce_dense(t, buf, divisor_, wire, codec_,
-                                   [algo, &order, &nodes](Transport& tr, at::Tensor& y) { sum_by(tr, y, algo, order, nodes); });
+      collectives::allreduce_dense(t, buf, divisor_, wire, codec_, [algo, &order, &nodes](Transport& tr, at::Tensor& y) {
+        collectives::allreduce_by(tr, y, algo, order, nodes);
+      });
       // Warm-up and dense buckets: m follows the optimizer's own buffer, with
       // the same operations (m = beta m + g), so it matches it bit for bit. A
       // non-finite result (the same on every rank) is a step the optimizer

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <vector>
 
+#include "collectives/algorithms.h"
 #include "collectives/compressed.h"
 #include "transport/transport.h"
 
@@ -18,8 +19,7 @@ namespace hetcomm {
 
 enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5 };
 
-// How a bucket's sum is computed (hetcomm/topology.py's planner picks one).
-enum class Algo : int { kNative = 0, kRing = 1, kHalvingDoubling = 2, kTree = 3, kHierarchical = 4 };
+using collectives::Algo;
 
 struct BucketJob {
   int64_t index = 0;

@@ -1,0 +1,176 @@
+#include "engine/engine.h"
+
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "ops/cpu_ops.h"
+#include "transport/pg_transport.h"
+#ifdef HETCOMM_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include "transport/nccl_transport.h"
+#endif
+
+namespace py = pybind11;
+
+namespace hetcomm {
+
+Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device)
+    : transport_(std::make_shared<ProcessGroupTransport>(std::move(pg), device)), reducer_(transport_) {}
+
+Engine::Engine(std::shared_ptr<Transport> t) : transport_(std::move(t)), reducer_(transport_) {}
+
+Engine::~Engine() {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    worker_.close();
+  } else {
+    worker_.close();
+  }
+}
+
+FuturePtr Engine::run(std::function<at::Tensor()> fn, const at::Tensor& bucket) {
+  const at::Device device = transport_->device();
+  TORCH_CHECK_VALUE(!bucket.defined() || bucket.device() == device, "hetcomm: bucket is on ", bucket.device(),
+                    " but this HookState's transport works on ", device,
+                    " (one HookState serves the buckets of one device)");
+#ifdef HETCOMM_WITH_CUDA
+  if (device.is_cuda()) return run_cuda(std::move(fn), bucket);
+#endif
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
+  worker_.post([this, fut, fn = std::move(fn)] { execute(fut, fn); });
+  return fut;
+}
+
+#ifdef HETCOMM_WITH_CUDA
+// A CUDA transport: the comm stream first waits for what the caller's stream
+// has queued (the gradients), the job's kernels and collectives run on the
+// comm stream, and the Future is CUDA-aware: completed with events on the
+// comm stream, so DDP's wait() makes its stream wait without blocking the
+// host. The comm thread then waits for the stream itself (NCCL: polling async
+// errors, aborting on timeout) so a dead peer raises, not hangs.
+FuturePtr Engine::run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket) {
+  const c10::Device device = transport_->device();
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get(), std::vector<c10::Device>{device});
+  cudaEvent_t ready;
+  c10::cuda::CUDAStream stream = comm_stream();
+  {
+    c10::cuda::CUDAGuard guard(device);
+    TORCH_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming) == cudaSuccess, "hetcomm: cudaEventCreate");
+    TORCH_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()) == cudaSuccess,
+                "hetcomm: cudaEventRecord");
+  }
+  worker_.post([this, fut, fn = std::move(fn), bucket, ready, stream] {
+    c10::cuda::CUDAStreamGuard guard(stream);
+    cudaStreamWaitEvent(stream.stream(), ready, 0);
+    cudaEventDestroy(ready);
+    execute(fut, fn, [&] {
+      transport_->synchronize();  // NCCL: bounded by the timeout, aborts the communicator
+      stream.synchronize();       // a process group: its own watchdog bounds this
+      if (bucket.defined()) c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), stream);
+    });  // markCompleted records the future's events on the comm stream
+  });
+  return fut;
+}
+
+// NcclTransport enqueues on its own stream; with a process group the engine
+// keeps a stream of its own.
+c10::cuda::CUDAStream Engine::comm_stream() {
+  if (auto nccl = std::dynamic_pointer_cast<NcclTransport>(transport_)) return nccl->stream();
+  if (!stream_) stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, transport_->device().index());
+  return *stream_;
+}
+#endif
+
+void Engine::execute(const FuturePtr& fut, const std::function<at::Tensor()>& fn,
+                     const std::function<void()>& after) {
+  std::string earlier;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    earlier = failure_;
+  }
+  if (!earlier.empty()) {
+    fut->setError(std::make_exception_ptr(
+        std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier)));
+    return;
+  }
+  at::Tensor result;
+  try {
+    result = fn();
+    if (after) after();
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failure_ = e.what();
+    }
+    fut->setError(std::current_exception());
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));
+}
+
+FuturePtr Engine::submit_bucket(BucketJob job) {
+  TORCH_CHECK_VALUE(job.codec != Codec::kLowRank || (job.layout.defined() && job.q_state.defined()),
+                    "hetcomm: the lowrank codec needs a layout and a Q state");
+  ops::check_float_vector(job.buffer, "bucket buffer");
+  TORCH_CHECK_VALUE(job.buffer.is_contiguous(), "hetcomm: bucket buffer must be contiguous");
+  ops::check_chunk(job.chunk);
+  TORCH_CHECK_VALUE(job.topk_ratio > 0.0 && job.topk_ratio <= 1.0, "hetcomm: topk_ratio must be in (0, 1], got ",
+                    job.topk_ratio);
+  TORCH_CHECK_VALUE(std::isfinite(job.beta) && job.beta >= 0.0 && job.beta < 1.0,
+                    "hetcomm: momentum beta must be in [0, 1), got ", job.beta);
+  const int64_t n = job.buffer.numel();
+  TORCH_CHECK_VALUE(!job.momentum.defined() || job.momentum.numel() == n, "hetcomm: momentum must have the bucket's ",
+                    n, " elements");
+  TORCH_CHECK_VALUE(!job.carry.defined() || job.carry.numel() == n, "hetcomm: carry must have the bucket's ", n,
+                    " elements");
+  for (const at::Tensor* s : {&job.residual, &job.server_residual, &job.q_state, &job.momentum, &job.carry}) {
+    if (!s->defined()) continue;
+    TORCH_CHECK_VALUE(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 1 &&
+                          s->device() == job.buffer.device(),
+                      "hetcomm: residuals and Q state must be contiguous 1-D float32 on the bucket's device");
+  }
+  if (job.residual.defined() && job.codec != Codec::kLowRank && job.algo != Algo::kHierarchical)
+    TORCH_CHECK_VALUE(job.residual.numel() == n, "hetcomm: residual must have the bucket's ", n, " elements, got ",
+                      job.residual.numel());
+  job.buffer = job.buffer.view({-1});
+  return run([this, job]() mutable { return reducer_.reduce(job); }, job.buffer);
+}
+
+FuturePtr Engine::submit_batch_size(double local) {
+  TORCH_CHECK_VALUE(std::isfinite(local) && local > 0, "hetcomm: local batch size must be > 0, got ", local);
+  return run([this, local] {
+    reducer_.set_batch_size(local);
+    return at::full({1}, reducer_.divisor(), at::kDouble);
+  });
+}
+
+FuturePtr Engine::submit_config(at::Tensor config) {
+  TORCH_CHECK_VALUE(config.dim() == 1, "hetcomm: config must be 1-D");
+  return run([this, config] { return reducer_.gather_config(config); });
+}
+
+void Engine::set_topology(std::vector<int> order, std::vector<int> node_of) {
+  BucketReducer::check_topology(order, node_of, transport_->size());  // here, not on the comm thread
+  run([this, order, node_of] {
+    reducer_.set_topology(order, node_of);
+    return at::zeros({0});
+  });
+}
+
+EngineStats Engine::stats() const {
+  EngineStats s;
+  s.nonfinite_steps = reducer_.nonfinite_steps();
+  s.nonfinite_buckets = reducer_.nonfinite_buckets();
+  s.total = reducer_.totals();
+  s.last_step = reducer_.last_step();
+  return s;
+}
+
+}  // namespace hetcomm

@@ -1,0 +1,90 @@
+// The comm engine of one HookState: a transport, the bucket reducer and its
+// FIFO comm thread. Every submit returns at once with a Future that the comm
+// thread completes. Once a job fails every later job fails at once with the
+// first error: after a failed collective the ranks are out of step, and going
+// on would hang.
+//
+// The Futures hold Python objects (DDP's Python comm hooks must return one of
+// PyObject type), so completing one takes the GIL: this file and bindings.cpp
+// are the two that see Python.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/Optional.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/bucket_reducer.h"
+#include "engine/worker.h"
+#include "transport/transport.h"
+#ifdef HETCOMM_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace hetcomm {
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+struct EngineStats {
+  int64_t nonfinite_steps = 0, nonfinite_buckets = 0;
+  ReduceTotals total, last_step;
+};
+
+class Engine {
+ public:
+  // Over a c10d process group (gloo, or NCCL through c10d) on `device`.
+  Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device);
+  // Over any transport (hetcomm's own NCCL communicator).
+  explicit Engine(std::shared_ptr<Transport> t);
+  // Dropped while jobs are queued (no close()): the comm thread needs the GIL
+  // to complete their futures, so it is waited for without holding the GIL.
+  ~Engine();
+
+  // Checks the job (codec, algorithm, sizes, devices of its state), then
+  // reduces it on the comm thread; the Future's value is the bucket.
+  FuturePtr submit_bucket(BucketJob job);
+  // The batch-size weights of the next step (all-gathered on the comm thread).
+  FuturePtr submit_batch_size(double local);
+  // All-gathers an int64 vector: the Future's value is [world, numel].
+  FuturePtr submit_config(at::Tensor config);
+  // Applies to buckets submitted after this call (FIFO on the comm thread).
+  void set_topology(std::vector<int> order, std::vector<int> node_of);
+
+  void drain() { worker_.drain(); }
+  void close() { worker_.close(); }
+  int64_t nonfinite_steps() const { return reducer_.nonfinite_steps(); }
+  int64_t carry_holds() const { return reducer_.carry_holds(); }
+  std::vector<std::pair<int64_t, double>> last_step_buckets() const { return reducer_.last_step_buckets(); }
+  EngineStats stats() const;
+  int rank() const { return transport_->rank(); }
+  int size() const { return transport_->size(); }
+
+ private:
+  // Posts fn to the comm thread; the Future's value is fn's result. One
+  // engine serves one device: its transport's.
+  FuturePtr run(std::function<at::Tensor()> fn, const at::Tensor& bucket = at::Tensor());
+  // On the comm thread: runs fn (then `after`, inside the same error
+  // handling) and completes fut with its result or its error.
+  void execute(const FuturePtr& fut, const std::function<at::Tensor()>& fn,
+               const std::function<void()>& after = nullptr);
+#ifdef HETCOMM_WITH_CUDA
+  FuturePtr run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket);
+  c10::cuda::CUDAStream comm_stream();
+  c10::optional<c10::cuda::CUDAStream> stream_;
+#endif
+
+  std::shared_ptr<Transport> transport_;
+  BucketReducer reducer_;
+  std::mutex mu_;
+  std::string failure_;
+  Worker worker_;  // last: its thread stops before the members it uses go away
+};
+
+}  // namespace hetcomm
