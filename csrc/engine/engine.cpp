@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include "checks.h"
 #include "transport/nccl_transport.h"
 #endif
 
@@ -61,15 +62,18 @@ FuturePtr Engine::run_cuda(std::function<at::Tensor()> fn, const at::Tensor& buc
   c10::cuda::CUDAStream stream = comm_stream();
   {
     c10::cuda::CUDAGuard guard(device);
-    TORCH_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming) == cudaSuccess, "hetcomm: cudaEventCreate");
-    TORCH_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()) == cudaSuccess,
-                "hetcomm: cudaEventRecord");
+    HC_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    HC_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()));
   }
   worker_.post([this, fut, fn = std::move(fn), bucket, ready, stream] {
     c10::cuda::CUDAStreamGuard guard(stream);
-    cudaStreamWaitEvent(stream.stream(), ready, 0);
-    cudaEventDestroy(ready);
-    execute(fut, fn, [&] {
+    // Inside the job's error handling: a failure here fails its future.
+    auto waited = [&fn, &stream, ready] {
+      HC_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), ready, 0));
+      HC_CUDA_CHECK(cudaEventDestroy(ready));
+      return fn();
+    };
+    execute(fut, waited, [&] {
       transport_->synchronize();  // NCCL: bounded by the timeout, aborts the communicator
       stream.synchronize();       // a process group: its own watchdog bounds this
       if (bucket.defined()) c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), stream);

@@ -25,13 +25,13 @@ __global__ void cast_decode_kernel(Wire16 fmt, const uint16_t* in, float mul, fl
 void cast_encode_cuda(Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t n, void* stream) {
   if (n == 0) return;
   cast_encode_kernel<<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(fmt, in, divisor, out, n);
-  cuda_check_launch("cast_encode");
+  HC_CUDA_LAUNCH_CHECK("cast_encode");
 }
 
 void cast_decode_cuda(Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n, void* stream) {
   if (n == 0) return;
   cast_decode_kernel<<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(fmt, in, mul, out, n);
-  cuda_check_launch("cast_decode");
+  HC_CUDA_LAUNCH_CHECK("cast_decode");
 }
 
 }  // namespace kernels

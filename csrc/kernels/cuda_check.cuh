@@ -1,19 +1,12 @@
-// Launch helpers for the torch-free CUDA kernels.
+// Launch helpers for the torch-free CUDA kernels (checks: csrc/checks.h).
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <stdexcept>
-#include <string>
+#include "checks.h"
 
 namespace hetcomm {
 namespace kernels {
-
-inline void cuda_check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("hetcomm: CUDA launch of ") + what + " failed: " + cudaGetErrorString(err));
-}
 
 inline unsigned int grid_for(int64_t n, int threads) {
   const int64_t blocks = (n + threads - 1) / threads;

@@ -25,7 +25,7 @@ void outer_product_cuda(const float* p, const float* qt, float* out, int64_t row
   if (rows * cols == 0) return;
   outer_product_kernel<<<grid_for(rows * cols, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(p, qt, out, rows,
                                                                                                   cols, r);
-  cuda_check_launch("outer_product");
+  HC_CUDA_LAUNCH_CHECK("outer_product");
 }
 
 }  // namespace kernels

@@ -59,13 +59,13 @@ void sign_encode_cuda(const SignEncodeParams& p, void* stream) {
   if (nchunks == 0) return;
   const unsigned int blocks = static_cast<unsigned int>((nchunks + kWarpsPerBlock - 1) / kWarpsPerBlock);
   sign_encode_kernel<<<blocks, kWarpsPerBlock * kLanes, 0, static_cast<cudaStream_t>(stream)>>>(p, nchunks);
-  cuda_check_launch("sign_encode");
+  HC_CUDA_LAUNCH_CHECK("sign_encode");
 }
 
 void sign_decode_cuda(const SignDecodeParams& p, void* stream) {
   if (p.n == 0) return;
   sign_decode_kernel<<<grid_for(p.n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  cuda_check_launch("sign_decode");
+  HC_CUDA_LAUNCH_CHECK("sign_decode");
 }
 
 }  // namespace kernels

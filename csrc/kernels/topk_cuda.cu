@@ -48,28 +48,28 @@ __global__ void threshold_select_kernel(const float* x, int64_t n, float thresho
 void ef_accumulate_cuda(const float* grad, float divisor, float* x, int64_t n, void* stream) {
   if (n == 0) return;
   ef_accumulate_kernel<<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(grad, divisor, x, n);
-  cuda_check_launch("ef_accumulate");
+  HC_CUDA_LAUNCH_CHECK("ef_accumulate");
 }
 
 void topk_clear_cuda(float* residual, const int32_t* idx, int64_t count, void* stream) {
   if (count == 0) return;
   clear_kernel<<<grid_for(count, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(residual, idx, count);
-  cuda_check_launch("topk_clear");
+  HC_CUDA_LAUNCH_CHECK("topk_clear");
 }
 
 void scatter_add_cuda(const int32_t* idx, const float* val, int64_t count, float alpha, float* out, void* stream) {
   if (count == 0) return;
   scatter_add_kernel<<<grid_for(count, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(idx, val, count, alpha, out);
-  cuda_check_launch("scatter_add");
+  HC_CUDA_LAUNCH_CHECK("scatter_add");
 }
 
 void topk_threshold_select_cuda(const float* x, int64_t n, float threshold, int64_t capacity, int32_t* idx,
                                 float* val, unsigned long long* count_out, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  cudaMemsetAsync(count_out, 0, sizeof(unsigned long long), s);
+  HC_CUDA_CHECK(cudaMemsetAsync(count_out, 0, sizeof(unsigned long long), s));
   if (n == 0) return;
   threshold_select_kernel<<<grid_for(n, 256), 256, 0, s>>>(x, n, threshold, capacity, idx, val, count_out);
-  cuda_check_launch("topk_threshold_select");
+  HC_CUDA_LAUNCH_CHECK("topk_threshold_select");
 }
 
 }  // namespace kernels

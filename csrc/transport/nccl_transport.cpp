@@ -3,6 +3,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include "checks.h"
+
 #include <cstring>
 #include <stdexcept>
 #include <thread>
@@ -11,10 +13,6 @@
 namespace hetcomm {
 
 namespace {
-
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("hetcomm: CUDA ") + what + ": " + cudaGetErrorString(e));
-}
 
 int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
 
@@ -43,7 +41,7 @@ NcclTransport::NcclTransport(const c10::intrusive_ptr<c10d::Store>& store, const
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   ncclUniqueId id;
   if (rank == 0) {
-    check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    HC_NCCL_CHECK(ncclGetUniqueId(&id));
     std::vector<uint8_t> bytes(sizeof(id));
     std::memcpy(bytes.data(), &id, sizeof(id));
     store->set(key, bytes);
@@ -54,7 +52,7 @@ NcclTransport::NcclTransport(const c10::intrusive_ptr<c10d::Store>& store, const
   }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // calls return ncclInProgress; we poll, so we can time out and abort
-  check(ncclCommInitRankConfig(&comm_, size, id, rank, &config), "ncclCommInitRankConfig");
+  HC_NCCL_CHECK(ncclCommInitRankConfig(&comm_, size, id, rank, &config));
   wait_ready("ncclCommInitRankConfig");
 }
 
@@ -83,7 +81,7 @@ void NcclTransport::wait_ready(const char* what) {
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {
     ncclResult_t state = ncclSuccess;
-    check(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
+    HC_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
     if (state == ncclSuccess) return;
     if (state != ncclInProgress) check(state, what);
     if (std::chrono::steady_clock::now() > deadline) abort(std::string(what) + " timed out");
@@ -94,29 +92,28 @@ void NcclTransport::wait_ready(const char* what) {
 void NcclTransport::wait_for_current_stream() {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cudaEvent_t ev;
-  cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-  cuda_check(cudaEventRecord(ev, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream()),
-             "cudaEventRecord");
-  cuda_check(cudaStreamWaitEvent(stream_.stream(), ev, 0), "cudaStreamWaitEvent");
-  cuda_check(cudaEventDestroy(ev), "cudaEventDestroy");
+  HC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  HC_CUDA_CHECK(cudaEventRecord(ev, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream()));
+  HC_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ev, 0));
+  HC_CUDA_CHECK(cudaEventDestroy(ev));
 }
 
 void NcclTransport::synchronize() {
   TORCH_CHECK(!aborted_, "hetcomm: the NCCL communicator was aborted earlier");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cudaEvent_t ev;
-  cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-  cuda_check(cudaEventRecord(ev, stream_.stream()), "cudaEventRecord");
+  HC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  HC_CUDA_CHECK(cudaEventRecord(ev, stream_.stream()));
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
     const cudaError_t q = cudaEventQuery(ev);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) {
-      cudaEventDestroy(ev);
-      cuda_check(q, "cudaEventQuery");
+      cudaEventDestroy(ev);  // best effort on the way out: the query's error is the one to report
+      ::hetcomm::detail::check_failed("CUDA", "cudaEventQuery(ev)", cudaGetErrorString(q), __FILE__, __LINE__);
     }
     ncclResult_t state = ncclSuccess;
-    ncclCommGetAsyncError(comm_, &state);
+    HC_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
     if (state != ncclSuccess && state != ncclInProgress) {
       cudaEventDestroy(ev);
       check(state, "an enqueued collective");
@@ -127,7 +124,7 @@ void NcclTransport::synchronize() {
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  cudaEventDestroy(ev);
+  HC_CUDA_CHECK(cudaEventDestroy(ev));
   counters_.comm_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
@@ -159,13 +156,12 @@ void NcclTransport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, in
   const bool sending = dst >= 0 && out.numel() > 0, receiving = src >= 0 && in.numel() > 0;
   if (!sending && !receiving) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  check(ncclGroupStart(), "ncclGroupStart");
+  HC_NCCL_CHECK(ncclGroupStart());
   if (sending)
-    check(ncclSend(out.data_ptr(), out.numel(), nccl_dtype(out.scalar_type()), dst, comm_, stream_.stream()),
-          "ncclSend");
+    HC_NCCL_CHECK(ncclSend(out.data_ptr(), out.numel(), nccl_dtype(out.scalar_type()), dst, comm_, stream_.stream()));
   if (receiving)
-    check(ncclRecv(in.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), src, comm_, stream_.stream()), "ncclRecv");
-  check(ncclGroupEnd(), "ncclGroupEnd");
+    HC_NCCL_CHECK(ncclRecv(in.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), src, comm_, stream_.stream()));
+  HC_NCCL_CHECK(ncclGroupEnd());
   wait_ready("send/recv");
   count(sending ? nbytes(out) : 0, receiving ? nbytes(in) : 0);
 }
@@ -174,9 +170,8 @@ void NcclTransport::all_reduce_sum(at::Tensor& t) {
   check_tensor(t, "all_reduce tensor");
   if (t.numel() == 0) return;  // the same on every rank; NCCL may reject empty (null) buffers
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_dtype(t.scalar_type()), ncclSum, comm_,
-                      stream_.stream()),
-        "ncclAllReduce");
+  HC_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_dtype(t.scalar_type()), ncclSum, comm_,
+                      stream_.stream()));
   wait_ready("ncclAllReduce");
   const int64_t ring = size_ > 1 ? 2 * (size_ - 1) * nbytes(t) / size_ : 0;
   count(ring, ring);
@@ -189,8 +184,7 @@ void NcclTransport::all_gather(at::Tensor& out, const at::Tensor& in) {
                     "hetcomm: all_gather output must hold world_size * input.numel() elements of the input's dtype");
   if (in.numel() == 0) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  check(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), comm_, stream_.stream()),
-        "ncclAllGather");
+  HC_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), comm_, stream_.stream()));
   wait_ready("ncclAllGather");
   count((size_ - 1) * nbytes(in), (size_ - 1) * nbytes(in));
 }
@@ -205,12 +199,12 @@ void NcclTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
   const ncclDataType_t dt = nccl_dtype(in.scalar_type());
   const int64_t es = in.element_size();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  check(ncclGroupStart(), "ncclGroupStart");
+  HC_NCCL_CHECK(ncclGroupStart());
   for (int r = 0; r < size_; ++r) {
-    check(ncclSend(static_cast<const char*>(in.data_ptr()) + r * m * es, m, dt, r, comm_, stream_.stream()), "ncclSend");
-    check(ncclRecv(static_cast<char*>(out.data_ptr()) + r * m * es, m, dt, r, comm_, stream_.stream()), "ncclRecv");
+    HC_NCCL_CHECK(ncclSend(static_cast<const char*>(in.data_ptr()) + r * m * es, m, dt, r, comm_, stream_.stream()));
+    HC_NCCL_CHECK(ncclRecv(static_cast<char*>(out.data_ptr()) + r * m * es, m, dt, r, comm_, stream_.stream()));
   }
-  check(ncclGroupEnd(), "ncclGroupEnd");
+  HC_NCCL_CHECK(ncclGroupEnd());
   wait_ready("all_to_all");
   count((size_ - 1) * m * es, (size_ - 1) * m * es);
 }
@@ -222,9 +216,8 @@ void NcclTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
                     "hetcomm: reduce_scatter input must hold world_size * output.numel() elements of the output's dtype");
   if (out.numel() == 0) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  check(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_dtype(in.scalar_type()), ncclSum, comm_,
-                          stream_.stream()),
-        "ncclReduceScatter");
+  HC_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_dtype(in.scalar_type()), ncclSum, comm_,
+                          stream_.stream()));
   wait_ready("ncclReduceScatter");
   count((size_ - 1) * nbytes(out), (size_ - 1) * nbytes(out));
 }
