@@ -127,7 +127,9 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
     for step in range(6):
         models.train_step(ddp, opt, rank, step, 8)
         grads.append(models.flat_grads(model))
-    return {"params": models.flat_params(model), "grads": grads, "plans": {k: p["algorithm"] for k, p in state.stats()["plans"].items()}}
+    stats = state.stats()
+    return {"params": models.flat_params(model), "grads": grads, "codec_s": stats["total"]["codec_s"],
+            "plans": {k: p["algorithm"] for k, p in stats["plans"].items()}}
 
 
 @pytest.mark.parametrize("mode,algorithm", [("none", "auto"), ("none", "ring"), ("none", "hierarchical"),
@@ -145,6 +147,8 @@ def test_ddp_with_each_algorithm_keeps_replicas_identical(tmp_path, mode, algori
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if algorithm == "auto":
         assert res[0]["plans"] and all(p in topology.ALGORITHMS for p in res[0]["plans"].values())
+    if mode in ("onebit", "topk", "lowrank"):  # the codecs' time is counted, across nodes of a hierarchy too
+        assert all(r["codec_s"] > 0 for r in res), [r["codec_s"] for r in res]
 
 
 def test_bad_algorithm_is_a_value_error():

@@ -278,7 +278,8 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
   at::Tensor shard = span(x, b[l.local_index], b[l.local_index + 1]);
   if (l.peers.size() > 1 && shard.numel() > 0) {
     SubgroupTransport across(t, l.peers, 2000);
-    CodecTimer timer;
+    CodecTimer own;
+    CodecTimer& timer = inter.timer ? *inter.timer : own;
     switch (inter.codec) {
       case InterCodec::kRing:
         allreduce_ring(across, shard);

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "collectives/compressed.h"
 #include "transport/transport.h"
 
 namespace hetcomm {
@@ -69,6 +70,7 @@ struct InterOptions {
   double topk_ratio = 0.01;
   bool topk_exact = true;
   at::Tensor residual, server_residual;
+  CodecTimer* timer = nullptr;  // where the inter-node codec's time is added (the reducer's, for stats())
 };
 void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of,
                             const InterOptions& inter = InterOptions());

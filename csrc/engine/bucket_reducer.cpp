@@ -139,6 +139,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         inter.topk_exact = job.topk_exact;
         inter.residual = job.residual;
         inter.server_residual = job.server_residual;
+        inter.timer = &codec_;
         x.div_(divisor_);
         collectives::allreduce_hierarchical(t, x, node_of_, inter);
       } else if (job.codec == Codec::kOneBit)
