@@ -46,6 +46,7 @@ class ParamIndex:
 
     def __init__(self) -> None:
         self._by_id: Dict[int, Tuple[Any, int]] = {}
+        self._refs: List[Any] = []  # weak references, by number
         self.shapes: List[Tuple[int, ...]] = []
         self.frozen = False
 
@@ -60,8 +61,13 @@ class ParamIndex:
                 "per DDP model")
         n = len(self.shapes)
         self._by_id[id(p)] = (weakref.ref(p), n)
+        self._refs.append(self._by_id[id(p)][0])
         self.shapes.append(tuple(p.shape))
         return n
+
+    def param(self, n: int) -> Optional[torch.Tensor]:
+        """The parameter numbered ``n`` (None once it is gone)."""
+        return self._refs[n]() if 0 <= n < len(self._refs) else None
 
     def signature(self, params: Sequence[torch.Tensor]) -> Signature:
         return tuple(self.number(p) for p in params)

@@ -160,6 +160,22 @@ class BucketSteps:
                 for p, g in zip(b.sig, b.grads):
                     views[p].copy_(g)
 
+    def _optimizer_momentum(self, bucket: buckets.Bucket, buf: torch.Tensor) -> torch.Tensor:
+        """The attached SGD's momentum buffers of the bucket's parameters, laid
+        out as their gradients are in the bucket (zero where it has none yet).
+        With weight decay the buffer holds the decay's momentum too: it then
+        goes on inside the compressed momentum, and the optimizer's trajectory
+        is the one it would follow itself."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        m = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
+        for n, g in zip(bucket.sig, bucket.grads):
+            param = self._buckets.params.param(n)
+            mb = opt.state.get(param, {}).get("momentum_buffer") if opt is not None and param is not None else None
+            if mb is not None:
+                off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+                m.narrow(0, off, g.numel()).copy_(mb.detach().reshape(-1))
+        return m
+
     def _reduce(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
         buf = bucket.buffer
         numel = buf.numel()
@@ -179,7 +195,17 @@ class BucketSteps:
                                                           world=engine.size, rank=engine.rank, node_of=node_of)
         momentum = None
         if self._beta is not None and self.compression in COMPRESSED + ("auto",) and numel >= self.min_compress_numel:
-            momentum = self._buckets.residual(self._buckets.momentum, key, numel, buf.device)
+            store, sgd = self._buckets.momentum, self._attached == "sgd"
+            if sgd and self.compression == "auto" and not p.compressed:
+                # auto, a dense plan: no copy of the momentum (following the optimizer's buffer costs passes
+                # over the bucket every step); the next compressed plan starts from the optimizer's buffer
+                store.pop(key, None)
+            else:
+                if sgd and key not in store:
+                    # a bucket first seen now (the first step, DDP's rebuilt buckets after it, auto's switch
+                    # from a dense plan): its momentum so far is the optimizer's, the same on every rank
+                    store[key] = self._optimizer_momentum(bucket, buf)
+                momentum = self._buckets.residual(store, key, numel, buf.device)
         fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=_C.Codec.__members__[p.mode], chunk=self.chunk_size,
                                    topk_ratio=self.topk_ratio, topk_exact=self.topk_exact, residual=residual,
                                    server_residual=server, last=bucket.last, layout=layout, q_state=q_state,

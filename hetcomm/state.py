@@ -192,6 +192,7 @@ class HookState(BucketSteps):
         self._buckets = buckets.BucketStates()
         self._forced_algo: Optional[str] = None  # HETCOMM_ALGO, as agreed at the first step
         self._beta: Optional[float] = None  # the momentum hetcomm compresses (attach_optimizer)
+        self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
         self._attached: Optional[str] = None  # the kind of optimizer attached (options.ATTACHED)
         self._exact_steps = False  # Adam attached: steps start_iter + 2**j - 1 are exact
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
@@ -264,6 +265,7 @@ class HookState(BucketSteps):
         if not 0.0 < beta < 1.0:
             raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
         self._beta = beta
+        self._optimizer = weakref.ref(optimizer)
         self._exact_steps = adam
         self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
         if isinstance(optimizer, optim.AdamW):

@@ -218,3 +218,51 @@ def test_a_held_back_carry_stays_owed_on_every_rank(tmp_path):
         assert r["plans"] == {"none"}
         assert r["gap"] < 1e-5 * max(r["scale"], 1.0), r  # the held carry was delivered after the NaN steps
     assert torch.equal(res[0]["params"], res[1]["params"])
+
+
+def _momentum_run(rank, world, cache_dir, compression, candidates, weight_decay):
+    os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    torch.manual_seed(0)
+    model = models.mlp(hidden=96)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    kwargs = {"candidates": candidates} if compression == "auto" else {}
+    state = hetcomm.HookState(compression, min_compress_numel=0, **kwargs)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay)
+    state.attach_optimizer(opt)
+    gap = 0.0  # per-bucket momentum against the optimizer's own buffer, on the dense warm-up steps
+    for step in range(12):
+        models.train_step(ddp, opt, rank, step, 8)
+        if compression == "onebit" and step < state.start_iter:
+            state._drain()
+            for sig in state._buckets.step_layout:  # the buckets of the step just done
+                m = state._buckets.momentum[",".join(map(str, sig))]
+                ref = [opt.state[state._buckets.params.param(n)]["momentum_buffer"] for n in sig]
+                gap = max(gap, float((m - torch.cat([b.reshape(-1) for b in ref])).abs().max()))
+    return {"params": models.flat_params(model), "gap": gap,
+            "plans": sorted({p["mode"] for p in state.stats()["plans"].values()}),
+            "mirrored": sorted(state._buckets.momentum)}
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_auto_seeds_the_compressed_momentum_from_the_optimizer(tmp_path, weight_decay):
+    # A fixed onebit run follows the optimizer's momentum per bucket during its
+    # dense warm-up (a bucket first seen starts from the optimizer's buffer);
+    # auto keeps no copy on dense plans and takes the optimizer's buffer at its
+    # first compressed step. Without weight decay the two are the same numbers
+    # (bit for bit); with it the decay's momentum moves into the compressed
+    # part, and training stays where the fixed run goes.
+    fixed = run_ranks(_momentum_run, 2, str(tmp_path), "onebit", None, weight_decay)
+    auto = run_ranks(_momentum_run, 2, str(tmp_path), "auto", ("onebit",), weight_decay)
+    assert auto[0]["plans"] == fixed[0]["plans"] == ["onebit"]
+    # DDP rebuilds its buckets after the first step: the new buckets' momentum
+    # starts from the optimizer's, not from zero
+    assert weight_decay or fixed[0]["gap"] == 0.0
+    assert torch.equal(auto[0]["params"], auto[1]["params"])
+    if weight_decay == 0.0:
+        assert torch.equal(auto[0]["params"], fixed[0]["params"])
+    else:  # far closer to the fixed run than 1-bit compression itself moves it from exact training
+        exact = run_ranks(_momentum_run, 2, str(tmp_path), "none", None, weight_decay)
+        apart = float((auto[0]["params"] - fixed[0]["params"]).abs().max())
+        compression = float((fixed[0]["params"] - exact[0]["params"]).abs().max())
+        assert apart < 0.25 * compression, (apart, compression)
