@@ -117,7 +117,10 @@ class BucketStates:
             "plans": {k: [m, h] for k, (m, h) in self.plan_of.items()},
         }
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+    def load_state_dict(self, sd: Dict[str, Any], keyed_elsewhere: bool = False) -> None:
+        """``keyed_elsewhere``: other per-bucket state was restored too (auto's
+        decisions), so the first step meets the saved buckets even when no
+        tensor was saved."""
         def restore(d):
             return {str(k): t.detach().clone().float().contiguous() for k, t in d.items()}
 
@@ -130,7 +133,7 @@ class BucketStates:
         self.layouts = {}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
         self.step_layout = layout
-        self.replay_layout = layout if layout and self.has_state() else None
+        self.replay_layout = layout if layout and (self.has_state() or keyed_elsewhere) else None
         self._saved_shapes = [tuple(s) for s in sd.get("param_shapes", [])]
         # kept through the first steps of a resumed run
         self.prev_touched = set(self.residuals) | set(self.server_residuals) | set(self.lowrank_q) | \

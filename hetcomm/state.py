@@ -302,7 +302,7 @@ class HookState(BucketSteps):
         self.iter = int(sd["iter"])
         if sd.get("resolved_compression") is not None:
             self.resolved_compression = sd["resolved_compression"]
-        self._buckets.load_state_dict(sd)
+        self._buckets.load_state_dict(sd, keyed_elsewhere=bool(sd.get("auto", {}).get("decided")))
         self._planner.load_state_dict(sd.get("auto", {}))
 
     def stats(self) -> Dict[str, Any]:
