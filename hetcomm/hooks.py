@@ -16,6 +16,10 @@ from .options import COMPRESSED
 
 log = logging.getLogger("hetcomm")
 
+# The core's enums by name (pybind11 builds a new __members__ dict on every access: once here, not per bucket).
+_CODECS = dict(_C.Codec.__members__)
+_ALGOS = dict(_C.Algo.__members__)
+
 
 def hook(state: "BucketSteps", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: ``ddp.register_comm_hook(state, hetcomm.hook)``.
@@ -206,10 +210,10 @@ class BucketSteps:
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
-        fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=_C.Codec.__members__[p.mode], chunk=self.chunk_size,
+        fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=_CODECS[p.mode], chunk=self.chunk_size,
                                    topk_ratio=self.topk_ratio, topk_exact=self.topk_exact, residual=residual,
                                    server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
-                                   algorithm=_C.Algo.__members__[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
+                                   algorithm=_ALGOS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
                                    carry=carry)
         if bucket.last:
             self.last_bucket_time = time.monotonic()

@@ -77,6 +77,11 @@ COLUMNS = [("bytes", "size(B)", "d"), ("algorithm", "algorithm", "s", 16), ("wir
            ("planned", "planned", "s", 16)]
 
 
+def _input(n: int, size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s random input at message size ``size`` (seeded: any rank can rebuild it)."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(size * 1009 + rank))
+
+
 def _inputs(n: int, size: int, world: int, rank: int):
     """This rank's random input, the float64 sum of every rank's and the sum
     of their magnitudes (every rank's input rebuilt from its seed)."""
@@ -84,7 +89,7 @@ def _inputs(n: int, size: int, world: int, rank: int):
     magnitude = torch.zeros(n, dtype=torch.float64)
     mine = None
     for r in range(world):
-        x = torch.randn(n, generator=torch.Generator().manual_seed(size * 1009 + r))
+        x = _input(n, size, r)
         exact += x
         magnitude += x.abs()
         if r == rank:
@@ -147,7 +152,7 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
             base, exact, magnitude = _inputs(n, size, world, rank)
             base = base.to(device)
         else:
-            base = torch.randn(n, generator=torch.Generator().manual_seed(size * 1009 + rank)).to(device)
+            base = _input(n, size, rank).to(device)
         for wire in wires:
             for algo in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos:
                 if not _applicable(topo, algo, wire):
