@@ -48,7 +48,7 @@ def _bench(args) -> None:
 
         ddp.main(ranks=args.ranks, modes=args.modes, params=args.params, global_batch=args.global_batch,
                  steps=args.iters, warmup=args.warmup, rank_cpu=args.rank_cpu, json_path=args.json,
-                 algorithm=args.algorithm)
+                 algorithm=args.algorithm, device=args.device)
 
 
 def _topo(args) -> None:
@@ -259,6 +259,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="comma-separated modes (default: all; +bal = balanced)")
     g.add_argument("--algorithm", default="native", choices=("auto",) + topology.ALGORITHMS,
                    help="HookState(algorithm=...) of hetcomm's modes")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: model and buckets on GPUs (NCCL with a GPU per rank, else gloo ranks sharing them)")
     g.add_argument("--grid", action="store_true",
                    help="run every cell of --networks x --grid-params x --grid-ranks (a shaped network under "
                         "`hetcomm testbed`, 2 nodes, root) and compare auto with the best fixed mode per cell")

@@ -42,6 +42,15 @@ def _default_group_timeout() -> Optional[timedelta]:
         return None
 
 
+def _moves_cuda_with_nccl(group) -> bool:
+    """Whether ``group`` sends CUDA tensors with NCCL ("nccl" or
+    "cpu:gloo,cuda:nccl"); gloo for CUDA tensors is the user's choice to keep."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" not in backend:
+        return backend == "nccl"
+    return any(part.strip() == "cuda:nccl" for part in backend.split(","))
+
+
 def _device_supports_bf16(device: torch.device) -> bool:
     """CPU counts as bf16-capable; CUDA needs compute capability >= 8.0."""
     if device.type == "cuda":
@@ -114,10 +123,11 @@ class HookState(BucketSteps):
             overrides the planner.
         transport: ``"auto"`` (default): CUDA buckets go over hetcomm's own
             NCCL communicator and comm stream when this build has CUDA
-            (``build_info()["cuda"]``), everything else over the process
-            group; ``"pg"``: always the process group (CUDA buckets then need
-            a group with a CUDA backend, e.g. NCCL). One state serves the
-            buckets of one device.
+            (``build_info()["cuda"]``) and the process group moves CUDA
+            tensors with NCCL; everything else over the process group (gloo
+            with CUDA tensors, e.g. ranks sharing a GPU, which NCCL refuses:
+            hetcomm copies them through host memory). ``"pg"``: always the
+            process group. One state serves the buckets of one device.
         candidates: ``compression="auto"`` only: the modes it may choose from
             (``"none"``, ``"fp16"``, ``"bf16"``, ``"onebit"``, ``"topk"``,
             ``"lowrank"``). Default: fp32 and bf16 (fp16 where a device lacks
@@ -357,7 +367,8 @@ class HookState(BucketSteps):
         else the process group, with control tensors where it takes them."""
         if self._engine is None:
             device = device if device is not None else torch.device("cpu")
-            if device.type == "cuda" and self.transport == "auto" and _C.build_info()["cuda"]:
+            if device.type == "cuda" and self.transport == "auto" and _C.build_info()["cuda"] and \
+                    _moves_cuda_with_nccl(self._group()):
                 self._engine = _C.Engine.with_nccl(self._nccl_transport(device))
             else:
                 self._engine = _C.Engine(self._group(), topology.group_device(self._group(), device))

@@ -51,6 +51,11 @@ def test_bench_compress_table_and_json(tmp_path):
     assert {r["bytes"] for r in rows} == {256 * 1024, 1024 * 1024}
     assert all(r["wrong"] in (0, -1) for r in rows), rows  # outputs agree with the torch implementations
     assert all(r["gbps"] > 0 and r["torch_gbps"] > 0 for r in rows)
+    # of copy: the codec's least traffic per second over a copy of the same bytes, at the same size
+    for r in rows:
+        assert r["copy_gbps"] > 0 and math.isclose(r["of_copy"], r["traffic_gbps"] / r["copy_gbps"], rel_tol=1e-9)
+    sign = next(r for r in rows if r["codec"] == "sign_encode+ef")
+    assert math.isclose(sign["traffic_gbps"], sign["gbps"] / 4 * (12 + 1 / 8), rel_tol=1e-9)
 
 
 def test_info(tmp_path):
@@ -102,6 +107,16 @@ def test_bench_ddp_side_by_side(tmp_path):
     assert rows["lowrank"]["bytes_per_step"] * 5 < rows["torch-allreduce"]["bytes_per_step"]
     assert sum(int(b) for b in rows["none+bal"]["local_batches"].split("/")) == 16
     assert all(0 <= r["hidden"] <= 1 and r["step_ms"] > 0 for r in rows.values())
+
+
+def test_bench_ddp_on_cuda_without_a_gpu_says_what_is_missing(tmp_path):
+    import hetcomm
+
+    if torch.cuda.is_available() and hetcomm.build_info()["cuda"]:
+        pytest.skip("this machine can run bench ddp --device cuda")
+    out = subprocess.run(HETCOMM + ["bench", "ddp", "--device", "cuda", "--modes", "none"], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode != 0 and "needs a visible GPU and a CUDA build of hetcomm" in out.stderr
 
 
 def test_bench_train_time_to_accuracy(tmp_path):

@@ -1,7 +1,11 @@
 """GPU tests: the CPU tests' bodies on CUDA. Kernels run through the `device`
-fixture in test_kernels.py (CUDA vs the CPU references, bit for bit); here the
-NCCL transport and DDP on one GPU per rank. They skip cleanly without a CUDA
-build of hetcomm and enough visible GPUs (decided at run time)."""
+fixture in test_kernels.py (CUDA vs the CPU references, bit for bit). Here,
+with one GPU: gloo ranks sharing it (CUDA tensors through the process-group
+transport and the engine's comm stream), every algorithm and wire against the
+same collectives on CPU tensors bit for bit, DDP in every mode, and NCCL with
+one rank; with two GPUs (marker cuda2): the NCCL transport and DDP on one GPU
+per rank. They skip cleanly without a CUDA build of hetcomm and enough visible
+GPUs (decided at run time)."""
 
 from datetime import timedelta
 
@@ -32,6 +36,125 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
     assert torch.equal(idx_g.cpu(), idx_c) and torch.equal(val_g.cpu(), val_c)
     p, qt = torch.randn(max(1, n // 1000), 4), torch.randn(4, 777)
     assert torch.equal(ops.lowrank_outer(p.cuda(), qt.cuda()).cpu(), ops.lowrank_outer(p, qt))
+
+
+SHARED_WORLD = 4  # gloo ranks on the one GPU: two "nodes" of two for the hierarchical algorithm
+WIRES = ("none", "fp16", "bf16", "onebit", "topk")
+
+
+def _wires_on(device, rank, world):
+    """Two calls of every algorithm x wire (error feedback carried from the
+    first into the second) on this rank's seeded input, on ``device``."""
+    import torch.distributed as dist
+
+    nodes = [r * 2 // world for r in range(world)]
+    t = hetcomm._C.ProcessGroupTransport(dist.group.WORLD, device)
+    base = (torch.randn(5003, generator=torch.Generator().manual_seed(rank)) * 3).to(device)
+    out = {}
+    for algo in ("native", "ring", "halving_doubling", "tree", "hierarchical"):
+        for wire in WIRES:
+            if wire in ("onebit", "topk") and algo not in ("native", "hierarchical"):
+                continue
+            if algo == "hierarchical" and wire in ("onebit", "topk"):
+                shard, peers, me = hetcomm._C.hierarchical_shard_numel(base.numel(), nodes, rank), 2, nodes[rank]
+            else:
+                shard, peers, me = base.numel(), world, rank
+            w = torch.zeros(shard, device=device)
+            srv = torch.zeros(ops.onebit_segment_numel(shard, peers, me), device=device)
+            results = []
+            for call in range(2):
+                x = base * (call + 1)
+                if wire in ("fp16", "bf16"):
+                    h = ops.cast_encode(x, 4.0, "float16" if wire == "fp16" else "bfloat16")
+                    t.allreduce(h, algo, node_of=nodes)
+                    x = torch.empty_like(x)
+                    ops.cast_decode(h, 4.0, x)
+                elif wire == "none":
+                    t.allreduce(x, algo, node_of=nodes)
+                elif algo == "native" and wire == "onebit":
+                    t.allreduce_onebit(x, float(world), 2048, w, srv)
+                elif algo == "native":
+                    t.allreduce_topk(x, float(world), 0.05, True, w)
+                else:
+                    t.allreduce(x, "hierarchical", node_of=nodes, inter=wire, residual=w, server_residual=srv,
+                                topk_ratio=0.05)
+                results.append(x.cpu())
+            out[f"{algo}/{wire}"] = results + [w.cpu(), srv.cpu()]
+    t.barrier()
+    return out
+
+
+def _wires_cpu_and_shared_gpu(rank, world):
+    torch.cuda.set_device(0)
+    return {"cpu": _wires_on(torch.device("cpu"), rank, world), "cuda": _wires_on(torch.device("cuda", 0), rank, world)}
+
+
+@pytest.mark.cuda
+def test_every_algorithm_and_wire_on_a_shared_gpu_equals_the_cpu_bit_for_bit():
+    """CUDA tensors through the process-group transport (gloo: host copies) and
+    the CUDA codecs give the very bits the CPU path gives, on every rank."""
+    results = run_ranks(_wires_cpu_and_shared_gpu, SHARED_WORLD)
+    keys = results[0]["cpu"].keys()
+    assert len(keys) == 5 * 3 + 2 * 2  # every algorithm x dense wire, onebit/topk native and hierarchical
+    for rank, r in enumerate(results):
+        for key in keys:
+            for i, (c, g) in enumerate(zip(r["cpu"][key], r["cuda"][key])):
+                assert torch.equal(c, g), (rank, key, i)
+            # the reduced values (not the residuals) are the same on every rank
+            for i in range(2):
+                assert torch.equal(r["cuda"][key][i], results[0]["cuda"][key][i]), (rank, key, i)
+    exact = sum(torch.randn(5003, generator=torch.Generator().manual_seed(r)) * 3 for r in range(SHARED_WORLD))
+    assert torch.allclose(results[0]["cuda"]["ring/none"][0], exact, rtol=1e-5, atol=1e-4)
+
+
+SHARED_MODES = [("none", {}), ("fp16", {}), ("bf16", {}), ("onebit", {}), ("topk", {}), ("lowrank", {}),
+                ("none", {"algorithm": "ring"}), ("none", {"algorithm": "tree"}),
+                ("none", {"algorithm": "halving_doubling"}), ("onebit", {"transport": "pg"}),
+                ("topk", {"topk_exact": False}), ("auto", {})]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode,options", SHARED_MODES)
+def test_ddp_replicas_bit_identical_on_a_shared_gpu(mode, options):
+    """Two gloo ranks on one GPU: CUDA buckets through the engine's comm stream."""
+    results = run_ranks(test_ddp._replicas, 2, mode, 20, "cuda", options)
+    assert torch.equal(results[1]["params"], results[0]["params"])
+    assert torch.isfinite(results[0]["params"]).all()
+    st = results[0]["stats"]
+    assert st["iter"] == 20
+    if mode in ("onebit", "topk", "lowrank"):
+        assert st["last_step"]["compression_ratio"] > 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["none", "fp16", "bf16", "onebit", "topk", "lowrank"])
+def test_ddp_weighted_on_a_shared_gpu(mode):
+    """Unequal batches: replicas identical, the weighted gradient the full-batch one (CPU reference)."""
+    test_ddp.check_weighted(run_ranks(test_ddp._weighted_grads, 2, mode, "cuda"), mode, 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["none", "fp16", "onebit", "topk", "lowrank"])
+def test_nccl_with_one_rank_equals_the_process_group_transport(mode):
+    """hetcomm's own NCCL communicator (world 1) and the process-group transport
+    run the same codecs on the same GPU: the same bits after 10 steps."""
+    nccl = run_ranks(test_ddp._replicas, 1, mode, 10, "cuda", {}, backend="nccl")[0]
+    pg = run_ranks(test_ddp._replicas, 1, mode, 10, "cuda", {"transport": "pg"})[0]
+    assert torch.equal(nccl["params"], pg["params"])
+    assert nccl["stats"]["iter"] == 10
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["none", "onebit"])
+def test_hook_returns_before_the_collective_finishes_on_a_shared_gpu(mode):
+    test_ddp.check_overlap(run_ranks(test_ddp._overlap, 2, mode, "cuda")[0], mode)
+
+
+@pytest.mark.cuda
+def test_dead_peer_on_a_shared_gpu_is_an_error_not_a_hang():
+    results = run_ranks(test_ddp._dead_peer, 2, "cuda", {"timeout": timedelta(seconds=15)}, check=False,
+                        pg_timeout=20, timeout=120)
+    test_ddp.check_dead_peer(results, 40)
 
 
 def _gpus(k):

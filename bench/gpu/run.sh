@@ -1,23 +1,67 @@
 #!/usr/bin/env bash
-# The GPU rows, in one command, on a machine with GPUs and a CUDA torch:
+# The GPU path, in one command, on a machine with GPUs and a CUDA torch:
 #   bash bench/gpu/run.sh [OUT_DIR]
-# Builds hetcomm against the installed (CUDA) torch, runs the GPU tests, then
-# the codec benchmark on the GPU (vs a device-to-device copy) and, with 2+
-# GPUs, all-reduce busbw per size (hetcomm's algorithms and wire formats on its
-# own NCCL communicator next to torch.distributed's NCCL all-reduce) and
-# hetcomm's DDP step times next to PyTorch's hooks on NCCL.
+# 1. builds hetcomm against the installed (CUDA) torch and checks build_info();
+# 2. runs every GPU test (marker cuda: one GPU, several ranks sharing it over
+#    gloo and NCCL with one rank; cuda2: one GPU per rank, skipped with a
+#    reason on a one-GPU machine);
+# 3. the codec benchmark on the GPU (each codec next to torch's own kernels and
+#    a device-to-device copy of the same bytes);
+# 4. DDP steps with CUDA buckets, every mode next to PyTorch's hooks: 2 gloo
+#    ranks sharing GPU 0, and with 2+ GPUs one rank per GPU on NCCL (plus the
+#    all-reduce busbw per size on hetcomm's NCCL communicator).
+# Writes run.log and the JSON and tables to OUT_DIR (default bench/gpu/results).
+# 5. (stage "profile", not by default) Nsight Compute's speed of light and
+#    occupancy of each codec kernel, into OUT_DIR/ncu_codecs.txt.
+# HETCOMM_GPU_STAGES (default "build tests compress ddp") picks stages;
+# HETCOMM_WHEELS=DIR installs missing Python packages from wheels there (a
+# machine without a package index).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-bench/gpu/results}
 mkdir -p "$out"
-python -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'; print(torch.__version__, torch.version.cuda)"
-pip install -q --no-build-isolation -e .
-python -c "import hetcomm; i = hetcomm.build_info(); print(i); assert i['cuda'], 'not a CUDA build of hetcomm'"
-python -m pytest -q -m "cuda or cuda2" tests | tee "$out/gpu_tests.txt"
-python -m hetcomm.cli bench compress --device cuda -b 1M -e 256M -f 4 --json "$out/compress_cuda.json" | tee "$out/compress_cuda.txt"
-ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
-if [ "$ngpu" -ge 2 ]; then
-  python -m hetcomm.cli bench allreduce --device cuda --ranks "$ngpu" -b 1M -e 256M -f 4 -n 20 -w 5 \
-    --json "$out/allreduce_cuda.json" | tee "$out/allreduce_cuda.txt"
-  torchrun --nproc_per_node "$ngpu" -m hetcomm.benchmarks.gpu_ddp --json "$out/ddp_cuda.json" | tee "$out/ddp_cuda.txt"
+stages=${HETCOMM_GPU_STAGES:-build tests compress ddp}
+jobs=${HETCOMM_GPU_JOBS:-8}  # pytest-xdist workers sharing the GPU(s), where xdist is installed
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$out/run.log") 2>&1
+has() { [[ " $stages " == *" $1 "* ]]; }
+py=${PYTHON:-python3}
+
+nvidia-smi -L || true
+"$py" -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'; \
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0), \
+'x', torch.cuda.device_count())"
+if has build; then
+  t0=$SECONDS
+  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+    "$py" -m pip install -q --no-build-isolation ${HETCOMM_WHEELS:+--no-index --find-links "$HETCOMM_WHEELS"} -e .
+  echo "# build: $((SECONDS - t0)) s"
+fi
+"$py" -c "import hetcomm; i = hetcomm.build_info(); print(i); assert i['cuda'], 'not a CUDA build of hetcomm'"
+ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())")
+if has tests; then
+  # HETCOMM_GPU_TESTS: more pytest arguments (e.g. -k NAME)
+  xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n $jobs" || true)
+  timeout "${HETCOMM_GPU_TEST_TIMEOUT:-3600}" "$py" -m pytest -q -rs --durations=15 -p no:cacheprovider $xdist \
+    -m "cuda or cuda2" tests ${HETCOMM_GPU_TESTS:-} --junitxml "$out/gpu_tests.xml" || echo "# GPU TESTS FAILED"
+fi
+if has compress; then
+  "$py" -m hetcomm.cli bench compress --device cuda -b 1M -e 256M -f 4 -n 20 -w 3 --json "$out/compress_cuda.json"
+fi
+if has ddp; then
+  modes=torch-allreduce,torch-fp16,torch-powersgd,none,fp16,bf16,onebit,topk,lowrank,auto
+  "$py" -m hetcomm.cli bench ddp --device cuda --ranks 2 --params 25M --global-batch 256 -n 20 -w 5 \
+    --modes "$modes" --json "$out/ddp_cuda_shared.json"
+  if [ "$ngpu" -ge 2 ]; then
+    "$py" -m hetcomm.cli bench allreduce --device cuda --ranks "$ngpu" -b 1M -e 256M -f 4 -n 20 -w 5 \
+      --json "$out/allreduce_cuda.json"
+    "$py" -m torch.distributed.run --nproc_per_node "$ngpu" -m hetcomm.cli bench ddp --device cuda --params 25M --global-batch 256 \
+      -n 20 -w 5 --modes "$modes" --json "$out/ddp_cuda_nccl.json"
+  fi
+fi
+if has profile; then
+  ncu --section SpeedOfLight --section Occupancy --kernel-name regex:'sign|cast|select|sample|accumulate|outer' \
+    --launch-skip 0 "$py" bench/gpu/profile_codecs.py > "$out/ncu_codecs.txt" 2>&1 || echo "# ncu failed"
+  grep -E "^  [a-z_:<>0-9A-Z]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per" \
+    "$out/ncu_codecs.txt" || true
 fi

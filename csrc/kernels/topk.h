@@ -46,7 +46,10 @@ void ef_accumulate_cuda(const float* grad, float divisor, float* x, int64_t n, v
 void topk_clear_cuda(float* residual, const int32_t* idx, int64_t count, void* stream);
 void scatter_add_cuda(const int32_t* idx, const float* val, int64_t count, float alpha, float* out,
                       void* stream);
-void topk_threshold_select_cuda(const float* x, int64_t n, float threshold, int64_t capacity,
+// out[j] = |x[sample_position(j, m, n)]|, j < m
+void topk_sample_cuda(const float* x, int64_t n, int64_t m, float* out, void* stream);
+// *threshold is a device float: no copy to the host between sampling and selection
+void topk_threshold_select_cuda(const float* x, int64_t n, const float* threshold, int64_t capacity,
                                 int32_t* idx, float* val, unsigned long long* count_out, void* stream);
 
 }  // namespace kernels

@@ -121,7 +121,6 @@ int64_t topk_select_exact_cpu(const float* x, int64_t n, int64_t k, int32_t* idx
   for (const auto& c : cand) in_bin.insert(in_bin.end(), c.begin(), c.end());
   auto nth = in_bin.begin() + (k - above - 1);
   std::nth_element(in_bin.begin(), nth, in_bin.end(), std::greater<uint32_t>());
-  const uint32_t t = *nth;
   return select_from(x, n, *nth, k, k, idx, val, pfor);
 }
 

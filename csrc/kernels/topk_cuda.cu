@@ -29,8 +29,15 @@ __global__ void scatter_add_kernel(const int32_t* idx, const float* val, int64_t
     out[idx[j]] = topk_decode(out[idx[j]], val[j], alpha);
 }
 
-__global__ void threshold_select_kernel(const float* x, int64_t n, float threshold, int64_t capacity,
+__global__ void sample_kernel(const float* x, int64_t n, int64_t m, float* out) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < m;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[j] = magnitude(x[sample_position(j, m, n)]);
+}
+
+__global__ void threshold_select_kernel(const float* x, int64_t n, const float* threshold_ptr, int64_t capacity,
                                         int32_t* idx, float* val, unsigned long long* count) {
+  const float threshold = *threshold_ptr;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (magnitude(x[i]) >= threshold) {
@@ -63,7 +70,13 @@ void scatter_add_cuda(const int32_t* idx, const float* val, int64_t count, float
   HC_CUDA_LAUNCH_CHECK("scatter_add");
 }
 
-void topk_threshold_select_cuda(const float* x, int64_t n, float threshold, int64_t capacity, int32_t* idx,
+void topk_sample_cuda(const float* x, int64_t n, int64_t m, float* out, void* stream) {
+  if (m == 0) return;
+  sample_kernel<<<grid_for(m, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(x, n, m, out);
+  HC_CUDA_LAUNCH_CHECK("topk_sample");
+}
+
+void topk_threshold_select_cuda(const float* x, int64_t n, const float* threshold, int64_t capacity, int32_t* idx,
                                 float* val, unsigned long long* count_out, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   HC_CUDA_CHECK(cudaMemsetAsync(count_out, 0, sizeof(unsigned long long), s));

@@ -85,18 +85,17 @@ std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at:
     idx64 = at::cat({above, ties.narrow(0, 0, std::max<int64_t>(0, std::min(ties.numel(), kk - above.numel())))});
   } else {
     // DGC's sampled threshold: the same deterministic sample as the CPU's.
+    // Sample and threshold stay on the GPU: the count below is the one copy to the host.
     const int64_t m = k::topk_sample_size(n, kk);
-    at::Tensor pos = at::empty({m}, at::kLong);
-    int64_t* pp = pos.data_ptr<int64_t>();
-    for (int64_t j = 0; j < m; ++j) pp[j] = k::sample_position(j, m, n);
-    const at::Tensor sample = x.abs().index_select(0, pos.to(x.device()));
+    at::Tensor sample = at::empty({m}, g.options());
+    k::topk_sample_cuda(x.data_ptr<float>(), n, m, sample.data_ptr<float>(), stream_of(grad));
     const int64_t ks = std::max<int64_t>(1, (kk * m + n - 1) / n);
-    const float threshold = std::get<0>(at::kthvalue(sample, m - ks + 1)).item<float>();
+    const at::Tensor threshold = std::get<0>(at::kthvalue(sample, m - ks + 1)).contiguous();
     const int64_t cap = 2 * kk;
     at::Tensor ci = at::empty({cap}, g.options().dtype(at::kInt));
     at::Tensor cv = at::empty({cap}, g.options());
     at::Tensor count = at::zeros({1}, g.options().dtype(at::kLong));
-    k::topk_threshold_select_cuda(x.data_ptr<float>(), n, threshold, cap, ci.data_ptr<int32_t>(), cv.data_ptr<float>(),
+    k::topk_threshold_select_cuda(x.data_ptr<float>(), n, threshold.data_ptr<float>(), cap, ci.data_ptr<int32_t>(), cv.data_ptr<float>(),
                                   reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()), stream_of(grad));
     const int64_t c = count.item<int64_t>();
     if (c > cap) {

@@ -1,5 +1,7 @@
 #include "transport/pg_transport.h"
 
+#include <torch/version.h>
+
 #include <stdexcept>
 
 namespace hetcomm {
@@ -12,6 +14,24 @@ void check_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined() && t.is_contiguous(), "hetcomm: ", name, " must be a defined contiguous tensor");
 }
 
+// Whether the group moves CUDA tensors with gloo: gloo's all-reduce and
+// all-gather take CUDA tensors (through pinned host copies of its own); its
+// send/recv, all-to-all and reduce-scatter are ours to stage through the host.
+bool gloo_for_cuda(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  try {
+    return pg->getBackend(c10::DeviceType::CUDA)->getBackendName() == "gloo";
+  } catch (const std::exception&) {
+    return false;  // no CUDA backend registered: the collective raises its own error
+  }
+}
+
+// Pinned host memory (torch's caching host allocator): copies at full PCIe speed.
+at::Tensor host_like(const at::Tensor& t) {
+  return t.defined() ? at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true)) : t;
+}
+
+at::Tensor on_host(const at::Tensor& t) { return t.defined() ? host_like(t).copy_(t) : t; }
+
 }  // namespace
 
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device)
@@ -19,7 +39,10 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   TORCH_CHECK_VALUE(pg_, "hetcomm: process_group is None");
   TORCH_CHECK_VALUE(device_.is_cpu() || (device_.is_cuda() && device_.has_index()),
                     "hetcomm: device must be cpu or cuda:<index>, got ", device_);
+  stage_cuda_ = device_.is_cuda() && gloo_for_cuda(pg_);
 }
+
+bool ProcessGroupTransport::staged(const at::Tensor& t) const { return stage_cuda_ && t.defined() && t.is_cuda(); }
 
 std::string ProcessGroupTransport::name() const { return "pg:" + pg_->getBackendName(); }
 
@@ -46,6 +69,7 @@ void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, con
 }
 
 void ProcessGroupTransport::send(const at::Tensor& t, int dst, int tag) {
+  if (staged(t)) return send(on_host(t), dst, tag);
   check_contiguous(t, "send tensor");
   check_peer(dst, "dst");
   const auto start = std::chrono::steady_clock::now();
@@ -54,6 +78,12 @@ void ProcessGroupTransport::send(const at::Tensor& t, int dst, int tag) {
 }
 
 void ProcessGroupTransport::recv(at::Tensor& t, int src, int tag) {
+  if (staged(t)) {
+    at::Tensor h = host_like(t);
+    recv(h, src, tag);
+    t.copy_(h);
+    return;
+  }
   check_contiguous(t, "recv tensor");
   check_peer(src, "src");
   const auto start = std::chrono::steady_clock::now();
@@ -62,6 +92,12 @@ void ProcessGroupTransport::recv(at::Tensor& t, int src, int tag) {
 }
 
 void ProcessGroupTransport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
+  if (staged(out) || staged(in)) {
+    at::Tensor h_in = host_like(in);
+    send_recv(dst >= 0 ? on_host(out) : out, dst, h_in, src, tag);
+    if (src >= 0) in.copy_(h_in);
+    return;
+  }
   const auto start = std::chrono::steady_clock::now();
   c10::intrusive_ptr<c10d::Work> ws, wr;
   std::vector<at::Tensor> vs{out}, vr{in};
@@ -110,6 +146,12 @@ void ProcessGroupTransport::all_gather(at::Tensor& out, const at::Tensor& in) {
 }
 
 void ProcessGroupTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
+  if (staged(out) || staged(in)) {
+    at::Tensor h = host_like(out);
+    all_to_all(h, on_host(in));
+    out.copy_(h);
+    return;
+  }
   check_contiguous(in, "all_to_all input");
   check_contiguous(out, "all_to_all output");
   const int w = size();
@@ -123,10 +165,20 @@ void ProcessGroupTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
   std::vector<int64_t> splits;  // empty: equal splits
   at::Tensor in_mut = in;
   const int64_t b = (w - 1) * nbytes(in) / w;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
   wait(pg_->all_to_all_single(out, in_mut, splits, splits), "all_to_all", b, b, start);
+#else  // the same op under its older name
+  wait(pg_->alltoall_base(out, in_mut, splits, splits), "all_to_all", b, b, start);
+#endif
 }
 
 void ProcessGroupTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
+  if (staged(out) || staged(in)) {
+    at::Tensor h = host_like(out);
+    reduce_scatter_sum(h, on_host(in));
+    out.copy_(h);
+    return;
+  }
   check_contiguous(in, "reduce_scatter input");
   check_contiguous(out, "reduce_scatter output");
   const int w = size();
@@ -141,7 +193,11 @@ void ProcessGroupTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   const int64_t b = (w - 1) * nbytes(out);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
   wait(pg_->reduce_scatter_single(out, in_mut, opts), "reduce_scatter", b, b, start);
+#else
+  wait(pg_->_reduce_scatter_base(out, in_mut, opts), "reduce_scatter", b, b, start);
+#endif
 }
 
 void ProcessGroupTransport::barrier() {

@@ -35,9 +35,13 @@ class ProcessGroupTransport : public Transport {
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t sent, int64_t recv,
             std::chrono::steady_clock::time_point start);
   void check_peer(int peer, const char* name) const;
+  // A CUDA tensor on a group whose CUDA backend is gloo, for an op gloo takes
+  // only on the host: the op runs on pinned host copies.
+  bool staged(const at::Tensor& t) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   at::Device device_;
+  bool stage_cuda_ = false;
 };
 
 }  // namespace hetcomm

@@ -1,7 +1,12 @@
 """`hetcomm bench compress`: codec kernel throughput (GB/s of fp32 input
-processed) against a pure-torch implementation of the same codec and the
-machine's memory bandwidth, measured in the same run. #wrong counts elements
-where hetcomm's output differs from the torch implementation's."""
+processed) against a pure-torch implementation of the same codec and a copy
+of the same bytes, measured in the same run. #wrong counts elements where
+hetcomm's output differs from the torch implementation's.
+
+``of copy`` compares memory traffic: the bytes a codec must read and write at
+the least (TRAFFIC, per fp32 input element) per second, over a copy_ of the
+input's bytes (read + write) per second at the same size. 1.0 = the codec
+moves its bytes as fast as a plain copy does."""
 
 from __future__ import annotations
 
@@ -14,6 +19,12 @@ from . import common
 
 CHUNK = 2048
 RATIO = 0.01
+# Least bytes read + written per fp32 input element: sign + EF reads g and e,
+# writes e and 1 bit; top-k + EF the same but no bits (k indices and values are
+# a rounding error at 1 %); casts read 4 and write 2 (or the reverse); the
+# low-rank rebuild writes the matrix (its factors are small).
+TRAFFIC = {"sign_encode+ef": 12 + 1 / 8, "sign_decode": 4 + 1 / 8, "topk_exact+ef": 12, "topk_sampled+ef": 12,
+           "cast_fp16": 6, "cast_bf16": 6, "uncast_fp16": 6, "lowrank_outer_r4": 4}
 
 
 # ---- pure-torch implementations of each codec (vectorised, the fair baseline) ----
@@ -37,6 +48,10 @@ def torch_topk(g: torch.Tensor, e: torch.Tensor, k: int):
     val = x[idx]
     x[idx] = 0
     return idx, val
+
+
+def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.cpu().view(torch.int16) != b.cpu().view(torch.int16)).sum())
 
 
 def _codecs(n: int, device: str = "cpu"):
@@ -65,10 +80,12 @@ def _codecs(n: int, device: str = "cpu"):
                           None, True),
         "topk_sampled+ef": (lambda: ops.topk_encode(g, e_a, 1.0, k, False), lambda: torch_topk(g, e_b, k),
                             None, True),
+        # checked against the CPU's division: torch's CUDA division by a scalar
+        # multiplies by its reciprocal, which is not correctly rounded
         "cast_fp16": (lambda: ops.cast_encode(g, 3.0, "float16"), lambda: (g / 3.0).half(),
-                      lambda a, b: int((a.view(torch.int16) != b.view(torch.int16)).sum()), False),
+                      lambda a, b: _bits_differ(a, (g.cpu() / 3.0).half()), False),
         "cast_bf16": (lambda: ops.cast_encode(g, 3.0, "bfloat16"), lambda: (g / 3.0).bfloat16(),
-                      lambda a, b: int((a.view(torch.int16) != b.view(torch.int16)).sum()), False),
+                      lambda a, b: _bits_differ(a, (g.cpu() / 3.0).bfloat16()), False),
         "uncast_fp16": (lambda: ops.cast_decode(h16, 1.0, out), lambda: h16.float(),
                         lambda a, b: int((a != b).sum()), False),
         "lowrank_outer_r4": (lambda: ops.lowrank_outer(p, qt), lambda: p @ qt,
@@ -81,6 +98,7 @@ def run(sizes: List[int], iters: int = 10, warmup: int = 2, device: str = "cpu")
     rows = []
     for nbytes in sizes:
         n = max(CHUNK, nbytes // 4 // CHUNK * CHUNK)
+        copy_gbps = common.memory_bandwidth(4 * n, iters, device)  # the same bytes, read + written
         codecs, (e0, e_a, e_b) = _codecs(n, device)
         for name, (ours, theirs, check, uses_residual) in codecs.items():
             wrong = -1
@@ -94,7 +112,9 @@ def run(sizes: List[int], iters: int = 10, warmup: int = 2, device: str = "cpu")
             gbps = n * 4 / t_ours / 1e9
             rows.append({"bytes": n * 4, "codec": name, "time_us": t_ours * 1e6, "gbps": gbps,
                          "torch_gbps": n * 4 / t_torch / 1e9, "speedup": t_torch / t_ours,
-                         "of_membw": gbps / membw, "wrong": wrong})
+                         "of_membw": gbps / membw, "traffic_gbps": TRAFFIC[name] * n / t_ours / 1e9,
+                         "copy_gbps": copy_gbps, "of_copy": TRAFFIC[name] * n / t_ours / 1e9 / copy_gbps,
+                         "wrong": wrong})
     return {"memory_bandwidth_gbps": membw, "threads": torch.get_num_threads(), "device": device, "rows": rows}
 
 
@@ -109,7 +129,10 @@ def main(sizes: List[int], iters: int = 10, warmup: int = 2, json_path: Optional
     common.print_table(res["rows"], [("bytes", "size(B)", "d"), ("codec", "codec", "s"), ("time_us", "time(us)", ".1f"),
                                      ("gbps", "GB/s", ".2f"), ("torch_gbps", "torch GB/s", ".2f"),
                                      ("speedup", "vs torch", ".2f"), ("of_membw", "of membw", ".2f"),
-                                     ("wrong", "#wrong", "d")])
-    common.write_json(json_path, res, common.metadata(1, iters=iters, warmup=warmup,
-                                                      units={"gbps": "GB/s of fp32 input", "time_us": "microseconds"}))
+                                     ("traffic_gbps", "traffic GB/s", ".1f"), ("copy_gbps", "copy GB/s", ".1f"),
+                                     ("of_copy", "of copy", ".2f"), ("wrong", "#wrong", "d")])
+    common.write_json(json_path, res, common.metadata(1, device=device, iters=iters, warmup=warmup,
+                                                      units={"gbps": "GB/s of fp32 input", "time_us": "microseconds",
+                                                             "traffic_gbps": "GB/s read + written (TRAFFIC)",
+                                                             "copy_gbps": "GB/s read + written by copy_"}))
     return res

@@ -9,11 +9,19 @@ per rank), and the fraction of communication hidden behind backward: 1 -
 some bucket's communication was in flight). The optimizer is SGD with momentum
 0.9; hetcomm's compressed modes and ``auto`` compress the momentum
 (``attach_optimizer``), as the README asks of momentum users. ``auto``'s trial
-steps are part of its warm-up, not timed."""
+steps are part of its warm-up, not timed.
+
+``--device cuda``: the model and buckets on GPUs. With a GPU per rank the
+ranks use NCCL (hetcomm its own NCCL communicator); with fewer GPUs than ranks
+they share them round robin over gloo (hetcomm's ``transport="pg"``: NCCL
+takes one rank per GPU). Times are taken after a device synchronisation, and
+the host cannot see when a GPU's backward ends, so there the hidden fraction
+is 1 - (step time - compute-only step time) / communication in flight."""
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Dict, List, Optional
 
@@ -88,11 +96,21 @@ def _powersgd_bytes(model: nn.Module, world: int, rank: int = 4) -> int:
     return 2 * (world - 1) * floats * 4 // world
 
 
+def _device(rank: int, cfg: Dict) -> torch.device:
+    if cfg.get("device", "cpu") == "cpu":
+        return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     base, balanced = mode.split("+")[0], mode.endswith("+bal")
-    model = model_for(cfg["params"])
+    dev = _device(rank, cfg)
+    model = model_for(cfg["params"]).to(dev)
     numel = sum(p.numel() for p in model.parameters())
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=10_000 if base == "torch-powersgd" else 25)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                              bucket_cap_mb=10_000 if base == "torch-powersgd" else 25)
     state = None
     if base in TORCH_MODES:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -108,7 +126,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         algorithm = cfg.get("algorithm", "native")
         # auto chooses the algorithm too unless one is asked for
         state = hook_state = hetcomm.HookState(base, algorithm=None if base == "auto" and algorithm == "native"
-                                               else algorithm)
+                                               else algorithm, transport=cfg.get("transport", "auto"))
         inner = hetcomm.hook
     tl = _Timeline(inner)
 
@@ -132,7 +150,8 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     local = gb // world + (1 if rank < gb % world else 0)
     for step in range(warmup + cfg["steps"]):
         b = bal.sizes[rank] if balanced else local
-        x, y = torch.randn(b, IN, generator=gen), torch.randint(0, OUT, (b,), generator=gen)
+        x, y = torch.randn(b, IN, generator=gen).to(dev), torch.randint(0, OUT, (b,), generator=gen).to(dev)
+        common.sync(dev)
         dist.barrier()
         t0 = time.monotonic()
         if balanced:
@@ -142,9 +161,11 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
             if state is not None:
                 state.set_local_batch_size(b)
             nn.functional.cross_entropy(ddp(x), y).backward()
+        common.sync(dev)
         t_bwd = time.monotonic()
         opt.step()
         opt.zero_grad(set_to_none=False)
+        common.sync(dev)
         t1 = time.monotonic()
         meter.update(b, tl.last_submit - t0)
         comm = tl.take()
@@ -168,6 +189,8 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         sent = _powersgd_bytes(model, world)
     else:
         sent = 2 * (world - 1) * numel * (2 if base == "torch-fp16" else 4) // world
+    if dev.type == "cuda":  # exposed: what the step takes beyond compute alone
+        exposed = [max(0.0, t - cfg["solo_step_s"]) for t in times]
     hidden = 1.0 - sum(exposed) / sum(busy) if sum(busy) > 0 else 1.0
     return {"step_ms": 1000 * times[len(times) // 2], "samples_per_s": gb / times[len(times) // 2],
             "bytes_per_step": sent, "hidden": min(1.0, max(0.0, hidden)), "compute_rate": meter.rate,
@@ -176,18 +199,22 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
 
 
 def _solo_rate(rank: int, world: int, cfg: Dict) -> float:
-    """This rank's samples/s training alone (no DDP, no communication)."""
-    model = model_for(cfg["params"])
+    """This rank's samples/s training alone (no DDP, no communication; all
+    ranks at once, so ranks sharing a GPU share it here too)."""
+    dev = _device(rank, cfg)
+    model = model_for(cfg["params"]).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     b = cfg["global_batch"] // world
     gen = torch.Generator().manual_seed(rank)
     times = []
     for step in range(cfg["warmup"] + cfg["steps"]):
-        x, y = torch.randn(b, IN, generator=gen), torch.randint(0, OUT, (b,), generator=gen)
+        x, y = torch.randn(b, IN, generator=gen).to(dev), torch.randint(0, OUT, (b,), generator=gen).to(dev)
+        common.sync(dev)
         t0 = time.monotonic()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
+        common.sync(dev)
         if step >= cfg["warmup"]:
             times.append(time.monotonic() - t0)
     return b / sorted(times)[len(times) // 2]
@@ -195,6 +222,7 @@ def _solo_rate(rank: int, world: int, cfg: Dict) -> float:
 
 def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str, Dict]]:
     out = {"_solo": {"rate": _solo_rate(rank, world, cfg)}}
+    cfg = dict(cfg, solo_step_s=(cfg["global_batch"] // world) / out["_solo"]["rate"])
     dist.barrier()
     for mode in modes:
         out[mode] = _run_mode(rank, world, mode, cfg)
@@ -204,14 +232,25 @@ def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str
     return every
 
 
+def backend_for(device: str, ranks: int) -> str:
+    """NCCL with a GPU per rank; else gloo (ranks sharing GPUs, or the CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", ranks))
+    return "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
+
+
 def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
-        rank_cpu: Optional[List[float]] = None, algorithm: str = "native") -> Dict:
+        rank_cpu: Optional[List[float]] = None, algorithm: str = "native", device: str = "cpu") -> Dict:
     for m in modes:
         if m.split("+")[0] not in TORCH_MODES + HETCOMM_MODES or (m.endswith("+bal") and m.split("+")[0] in TORCH_MODES):
             raise ValueError(f"unknown mode {m!r}: choose from {TORCH_MODES + HETCOMM_MODES}, +bal for hetcomm's")
-    cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup, "algorithm": algorithm}
+    if device == "cuda" and not (torch.cuda.is_available() and hetcomm.build_info()["cuda"]):
+        raise SystemExit("hetcomm bench ddp --device cuda: needs a visible GPU and a CUDA build of hetcomm "
+                         "(build_info()['cuda'])")
+    backend = backend_for(device, ranks)
+    cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup, "algorithm": algorithm,
+           "device": device, "backend": backend, "transport": "pg" if device == "cuda" and backend == "gloo" else "auto"}
     if rank_cpu is None:  # here, or inside the testbed / torchrun
-        per_rank = run_distributed(_worker, ranks, modes, cfg)
+        per_rank = run_distributed(_worker, ranks, modes, cfg, backend=backend)
         if per_rank is None:
             return {}
     else:
@@ -234,12 +273,16 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
 
 
 def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int, steps: int, warmup: int,
-         rank_cpu: Optional[List[float]], json_path: Optional[str], algorithm: str = "native") -> Dict:
-    res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu, algorithm)
+         rank_cpu: Optional[List[float]], json_path: Optional[str], algorithm: str = "native",
+         device: str = "cpu") -> Dict:
+    res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu, algorithm, device)
     if not res:  # not rank 0
         return res
-    print(f"# hetcomm bench ddp: {res['ranks']} gloo ranks, CPU quotas {rank_cpu or 'none'}, hetcomm algorithm "
-          f"{algorithm}, "
+    cfg = res["cfg"]
+    where = "CPU" if device == "cpu" else \
+        f"{torch.cuda.get_device_name(0)} x{min(torch.cuda.device_count(), res['ranks'])}, transport {cfg['transport']}"
+    print(f"# hetcomm bench ddp: {res['ranks']} {cfg['backend']} ranks on {where}, CPU quotas {rank_cpu or 'none'}, "
+          f"hetcomm algorithm {algorithm}, "
           f"{res['rows'][0]['params']:,} parameters, global batch {global_batch}, {steps} timed steps")
     cols = [("mode", "mode", "s"), ("step_ms", "step ms", ".1f"), ("samples_per_s", "samples/s", ".1f"),
             ("bytes_per_step", "bytes/step", ",d"), ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
@@ -251,6 +294,6 @@ def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int,
     print(f"# ideal = sum of each rank's solo speed (training alone, samples/s: {solo}) = "
           f"{res['summary']['ideal_samples_per_s']:.1f} samples/s; vs DDP = vs torch-allreduce")
     common.print_table(res["rows"], cols)
-    common.write_json(json_path, res, common.metadata(res["ranks"], iters=steps, warmup=warmup,
+    common.write_json(json_path, res, common.metadata(res["ranks"], device=device, iters=steps, warmup=warmup,
                                                       units={"step_ms": "milliseconds", "bytes_per_step": "B"}))
     return res
