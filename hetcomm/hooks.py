@@ -165,19 +165,26 @@ class BucketSteps:
                     views[p].copy_(g)
 
     def _optimizer_momentum(self, bucket: buckets.Bucket, buf: torch.Tensor) -> torch.Tensor:
-        """The attached SGD's momentum buffers of the bucket's parameters, laid
-        out as their gradients are in the bucket (zero where it has none yet).
-        With weight decay the buffer holds the decay's momentum too: it then
-        goes on inside the compressed momentum, and the optimizer's trajectory
-        is the one it would follow itself."""
+        """The attached optimizer's momentum of the bucket's parameters as the
+        hook keeps it (m = beta m + g), laid out as their gradients are in the
+        bucket (zero where it has none yet): SGD's momentum buffer; Adam's
+        first moment divided by 1 - beta1 (exp_avg = (1 - beta1) m).
+        With SGD's weight decay the buffer holds the decay's momentum too: it
+        then goes on inside the compressed momentum, and the optimizer's
+        trajectory is the one it would follow itself."""
         opt = self._optimizer() if self._optimizer is not None else None
+        sgd = self._attached == "sgd"
+        name, scale = ("momentum_buffer", 1.0) if sgd else ("exp_avg", 1.0 / (1.0 - self._beta))
         m = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
         for n, g in zip(bucket.sig, bucket.grads):
             param = self._buckets.params.param(n)
-            mb = opt.state.get(param, {}).get("momentum_buffer") if opt is not None and param is not None else None
+            mb = opt.state.get(param, {}).get(name) if opt is not None and param is not None else None
             if mb is not None:
                 off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
-                m.narrow(0, off, g.numel()).copy_(mb.detach().reshape(-1))
+                part = m.narrow(0, off, g.numel())
+                part.copy_(mb.detach().reshape(-1))
+                if scale != 1.0:
+                    part.mul_(scale)
         return m
 
     def _reduce(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
@@ -205,7 +212,7 @@ class BucketSteps:
                 # over the bucket every step); the next compressed plan starts from the optimizer's buffer
                 store.pop(key, None)
             else:
-                if sgd and key not in store:
+                if key not in store:
                     # a bucket first seen now (the first step, DDP's rebuilt buckets after it, auto's switch
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)

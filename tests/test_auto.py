@@ -247,6 +247,37 @@ def _momentum_run(rank, world, cache_dir, compression, candidates, weight_decay)
             "mirrored": sorted(state._buckets.momentum)}
 
 
+def _adam_moment_gap(rank, world, optimizer):
+    torch.manual_seed(0)
+    model = models.mlp(hidden=96)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = hetcomm.HookState("onebit", min_compress_numel=0, start_iter=6)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = (hetcomm.optim.AdamW if optimizer == "hetcomm" else torch.optim.AdamW)(ddp.parameters(), lr=1e-3)
+    state.attach_optimizer(opt)
+    gaps = []  # per step: max |(1 - beta1) m - exp_avg| over the step's buckets, relative to max |exp_avg|
+    for step in range(state.start_iter):  # the dense warm-up: m and exp_avg see the same gradients
+        models.train_step(ddp, opt, rank, step, 8)
+        state._drain()
+        gap, scale = 0.0, 0.0
+        for sig in state._buckets.step_layout:
+            m = state._buckets.momentum[",".join(map(str, sig))]
+            ref = torch.cat([opt.state[state._buckets.params.param(n)]["exp_avg"].reshape(-1) for n in sig])
+            gap = max(gap, float(((1 - 0.9) * m - ref).abs().max()))
+            scale = max(scale, float(ref.abs().max()))
+        gaps.append(gap / scale)
+    return {"gaps": gaps, "layouts": len({tuple(map(tuple, state._buckets.step_layout))})}
+
+
+@pytest.mark.parametrize("optimizer", ["hetcomm", "torch"])
+def test_adam_first_moment_of_rebuilt_buckets_starts_from_the_optimizer(optimizer):
+    # DDP rebuilds its buckets after the first step; a new bucket's compressed
+    # first moment starts from the optimizer's exp_avg / (1 - beta1), not zero
+    # (zero would lose step 0's gradient: a gap of ~|exp_avg| at step 1).
+    r = run_ranks(_adam_moment_gap, 2, optimizer)[0]
+    assert max(r["gaps"]) < 1e-5, r["gaps"]
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_auto_seeds_the_compressed_momentum_from_the_optimizer(tmp_path, weight_decay):
     # A fixed onebit run follows the optimizer's momentum per bucket during its
