@@ -110,11 +110,11 @@ def run(sizes: List[int], iters: int = 10, warmup: int = 2, device: str = "cpu")
             t_ours = common.median_time(ours, iters, warmup, device)
             t_torch = common.median_time(theirs, iters, warmup, device)
             gbps = n * 4 / t_ours / 1e9
+            traffic = TRAFFIC[name] * n / t_ours / 1e9
             rows.append({"bytes": n * 4, "codec": name, "time_us": t_ours * 1e6, "gbps": gbps,
                          "torch_gbps": n * 4 / t_torch / 1e9, "speedup": t_torch / t_ours,
-                         "of_membw": gbps / membw, "traffic_gbps": TRAFFIC[name] * n / t_ours / 1e9,
-                         "copy_gbps": copy_gbps, "of_copy": TRAFFIC[name] * n / t_ours / 1e9 / copy_gbps,
-                         "wrong": wrong})
+                         "of_membw": gbps / membw, "traffic_gbps": traffic, "copy_gbps": copy_gbps,
+                         "of_copy": traffic / copy_gbps, "wrong": wrong})
     return {"memory_bandwidth_gbps": membw, "threads": torch.get_num_threads(), "device": device, "rows": rows}
 
 

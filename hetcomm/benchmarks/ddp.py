@@ -13,8 +13,8 @@ steps are part of its warm-up, not timed.
 
 ``--device cuda``: the model and buckets on GPUs. With a GPU per rank the
 ranks use NCCL (hetcomm its own NCCL communicator); with fewer GPUs than ranks
-they share them round robin over gloo (hetcomm's ``transport="pg"``: NCCL
-takes one rank per GPU). Times are taken after a device synchronisation, and
+they share them round robin over gloo (hetcomm's default transport then uses
+the process group: NCCL takes one rank per GPU). Times are taken after a device synchronisation, and
 the host cannot see when a GPU's backward ends, so there the hidden fraction
 is 1 - (step time - compute-only step time) / communication in flight."""
 
@@ -126,7 +126,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         algorithm = cfg.get("algorithm", "native")
         # auto chooses the algorithm too unless one is asked for
         state = hook_state = hetcomm.HookState(base, algorithm=None if base == "auto" and algorithm == "native"
-                                               else algorithm, transport=cfg.get("transport", "auto"))
+                                               else algorithm)
         inner = hetcomm.hook
     tl = _Timeline(inner)
 
@@ -248,7 +248,7 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
                          "(build_info()['cuda'])")
     backend = backend_for(device, ranks)
     cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup, "algorithm": algorithm,
-           "device": device, "backend": backend, "transport": "pg" if device == "cuda" and backend == "gloo" else "auto"}
+           "device": device, "backend": backend}
     if rank_cpu is None:  # here, or inside the testbed / torchrun
         per_rank = run_distributed(_worker, ranks, modes, cfg, backend=backend)
         if per_rank is None:
@@ -280,7 +280,7 @@ def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int,
         return res
     cfg = res["cfg"]
     where = "CPU" if device == "cpu" else \
-        f"{torch.cuda.get_device_name(0)} x{min(torch.cuda.device_count(), res['ranks'])}, transport {cfg['transport']}"
+        f"{torch.cuda.get_device_name(0)} x{min(torch.cuda.device_count(), res['ranks'])}"
     print(f"# hetcomm bench ddp: {res['ranks']} {cfg['backend']} ranks on {where}, CPU quotas {rank_cpu or 'none'}, "
           f"hetcomm algorithm {algorithm}, "
           f"{res['rows'][0]['params']:,} parameters, global batch {global_batch}, {steps} timed steps")
