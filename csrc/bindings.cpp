@@ -346,6 +346,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("layout") = py::none(), py::arg("q_state") = py::none(), py::arg("algorithm") = Algo::kNative,
           py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none())
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
+      .def("set_loss_scale", &Engine::set_loss_scale, py::arg("scale"))
       .def(
           "submit_batch_size", [](Engine& e, double local) { return wrap_future(e.submit_batch_size(local)); },
           py::arg("local_batch_size"))

@@ -65,6 +65,11 @@ class ParamIndex:
         self.shapes.append(tuple(p.shape))
         return n
 
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the numbered parameters."""
+        entry = self._by_id.get(id(p))
+        return entry is not None and entry[0]() is p
+
     def param(self, n: int) -> Optional[torch.Tensor]:
         """The parameter numbered ``n`` (None once it is gone)."""
         return self._refs[n]() if 0 <= n < len(self._refs) else None

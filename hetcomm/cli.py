@@ -37,6 +37,12 @@ def _bench(args) -> None:
         train.main(ranks=args.ranks, tasks=args.tasks, optims=args.optims, modes=args.modes, scale=args.scale,
                    eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale,
                    seeds=args.seeds)
+    elif args.what == "precision":
+        from .benchmarks import precision
+
+        precision.main(ranks=args.ranks, configs=args.configs, modes=args.modes, task=args.task, optims=args.optims,
+                       steps=args.steps, overflow_at=args.overflow_at, eval_every=args.eval_every,
+                       json_path=args.json, png_path=args.png)
     elif args.what == "ddp" and args.grid:
         from .benchmarks import grid
 
@@ -65,10 +71,17 @@ def _topo(args) -> None:
 
 
 def _topo_worker(rank, world, wires):
+    import torch.distributed as dist
+
     from . import planner, topology
+    from .amp import precision_for
 
     topo = topology.detect(use_cache=False)
-    return planner.describe(topo, wires), {"topology": topo.to_json(), "plans": planner.plan_table(topo, wires)}
+    precisions = [None] * world
+    dist.all_gather_object(precisions, precision_for())
+    text = planner.describe(topo, wires) + "\ncompute precision per rank (hetcomm.amp.precision_for; " \
+        "HETCOMM_PRECISION overrides): " + ", ".join(f"{r} {p}" for r, p in enumerate(precisions))
+    return text, {"topology": topo.to_json(), "plans": planner.plan_table(topo, wires), "precisions": precisions}
 
 
 def _testbed(args) -> None:
@@ -289,6 +302,28 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--json", type=writable_path, default=None, metavar="PATH")
     tr.add_argument("--plot", "--png", dest="png", type=writable_path, default=None, metavar="PATH",
                     help="quality against time per mode, as a PNG (needs matplotlib)")
+
+    pr = bs.add_parser("precision", help="each rank in its own precision (bf16 / fp16 + loss scaling / fp32) "
+                       "next to all-fp32 and all-fp16: loss curves, replicas, skipped steps", formatter_class=fmt)
+    pr.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun/testbed")
+    pr.add_argument("--configs", type=comma_list(str), default=["fp32", "fp16", "mixed", "naive"],
+                    help="comma-separated: fp32, fp16, mixed (bf16/fp16 alternating), mixed3 (bf16/fp16/fp32), naive "
+                    "(mixed with torch's GradScaler and allreduce_hook), or precisions per rank such as bf16/fp16/fp32; fp32 is "
+                    "always run")
+    pr.add_argument("--modes", type=choices_list(("none", "fp16", "bf16", "onebit", "onebit+m", "topk", "topk+m",
+                                                  "lowrank"), "mode"),
+                    default=["none", "onebit+m"], help="hetcomm compression modes, each run per config (+m: the "
+                    "optimizer's momentum compressed, attach_optimizer)")
+    pr.add_argument("--task", choices=list(bench_tasks.TASKS), default="regress")
+    pr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
+                    default=list(bench_train.OPTIMIZERS), help="comma-separated optimizers (SGD momentum 0.9, AdamW)")
+    pr.add_argument("--steps", type=positive_int, default=200)
+    pr.add_argument("--overflow-at", type=nonneg_int, default=100,
+                    help="step at which the first fp16 rank's loss overflows (every rank must skip it)")
+    pr.add_argument("--eval-every", type=positive_int, default=10, help="steps between loss measurements")
+    pr.add_argument("--json", type=writable_path, default=None, metavar="PATH")
+    pr.add_argument("--plot", "--png", dest="png", type=writable_path, default=None, metavar="PATH",
+                    help="loss curves, as a PNG (needs matplotlib)")
 
     t = sub.add_parser("topo", help="detect and measure the topology; print it and the plan table",
                        formatter_class=fmt)

@@ -100,11 +100,17 @@ class BucketSteps:
             # Once per power of two: a diverged run has a NaN every step, and
             # GradScaler's occasional overflows are routine.
             if nonfinite.bit_length() > self._nonfinite_seen.bit_length():
-                log.warning("hetcomm: %d step(s) so far had non-finite gradients on some rank; they were reduced "
-                            "exactly in fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the "
-                            "error-feedback state untouched (next warning at %d)", nonfinite,
-                            1 << nonfinite.bit_length())
+                # with hetcomm's GradScaler overflow steps are expected (every rank skips them): INFO
+                level = logging.INFO if self._scaler is not None else logging.WARNING
+                log.log(level, "hetcomm: %d step(s) so far had non-finite gradients on some rank; they were reduced "
+                        "exactly in fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the "
+                        "error-feedback state untouched (next note at %d)", nonfinite, 1 << nonfinite.bit_length())
             self._nonfinite_seen = nonfinite
+        scaler = self._scaler() if self._scaler is not None else None
+        if scaler is not None and scaler.loss_scale() != self._loss_scale:
+            # this rank's buckets hold s g: reduce g (the scale joins the divisor)
+            self._loss_scale = scaler.loss_scale()
+            engine.set_loss_scale(self._loss_scale)
         if self._weighted:
             if self._local_batch is None:
                 raise RuntimeError(
@@ -232,6 +238,7 @@ class BucketSteps:
             self._planner.end_step(self._compressed_at(self.iter))
             self.last_plans, self._step_plans = self._step_plans, {}
             self.iter += 1
+            self._steps_done += 1
             self._buckets.end_step()
             self._buckets.check_saved_shapes()
         return fut

@@ -21,6 +21,17 @@ Compression = Literal["none", "fp16", "bf16", "auto-precision", "onebit", "topk"
 Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 # What attach_optimizer saw (the auto mode's safe set depends on it).
 ATTACHED = (None, "sgd", "adam", "hetcomm-adamw")
+#: A rank's compute precision as gathered at the first step (None: no hetcomm.amp.GradScaler).
+_PRECISIONS = (None, "bf16", "fp16", "fp32")
+SCALER_NAME = "hetcomm.amp.GradScaler (created before the first step)"
+
+
+def precision_code(p: Optional[str]) -> int:
+    return _PRECISIONS.index(p)
+
+
+def precision_name(code: int) -> Optional[str]:
+    return _PRECISIONS[code]
 STATE_DICT_VERSION = 2
 
 
@@ -120,6 +131,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("iter (steps done; was the state restored on every rank?)", s.iter),
         ("momentum (attach_optimizer)", float_bits(s._beta or 0.0)),
         ("optimizer kind (attach_optimizer)", ATTACHED.index(s._attached)),
+        (SCALER_NAME, int(s._scaler is not None)),
         (ENV_NAME, 0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
     ]
 
@@ -129,6 +141,7 @@ _SHOW = {"compression": lambda v: COMPRESSIONS[v],
          "topk_ratio": bits_float,
          "momentum (attach_optimizer)": bits_float,
          "optimizer kind (attach_optimizer)": lambda v: ATTACHED[v] or "none",
+         SCALER_NAME: lambda v: "yes" if v else "no",
          "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
          ENV_NAME: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}
 
@@ -142,6 +155,8 @@ def check_agreement(cfg: List[Tuple[str, int]], gathered: torch.Tensor) -> Optio
             fmt = _SHOW.get(name, lambda v: v)
             per_rank = ", ".join(f"rank {r}: {fmt(v)!r}" for r, v in enumerate(column))
             fix = ("set the same environment on every rank" if "environment" in name else
+                   "create one on every rank (precision 'bf16' or 'fp32' where a rank needs no loss scaling), so "
+                   "every rank reduces unscaled gradients and skips the same steps" if name == SCALER_NAME else
                    "construct HookState with the same arguments on every rank")
             raise ValueError(f"hetcomm: HookState option {name} differs across ranks ({per_rank}); {fix}")
     forced = int(gathered[0, [n for n, _ in cfg].index(ENV_NAME)])

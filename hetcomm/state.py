@@ -207,6 +207,13 @@ class HookState(BucketSteps):
         self._exact_steps = False  # Adam attached: steps start_iter + 2**j - 1 are exact
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
+        self._scaler: Optional[Any] = None  # a weak reference to this rank's hetcomm.amp.GradScaler
+        self._loss_scale = 1.0  # the scale the engine divides this rank's buckets by
+        self._steps_done = 0  # steps reduced by this state object (iter, unlike it, is restored by load_state_dict)
+        #: This rank's compute precision (its hetcomm.amp.GradScaler's), None without one.
+        self.precision: Optional[str] = None
+        #: Every rank's precision, gathered at the first step.
+        self.precisions: Optional[list] = None
         self._local_batch: Optional[float] = None
         self._weighted: Optional[bool] = None  # decided at the first step
         self._step_open = False
@@ -253,7 +260,8 @@ class HookState(BucketSteps):
         difference (noisier, smaller steps: measured in the README).
 
         Nothing to retune: keep the optimizer, its learning rate and betas.
-        Expects unscaled gradients (no GradScaler) for now.
+        With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
+        the hook scaled gradients: the momentum would mix scales).
         """
         if self._negotiated:
             raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
@@ -282,6 +290,21 @@ class HookState(BucketSteps):
             ref = weakref.ref(self)
             optimizer._exact = lambda: (lambda s: s is None or s._last_step_exact())(ref())
         return self
+
+    def _attach_scaler(self, scaler) -> None:
+        """Called by :class:`hetcomm.amp.GradScaler`: the hook reduces this
+        rank's buckets divided by the scaler's loss scale."""
+        if self._negotiated:
+            raise RuntimeError("hetcomm.amp.GradScaler must be created before the first step, on every rank")
+        held = self._scaler() if self._scaler is not None else None
+        if held is not None and held is not scaler:
+            raise RuntimeError("this HookState has a hetcomm.amp.GradScaler already: one per HookState")
+        self._scaler = weakref.ref(scaler)
+        self.precision = scaler.precision
+
+    def _reduced_param(self, p: torch.Tensor) -> bool:
+        """Whether the hook reduces ``p``'s gradient (a parameter of the DDP model)."""
+        return self._buckets.params.holds(p)
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, lowrank Q matrices, compressed momentum, the last step's
@@ -325,6 +348,7 @@ class HookState(BucketSteps):
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:
             out.update(self._engine.stats())
+        out["precisions"] = self.precisions
         out["plans"] = {k: {"mode": p.mode, "algorithm": p.algorithm, "why": p.why, "predicted_s": p.predicted_s}
                         for k, p in self.last_plans.items()}
         if self.compression == "auto":
@@ -392,9 +416,14 @@ class HookState(BucketSteps):
         engine = self._ensure_engine(bucket_device)
         cfg = options.config(self)
         capable = _device_supports_bf16(bucket_device)
-        gathered = engine.submit_config(torch.tensor([v for _, v in cfg] + [int(capable)], dtype=torch.int64)).wait()
+        own = [v for _, v in cfg] + [int(capable), options.precision_code(self.precision)]
+        gathered = engine.submit_config(torch.tensor(own, dtype=torch.int64)).wait()
         self._forced_algo = options.check_agreement(cfg, gathered)
         bf16_everywhere = bool(gathered[:, len(cfg)].all())
+        if self._scaler is not None:
+            self.precisions = [options.precision_name(int(c)) for c in gathered[:, len(cfg) + 1]]
+            log.info("hetcomm: compute precision per rank: %s", ", ".join(
+                f"{r} {p}" for r, p in enumerate(self.precisions)))
         self._weighted = self._local_batch is not None
         if self.compression == "auto":
             modes = self.candidates or plan.safe_modes(self._attached, bf16_everywhere)

@@ -177,25 +177,43 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
             "layouts": layouts}
 
 
-@pytest.mark.parametrize("kind,mode,opt_name", [
-    ("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"), ("small", "lowrank", "sgd"),
-    ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"), ("default", "onebit", "sgd-attach"),
-    ("small", "onebit", "adamw-attach"),
-])
-def test_resume_from_state_dict_continues_bit_for_bit(tmp_path, kind, mode, opt_name):
-    # A fresh process's first step runs in DDP's initial bucket layout, later
-    # steps in the rebuilt one. The resumed first step regroups its gradients
-    # into the saved layout, so the run continues exactly as if never stopped.
-    straight = run_ranks(_train_span, 2, str(tmp_path / "a"), 0, 16, -1, kind, mode, opt_name)
-    os.makedirs(tmp_path / "b")
-    run_ranks(_train_span, 2, str(tmp_path / "b"), 0, 8, 8, kind, mode, opt_name)
-    resumed = run_ranks(_train_span, 2, str(tmp_path / "b"), 8, 16, -1, kind, mode, opt_name)
-    assert torch.equal(straight[0]["params"], straight[1]["params"])
-    assert torch.equal(resumed[0]["params"], straight[0]["params"])
-    assert torch.equal(resumed[1]["params"], straight[1]["params"])
+RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"),
+                ("small", "lowrank", "sgd"), ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"),
+                ("default", "onebit", "sgd-attach"), ("small", "onebit", "adamw-attach")]
+
+
+def _resume_cases(rank, world, ckpt_dir):
+    """Each case: a straight run of 16 steps saving at step 8, then a fresh
+    DDP model and HookState resumed from that checkpoint (as a restarted job
+    builds them); plus the resume without the residuals. One spawn for all."""
+    out = {}
+    for i, case in enumerate(RESUME_CASES):
+        folder = os.path.join(ckpt_dir, str(i))
+        os.makedirs(folder, exist_ok=True)
+        straight = _train_span(rank, world, folder, 0, 16, 8, *case)
+        out[case] = (straight, _train_span(rank, world, folder, 8, 16, -1, *case))
+        if case == ("small", "onebit", "sgd"):
+            out["zeroed"] = (straight, _train_no_resume_state(rank, world, folder))
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory):
+    return run_ranks(_resume_cases, 2, str(tmp_path_factory.mktemp("resume")), timeout=600)
+
+
+@pytest.mark.parametrize("kind,mode,opt_name", RESUME_CASES)
+def test_resume_from_state_dict_continues_bit_for_bit(resumed_runs, kind, mode, opt_name):
+    # A fresh DDP's first step runs in its initial bucket layout, later steps
+    # in the rebuilt one. The resumed first step regroups its gradients into
+    # the saved layout, so the run continues exactly as if never stopped.
+    (straight, resumed), (straight1, resumed1) = (r[(kind, mode, opt_name)] for r in resumed_runs)
+    assert torch.equal(straight["params"], straight1["params"])
+    assert torch.equal(resumed["params"], straight["params"])
+    assert torch.equal(resumed1["params"], straight1["params"])
     if kind != "one":  # the case that needs the regrouping really happened
-        assert straight[0]["layouts"][0] != straight[0]["layouts"][1]
-        assert resumed[0]["layouts"][0] == straight[0]["layouts"][8]  # step 8 was reduced in the saved layout
+        assert straight["layouts"][0] != straight["layouts"][1]
+        assert resumed["layouts"][0] == straight["layouts"][8]  # step 8 was reduced in the saved layout
 
 
 def _train_no_resume_state(rank, world, ckpt_dir):
@@ -217,12 +235,9 @@ def _train_no_resume_state(rank, world, ckpt_dir):
     return models.flat_params(model)
 
 
-def test_resume_without_the_residuals_differs(tmp_path):
-    straight = run_ranks(_train_span, 2, str(tmp_path / "a"), 0, 16, -1, "small", "onebit")
-    os.makedirs(tmp_path / "b")
-    run_ranks(_train_span, 2, str(tmp_path / "b"), 0, 8, 8, "small", "onebit")
-    zeroed = run_ranks(_train_no_resume_state, 2, str(tmp_path / "b"))
-    assert not torch.equal(zeroed[0], straight[0]["params"])
+def test_resume_without_the_residuals_differs(resumed_runs):
+    straight, zeroed = resumed_runs[0]["zeroed"]
+    assert not torch.equal(zeroed, straight["params"])
 
 
 def _mismatch(rank, world, case):
@@ -234,6 +249,10 @@ def _mismatch(rank, world, case):
         state = hetcomm.HookState("none")
         if rank == 0:
             state.set_local_batch_size(4)
+    elif case == "scaler":  # loss scaling on rank 0 only: its gradients would be averaged with unscaled ones
+        state = hetcomm.HookState("none")
+        if rank == 0:
+            hetcomm.amp.GradScaler(state, "cpu", precision="fp16")
     else:
         state = hetcomm.HookState("topk", topk_ratio=0.01 * (rank + 1))
     ddp.register_comm_hook(state, hetcomm.hook)
@@ -248,7 +267,9 @@ def _mismatch(rank, world, case):
 
 @pytest.mark.parametrize("case,needle", [("compression", "compression differs"),
                                          ("weighting", "batch-size weighting"),
-                                         ("ratio", "topk_ratio differs")])
+                                         ("ratio", "topk_ratio differs"),
+                                         ("scaler", "hetcomm.amp.GradScaler (created before the first step) "
+                                          "differs across ranks (rank 0: 'yes', rank 1: 'no'); create one on every rank")])
 def test_config_mismatch_is_a_clear_error_on_every_rank(case, needle):
     for r in run_ranks(_mismatch, 2, case, timeout=60):
         assert r["error"] is not None and needle in r["error"], r

@@ -1,5 +1,6 @@
 """The examples/ scripts, run as a user runs them: torchrun (checkpoint and
-resume) and PyTorch Lightning's Trainer.fit on 2 CPU processes."""
+resume; ranks in their own precisions) and PyTorch Lightning's Trainer.fit on 2 CPU
+processes."""
 
 import importlib.util
 import json
@@ -32,6 +33,17 @@ def test_torchrun_example_resumes_bit_for_bit(tmp_path):
         assert r["replicas_identical"] and r["hook_steps"] == 60 and r["compression_ratio"] > 10
     assert resumed["checksum"] == straight["checksum"]
     assert straight["accuracy"] > 0.8
+
+
+def test_mixed_precision_example_skips_together_and_keeps_replicas_identical(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "examples", "mixed_precision.py"), "--precisions", "bf16,fp16", "--steps", "150",
+           "--overflow-at", "50"]
+    r = _last_json(subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path))
+    assert r["precisions"] == ["bf16", "fp16"] and r["replicas_identical"] and r["hook_steps"] == 150
+    taken = r["optimizer_steps"]
+    assert taken[0] == taken[1] and taken[0] <= 149  # the overflow at step 50 skipped on both ranks
+    assert r["accuracy"] > 0.85
 
 
 def _lightning_available() -> bool:

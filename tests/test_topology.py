@@ -132,17 +132,29 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
             "plans": {k: p["algorithm"] for k, p in stats["plans"].items()}}
 
 
-@pytest.mark.parametrize("mode,algorithm", [("none", "auto"), ("none", "ring"), ("none", "hierarchical"),
-                                            ("fp16", "halving_doubling"), ("none", "tree"),
-                                            ("onebit", "hierarchical"), ("topk", "hierarchical"),
-                                            ("onebit", "auto"), ("lowrank", "hierarchical"), ("lowrank", "auto")])
-def test_ddp_with_each_algorithm_keeps_replicas_identical(tmp_path, mode, algorithm):
-    res = run_ranks(_ddp_algorithm, 4, mode, algorithm, str(tmp_path))
+ALGORITHM_CASES = [("none", "auto"), ("none", "ring"), ("none", "hierarchical"), ("fp16", "halving_doubling"),
+                   ("none", "tree"), ("onebit", "hierarchical"), ("topk", "hierarchical"), ("onebit", "auto"),
+                   ("lowrank", "hierarchical"), ("lowrank", "auto"), ("none", "native")]
+
+
+def _ddp_algorithms(rank, world, cache_dir):
+    return {case: _ddp_algorithm(rank, world, *case, cache_dir) for case in ALGORITHM_CASES}
+
+
+@pytest.fixture(scope="module")
+def algorithm_runs(tmp_path_factory):
+    """Every case in one spawn of 4 ranks (2 nodes x 2), each its own DDP model and HookState."""
+    return run_ranks(_ddp_algorithms, 4, str(tmp_path_factory.mktemp("algo-cache")), timeout=600)
+
+
+@pytest.mark.parametrize("mode,algorithm", ALGORITHM_CASES[:-1])
+def test_ddp_with_each_algorithm_keeps_replicas_identical(algorithm_runs, mode, algorithm):
+    res = [r[(mode, algorithm)] for r in algorithm_runs]
     for r in res[1:]:
         assert torch.equal(r["params"], res[0]["params"])
     if mode == "none":
         # exact algorithms: the same gradients as the process group's own all-reduce, to rounding
-        ref = run_ranks(_ddp_algorithm, 4, "none", "native", str(tmp_path))[0]
+        ref = algorithm_runs[0][("none", "native")]
         for a, b in zip(res[0]["grads"], ref["grads"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if algorithm == "auto":

@@ -20,6 +20,11 @@ void BucketReducer::set_batch_size(double local) {
   divisor_ = b.cpu().item<double>() / local;
 }
 
+void BucketReducer::set_loss_scale(double s) {
+  TORCH_CHECK_VALUE(std::isfinite(s) && s > 0, "hetcomm: loss scale must be finite and > 0, got ", s);
+  loss_scale_ = s;
+}
+
 at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
   const auto opts = at::TensorOptions().dtype(at::kLong).device(transport_->device());
   at::Tensor c = config.to(opts).contiguous();
@@ -75,6 +80,9 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
   const int64_t s0 = wc.bytes_sent, r0 = wc.bytes_recv, c0 = wc.comm_ns;
   at::Tensor& buf = job.buffer;
   const int w = t.size();
+  // sum_i b_i / b (batch-size weighting) times this rank's loss scale: the
+  // bucket holds s g and every collective below divides by this.
+  const double divisor = divisor_ * loss_scale_;
   switch (job.codec) {
     case Codec::kNone:
     case Codec::kFP16:
@@ -87,14 +95,14 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         if (any_rank_nonfinite(t, buf)) {
           carry_holds_ += 1;
         } else {
-          buf.add_(job.carry, divisor_);
+          buf.add_(job.carry, divisor);
           job.carry.zero_();
         }
       }
       const Algo algo = job.algo;
       const auto& order = ring_order_;
       const auto& nodes = node_of_;
-      collectives::allreduce_dense(t, buf, divisor_, wire, codec_, [algo, &order, &nodes](Transport& tr, at::Tensor& y) {
+      collectives::allreduce_dense(t, buf, divisor, wire, codec_, [algo, &order, &nodes](Transport& tr, at::Tensor& y) {
         collectives::allreduce_by(tr, y, algo, order, nodes);
       });
       // Warm-up and dense buckets: m follows the optimizer's own buffer, with
@@ -115,20 +123,20 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         step_nonfinite_ = true;
         nonfinite_buckets_ += 1;
         if (job.carry.defined()) carry_holds_ += 1;
-        collectives::allreduce_dense(t, buf, divisor_, at::kFloat, codec_);
+        collectives::allreduce_dense(t, buf, divisor, at::kFloat, codec_);
         break;
       }
       // The codecs work in float32; other bucket dtypes go through a copy.
       at::Tensor x = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
       if (job.carry.defined()) {
-        x.add_(job.carry, divisor_);
+        x.add_(job.carry, divisor);
         job.carry.zero_();
       }
       // Momentum compression (1-bit Adam's scheme for SGD): every rank sends
       // its local momentum beta m + g_i (weighted: sum_i x_i / d_i = beta m +
       // the weighted mean of g), so the codec's error feedback runs on the
       // momentum and every rank gets the same new m.
-      if (job.momentum.defined()) x.add_(job.momentum, job.beta * divisor_ / w);
+      if (job.momentum.defined()) x.add_(job.momentum, job.beta * divisor / w);
       if (job.algo == Algo::kHierarchical && job.codec != Codec::kLowRank) {
         // Exact inside nodes, compressed across them.
         TORCH_CHECK_VALUE(!node_of_.empty(), "hetcomm: the hierarchical algorithm needs the topology");
@@ -140,17 +148,18 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         inter.residual = job.residual;
         inter.server_residual = job.server_residual;
         inter.timer = &codec_;
-        x.div_(divisor_);
+        x.div_(divisor);
         collectives::allreduce_hierarchical(t, x, node_of_, inter);
       } else if (job.codec == Codec::kOneBit)
-        collectives::allreduce_onebit(t, x, divisor_, job.chunk, job.residual, job.server_residual, codec_);
+        collectives::allreduce_onebit(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_);
       else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)
-        collectives::allreduce_lowrank_hierarchical(t, x, divisor_, job.layout, job.q_state, job.residual, node_of_,
+        collectives::allreduce_lowrank_hierarchical(t, x, divisor, job.layout, job.q_state, job.residual, node_of_,
                                                     codec_);
       else if (job.codec == Codec::kLowRank)
-        collectives::allreduce_lowrank(t, x, divisor_, job.layout, job.q_state, job.residual, codec_);
+        // error feedback keeps what this rank's share of the sum (its batch weight, not the loss scale) missed
+        collectives::allreduce_lowrank(t, x, divisor, job.layout, job.q_state, job.residual, codec_, 1.0 / divisor_);
       else
-        collectives::allreduce_topk(t, x, divisor_, job.topk_ratio, job.topk_exact, job.residual, codec_);
+        collectives::allreduce_topk(t, x, divisor, job.topk_ratio, job.topk_exact, job.residual, codec_);
       if (job.momentum.defined()) {
         // Hand the optimizer m_new - beta m_old: its own buffer (beta buf + that)
         // becomes m_new, the compressed momentum, and m keeps m_new.

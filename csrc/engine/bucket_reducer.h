@@ -56,6 +56,9 @@ class BucketReducer {
   // All-reduces the local batch size; the step's divisor becomes sum(b) / b.
   void set_batch_size(double local);
   double divisor() const { return divisor_; }
+  // This rank's loss scale s (GradScaler): its buckets hold s g, and each is
+  // reduced as g (the scale joins the divisor) until the next call.
+  void set_loss_scale(double s);
   at::Tensor reduce(BucketJob& job);
   // All-gathers an int64 vector: returns [world, numel].
   at::Tensor gather_config(const at::Tensor& config);
@@ -77,6 +80,7 @@ class BucketReducer {
  private:
   std::shared_ptr<Transport> transport_;
   double divisor_;
+  double loss_scale_ = 1.0;
   std::vector<int> ring_order_, node_of_;
   collectives::CodecTimer codec_;
   std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0};

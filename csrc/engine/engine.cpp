@@ -155,6 +155,14 @@ FuturePtr Engine::submit_batch_size(double local) {
   });
 }
 
+void Engine::set_loss_scale(double s) {
+  TORCH_CHECK_VALUE(std::isfinite(s) && s > 0, "hetcomm: loss scale must be finite and > 0, got ", s);
+  run([this, s] {
+    reducer_.set_loss_scale(s);
+    return at::zeros({0});
+  });
+}
+
 FuturePtr Engine::submit_config(at::Tensor config) {
   TORCH_CHECK_VALUE(config.dim() == 1, "hetcomm: config must be 1-D");
   return run([this, config] { return reducer_.gather_config(config); });

@@ -52,6 +52,8 @@ class Engine {
   FuturePtr submit_bucket(BucketJob job);
   // The batch-size weights of the next step (all-gathered on the comm thread).
   FuturePtr submit_batch_size(double local);
+  // This rank's loss scale for the buckets submitted after this call (local, no collective).
+  void set_loss_scale(double s);
   // All-gathers an int64 vector: the Future's value is [world, numel].
   FuturePtr submit_config(at::Tensor config);
   // Applies to buckets submitted after this call (FIFO on the comm thread).
