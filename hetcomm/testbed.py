@@ -30,6 +30,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.multiprocessing as mp
 
+from . import topology
+
 _V1 = "/sys/fs/cgroup/cpu"
 _V2 = "/sys/fs/cgroup"
 _PERIOD_US = 10_000  # a short period: throttling in small slices, not 75 ms stalls
@@ -314,7 +316,7 @@ class Cluster:
                     e = dict(os.environ, **(env or {}))
                     e.update(MASTER_ADDR=self.address(0), MASTER_PORT=str(port), RANK=str(rank),
                              WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(ranks_per_node),
-                             HETCOMM_NODE=f"node{node}", GLOO_SOCKET_IFNAME=self.ifname(node), OMP_NUM_THREADS="1")
+                             **{topology.ENV_NODE: f"node{node}"}, GLOO_SOCKET_IFNAME=self.ifname(node), OMP_NUM_THREADS="1")
                     e.setdefault("HETCOMM_CACHE_DIR", cache.name)
                     log = None if rank == 0 else tempfile.TemporaryFile(mode="w+")
                     logs.append(log)

@@ -8,6 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
+from hetcomm import topology
 from hetcomm.amp import ENV_PRECISION, precision_for
 from hetcomm.benchmarks import precision as bench
 
@@ -33,7 +34,7 @@ def _mixed_runs(rank, world):
         torch.distributed.all_gather_object(skipped, r["skipped"])
         out[(config, mode)] = dict(r, skipped_per_rank=skipped)
     # the hierarchical algorithm (2 nodes of one rank): onebit compressed across nodes
-    os.environ["HETCOMM_NODE"] = f"node{rank}"
+    os.environ[topology.ENV_NODE] = f"node{rank}"
     for config in ("fp32", "mixed"):
         r = bench.train(rank, world, config, "onebit", steps=STEPS, overflow_at=OVERFLOW, eval_every=STEPS,
                         attach=True, options={"algorithm": "hierarchical"})

@@ -8,6 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
+from hetcomm import topology
 from hetcomm import plan
 
 from . import models
@@ -54,7 +55,7 @@ def _rank_predict(first):
 def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False):
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if two_nodes:
-        os.environ["HETCOMM_NODE"] = f"node{rank // 2}"
+        os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     if first:
         plan.planner.predict = _rank_predict(first)
     torch.manual_seed(0)

@@ -74,6 +74,9 @@ def test_topo_prints_links_and_plan(tmp_path):
     assert "link intra" in out.stdout and "plan" in out.stdout
     data = json.load(open(tmp_path / "t.json"))
     assert data["topology"]["world"] == 2 and data["plans"]
+    # each rank's compute precision (this CPU's, or HETCOMM_PRECISION's)
+    assert "compute precision per rank" in out.stdout
+    assert len(data["precisions"]) == 2 and set(data["precisions"]) <= {"bf16", "fp16", "fp32"}
 
 
 def test_bench_allreduce_rows_are_correct(tmp_path):

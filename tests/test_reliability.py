@@ -8,6 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
+from hetcomm import topology
 
 from . import models
 from .dist_harness import run_ranks
@@ -309,8 +310,6 @@ def _detect(rank, world, cache_dir, given=None):
     import os
     import time
 
-    from hetcomm import topology
-
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if given:
         os.environ["HETCOMM_TOPOLOGY"] = given
@@ -371,7 +370,7 @@ def test_a_bad_or_foreign_topology_cache_is_ignored_and_reprobed(tmp_path):
 def _dead_peer(rank, world, mode, algorithm, cache_dir):
     import os
 
-    os.environ["HETCOMM_NODE"] = f"node{rank}"
+    os.environ[topology.ENV_NODE] = f"node{rank}"
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     model = models.mlp()
     ddp = DDP(model, bucket_cap_mb=0.01)

@@ -86,7 +86,7 @@ def test_topology_json_round_trip():
 
 
 def _detect(rank, world, cache_dir, given):
-    os.environ["HETCOMM_NODE"] = f"node{rank // 2}"
+    os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if given:
         os.environ["HETCOMM_TOPOLOGY"] = given
@@ -116,7 +116,7 @@ def test_detect_measures_caches_and_agrees_on_every_rank(tmp_path):
 
 
 def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
-    os.environ["HETCOMM_NODE"] = f"node{rank // 2}"
+    os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.02)
