@@ -106,11 +106,13 @@ class BucketSteps:
                         "exactly in fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the "
                         "error-feedback state untouched (next note at %d)", nonfinite, 1 << nonfinite.bit_length())
             self._nonfinite_seen = nonfinite
-        scaler = self._scaler() if self._scaler is not None else None
-        if scaler is not None and scaler.loss_scale() != self._loss_scale:
-            # this rank's buckets hold s g: reduce g (the scale joins the divisor)
-            self._loss_scale = scaler.loss_scale()
-            engine.set_loss_scale(self._loss_scale)
+        if self._scaler is not None:
+            # this rank's buckets hold s g: reduce g (the scale joins the divisor); a scaler dropped: s = 1
+            scaler = self._scaler()
+            scale = scaler.loss_scale() if scaler is not None else 1.0
+            if scale != self._loss_scale:
+                self._loss_scale = scale
+                engine.set_loss_scale(scale)
         if self._weighted:
             if self._local_batch is None:
                 raise RuntimeError(

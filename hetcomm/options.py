@@ -32,6 +32,8 @@ def precision_code(p: Optional[str]) -> int:
 
 def precision_name(code: int) -> Optional[str]:
     return _PRECISIONS[code]
+
+
 STATE_DICT_VERSION = 2
 
 

@@ -143,6 +143,11 @@ class HookState(BucketSteps):
     the full-batch gradient. It costs one 8-byte all-reduce per step. Without
     it, gradients are averaged over ranks.
 
+    Mixed precision (fp16 with loss scaling, or each rank in its own
+    precision): create a :class:`hetcomm.amp.GradScaler` with this state on
+    every rank; the hook then reduces unscaled gradients and every rank skips
+    the same overflow steps.
+
     Save ``state_dict()`` per rank (residuals are per rank) next to the model
     and optimizer to resume a run bit for bit.
     """

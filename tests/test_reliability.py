@@ -48,10 +48,20 @@ def _nan_step(rank, world, mode, skip_bad, bad=BAD):
             int((~torch.isfinite(bad_grads)).sum()), "stats": state.stats()}
 
 
+def _nan_steps(rank, world):
+    """Every mode, with the bad step and without it, in one spawn."""
+    return {(mode, skip): _nan_step(rank, world, mode, skip) for mode in MODES for skip in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def nan_runs():
+    return run_ranks(_nan_steps, 2, timeout=600)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_a_nan_step_reaches_every_rank_and_leaves_the_state_untouched(mode):
-    bad = run_ranks(_nan_step, 2, mode, False)
-    clean = run_ranks(_nan_step, 2, mode, True)
+def test_a_nan_step_reaches_every_rank_and_leaves_the_state_untouched(nan_runs, mode):
+    bad = [r[(mode, False)] for r in nan_runs]
+    clean = [r[(mode, True)] for r in nan_runs]
     for r in bad:
         assert r["bad_nonfinite"] > 0  # every rank saw it, so every rank skips the step
         assert torch.isfinite(r["params"]).all()
