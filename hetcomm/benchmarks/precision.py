@@ -52,8 +52,8 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
     """One run on this rank. ``overflow_at``: the first fp16 rank's loss is
     multiplied by 1e9 at that step (an fp16 overflow). ``batch``: samples of
     each rank (batch-size weighting; default the task's on every rank).
-    Returns the run's record (every rank: its own skipped steps; the curve and
-    the replica check are the same on every rank)."""
+    Returns the run's record (every rank: its own skipped steps and every
+    rank's; the curve and the replica check are the same on every rank)."""
     t = TASKS[task]()
     precisions = precisions_of(config, world)
     prec = precisions[rank]
@@ -96,18 +96,21 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
             skipped.append(step)
         scales.append(scaler.get_scale())
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            with torch.no_grad():
-                curve.append({"step": step + 1, "loss": t.evaluate(model)["loss"]})
+            curve.append({"step": step + 1, "loss": t.evaluate(model)["loss"]})  # evaluate: no_grad
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(every, flat)
+    skipped_per_rank = [None] * world
+    dist.all_gather_object(skipped_per_rank, skipped)
     if state is not None:
         state.close()
     return {"config": config, "mode": mode if config != "naive" else "allreduce_hook", "task": task, "optimizer": optim,
             "precisions": precisions, "steps": steps, "world_size": world, "curve": curve,
             "final_loss": curve[-1]["loss"], "replicas_identical": all(torch.equal(every[0], e) for e in every),
             "replica_max_diff": max((every[0] - e).abs().max().item() for e in every),
-            "skipped": skipped, "scales": scales, "s_per_step": train_s / steps,
+            "skipped": skipped, "skipped_per_rank": skipped_per_rank,
+            "skips_agree": all(k == skipped_per_rank[0] for k in skipped_per_rank), "scales": scales,
+            "s_per_step": train_s / steps,
             "stats_precisions": state.stats()["precisions"] if state is not None else None}
 
 
@@ -121,14 +124,10 @@ def _worker(rank: int, world: int, configs: List[str], modes: List[str], task: s
                 r = train(rank, world, config, base, task=task, optim=optim, steps=steps, overflow_at=overflow_at,
                           eval_every=eval_every, attach=attach and config != "naive")
                 r["mode"] = mode if config != "naive" else r["mode"]
-                skipped = [None] * world
-                dist.all_gather_object(skipped, r["skipped"])
-                r["skipped_per_rank"] = skipped
-                r["skips_agree"] = all(s == skipped[0] for s in skipped)
                 out.append(r)
                 if rank == 0:
                     print(f"  {optim:6s} {config:7s} {r['mode']:15s} loss {r['final_loss']:.4g}  identical "
-                          f"{r['replicas_identical']}  skipped {skipped}", file=sys.stderr, flush=True)
+                          f"{r['replicas_identical']}  skipped {r['skipped_per_rank']}", file=sys.stderr, flush=True)
     return out
 
 
