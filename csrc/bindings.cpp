@@ -69,7 +69,8 @@ const std::vector<std::pair<const char*, Algo>> kAlgoNames = {{"native", Algo::k
                                                                 {"hierarchical", Algo::kHierarchical}};
 const std::vector<std::pair<const char*, Codec>> kCodecNames = {{"none", Codec::kNone},   {"fp16", Codec::kFP16},
                                                                   {"bf16", Codec::kBF16},   {"onebit", Codec::kOneBit},
-                                                                  {"topk", Codec::kTopK},   {"lowrank", Codec::kLowRank}};
+                                                                  {"topk", Codec::kTopK},   {"lowrank", Codec::kLowRank},
+                                                                  {"fp8", Codec::kFP8}};
 
 Algo algo_named(const std::string& name) {
   std::string all;
@@ -133,6 +134,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return ops::sign_decode(words, scales, n, chunk, alpha, opt(out), accumulate);
       },
       py::arg("words"), py::arg("scales"), py::arg("n"), py::arg("chunk") = 2048, py::arg("alpha") = 1.0,
+      py::arg("out") = py::none(), py::arg("accumulate") = false, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "fp8_encode",
+      [](const at::Tensor& grad, c10::optional<at::Tensor> residual, double divisor, int64_t chunk) {
+        return ops::fp8_encode(grad, opt(residual), divisor, chunk);
+      },
+      py::arg("grad"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("chunk") = 256,
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "fp8_decode",
+      [](const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+         c10::optional<at::Tensor> out, bool accumulate) {
+        return ops::fp8_decode(codes, scales, n, chunk, alpha, opt(out), accumulate);
+      },
+      py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("chunk") = 256, py::arg("alpha") = 1.0,
       py::arg("out") = py::none(), py::arg("accumulate") = false, py::call_guard<py::gil_scoped_release>());
   m.def(
       "topk_encode",
@@ -230,6 +246,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("server_residual") = py::none(), nogil,
           "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately).")
       .def(
+          "allreduce_fp8",
+          [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
+             c10::optional<at::Tensor> sres) {
+            collectives::CodecTimer timer;
+            at::Tensor flat = flat_float32(x);
+            blocking(t, [&] { collectives::allreduce_fp8(t, flat, divisor, chunk, opt(wres), opt(sres), timer); });
+          },
+          py::arg("x"), py::arg("divisor"), py::arg("chunk") = 256, py::arg("worker_residual") = py::none(),
+          py::arg("server_residual") = py::none(), nogil,
+          "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place.")
+      .def(
           "allreduce_topk",
           [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res) {
             collectives::CodecTimer timer;
@@ -260,16 +287,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const std::string& inter, c10::optional<at::Tensor> res, c10::optional<at::Tensor> sres, int64_t chunk,
              double ratio) {
             TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
-            TORCH_CHECK_VALUE(inter == "ring" || inter == "onebit" || inter == "topk",
-                              "hetcomm: inter must be 'ring', 'onebit' or 'topk', got '", inter, "'");
+            TORCH_CHECK_VALUE(inter == "ring" || inter == "onebit" || inter == "fp8" || inter == "topk",
+                              "hetcomm: inter must be 'ring', 'onebit', 'fp8' or 'topk', got '", inter, "'");
             BucketReducer::check_topology(order, node_of, t.size());
             if (inter != "ring") ops::check_chunk(chunk);
             at::Tensor flat = x.view({-1});
             const Algo algo = algo_named(algorithm);
             collectives::InterOptions o;
-            o.codec = inter == "ring" ? collectives::InterCodec::kRing
-                                      : (inter == "onebit" ? collectives::InterCodec::kOneBit
-                                                           : collectives::InterCodec::kTopK);
+            o.codec = inter == "ring"     ? collectives::InterCodec::kRing
+                      : inter == "onebit" ? collectives::InterCodec::kOneBit
+                      : inter == "fp8"    ? collectives::InterCodec::kFP8
+                                          : collectives::InterCodec::kTopK;
             o.residual = opt(res);
             o.server_residual = opt(sres);
             o.chunk = chunk;

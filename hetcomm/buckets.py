@@ -189,7 +189,7 @@ class BucketStates:
                 n, peers, me = _C.hierarchical_shard_numel(numel, list(node_of), rank), len(order), \
                     order.index(node_of[rank])
             residual = self.residual(self.residuals, key, n, device)
-            if mode == "onebit":
+            if mode in ("onebit", "fp8"):  # two-phase codecs: this rank also sums a segment
                 server = self.residual(self.server_residuals, key, _C.onebit_segment_numel(n, peers, me), device)
         return residual, server, self._pending_carry(key, device)
 

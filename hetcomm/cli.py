@@ -255,7 +255,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     a.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun/testbed")
     a.add_argument("--algos", type=choices_list(topology.ALGORITHMS, "algorithm"), default=None,
                    help="comma-separated algorithms (default: all that apply)")
-    a.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "onebit", "topk"), "wire"), default=None,
+    a.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "fp8", "onebit", "topk"), "wire"), default=None,
                    help="comma-separated wire formats (default none,fp16,onebit)")
     a.add_argument("-c", "--check", type=int, choices=[0, 1], default=1,
                    help="compare with a float64 sum of random inputs (1) or not (0); see max_err and #wrong")
@@ -310,7 +310,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="comma-separated: fp32, fp16, mixed (bf16/fp16 alternating), mixed3 (bf16/fp16/fp32), naive "
                     "(mixed with torch's GradScaler and allreduce_hook), or precisions per rank such as bf16/fp16/fp32; fp32 is "
                     "always run")
-    pr.add_argument("--modes", type=choices_list(("none", "fp16", "bf16", "onebit", "onebit+m", "topk", "topk+m",
+    pr.add_argument("--modes", type=choices_list(("none", "fp16", "bf16", "fp8", "onebit", "onebit+m", "topk", "topk+m",
                                                   "lowrank"), "mode"),
                     default=["none", "onebit+m"], help="hetcomm compression modes, each run per config (+m: the "
                     "optimizer's momentum compressed, attach_optimizer)")
@@ -328,7 +328,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     t = sub.add_parser("topo", help="detect and measure the topology; print it and the plan table",
                        formatter_class=fmt)
     t.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun / testbed")
-    t.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "onebit"), "wire"), default=["none", "onebit"],
+    t.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "fp8", "onebit"), "wire"), default=["none", "onebit"],
                    help="wire formats of the plan table")
     t.add_argument("--json", type=writable_path, default=None, metavar="PATH")
     t.set_defaults(fn=_topo)

@@ -24,6 +24,7 @@ MODES = {
     "none": ("hetcomm", dict(compression="none")),
     "fp16": ("hetcomm", dict(compression="fp16")),
     "bf16": ("hetcomm", dict(compression="bf16")),
+    "fp8": ("hetcomm", dict(compression="fp8")),
     "onebit": ("hetcomm", dict(compression="onebit")),
     "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01)),
     "lowrank": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4)),

@@ -11,7 +11,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from . import _C, buckets
+from . import _C, buckets, options
 from .options import COMPRESSED
 
 log = logging.getLogger("hetcomm")
@@ -225,7 +225,8 @@ class BucketSteps:
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
-        fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=_CODECS[p.mode], chunk=self.chunk_size,
+        fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=_CODECS[p.mode],
+                                   chunk=options.chunk_for(p.mode, self.chunk_size),
                                    topk_ratio=self.topk_ratio, topk_exact=self.topk_exact, residual=residual,
                                    server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
                                    algorithm=_ALGOS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,

@@ -14,6 +14,7 @@ import torch
 from . import _C
 
 DEFAULT_CHUNK = 2048
+FP8_CHUNK = 256  # fp8's default (HookState's, see hetcomm.options.DEFAULT_CHUNK)
 
 
 def sign_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0,
@@ -33,6 +34,28 @@ def sign_decode(words: torch.Tensor, scales: torch.Tensor, n: int, chunk: int = 
                 out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
     """Inverse of :func:`sign_encode`: ``out (+)= alpha * scale * (+1 or -1)``."""
     return _C.sign_decode(words, scales, int(n), int(chunk), float(alpha), out, bool(accumulate))
+
+
+def fp8_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0,
+               chunk: int = FP8_CHUNK) -> Tuple[torch.Tensor, torch.Tensor]:
+    """8-bit (fp8 e4m3) compression with error feedback.
+
+    ``x = grad / divisor + residual``; per chunk of ``chunk`` elements (a
+    multiple of 32) ``scale`` = the power of two ``>= max|x| / 448`` (0 for an
+    all-zero chunk), ``code = e4m3(x / scale)`` rounded to nearest even, as
+    ``torch.float8_e4m3fn`` would. ``residual`` (float32, same numel) becomes
+    ``x - code * scale`` in place. Per element the message misses at most
+    ``max(|x| / 16, max|x| / 229376, 2**-136)`` (max over its chunk). Returns ``(codes uint8[n],
+    scales float32[ceil(n/chunk)])``; a non-finite x gives a non-finite scale,
+    so its whole chunk decodes non-finite.
+    """
+    return _C.fp8_encode(grad, residual, float(divisor), int(chunk))
+
+
+def fp8_decode(codes: torch.Tensor, scales: torch.Tensor, n: int, chunk: int = FP8_CHUNK, alpha: float = 1.0,
+               out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """Inverse of :func:`fp8_encode`: ``out (+)= alpha * e4m3(code) * scale``."""
+    return _C.fp8_decode(codes, scales, int(n), int(chunk), float(alpha), out, bool(accumulate))
 
 
 def topk_count(n: int, ratio: float) -> int:
@@ -82,5 +105,5 @@ def orthonormalize_columns(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 def onebit_segment_numel(n: int, world: int, rank: int) -> int:
     """Elements of an n-element bucket that ``rank`` averages in the two-phase
-    1-bit all-reduce (the size of its server residual)."""
+    all-reduce of onebit and fp8 (the size of its server residual)."""
     return _C.onebit_segment_numel(int(n), int(world), int(rank))

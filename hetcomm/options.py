@@ -16,8 +16,8 @@ from . import topology
 from .plan import AUTO_MODES, COMPRESSED  # COMPRESSED: modes with per-bucket state, compressed after start_iter
 from .topology import ALGORITHMS
 
-COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank", "auto")
-Compression = Literal["none", "fp16", "bf16", "auto-precision", "onebit", "topk", "lowrank", "auto"]
+COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk", "lowrank", "auto")
+Compression = Literal["none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk", "lowrank", "auto"]
 Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 # What attach_optimizer saw (the auto mode's safe set depends on it).
 ATTACHED = (None, "sgd", "adam", "hetcomm-adamw")
@@ -41,7 +41,20 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size: int, min_compress_numel: int,
+# Elements per scale when chunk_size is None. fp8's scale follows the chunk's
+# largest value, so a long chunk starves its small values of precision: with
+# 2048 the 4-rank language model (SGD-momentum) blew up at its loss drop in 2
+# of 2 seeds, with 256 it reached fp32's perplexity in both (bench/README.md).
+DEFAULT_CHUNK = {"onebit": 2048, "fp8": 256}  # hetcomm.ops.FP8_CHUNK is fp8's
+
+
+def chunk_for(mode: str, chunk_size: Optional[int]) -> int:
+    """Elements per scale of ``mode``'s codec: the option, or the mode's default."""
+    return chunk_size if chunk_size is not None else DEFAULT_CHUNK.get(mode, 2048)
+
+
+def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size: Optional[int],
+             min_compress_numel: int,
              topk_ratio: float, topk_exact: bool, matrix_approximation_rank: int, algorithm: Optional[str],
              transport: str, timeout: Optional[timedelta], process_group: Any, rank: Optional[int],
              candidates: Optional[Sequence[str]]) -> Dict[str, Any]:
@@ -60,8 +73,8 @@ def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size
         raise ValueError(
             f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
             "after the first iteration, and residuals are kept per bucket layout")
-    if not _is_int(chunk_size) or not 0 < chunk_size <= 2**30 or chunk_size % 32:
-        raise ValueError(f"chunk_size must be a positive multiple of 32 up to 2**30, got {chunk_size!r}")
+    if chunk_size is not None and (not _is_int(chunk_size) or not 0 < chunk_size <= 2**30 or chunk_size % 32):
+        raise ValueError(f"chunk_size must be None or a positive multiple of 32 up to 2**30, got {chunk_size!r}")
     if not _is_int(min_compress_numel) or min_compress_numel < 0:
         raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
     if not isinstance(topk_ratio, (int, float)) or isinstance(topk_ratio, bool) or not 0.0 < float(topk_ratio) <= 1.0:
@@ -122,7 +135,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("candidates", mask),
         ("start_iter", s.start_iter),
         ("error_feedback", int(s.error_feedback)),
-        ("chunk_size", s.chunk_size),
+        ("chunk_size", s.chunk_size or 0),  # 0: each mode's default
         ("min_compress_numel", s.min_compress_numel),
         ("topk_ratio", float_bits(s.topk_ratio)),
         ("topk_exact", int(s.topk_exact)),

@@ -19,7 +19,7 @@ def _stage(link: LinkClass, messages: float, nbytes: float) -> float:
 
 def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -> Optional[float]:
     """Predicted seconds for one all-reduce of an fp32 bucket of `nbytes`
-    (None: not applicable). wire: none/fp16/bf16 (dense), onebit, topk:<ratio>."""
+    (None: not applicable). wire: none/fp16/bf16 (dense), fp8, onebit, topk:<ratio>."""
     w = topo.world
     if w == 1:
         return 0.0
@@ -34,7 +34,7 @@ def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -
         # "lowrank:<fraction of the fp32 elements P, Q and the dense parts make up>"
         frac = float(wire.split(":")[1]) if ":" in wire else 0.1
         return _predict_lowrank(topo, nbytes, algorithm, frac)
-    elif wire == "onebit" or wire.startswith("topk"):
+    elif wire in ("onebit", "fp8") or wire.startswith("topk"):
         b = None
         codec = 3 * nbytes / (topo.codec_gbps * 1e9)
     else:
@@ -48,12 +48,13 @@ def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -
     share = (per_node or 1) if nodes > 1 else 1
 
     def compressed_allreduce(ranks: int, elems: float, link: LinkClass, flows: int) -> float:
-        if wire == "onebit":  # all-to-all + all-gather of 1/32 of the data (plus scales)
-            return 2 * (ranks - 1) * link.alpha + flows * 2 * (ranks - 1) / ranks * elems / 8 * 1.02 * link.beta
+        if wire in ("onebit", "fp8"):  # all-to-all + all-gather of 1/32 (1/4) of the data, plus scales
+            per_elem = 1 / 8 if wire == "onebit" else 1.0
+            return 2 * (ranks - 1) * link.alpha + flows * 2 * (ranks - 1) / ranks * elems * per_elem * 1.02 * link.beta
         ratio = float(wire.split(":")[1]) if ":" in wire else 0.01
         return (ranks - 1) * (link.alpha + flows * 8 * math.ceil(ratio * elems) * link.beta)
 
-    if b is None:  # onebit / topk: flat, or compressed across nodes only
+    if b is None:  # fp8 / onebit / topk: flat, or compressed across nodes only
         if algorithm == "native":
             return codec + compressed_allreduce(w, n_elems, worst, share)
         if algorithm == "hierarchical" and per_node and nodes > 1:

@@ -77,6 +77,12 @@ class HookState(BucketSteps):
             ``"auto-precision"``: bf16 when every rank's device supports it
             natively (CPU, or CUDA with compute capability >= 8.0), else fp16;
             decided collectively at the first step.
+            ``"fp8"``: the same two phases with 8-bit codes (fp8 e4m3, a
+            power-of-two scale per chunk, worker and server error feedback),
+            about 16 bits per element on the wire; each value is within 1/16
+            of itself (or 1/229376 of its chunk's largest) and error feedback
+            repays the rest. Computed with integer/float math on any device
+            (no fp8 hardware needed).
             ``"onebit"``: two-phase 1-bit all-reduce (sign + scale per chunk,
             worker and server error feedback), about 2 bits per element on the
             wire instead of 64.
@@ -105,7 +111,9 @@ class HookState(BucketSteps):
         error_feedback: keep what compression did not send and add it to the
             next step's gradient (default True). ``False`` exists to show why
             it matters.
-        chunk_size: elements per 1-bit scale (a positive multiple of 32).
+        chunk_size: elements per 1-bit or fp8 scale (a positive multiple of
+            32); ``None`` (default): 2048 for onebit, 256 for fp8 (whose scale
+            follows the chunk's largest value).
         min_compress_numel: buckets with fewer elements go uncompressed (fp32).
         topk_ratio: fraction of entries top-k sends, in (0, 1].
         topk_exact: exact top-k selection (default) or, with ``False``, the
@@ -116,7 +124,7 @@ class HookState(BucketSteps):
             process group's own all-reduce, default; ``"auto"`` with
             ``compression="auto"``), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
-            (exact inside nodes; with onebit/topk only the inter-node stage is
+            (exact inside nodes; with fp8/onebit/topk only the inter-node stage is
             compressed) or ``"auto"``: the planner of :mod:`hetcomm.planner`
             picks per bucket from the measured topology (a few seconds of
             probing at the first step, cached per cluster). ``HETCOMM_ALGO``
@@ -129,10 +137,11 @@ class HookState(BucketSteps):
             hetcomm copies them through host memory). ``"pg"``: always the
             process group. One state serves the buckets of one device.
         candidates: ``compression="auto"`` only: the modes it may choose from
-            (``"none"``, ``"fp16"``, ``"bf16"``, ``"onebit"``, ``"topk"``,
+            (``"none"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"onebit"``, ``"topk"``,
             ``"lowrank"``). Default: fp32 and bf16 (fp16 where a device lacks
-            bf16), plus onebit and topk once :meth:`attach_optimizer` was given
-            SGD-momentum or :class:`hetcomm.optim.AdamW`.
+            bf16); fp8 unless torch's Adam or :class:`hetcomm.optim.AdamW` is
+            attached; onebit once :meth:`attach_optimizer` was given
+            SGD-momentum or :class:`hetcomm.optim.AdamW`, topk with SGD-momentum.
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
@@ -159,7 +168,7 @@ class HookState(BucketSteps):
         process_group: Optional[dist.ProcessGroup] = None,
         start_iter: int = 2,
         error_feedback: bool = True,
-        chunk_size: int = 2048,
+        chunk_size: Optional[int] = None,
         min_compress_numel: int = 8192,
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
@@ -176,7 +185,7 @@ class HookState(BucketSteps):
         self.compression: str = opts["compression"]
         self.start_iter: int = opts["start_iter"]
         self.error_feedback: bool = opts["error_feedback"]
-        self.chunk_size: int = opts["chunk_size"]
+        self.chunk_size: Optional[int] = opts["chunk_size"]
         self.min_compress_numel: int = opts["min_compress_numel"]
         self.topk_ratio: float = opts["topk_ratio"]
         self.topk_exact: bool = opts["topk_exact"]

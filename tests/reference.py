@@ -45,10 +45,37 @@ def topk(grad, residual, divisor, k):
     return idx, x[idx], new_res
 
 
-def onebit_allreduce(inputs, worker_res, server_res, divisors, chunk):
-    """Two-phase 1-bit all-reduce of a list of per-rank vectors, simulated in one
-    process. Returns (output, new worker residuals, new server residuals, the
-    server-side sums before the second compression)."""
+def fp8_encode(grad, residual, divisor, chunk):
+    """Returns (codes uint8, scales, new residual or None, decoded): per chunk the
+    power-of-two scale >= max|x| / 448, codes by torch's own float8_e4m3fn cast."""
+    x = ef_input(grad, residual, divisor)
+    n = x.numel()
+    codes = torch.zeros(n, dtype=torch.uint8)
+    decoded = torch.zeros(n)
+    scales = []
+    for c in range(0, n, chunk):
+        xc = x[c:c + chunk].double()
+        amax = xc.abs().max().item()
+        if math.isnan(amax) or math.isinf(amax):
+            scale = amax
+        elif amax == 0:
+            scale = 0.0
+        else:
+            scale = max(2.0 ** math.ceil(math.log2(amax / 448)), 2.0 ** -126)
+        scales.append(scale)
+        q = (xc / scale if scale else torch.zeros_like(xc)).clamp(-448, 448).float().to(torch.float8_e4m3fn)
+        codes[c:c + chunk] = q.view(torch.uint8)
+        decoded[c:c + chunk] = (q.double() * scale).float()
+    new_res = x - decoded if residual is not None else None
+    return codes, torch.tensor(scales, dtype=torch.float32), new_res, decoded
+
+
+def two_phase_allreduce(inputs, worker_res, server_res, divisors, chunk, encode=None):
+    """Two-phase all-reduce (onebit; fp8 with ``encode=fp8_encode``) of per-rank vectors, simulated in one
+    process. Returns (output, new worker
+    residuals, new server residuals, the server-side sums before the second
+    compression)."""
+    encode = encode or sign_encode
     world = len(inputs)
     n = inputs[0].numel()
     seg = max(32, math.ceil(math.ceil(n / world) / 32) * 32)
@@ -61,7 +88,7 @@ def onebit_allreduce(inputs, worker_res, server_res, divisors, chunk):
             if e == b:
                 continue
             res = None if new_w[src] is None else new_w[src][b:e]
-            _, _, nr, dec = sign_encode(inputs[src][b:e], res, divisors[src], chunk)
+            _, _, nr, dec = encode(inputs[src][b:e], res, divisors[src], chunk)
             if nr is not None:
                 new_w[src][b:e] = nr
             decoded[src][r] = dec
@@ -75,7 +102,7 @@ def onebit_allreduce(inputs, worker_res, server_res, divisors, chunk):
         for src in range(world):
             acc += decoded[src][r]
         sums[b:e] = acc
-        _, _, ns, dec = sign_encode(acc, new_s[r], 1.0, chunk)
+        _, _, ns, dec = encode(acc, new_s[r], 1.0, chunk)
         if ns is not None:
             new_s[r] = ns
         out[b:e] = dec

@@ -82,7 +82,7 @@ def test_unequal_batches_give_the_full_batch_gradient():
     check_weighted(run_ranks(_weighted_grads, 3, "none"), "none")
 
 
-@pytest.mark.parametrize("mode", ["fp16", "bf16", "onebit", "topk", "lowrank"])
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "fp8", "onebit", "topk", "lowrank"])
 def test_unequal_batches_compressed_modes_keep_replicas_identical(mode):
     check_weighted(run_ranks(_weighted_grads, 3, mode), mode)
 
@@ -124,7 +124,7 @@ def _wire_volume(rank, world, mode):
     return state.stats()
 
 
-@pytest.mark.parametrize("mode,factor", [("onebit", 30), ("topk", 25)])
+@pytest.mark.parametrize("mode,factor", [("onebit", 30), ("topk", 25), ("fp8", 3.9)])
 def test_wire_volume_of_a_1m_element_bucket(mode, factor):
     st = run_ranks(_wire_volume, 2, mode)[0]
     last = st["last_step"]
@@ -132,6 +132,9 @@ def test_wire_volume_of_a_1m_element_bucket(mode, factor):
     fp32_ring = 2 * (2 - 1) * 4 * 10**6 // 2
     assert last["fp32_bytes"] == fp32_ring
     assert fp32_ring / last["bytes_sent"] >= factor, last
+    if mode == "fp8":  # closed form: all-to-all + all-gather of one segment's block (500000 codes + a scale per
+        # 256, the default chunk) and the bucket's 4-byte non-finite check
+        assert last["bytes_sent"] == 2 * (500_000 + 4 * -(-500_000 // 256)) + 4, last
     # warm-up steps (start_iter=2) were full fp32
     assert st["total"]["bytes_sent"] >= 2 * fp32_ring
 

@@ -107,7 +107,7 @@ def test_every_algorithm_and_wire_on_a_shared_gpu_equals_the_cpu_bit_for_bit():
     assert torch.allclose(results[0]["cuda"]["ring/none"][0], exact, rtol=1e-5, atol=1e-4)
 
 
-SHARED_MODES = [("none", {}), ("fp16", {}), ("bf16", {}), ("onebit", {}), ("topk", {}), ("lowrank", {}),
+SHARED_MODES = [("none", {}), ("fp16", {}), ("bf16", {}), ("fp8", {}), ("onebit", {}), ("topk", {}), ("lowrank", {}),
                 ("none", {"algorithm": "ring"}), ("none", {"algorithm": "tree"}),
                 ("none", {"algorithm": "halving_doubling"}), ("onebit", {"transport": "pg"}),
                 ("topk", {"topk_exact": False}), ("auto", {})]

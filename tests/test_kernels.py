@@ -207,3 +207,74 @@ def test_orthonormalize_columns_against_qr(device, rows, cols):
     signs = torch.sign(torch.diagonal(qr_r)).float()  # our R has a positive diagonal
     torch.testing.assert_close(q, qr_q.float() * signs, rtol=0, atol=1e-4)
     assert torch.equal(q, ops.orthonormalize_columns(p.clone()))  # every device: the same bits
+
+
+# ---- fp8 (e4m3, power-of-two scale per chunk) ----------------------------------
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk,magnitude", [(32, 1.0), (2048, 1e-3), (256, 1e30), (64, 1e-38)])
+def test_fp8_encode_matches_torch_float8(device, n, chunk, magnitude):
+    # Codes, scales and residuals bit for bit against torch's float8_e4m3fn cast;
+    # values spread over many binades so subnormal codes, rounding ties and
+    # tiny/huge scales all occur.
+    g = torch.Generator().manual_seed(n)
+    grad = (torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g)) * magnitude).to(device)
+    e = (torch.randn(n, generator=g) * 0.1 * magnitude).to(device)
+    want_codes, want_scales, want_res, want_dec = ref.fp8_encode(grad.cpu(), e.cpu(), 3.0, chunk)
+    res = e.clone()
+    codes, scales = ops.fp8_encode(grad, res, 3.0, chunk)
+    assert codes.dtype == torch.uint8 and codes.numel() == n and scales.numel() == math.ceil(n / chunk)
+    assert torch.equal(codes.cpu(), want_codes) and torch.equal(scales.cpu(), want_scales)
+    assert torch.equal(res.cpu(), want_res)
+    dec = ops.fp8_decode(codes, scales, n, chunk)
+    assert torch.equal(dec.cpu(), want_dec)
+    # Error feedback's invariant holds exactly (power-of-two scales: x / s and q * s are exact) ...
+    x = grad.cpu() / 3.0 + e.cpu()
+    assert torch.equal((dec + res).cpu(), x)
+    # ... and the documented bound per element: max(|x| / 16, max|x| of its chunk / 229376, 2^-136).
+    amax = torch.stack([c.abs().max() for c in x.split(chunk)]).repeat_interleave(chunk)[:n]
+    bound = torch.maximum(torch.maximum(x.abs() / 16, amax / 229376), torch.tensor(2.0 ** -136))
+    assert torch.all((dec.cpu() - x).abs() <= bound)
+
+
+def test_fp8_special_values_and_accumulate(device):
+    # zeros stay zeros (scale 0), every finite code decodes to torch's value,
+    # NaN / inf make their chunk non-finite and leave the others alone
+    codes, scales = ops.fp8_encode(torch.zeros(64, device=device), None, 1.0, 32)
+    assert codes.abs().sum().item() == 0 and scales.abs().sum().item() == 0
+    every = torch.arange(256, dtype=torch.uint8)
+    want = every.view(torch.float8_e4m3fn).float()
+    got = ops.fp8_decode(every.to(device), torch.ones(1, device=device), 256, 256).cpu()
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite]) and got[~finite].isnan().all()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = torch.randn(96, device=device)
+        g[40] = bad
+        res = torch.zeros(96, device=device)
+        codes, scales = ops.fp8_encode(g, res, 1.0, 32)
+        dec = ops.fp8_decode(codes, scales, 96, 32).cpu()
+        assert not dec[32:64].isfinite().any() and dec[:32].isfinite().all() and dec[64:].isfinite().all()
+    out = torch.ones(100, device=device)
+    g = torch.randn(100, device=device)
+    codes, scales = ops.fp8_encode(g, None, 2.0, 64)
+    ops.fp8_decode(codes, scales, 100, 64, alpha=0.5, out=out, accumulate=True)
+    assert torch.equal(out.cpu(), 1 + 0.5 * ref.fp8_encode(g.cpu(), None, 2.0, 64)[3])
+
+
+def test_fp8_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="chunk must be a positive multiple of 32"):
+        ops.fp8_encode(torch.randn(100), None, 1.0, 48)
+    with pytest.raises(ValueError, match="divisor must be finite"):
+        ops.fp8_encode(torch.randn(100), None, 0.0)
+    with pytest.raises(ValueError, match="residual must have the gradient's numel"):
+        ops.fp8_encode(torch.randn(100), torch.zeros(99))
+    with pytest.raises(TypeError, match="grad must be a floating-point"):
+        ops.fp8_encode(torch.arange(10))
+    with pytest.raises(ValueError, match=r"scales must hold ceil\(n/chunk\) = 2"):
+        ops.fp8_decode(torch.zeros(64, dtype=torch.uint8), torch.ones(1), 64, 32)
+    with pytest.raises(ValueError, match="codes must hold n = 64"):
+        ops.fp8_decode(torch.zeros(63, dtype=torch.uint8), torch.ones(2), 64, 32)
+    with pytest.raises(TypeError, match="codes must be Byte"):
+        ops.fp8_decode(torch.zeros(64, dtype=torch.int8), torch.ones(2), 64, 32)
+    with pytest.raises(ValueError, match="accumulate=True needs an out tensor"):
+        ops.fp8_decode(torch.zeros(64, dtype=torch.uint8), torch.ones(2), 64, 32, accumulate=True)

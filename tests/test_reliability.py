@@ -15,7 +15,7 @@ from .dist_harness import run_ranks
 
 pytestmark = pytest.mark.reliability
 
-MODES = ["none", "fp16", "onebit", "topk", "lowrank", "onebit+m"]
+MODES = ["none", "fp16", "fp8", "onebit", "topk", "lowrank", "onebit+m"]
 BAD = 5  # the step whose gradient is NaN on rank 1
 
 
@@ -69,7 +69,7 @@ def test_a_nan_step_reaches_every_rank_and_leaves_the_state_untouched(nan_runs, 
     assert torch.equal(bad[0]["params"], bad[1]["params"])
     # The next finite steps continue as if the bad step had never happened.
     assert torch.equal(bad[0]["params"], clean[0]["params"])
-    if mode in ("onebit", "topk", "lowrank", "onebit+m"):
+    if mode in ("fp8", "onebit", "topk", "lowrank", "onebit+m"):
         assert bad[0]["stats"]["nonfinite_steps"] == 1 and clean[0]["stats"]["nonfinite_steps"] == 0
 
 

@@ -134,7 +134,7 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
 
 ALGORITHM_CASES = [("none", "auto"), ("none", "ring"), ("none", "hierarchical"), ("fp16", "halving_doubling"),
                    ("none", "tree"), ("onebit", "hierarchical"), ("topk", "hierarchical"), ("onebit", "auto"),
-                   ("lowrank", "hierarchical"), ("lowrank", "auto"), ("none", "native")]
+                   ("lowrank", "hierarchical"), ("lowrank", "auto"), ("fp8", "hierarchical"), ("none", "native")]
 
 
 def _ddp_algorithms(rank, world, cache_dir):
@@ -159,7 +159,7 @@ def test_ddp_with_each_algorithm_keeps_replicas_identical(algorithm_runs, mode, 
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if algorithm == "auto":
         assert res[0]["plans"] and all(p in topology.ALGORITHMS for p in res[0]["plans"].values())
-    if mode in ("onebit", "topk", "lowrank"):  # the codecs' time is counted, across nodes of a hierarchy too
+    if mode in ("fp8", "onebit", "topk", "lowrank"):  # the codecs' time is counted, across nodes of a hierarchy too
         assert all(r["codec_s"] > 0 for r in res), [r["codec_s"] for r in res]
 
 

@@ -93,7 +93,13 @@ def _compressed_allreduce(rank, world, n, chunk, ratio):
         y = x.clone()
         t.allreduce_topk(y, divisor, ratio, True, tres)
         topk.append(y)
-    return {"xs": xs, "divisor": divisor, "onebit": onebit, "whist": whist, "shist": shist, "topk": topk, "tres": tres}
+    fres, fsres, fp8 = torch.zeros(n), torch.zeros(sres.numel()), []
+    for x in xs:
+        y = x.clone()
+        t.allreduce_fp8(y, divisor, chunk, fres, fsres)
+        fp8.append((y, fres.clone(), fsres.clone()))
+    return {"xs": xs, "divisor": divisor, "onebit": onebit, "whist": whist, "shist": shist, "topk": topk, "tres": tres,
+            "fp8": fp8}
 
 
 @pytest.mark.parametrize("world,n", [(2, 5000), (4, 100_003), (3, 70)])
@@ -112,7 +118,7 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
     wres = [torch.zeros(n) for _ in range(world)]
     sres = [torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, r)) for r in range(world)]
     for step in range(3):
-        want, want_w, want_s, sums = ref.onebit_allreduce([r["xs"][step] for r in results], wres, sres, divisors,
+        want, want_w, want_s, sums = ref.two_phase_allreduce([r["xs"][step] for r in results], wres, sres, divisors,
                                                           chunk)
         got = results[0]["onebit"][step]
         close = torch.isclose(got, want, rtol=1e-5, atol=1e-6)
@@ -136,3 +142,13 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
         torch.testing.assert_close(results[0]["topk"][step], want, rtol=1e-6, atol=1e-6)
     for r, res in enumerate(results):
         assert torch.equal(res["tres"], tres[r])
+    # fp8: max-based power-of-two scales and rank-ordered sums make the reference bit-exact, residuals included
+    wres = [torch.zeros(n) for _ in range(world)]
+    sres = [torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, r)) for r in range(world)]
+    for step in range(3):
+        want, wres, sres, _ = ref.two_phase_allreduce([r["xs"][step] for r in results], wres, sres, divisors, chunk,
+                                                      encode=ref.fp8_encode)
+        for r, res in enumerate(results):
+            got, got_w, got_s = res["fp8"][step]
+            assert torch.equal(got, want) and torch.equal(got_w, wres[r]) and torch.equal(got_s, sres[r])
+        assert (want - sum(r["xs"][step] / d for r, d in zip(results, divisors))).abs().max() > 0  # lossy

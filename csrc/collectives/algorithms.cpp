@@ -287,6 +287,9 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
       case InterCodec::kOneBit:
         allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer);
         break;
+      case InterCodec::kFP8:
+        allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer);
+        break;
       case InterCodec::kTopK:
         allreduce_topk(across, shard, 1.0, inter.topk_ratio, inter.topk_exact, inter.residual, timer);
         break;

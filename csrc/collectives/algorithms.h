@@ -57,12 +57,12 @@ class SubgroupTransport : public Transport {
 };
 
 // Inter-node stage of the hierarchical all-reduce.
-enum class InterCodec { kRing = 0, kOneBit = 1, kTopK = 2 };
+enum class InterCodec { kRing = 0, kOneBit = 1, kTopK = 2, kFP8 = 3 };
 
 // Intra-node reduce-scatter (ring), inter-node all-reduce of each rank's
 // shard among the ranks with the same local index, intra-node all-gather.
 // node_of[r] is rank r's node id; every node must hold the same number of
-// ranks. The inter-node stage may be compressed (onebit / topk, with the
+// ranks. The inter-node stage may be compressed (onebit / fp8 / topk, with the
 // given residuals, sized for this rank's shard); intra-node stays exact.
 struct InterOptions {
   InterCodec codec = InterCodec::kRing;

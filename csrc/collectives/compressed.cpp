@@ -1,6 +1,7 @@
 #include "collectives/compressed.h"
 
 #include <chrono>
+#include <functional>
 
 #include "kernels/sign.h"
 #include "ops/cpu_ops.h"
@@ -22,15 +23,55 @@ int64_t segment_len(int64_t n, int64_t seg, int r) {
   return std::min<int64_t>(n, begin + seg) - begin;
 }
 
-// One segment's message: [words (seg/32 int32) | scales (ceil(seg/chunk) float32 bits)].
-struct SignBlock {
-  int64_t words_cap, scales_cap;
-  int64_t ints() const { return words_cap + scales_cap; }
-  at::Tensor words(at::Tensor& block, int64_t len) const {
-    return block.narrow(0, 0, kernels::sign_num_words(len));
-  }
+// A chunked codec with error feedback, as the two-phase all-reduce uses it:
+// a segment of len elements travels as [payload (payload_ints(len) int32) |
+// scales (ceil(len/chunk) float32 bits)].
+struct SegmentCodec {
+  std::function<int64_t(int64_t)> payload_ints;
+  // payload, scales <- x / divisor + residual; the residual keeps what they miss.
+  std::function<void(const at::Tensor& x, const at::Tensor& residual, double divisor, int64_t chunk,
+                     at::Tensor payload, at::Tensor scales)>
+      encode;
+  // out (+)= decoded.
+  std::function<void(const at::Tensor& payload, const at::Tensor& scales, int64_t len, int64_t chunk, at::Tensor out,
+                     bool accumulate)>
+      decode;
+};
+
+const SegmentCodec& sign_codec() {
+  static const SegmentCodec c{
+      [](int64_t len) { return kernels::sign_num_words(len); },
+      [](const at::Tensor& x, const at::Tensor& res, double d, int64_t chunk, at::Tensor words, at::Tensor scales) {
+        ops::sign_encode_into(x, res, d, chunk, words, scales);
+      },
+      [](const at::Tensor& words, const at::Tensor& scales, int64_t len, int64_t chunk, at::Tensor out, bool acc) {
+        ops::sign_decode(words, scales, len, chunk, 1.0, out, acc);
+      }};
+  return c;
+}
+
+// fp8 codes travel four to an int32 (segments are multiples of 32 elements).
+const SegmentCodec& fp8_codec() {
+  static const SegmentCodec c{
+      [](int64_t len) { return (len + 3) / 4; },
+      [](const at::Tensor& x, const at::Tensor& res, double d, int64_t chunk, at::Tensor payload, at::Tensor scales) {
+        at::Tensor codes = payload.view(at::kByte).narrow(0, 0, x.numel());
+        ops::fp8_encode_into(x, res, d, chunk, codes, scales);
+      },
+      [](const at::Tensor& payload, const at::Tensor& scales, int64_t len, int64_t chunk, at::Tensor out, bool acc) {
+        ops::fp8_decode(payload.view(at::kByte).narrow(0, 0, len), scales, len, chunk, 1.0, out, acc);
+      }};
+  return c;
+}
+
+// One segment's message in a fixed-size block (the longest segment's), so all-to-all and all-gather work.
+struct Block {
+  const SegmentCodec& codec;
+  int64_t payload_cap, scales_cap;
+  int64_t ints() const { return payload_cap + scales_cap; }
+  at::Tensor payload(at::Tensor& block, int64_t len) const { return block.narrow(0, 0, codec.payload_ints(len)); }
   at::Tensor scales(at::Tensor& block, int64_t len, int64_t chunk) const {
-    return block.narrow(0, words_cap, kernels::sign_num_chunks(len, chunk)).view(at::kFloat);
+    return block.narrow(0, payload_cap, kernels::sign_num_chunks(len, chunk)).view(at::kFloat);
   }
 };
 
@@ -81,8 +122,13 @@ int64_t onebit_segment_offset(int64_t n, int world, int rank) {
   return std::min<int64_t>(n, rank * segment_stride(n, world));
 }
 
-void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                      const at::Tensor& server_residual, CodecTimer& timer) {
+namespace {
+
+// Two phases: every rank encodes segment r (worker residual) and sends it to
+// rank r; rank r decodes and sums its segment in rank order, encodes the sum
+// (server residual) and all-gather hands every rank the same messages.
+void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                         const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec) {
   const int w = t.size();
   const int me = t.rank();
   const int64_t n = x.numel();
@@ -91,13 +137,11 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
   TORCH_CHECK_VALUE(!worker_residual.defined() || worker_residual.numel() == n,
                     "hetcomm: worker residual must have the bucket's ", n, " elements, got ", worker_residual.numel());
   const int64_t seg = segment_stride(n, w);
-  const SignBlock blk{seg / 32, kernels::sign_num_chunks(seg, chunk)};
+  const Block blk{codec, codec.payload_ints(seg), kernels::sign_num_chunks(seg, chunk)};
   const int64_t my_len = segment_len(n, seg, me);
   TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == my_len,
                     "hetcomm: server residual must have ", my_len, " elements, got ", server_residual.numel());
 
-  // Phase 1: each rank compresses every segment (worker error feedback) and
-  // sends segment r to rank r.
   const auto ints = x.options().dtype(at::kInt);  // on the bucket's device
   at::Tensor send = at::zeros({w * blk.ints()}, ints);
   at::Tensor recv = at::empty({w * blk.ints()}, ints);
@@ -107,16 +151,12 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
       const int64_t len = segment_len(n, seg, r);
       if (len == 0) continue;
       at::Tensor block = send.narrow(0, r * blk.ints(), blk.ints());
-      at::Tensor words = blk.words(block, len);
-      at::Tensor scales = blk.scales(block, len, chunk);
-      ops::sign_encode_into(x.narrow(0, r * seg, len), narrow_or_empty(worker_residual, r * seg, len), divisor, chunk,
-                            words, scales);
+      codec.encode(x.narrow(0, r * seg, len), narrow_or_empty(worker_residual, r * seg, len), divisor, chunk,
+                   blk.payload(block, len), blk.scales(block, len, chunk));
     }
   }
   t.all_to_all(recv, send);
 
-  // This rank sums its segment from every rank (in rank order), then
-  // compresses the sum again (server error feedback).
   at::Tensor mine = at::zeros({blk.ints()}, ints);
   {
     Timed _(timer);
@@ -124,15 +164,12 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
       at::Tensor acc = at::zeros({my_len}, x.options());
       for (int r = 0; r < w; ++r) {
         at::Tensor block = recv.narrow(0, r * blk.ints(), blk.ints());
-        ops::sign_decode(blk.words(block, my_len), blk.scales(block, my_len, chunk), my_len, chunk, 1.0, acc, true);
+        codec.decode(blk.payload(block, my_len), blk.scales(block, my_len, chunk), my_len, chunk, acc, true);
       }
-      at::Tensor words = blk.words(mine, my_len);
-      at::Tensor scales = blk.scales(mine, my_len, chunk);
-      ops::sign_encode_into(acc, server_residual, 1.0, chunk, words, scales);
+      codec.encode(acc, server_residual, 1.0, chunk, blk.payload(mine, my_len), blk.scales(mine, my_len, chunk));
     }
   }
 
-  // Phase 2: everyone gathers every segment's message and decodes the same bytes.
   at::Tensor all = at::empty({w * blk.ints()}, ints);
   t.all_gather(all, mine);
   Timed _(timer);
@@ -140,9 +177,20 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
     const int64_t len = segment_len(n, seg, r);
     if (len == 0) continue;
     at::Tensor block = all.narrow(0, r * blk.ints(), blk.ints());
-    ops::sign_decode(blk.words(block, len), blk.scales(block, len, chunk), len, chunk, 1.0, x.narrow(0, r * seg, len),
-                     false);
+    codec.decode(blk.payload(block, len), blk.scales(block, len, chunk), len, chunk, x.narrow(0, r * seg, len), false);
   }
+}
+
+}  // namespace
+
+void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                      const at::Tensor& server_residual, CodecTimer& timer) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, sign_codec());
+}
+
+void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                   const at::Tensor& server_residual, CodecTimer& timer) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec());
 }
 
 void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,

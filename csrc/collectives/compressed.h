@@ -48,6 +48,10 @@ void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType
 // Either may be undefined (no error feedback).
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                       const at::Tensor& server_residual, CodecTimer& timer);
+// The same two phases with fp8 e4m3 codes and a power-of-two scale per chunk
+// (kernels/fp8.h): 8 bits per element, residuals laid out as for onebit.
+void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                   const at::Tensor& server_residual, CodecTimer& timer);
 // Elements of the segment this rank averages (its server residual's size).
 int64_t onebit_segment_numel(int64_t n, int world, int rank);
 // Where that segment starts in x.

@@ -113,6 +113,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       break;
     }
     case Codec::kOneBit:
+    case Codec::kFP8:
     case Codec::kTopK:
     case Codec::kLowRank: {
       if (any_rank_nonfinite(t, buf)) {
@@ -141,7 +142,9 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         // Exact inside nodes, compressed across them.
         TORCH_CHECK_VALUE(!node_of_.empty(), "hetcomm: the hierarchical algorithm needs the topology");
         collectives::InterOptions inter;
-        inter.codec = job.codec == Codec::kOneBit ? collectives::InterCodec::kOneBit : collectives::InterCodec::kTopK;
+        inter.codec = job.codec == Codec::kOneBit ? collectives::InterCodec::kOneBit
+                      : job.codec == Codec::kFP8  ? collectives::InterCodec::kFP8
+                                                  : collectives::InterCodec::kTopK;
         inter.chunk = job.chunk;
         inter.topk_ratio = job.topk_ratio;
         inter.topk_exact = job.topk_exact;
@@ -152,6 +155,8 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         collectives::allreduce_hierarchical(t, x, node_of_, inter);
       } else if (job.codec == Codec::kOneBit)
         collectives::allreduce_onebit(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_);
+      else if (job.codec == Codec::kFP8)
+        collectives::allreduce_fp8(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_);
       else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)
         collectives::allreduce_lowrank_hierarchical(t, x, divisor, job.layout, job.q_state, job.residual, node_of_,
                                                     codec_);

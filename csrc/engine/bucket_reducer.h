@@ -17,7 +17,7 @@
 
 namespace hetcomm {
 
-enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5 };
+enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5, kFP8 = 6 };
 
 using collectives::Algo;
 
@@ -30,7 +30,7 @@ struct BucketJob {
   double topk_ratio = 0.01;
   bool topk_exact = true;
   at::Tensor residual;         // worker / top-k residual, float32, may be undefined
-  at::Tensor server_residual;  // onebit only, may be undefined
+  at::Tensor server_residual;  // onebit and fp8 only, may be undefined
   at::Tensor layout;           // lowrank only: int64 [k, 4]
   at::Tensor q_state;          // lowrank only: warm-start Q, updated in place
   // Momentum compression (HookState.attach_optimizer): the SGD momentum m of

@@ -68,6 +68,14 @@ HC_HD float div_rn(float a, float b) {
 #endif
 }
 
+HC_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 HC_HD float add_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(a, b);
@@ -153,6 +161,71 @@ HC_HD uint16_t scaled_to_half(float x, float divisor) { return float_to_half(div
 HC_HD uint16_t scaled_to_bf16(float x, float divisor) { return float_to_bf16(div_rn(x, divisor)); }
 HC_HD float half_scaled(uint16_t h, float mul) { return half_to_float(h) * mul; }
 HC_HD float bf16_scaled(uint16_t h, float mul) { return bf16_to_float(h) * mul; }
+
+// ---- fp8 e4m3 (OCP "e4m3fn": bias 7, no inf, 0x7f / 0xff NaN, max 448) -----
+constexpr float kE4M3Max = 448.0f;
+
+// Round to nearest even like torch's float8_e4m3fn conversion; finite values
+// beyond +-448 saturate to +-448 (callers scale first, so only rounding of
+// the largest element reaches them); inf and NaN become NaN (0x7f).
+HC_HD uint8_t float_to_e4m3(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  uint32_t a = u & 0x7fffffffu;
+  const bool nan = a >= 0x7f800000u;
+  a = a > 0x43e00000u ? 0x43e00000u : a;  // saturate at 448
+  // Normal result (|f| >= 2^-6): rebias the exponent by (7 - 127), keep 3 mantissa bits, round to nearest even.
+  const uint32_t normal = (a - (120u << 23) + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+  // Subnormal result (multiples of 2^-9): adding 2^14 leaves the float's ulp at 2^-9, the FPU rounds.
+  const uint32_t sub = float_bits(add_rn(bits_float(a), 16384.0f)) - 0x46800000u;
+  uint32_t r = a < 0x3c800000u ? sub : normal;
+  r = nan ? 0x7fu : r;
+  return static_cast<uint8_t>(sign | r);
+}
+
+HC_HD float e4m3_to_float(uint8_t q) {
+  const uint32_t sign = (static_cast<uint32_t>(q) & 0x80u) << 24;
+  const uint32_t em = q & 0x7fu;
+  const uint32_t normal = (em << 20) + (120u << 23);
+  // Subnormal: em * 2^-9 is exact in float.
+  const uint32_t sub = float_bits(static_cast<float>(static_cast<int32_t>(em)) * 0.001953125f);
+  uint32_t r = em < 0x08u ? sub : normal;
+  r = em == 0x7fu ? 0x7fc00000u : r;
+  return bits_float(sign | r);
+}
+
+// |x| as bits: for magnitudes the integer order is the float order and every
+// NaN compares largest, so a max over bits is exact, order-free and keeps NaN.
+HC_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7fffffffu; }
+
+// A chunk's scale from its largest magnitude: the power of two s >= amax / 448
+// (so every x / s fits and x / s, q * s are exact); 0 for an all-zero chunk;
+// non-finite when amax is (the NaN/Inf then reaches every decoded value).
+HC_HD float fp8_scale(float amax) {
+  const uint32_t u = float_bits(div_rn(amax, kE4M3Max));
+  if (u == 0u) return 0.0f;
+  const uint32_t exp = u & 0x7f800000u;
+  if (exp == 0x7f800000u) return bits_float(u);          // inf / NaN
+  if (exp == 0u) return bits_float(0x00800000u);          // below 2^-126: the smallest normal
+  return bits_float((u & 0x007fffffu) ? exp + 0x00800000u : exp);
+}
+
+// 1 / scale, exact for the power-of-two scales of fp8_scale (0 for a zero
+// scale: every code is then 0), so x * inv_scale is x / scale to the bit
+// without a division per element.
+HC_HD float fp8_inverse(float scale) { return scale == 0.0f ? 0.0f : div_rn(1.0f, scale); }
+
+HC_HD uint8_t fp8_encode(float x, float inv_scale) { return float_to_e4m3(mul_rn(x, inv_scale)); }
+
+HC_HD float fp8_value(uint8_t q, float scale) { return e4m3_to_float(q) * scale; }
+
+// New residual: what the 8-bit message did not carry.
+HC_HD float fp8_residual(float x, uint8_t q, float scale) { return add_rn(x, -fp8_value(q, scale)); }
+
+// out (+)= alpha * q * scale
+HC_HD float fp8_decode(float prev, uint8_t q, float scale, float alpha) {
+  return mul_add_rn(alpha, fp8_value(q, scale), prev);
+}
 
 // ---- top-k ------------------------------------------------------------------
 HC_HD float magnitude(float x) { return x < 0.0f ? -x : x; }

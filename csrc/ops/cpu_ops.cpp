@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/cast.h"
+#include "kernels/fp8.h"
 #include "kernels/lowrank.h"
 #include "kernels/sign.h"
 #include "kernels/topk.h"
@@ -109,33 +110,113 @@ std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at:
 
 at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                        at::Tensor out, bool accumulate) {
+  // Checked first, for every device (then dispatched).
   check_chunk(chunk);
   TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
-  HC_CUDA_DISPATCH(words, cuda::sign_decode(words, scales, n, chunk, alpha, out, accumulate));
-  check_cpu(words, "words");
-  check_cpu(scales, "scales");
+  TORCH_CHECK_VALUE(words.defined() && scales.defined(), "hetcomm: words and scales must be tensors");
   TORCH_CHECK_TYPE(words.scalar_type() == at::kInt, "hetcomm: words must be int32, got ", words.scalar_type());
   TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "hetcomm: scales must be float32, got ",
                    scales.scalar_type());
+  TORCH_CHECK_VALUE(scales.device() == words.device(), "hetcomm: scales must be on ", words.device(), ", got ",
+                    scales.device());
   TORCH_CHECK_VALUE(words.numel() >= k::sign_num_words(n), "hetcomm: words must hold ceil(n/32) = ",
                     k::sign_num_words(n), " words, got ", words.numel());
   const int64_t nchunks = k::sign_num_chunks(n, chunk);
   TORCH_CHECK_VALUE(scales.numel() >= nchunks, "hetcomm: scales must hold ceil(n/chunk) = ", nchunks,
                     " values, got ", scales.numel());
-  if (!out.defined()) {
-    TORCH_CHECK_VALUE(!accumulate, "hetcomm: accumulate=True needs an out tensor");
-    out = at::empty({n}, at::kFloat);
+  TORCH_CHECK_VALUE(out.defined() || !accumulate, "hetcomm: accumulate=True needs an out tensor");
+  if (out.defined()) {
+    TORCH_CHECK_VALUE(out.device() == words.device(), "hetcomm: out must be on ", words.device(), ", got ",
+                      out.device());
+    TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "hetcomm: out must be float32, got ", out.scalar_type());
+    TORCH_CHECK_VALUE(out.is_contiguous() && out.numel() == n, "hetcomm: out must be contiguous with n = ", n,
+                      " elements, got ", out.numel());
   }
-  check_cpu(out, "out");
-  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "hetcomm: out must be float32, got ", out.scalar_type());
-  TORCH_CHECK_VALUE(out.is_contiguous() && out.numel() == n, "hetcomm: out must be contiguous with n = ", n,
-                    " elements, got ", out.numel());
+  HC_CUDA_DISPATCH(words, cuda::sign_decode(words, scales, n, chunk, alpha, out, accumulate));
+  check_cpu(words, "words");
+  if (!out.defined()) out = at::empty({n}, at::kFloat);
   const at::Tensor w = words.contiguous();
   const at::Tensor s = scales.contiguous();
   k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>()), s.data_ptr<float>(),
                         out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
   const int64_t grain = std::max<int64_t>(1, kGrainElements / chunk);
   at::parallel_for(0, nchunks, grain, [&](int64_t b, int64_t e) { k::sign_decode_cpu(p, b, e); });
+  return out;
+}
+
+namespace {
+
+// t: defined, on `like`'s device, contiguous, of dtype `type`, at least `numel` elements.
+void check_buffer(const at::Tensor& t, const char* name, const at::Tensor& like, at::ScalarType type, int64_t numel,
+                  const char* size_rule) {
+  TORCH_CHECK_VALUE(t.defined(), "hetcomm: ", name, " is undefined");
+  TORCH_CHECK_VALUE(t.device() == like.device(), "hetcomm: ", name, " must be on ", like.device(), ", got ",
+                    t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == type, "hetcomm: ", name, " must be ", type, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "hetcomm: ", name, " must be contiguous");
+  TORCH_CHECK_VALUE(t.numel() >= numel, "hetcomm: ", name, " must hold ", size_rule, " = ", numel, " elements, got ",
+                    t.numel());
+}
+
+}  // namespace
+
+void fp8_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                     at::Tensor& codes, at::Tensor& scales) {
+  check_divisor(divisor);
+  check_chunk(chunk);
+  const at::Tensor g = as_float32(grad, "grad");
+  const int64_t n = g.numel();
+  if (residual.defined()) {
+    TORCH_CHECK_VALUE(residual.numel() == n, "hetcomm: residual must have the gradient's numel (", n, "), got ",
+                      residual.numel());
+    check_buffer(residual, "residual", g, at::kFloat, n, "the gradient's numel");
+  }
+  check_buffer(codes, "codes", g, at::kByte, n, "n");
+  check_buffer(scales, "scales", g, at::kFloat, k::fp8_num_chunks(n, chunk), "ceil(n/chunk)");
+  const k::Fp8EncodeParams p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
+                             codes.data_ptr<uint8_t>(), scales.data_ptr<float>()};
+#ifdef HETCOMM_WITH_CUDA
+  if (g.is_cuda()) return cuda::fp8_encode(p, g.device());
+#endif
+  at::parallel_for(0, k::fp8_num_chunks(n, chunk), std::max<int64_t>(1, kGrainElements / chunk),
+                   [&](int64_t b, int64_t e) { k::fp8_encode_cpu(p, b, e); });
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                              int64_t chunk) {
+  check_chunk(chunk);
+  check_float_vector(grad, "grad");
+  const int64_t n = grad.numel();
+  at::Tensor codes = at::empty({n}, grad.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({k::fp8_num_chunks(n, chunk)}, grad.options().dtype(at::kFloat));
+  fp8_encode_into(grad, residual, divisor, chunk, codes, scales);
+  return {codes, scales};
+}
+
+at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+                      at::Tensor out, bool accumulate) {
+  check_chunk(chunk);
+  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
+  TORCH_CHECK_VALUE(codes.defined(), "hetcomm: codes is undefined");
+  check_buffer(codes, "codes", codes, at::kByte, n, "n");
+  check_buffer(scales, "scales", codes, at::kFloat, k::fp8_num_chunks(n, chunk), "ceil(n/chunk)");
+  if (!out.defined()) {
+    TORCH_CHECK_VALUE(!accumulate, "hetcomm: accumulate=True needs an out tensor");
+    out = at::empty({n}, codes.options().dtype(at::kFloat));
+  }
+  check_buffer(out, "out", codes, at::kFloat, n, "n");
+  TORCH_CHECK_VALUE(out.numel() == n, "hetcomm: out must have n = ", n, " elements, got ", out.numel());
+  const k::Fp8DecodeParams p{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), out.data_ptr<float>(), n, chunk,
+                             static_cast<float>(alpha), accumulate};
+#ifdef HETCOMM_WITH_CUDA
+  if (codes.is_cuda()) {
+    cuda::fp8_decode(p, codes.device());
+    return out;
+  }
+#endif
+  check_cpu(codes, "codes");
+  at::parallel_for(0, k::fp8_num_chunks(n, chunk), std::max<int64_t>(1, kGrainElements / chunk),
+                   [&](int64_t b, int64_t e) { k::fp8_decode_cpu(p, b, e); });
   return out;
 }
 

@@ -21,6 +21,17 @@ void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double
 at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk,
                        double alpha, at::Tensor out, bool accumulate);
 
+// fp8 e4m3 with a power-of-two scale per chunk (kernels/fp8.h). Returns
+// (codes: uint8[n], scales: float32[ceil(n/chunk)]); residual as for sign_encode.
+// Checks every argument first, then runs on grad's device.
+std::tuple<at::Tensor, at::Tensor> fp8_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                              int64_t chunk);
+void fp8_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                     at::Tensor& codes, at::Tensor& scales);
+// out (numel n, float32) = or += alpha * decoded. Returns out (allocated when undefined).
+at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+                      at::Tensor out, bool accumulate);
+
 // x = grad / divisor + residual; the k largest |x| -> (idx int32, val float32), ascending index.
 // The residual keeps the rest. exact=false uses the sampled threshold (about k, at most k).
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual,

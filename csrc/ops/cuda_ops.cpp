@@ -56,6 +56,16 @@ at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_
   return out;
 }
 
+void fp8_encode(const k::Fp8EncodeParams& p, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::fp8_encode_cuda(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
+void fp8_decode(const k::Fp8DecodeParams& p, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::fp8_decode_cuda(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t kk, bool exact) {
   c10::cuda::CUDAGuard guard(grad.device());

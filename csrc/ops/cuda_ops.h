@@ -7,6 +7,8 @@
 
 #include <tuple>
 
+#include "kernels/fp8.h"
+
 namespace hetcomm {
 namespace ops {
 namespace cuda {
@@ -15,6 +17,9 @@ void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double
                       at::Tensor& words, at::Tensor& scales);
 at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                        at::Tensor out, bool accumulate);
+// Checked by the caller (cpu_ops.cpp): enqueue on the device's current stream.
+void fp8_encode(const kernels::Fp8EncodeParams& p, const at::Device& device);
+void fp8_decode(const kernels::Fp8DecodeParams& p, const at::Device& device);
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t k, bool exact);
 at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha);

@@ -6,10 +6,10 @@ random input (seeded, so each rank can rebuild all of them) and the result is
 compared with a float64 sum of the same inputs:
 
 - ``max_err``: max |result - exact| / max |exact| of one call. Dense wires are
-  within rounding; 1-bit and top-k are lossy by design and show how lossy.
+  within rounding; fp8, 1-bit and top-k are lossy by design and show how lossy.
 - ``#wrong``: elements outside the wire's bound. Dense wires: the floating-point
   bound of a W-term sum in the wire's precision, 2 W u sum_r |x_r| (u = 2^-24
-  fp32, 2^-11 fp16, 2^-8 bf16). 1-bit and top-k: error feedback's invariant,
+  fp32, 2^-11 fp16, 2^-8 bf16). fp8, 1-bit and top-k: error feedback's invariant,
   checked over 3 calls from zero state: the results plus what every rank still
   holds in its residuals (worker and server, placed where they belong) equal
   3 x the exact sum within fp32 rounding. Nothing is lost, only delayed.
@@ -27,12 +27,13 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _C, ops, planner, topology
+from .. import _C, ops, options, planner, topology
 from ..testbed import run_distributed
 from . import common
 
 ALGOS = list(topology.ALGORITHMS)
 WIRES = ["none", "fp16", "onebit"]
+COMPRESSED_WIRES = ("fp8", "onebit", "topk")  # error feedback; flat (native) or across nodes (hierarchical)
 
 
 def _one(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topology, state: Dict) -> None:
@@ -47,14 +48,17 @@ def _one(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topology, stat
     elif algo == "native":
         if wire == "onebit":
             t.allreduce_onebit(x, 1.0, 2048, state["w"], state["s"])
+        elif wire == "fp8":
+            t.allreduce_fp8(x, 1.0, options.chunk_for("fp8", None), state["w"], state["s"])
         else:
             t.allreduce_topk(x, 1.0, 0.01, True, state["w"])
     else:  # hierarchical, compressed across nodes
-        t.allreduce(x, "hierarchical", node_of=nodes, inter=wire, residual=state["w"], server_residual=state["s"])
+        t.allreduce(x, "hierarchical", node_of=nodes, inter=wire, residual=state["w"], server_residual=state["s"],
+                    chunk=options.chunk_for(wire, None))
 
 
 def _applicable(topo: topology.Topology, algo: str, wire: str) -> bool:
-    if wire in ("onebit", "topk") and algo not in ("native", "hierarchical"):
+    if wire in COMPRESSED_WIRES and algo not in ("native", "hierarchical"):
         return False
     if algo == "hierarchical":
         per = topo.ranks_per_node()
@@ -157,7 +161,7 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
             for algo in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos:
                 if not _applicable(topo, algo, wire):
                     continue
-                if algo == "hierarchical" and wire in ("onebit", "topk"):
+                if algo == "hierarchical" and wire in COMPRESSED_WIRES:
                     shard = _C.hierarchical_shard_numel(n, topo.node_ids, rank)
                     peers, me = topo.num_nodes, topo.node_ids[rank]
                 else:
@@ -212,7 +216,7 @@ def main(sizes: List[int], algos: Optional[List[str]], wires: Optional[List[str]
         if a not in ALGOS:
             raise SystemExit(f"hetcomm bench allreduce: unknown algorithm {a!r}; choose from {', '.join(ALGOS)}")
     for w in wires:
-        if w not in ("none", "fp16", "bf16", "onebit", "topk"):
+        if w not in ("none", "fp16", "bf16") + COMPRESSED_WIRES:
             raise SystemExit(f"hetcomm bench allreduce: unknown wire format {w!r}")
     results = run_distributed(_worker, ranks, sizes, algos, wires, iters, warmup, check, device,
                               backend="nccl" if device == "cuda" else "gloo")

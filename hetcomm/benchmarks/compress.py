@@ -20,10 +20,10 @@ from . import common
 CHUNK = 2048
 RATIO = 0.01
 # Least bytes read + written per fp32 input element: sign + EF reads g and e,
-# writes e and 1 bit; top-k + EF the same but no bits (k indices and values are
+# writes e and 1 bit (fp8: 1 byte); top-k + EF the same but no bits (k indices and values are
 # a rounding error at 1 %); casts read 4 and write 2 (or the reverse); the
 # low-rank rebuild writes the matrix (its factors are small).
-TRAFFIC = {"sign_encode+ef": 12 + 1 / 8, "sign_decode": 4 + 1 / 8, "topk_exact+ef": 12, "topk_sampled+ef": 12,
+TRAFFIC = {"sign_encode+ef": 12 + 1 / 8, "sign_decode": 4 + 1 / 8, "fp8_encode+ef": 13, "fp8_decode": 5, "topk_exact+ef": 12, "topk_sampled+ef": 12,
            "cast_fp16": 6, "cast_bf16": 6, "uncast_fp16": 6, "lowrank_outer_r4": 4}
 
 
@@ -40,6 +40,20 @@ def torch_sign_encode(g: torch.Tensor, e: torch.Tensor):
 def torch_sign_decode(words: torch.Tensor, scales: torch.Tensor, n: int):
     bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
     return torch.where(bits.view(-1)[:n] == 1, 1.0, -1.0) * scales.repeat_interleave(CHUNK)[:n]
+
+
+def torch_fp8_encode(g: torch.Tensor, e: torch.Tensor):
+    x = g + e
+    amax = x.view(-1, CHUNK).abs().amax(1)
+    scales = torch.exp2(torch.ceil(torch.log2(amax / 448))).clamp_min(2.0 ** -126).where(amax > 0, 0.0)
+    s = scales.repeat_interleave(CHUNK)
+    codes = (x / s.where(s > 0, 1.0)).to(torch.float8_e4m3fn)
+    e.copy_(x - codes.float() * s)
+    return codes.view(torch.uint8), scales
+
+
+def torch_fp8_decode(codes: torch.Tensor, scales: torch.Tensor, n: int):
+    return codes.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(CHUNK)[:n]
 
 
 def torch_topk(g: torch.Tensor, e: torch.Tensor, k: int):
@@ -61,6 +75,7 @@ def _codecs(n: int, device: str = "cpu"):
     e0 = (torch.randn(n, generator=gen) * 0.1).to(device)
     e_a, e_b = e0.clone(), e0.clone()
     words, scales = ops.sign_encode(g, e0.clone(), 1.0, CHUNK)
+    codes, fp8_scales = ops.fp8_encode(g, e0.clone(), 1.0, CHUNK)
     k = ops.topk_count(n, RATIO)
     h16 = (g / 3).half()
     out = torch.empty(n, device=device)
@@ -76,6 +91,10 @@ def _codecs(n: int, device: str = "cpu"):
         "sign_decode": (lambda: ops.sign_decode(words, scales, n, CHUNK, out=out),
                         lambda: torch_sign_decode(words, scales, n),
                         lambda a, b: int((~torch.isclose(a, b)).sum()), False),
+        "fp8_encode+ef": (lambda: ops.fp8_encode(g, e_a, 1.0, CHUNK), lambda: torch_fp8_encode(g, e_b),
+                          lambda a, b: int((a[0] != b[0]).sum()), True),
+        "fp8_decode": (lambda: ops.fp8_decode(codes, fp8_scales, n, CHUNK, out=out),
+                       lambda: torch_fp8_decode(codes, fp8_scales, n), lambda a, b: int((a != b).sum()), False),
         "topk_exact+ef": (lambda: ops.topk_encode(g, e_a, 1.0, k, True), lambda: torch_topk(g, e_b, k),
                           None, True),
         "topk_sampled+ef": (lambda: ops.topk_encode(g, e_a, 1.0, k, False), lambda: torch_topk(g, e_b, k),

@@ -33,6 +33,8 @@ MODES = {
     "fp32": ("allreduce", None, False),
     "torch-powersgd": ("powersgd", None, False),
     "none": ("hetcomm", dict(compression="none"), False),
+    "fp8": ("hetcomm", dict(compression="fp8"), False),
+    "fp8+m": ("hetcomm", dict(compression="fp8"), True),
     "onebit": ("hetcomm", dict(compression="onebit"), False),
     "onebit+m": ("hetcomm", dict(compression="onebit"), True),
     "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01), False),
