@@ -176,20 +176,14 @@ def plot(results: Dict[str, dict], path: str, world: int) -> bool:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     for mode, r in results.items():
         left.plot([p[0] for p in r["loss_curve"]], [p[1] for p in r["loss_curve"]], label=mode)
-    left.set_xlabel("step")
-    left.set_ylabel("training loss (rank 0, window mean)")
     left.set_yscale("log")
-    left.set_title(f"hetcomm demo: digits MLP, {world} gloo ranks")
-    left.legend(fontsize=7)
-    left.grid(True, alpha=0.3)
+    common.finish_axis(left, f"hetcomm demo: digits MLP, {world} gloo ranks", "step",
+                       "training loss (rank 0, window mean)")
     names = list(results)
     right.barh(names, [results[m]["step_ms"] for m in names])
     right.set_xlabel("median step time (ms)")
     right.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return common.save_figure(plt, fig, path, dpi=120)
 
 
 def main(ranks: int = 2, modes: Optional[List[str]] = None, steps: int = 600, batch: int = 32,

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import topology
+from . import ops, topology
 from .plan import AUTO_MODES, COMPRESSED  # COMPRESSED: modes with per-bucket state, compressed after start_iter
 from .topology import ALGORITHMS
 
@@ -45,12 +45,12 @@ def _is_int(v: Any) -> bool:
 # largest value, so a long chunk starves its small values of precision: with
 # 2048 the 4-rank language model (SGD-momentum) blew up at its loss drop in 2
 # of 2 seeds, with 256 it reached fp32's perplexity in both (bench/README.md).
-DEFAULT_CHUNK = {"onebit": 2048, "fp8": 256}  # hetcomm.ops.FP8_CHUNK is fp8's
+DEFAULT_CHUNK = {"onebit": ops.DEFAULT_CHUNK, "fp8": ops.FP8_CHUNK}
 
 
 def chunk_for(mode: str, chunk_size: Optional[int]) -> int:
     """Elements per scale of ``mode``'s codec: the option, or the mode's default."""
-    return chunk_size if chunk_size is not None else DEFAULT_CHUNK.get(mode, 2048)
+    return chunk_size if chunk_size is not None else DEFAULT_CHUNK.get(mode, ops.DEFAULT_CHUNK)
 
 
 def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size: Optional[int],

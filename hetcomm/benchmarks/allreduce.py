@@ -252,12 +252,6 @@ def plot(rows: List[dict], path: str, world: int) -> bool:
         ax.plot([r["bytes"] for r in pts], [r["busbw_GBps"] for r in pts], color=f"C{algos.index(key[0]) % 10}",
                 linestyle=styles[w], marker=markers[w], label=f"{key[0]} / {key[1]}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes of fp32)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"hetcomm bench allreduce, {world} ranks")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    common.finish_axis(ax, f"hetcomm bench allreduce, {world} ranks", "message size (bytes of fp32)",
+                       "bus bandwidth (GB/s)")
+    return common.save_figure(plt, fig, path, dpi=120)

@@ -96,6 +96,23 @@ def pyplot(who: str):
     return plt
 
 
+def finish_axis(ax, title: str, xlabel: str, ylabel: str) -> None:
+    """The labels, grid and legend every hetcomm plot's panels share."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def save_figure(plt, fig, path: str, dpi: int = 100) -> bool:
+    """Lays out, writes and closes ``fig``; True (the plot functions' "written")."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return True
+
+
 def metadata(world: int, **extra) -> Dict:
     """What a result file needs to be read later: the command, versions and
     build, the machine, the date (UTC) and the run's own settings."""

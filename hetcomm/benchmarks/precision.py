@@ -159,15 +159,9 @@ def plot(runs: List[Dict], path: str) -> bool:
         ax.set_yscale("log")
         if ref:
             ax.set_ylim(0.8 * min(ref), 1.5 * max(ref))
-        ax.set_title(f"{runs[0]['task']} / {optim}, {runs[0]['world_size']} ranks")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (fp32 eval)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+        common.finish_axis(ax, f"{runs[0]['task']} / {optim}, {runs[0]['world_size']} ranks", "step",
+                           "training loss (fp32 eval)")
+    return common.save_figure(plt, fig, path)
 
 
 def main(ranks: int, configs: List[str], modes: List[str], task: str, optims: List[str], steps: int,

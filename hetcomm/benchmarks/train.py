@@ -197,15 +197,8 @@ def plot(runs: List[Dict], path: str) -> bool:
             elif ref:
                 ax.set_yscale("log")
                 ax.set_ylim(0.8 * min(ref), 1.5 * max(ref))
-            ax.set_title(f"{task} / {optim} (lr {panel[0]['lr']:g})")
-            ax.set_xlabel("training time (s)")
-            ax.set_ylabel(metric)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+            common.finish_axis(ax, f"{task} / {optim} (lr {panel[0]['lr']:g})", "training time (s)", metric)
+    return common.save_figure(plt, fig, path)
 
 
 def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float = 1.0,
