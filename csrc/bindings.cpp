@@ -17,7 +17,7 @@
 #include "collectives/compressed.h"
 #include "collectives/lowrank.h"
 #include "engine/engine.h"
-#include "ops/cpu_ops.h"
+#include "ops/codecs.h"
 #include "transport/pg_transport.h"
 #ifdef HETCOMM_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>

@@ -227,7 +227,7 @@ class Balancer:
         self.sizes = split_batch(global_batch, speeds, self.caps)
         self.sampler = UnevenBatchSampler(dataset_len, self.sizes, self.rank, seed=seed)
         self.steps = 0
-        self.history: List[tuple] = []  # (step, sizes) of every adopted split
+        self.history: List[tuple] = []  # (step, sizes, measured samples/s per rank) of every adopted split
 
     def step(self, batch_size: int) -> "_StepTimer":
         self.state.set_local_batch_size(batch_size)

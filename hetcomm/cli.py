@@ -58,7 +58,7 @@ def _bench(args) -> None:
 
 
 def _topo(args) -> None:
-    from .testbed import run_distributed
+    from .launch import run_distributed
 
     res = run_distributed(_topo_worker, args.ranks, args.wires)
     if res is None:

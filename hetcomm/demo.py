@@ -4,10 +4,8 @@ by side with PyTorch's own hooks."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional
 
@@ -15,26 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import hetcomm
+from . import modes as mode_table
+from .launch import run_distributed
 
-# mode name -> (hook kind, HookState kwargs)
-MODES = {
-    "torch-allreduce": ("torch", "allreduce"),
-    "torch-fp16": ("torch", "fp16"),
-    "none": ("hetcomm", dict(compression="none")),
-    "fp16": ("hetcomm", dict(compression="fp16")),
-    "bf16": ("hetcomm", dict(compression="bf16")),
-    "fp8": ("hetcomm", dict(compression="fp8")),
-    "onebit": ("hetcomm", dict(compression="onebit")),
-    "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01)),
-    "lowrank": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4)),
-    # +m: the optimizer's momentum is compressed (HookState.attach_optimizer)
-    "onebit+m": ("hetcomm", dict(compression="onebit", attach=True)),
-    "topk+m": ("hetcomm", dict(compression="topk", topk_ratio=0.01, attach=True)),
-    "lowrank+m": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4, attach=True)),
-    "onebit-no-ef": ("hetcomm", dict(compression="onebit", error_feedback=False)),
-    "topk-no-ef": ("hetcomm", dict(compression="topk", topk_ratio=0.01, error_feedback=False)),
-}
+MODES = tuple(mode_table.MODES)  # every mode of hetcomm.modes
 DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "none", "fp16", "onebit", "onebit+m", "topk", "topk+m"]
 
 
@@ -58,45 +40,19 @@ def make_model(seed: int = 0, hidden: int = 256) -> nn.Module:
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
-def _register(ddp, mode: str, state_kwargs: Optional[dict], opt: torch.optim.Optimizer):
-    kind, spec = MODES[mode]
-    if kind == "torch":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hook = default_hooks.allreduce_hook if spec == "allreduce" else default_hooks.fp16_compress_hook
-        ddp.register_comm_hook(None, hook)
-        return None
-    kwargs = dict(spec)
-    kwargs.update(state_kwargs or {})
-    attach = kwargs.pop("attach", False)
-    state = hetcomm.HookState(**kwargs)
-    if attach:
-        state.attach_optimizer(opt)
-    ddp.register_comm_hook(state, hetcomm.hook)
-    return state
-
-
-def _torch_hook_bytes(mode: str, numel: int, world: int) -> int:
-    # Ring all-reduce volume of PyTorch's hooks (the convention hetcomm's stats use).
-    width = 2 if mode == "torch-fp16" else 4
-    return 2 * (world - 1) * numel * width // world if world > 1 else 0
-
-
-def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batch: int = 32, lr: float = 0.02,
-                 seed: int = 0, state_kwargs: Optional[dict] = None, progress: bool = False) -> Dict[str, dict]:
+def train_digits(rank: int, world: int, names: List[str], steps: int = 600, batch: int = 32, lr: float = 0.02,
+                 seed: int = 0, progress: bool = False) -> Dict[str, dict]:
     """Trains the digits MLP once per mode on an initialised process group.
     Every rank draws its own batches from its shard of the training set.
     Returns {mode: {accuracy, test_loss, step_ms, bytes_per_step, ...}}."""
     x_tr, y_tr, x_te, y_te = load_digits(seed=seed)
     shard = torch.arange(rank, len(y_tr), world)
     results = {}
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    for mode in names:
         model = make_model(seed)
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-        state = _register(ddp, mode, state_kwargs, opt)
+        state = mode_table.get(mode).register(ddp, opt)
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
         dist.barrier()
         times, losses = [], []
@@ -122,14 +78,14 @@ def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batc
             bytes_per_step = st["last_step"]["bytes_sent"]
             state.close()
         else:
-            bytes_per_step = _torch_hook_bytes(mode, numel, world)
+            bytes_per_step = mode_table.get(mode).torch_bytes(model, world)
         times.sort()
         results[mode] = {
             "accuracy": acc,
             "test_loss": loss,
             "step_ms": 1000 * times[len(times) // 2],
             "bytes_per_step": bytes_per_step,
-            "fp32_bytes_per_step": _torch_hook_bytes("torch-allreduce", numel, world),
+            "fp32_bytes_per_step": mode_table.ring_bytes(numel, world),
             "params": numel,
             # rank 0's training loss, averaged over windows of steps (for --plot)
             "loss_curve": [[i + len(w), sum(w) / len(w)] for i in range(0, steps, window)
@@ -137,24 +93,6 @@ def train_digits(rank: int, world: int, modes: List[str], steps: int = 600, batc
         }
         dist.barrier()
     return results
-
-
-def _worker(rank: int, world: int, tmp: str, out: str, modes: List[str], steps: int, batch: int,
-            lr: float) -> None:
-    torch.set_num_threads(1)
-    # Rendezvous through a file (no listening store socket); gloo's own
-    # sockets on the loopback interface only.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank,
-                            world_size=world)
-    try:
-        res = train_digits(rank, world, modes, steps=steps, batch=batch, lr=lr, progress=True)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(res, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def format_table(results: Dict[str, dict], world: int) -> str:
@@ -197,11 +135,10 @@ def main(ranks: int = 2, modes: Optional[List[str]] = None, steps: int = 600, ba
     print(f"hetcomm demo: digits MLP, {ranks} gloo ranks on 127.0.0.1, {steps} steps x {batch} samples per rank, "
           f"SGD lr {lr} momentum 0.9",
           file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        torch.multiprocessing.spawn(_worker, args=(ranks, tmp, out, modes, steps, batch, lr), nprocs=ranks)
-        with open(out) as f:
-            results = json.load(f)
+    results = run_distributed(train_digits, ranks, modes, steps, batch, lr, 0, True)
+    if results is None:  # a rank other than 0 of a torchrun / testbed job
+        return {}
+    ranks = int(os.environ.get("WORLD_SIZE", ranks)) if "RANK" in os.environ else ranks
     print(format_table(results, ranks))
     from .benchmarks import common
 

@@ -9,14 +9,11 @@
 - Mixed speeds: per-rank CPU quotas (cgroup v1 ``cpu.cfs_quota_us`` or v2
   ``cpu.max``), so ranks really run at different speeds.
 
-:func:`spawn_ranks` is also the multi-process harness of the test suite:
-a rank that raises or dies fails the run at once (the others are killed),
-nothing waits longer than ``timeout``, and every cgroup it made is removed.
+:func:`hetcomm.launch.spawn_ranks` runs local ranks under such quotas.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import signal
@@ -24,11 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from typing import Callable, List, Optional, Sequence, Tuple
-
-import torch
-import torch.multiprocessing as mp
+from typing import List, Optional, Sequence, Tuple
 
 from . import topology
 
@@ -92,102 +85,6 @@ class CpuQuota:
             pass
 
 
-def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo"):
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch.distributed as dist
-
-    try:
-        if cgroup:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-        store = dist.FileStore(os.path.join(tmp, "store"), world)
-        if backend == "nccl":  # one GPU per rank
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
-        result = fn(rank, world, *args)
-        torch.save(result, os.path.join(tmp, f"result_{rank}.pt"))
-        # Without a barrier before destroy, gloo sometimes aborts at exit.
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
-
-
-def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_timeout: float = 60.0,
-                check: bool = True, rank_cpu: Optional[Sequence[float]] = None, backend: str = "gloo") -> List:
-    """Runs ``fn(rank, world, *args)`` in ``world`` spawned ranks (FileStore
-    rendezvous; gloo, or ``backend="nccl"`` with rank r on GPU r) and returns
-    each rank's result. ``rank_cpu`` confines rank r to ``rank_cpu[r]`` cores.
-    With ``check=False`` a failed rank's result is None."""
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if rank_cpu is not None and len(rank_cpu) != world:
-        raise ValueError(f"rank_cpu must give one quota per rank ({world}), got {list(rank_cpu)}")
-    ctx = mp.get_context("spawn")
-    quotas: List[CpuQuota] = []
-    try:
-        for r, c in enumerate(rank_cpu or []):  # inside the try: a failed quota removes the ones made before it
-            quotas.append(CpuQuota(f"hetcomm-{os.getpid()}-{r}", c))
-        with tempfile.TemporaryDirectory() as tmp:
-            procs = [ctx.Process(target=_entry, daemon=True,
-                                 args=(fn, r, world, tmp, pg_timeout, quotas[r].path if quotas else None, args,
-                                       backend))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + timeout
-            failed = False
-            while time.monotonic() < deadline:
-                codes = [p.exitcode for p in procs]
-                if check and any(c not in (None, 0) for c in codes):
-                    failed = True
-                    break
-                if all(c is not None for c in codes):
-                    break
-                time.sleep(0.05)
-            alive = [r for r, p in enumerate(procs) if p.exitcode is None]
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-            for p in procs:
-                p.join(5)
-            errors = [f"--- rank {r} ---\n" + open(os.path.join(tmp, f"error_{r}.txt")).read()
-                      for r in range(world) if os.path.exists(os.path.join(tmp, f"error_{r}.txt"))]
-            if check and (failed or errors):
-                raise RuntimeError("rank(s) failed:\n" + "\n".join(errors or [f"exit codes {[p.exitcode for p in procs]}"]))
-            if check and alive:
-                raise RuntimeError(f"ranks {alive} still running after {timeout}s (hang)")
-            return [torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False)
-                    if os.path.exists(os.path.join(tmp, f"result_{r}.pt")) else None for r in range(world)]
-    finally:
-        for q in quotas:
-            q.remove()
-
-
-def run_distributed(fn: Callable, ranks: int, *args, backend: str = "gloo"):
-    """Under torchrun or the testbed (RANK / WORLD_SIZE set): join that job
-    (env://, gloo or NCCL with LOCAL_RANK's GPU) and run ``fn(rank, world,
-    *args)`` here; returns rank 0's result (None on other ranks). Otherwise
-    spawn ``ranks`` local ranks and return rank 0's result."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        import torch.distributed as dist
-
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, init_method="env://")
-        try:
-            result = fn(dist.get_rank(), dist.get_world_size(), *args)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        return result if int(os.environ["RANK"]) == 0 else None
-    return spawn_ranks(fn, ranks, *args, timeout=3600, backend=backend)[0]
-
-
 # ---- network namespaces: nodes joined by shaped links --------------------------------
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), capture_output=True, text=True, check=check)
@@ -208,7 +105,7 @@ def netns_support() -> Tuple[bool, str]:
 
 
 def tbf_burst(rate: str) -> str:
-    """A token-bucket burst that lets tbf reach its rate (FACTS.md: 1gbit needs ~4mbit)."""
+    """A token-bucket burst that lets tbf reach its rate (measured here: 1gbit needs ~4mbit)."""
     bits = _rate_bits(rate)
     return f"{max(32_000, bits // 250) // 1000}kbit"
 

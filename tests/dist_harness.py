@@ -1,4 +1,4 @@
-"""The multi-process harness of the tests: hetcomm.testbed.spawn_ranks (spawn,
+"""The multi-process harness of the tests: hetcomm.launch.spawn_ranks (spawn,
 FileStore rendezvous, gloo on 127.0.0.1; a failed or hung rank fails the test)."""
 
-from hetcomm.testbed import spawn_ranks as run_ranks  # noqa: F401
+from hetcomm.launch import spawn_ranks as run_ranks  # noqa: F401

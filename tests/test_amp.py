@@ -23,19 +23,19 @@ def _mixed_runs(rank, world):
     """The bench's training loop (regression MLP, SGD momentum 0.9 at fp32's lr),
     a forced fp16 overflow at step OVERFLOW; every mode, all-fp32 references and
     what users try first (torch's GradScaler + allreduce_hook)."""
-    runs = [("fp32", "none", False), ("mixed", "none", False), ("fp16", "none", False), ("mixed", "fp16", False),
-            ("fp32", "topk", True), ("mixed", "topk", True), ("fp32", "lowrank", False), ("mixed", "lowrank", False),
-            ("fp32", "onebit", True), ("mixed", "onebit", True), ("naive", "-", False)]
+    runs = [("fp32", "none"), ("mixed", "none"), ("fp16", "none"), ("mixed", "fp16"), ("fp32", "topk+m"),
+            ("mixed", "topk+m"), ("fp32", "lowrank"), ("mixed", "lowrank"), ("fp32", "onebit+m"), ("mixed", "onebit+m"),
+            ("naive", "-")]
     out = {}
-    for config, mode, attach in runs:
+    for config, mode in runs:
         r = bench.train(rank, world, config, mode, steps=STEPS, overflow_at=OVERFLOW, eval_every=STEPS,
-                        attach=attach, options={"topk_ratio": 0.05})
-        out[(config, mode)] = r
+                        options={"topk_ratio": 0.05})
+        out[(config, mode.replace("+m", ""))] = r
     # the hierarchical algorithm (2 nodes of one rank): onebit compressed across nodes
     os.environ[topology.ENV_NODE] = f"node{rank}"
     for config in ("fp32", "mixed"):
-        r = bench.train(rank, world, config, "onebit", steps=STEPS, overflow_at=OVERFLOW, eval_every=STEPS,
-                        attach=True, options={"algorithm": "hierarchical"})
+        r = bench.train(rank, world, config, "onebit+m", steps=STEPS, overflow_at=OVERFLOW, eval_every=STEPS,
+                        options={"algorithm": "hierarchical"})
         out[(config, "onebit-hierarchical")] = r
     return out
 

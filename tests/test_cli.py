@@ -201,7 +201,7 @@ MALFORMED = [
     ["bench", "ddp", "--rank-cpu", "0,1"], ["bench", "ddp", "--rank-cpu", "0.5"], ["bench", "ddp", "--rank-cpu", "a,b"],
     ["bench", "ddp", "--global-batch", "0"], ["bench", "ddp", "--algorithm", "butterfly"], ["bench", "ddp", "-b", "1M"],
     ["bench", "train", "--tasks", "mnist"], ["bench", "train", "--optims", "lamb"],
-    ["bench", "train", "--modes", "fp16"], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
+    ["bench", "train", "--modes", "fp16+bal"], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
     ["bench", "train", "--eval-every", "0"], ["bench", "train", "--png", "/no/such/dir/x.png"],
     ["bench", "train", "--seeds", "0"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
     ["bench", "ddp", "--grid", "--networks", "fast"], ["bench", "ddp", "--grid", "--grid-params", ""],

@@ -182,7 +182,7 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
 
 RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"),
                 ("small", "lowrank", "sgd"), ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"),
-                ("default", "onebit", "sgd-attach"), ("small", "onebit", "adamw-attach")]
+                ("default", "onebit", "sgd-attach"), ("small", "onebit", "adamw-attach"), ("small", "fp8", "sgd-attach")]
 
 
 def _resume_cases(rank, world, ckpt_dir):

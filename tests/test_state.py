@@ -199,3 +199,57 @@ def test_the_cores_enums_are_the_names_python_plans_with():
     for name in topology.ALGORITHMS[:-1]:  # one rank: every flat algorithm leaves x as it is
         t.allreduce(x, name)
     assert torch.equal(x, torch.arange(4.0))
+
+
+# ---- the one mode table (hetcomm.modes) of the demo, the benchmarks and the tests ----
+@pytest.mark.parametrize("name", list(hetcomm.modes.MODES))
+def test_every_mode_of_the_table_registers_and_trains_a_step(name):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    mode = hetcomm.modes.get(name)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    state = mode.register(ddp, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    if mode.is_torch:
+        assert state is None
+        hook_state, hook, _ = mode.comm_hook()
+        assert (hook is powerSGD_hook.powerSGD_hook) == (name == "torch-powersgd")
+        assert isinstance(hook_state, powerSGD_hook.PowerSGDState) == (name == "torch-powersgd")
+        return
+    assert isinstance(state, hetcomm.HookState) and state.iter == 3
+    assert state.compression == name.split("+")[0].replace("-no-ef", "")
+    assert state.error_feedback == (not name.endswith("-no-ef"))
+    assert (state._attached == "sgd") == name.endswith("+m")
+    state.close()
+
+
+def test_mode_table_counts_pytorchs_bytes_in_closed_form():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    numel = 64 * 256 + 256 + 256 * 10 + 10
+    assert hetcomm.modes.get("fp32").torch_bytes(model, 4) == 2 * 3 * numel * 4 // 4
+    assert hetcomm.modes.get("torch-fp16").torch_bytes(model, 4) == 2 * 3 * numel * 2 // 4
+    # PowerSGD rank 4: P and Q of the 256 x 64 weight ((256 + 64) x 4 = 1280 floats) and of the 10 x 256 one
+    # ((10 + 256) x 4 = 1064, worth it: 2 x 1064 < 2560); biases dense
+    assert hetcomm.modes.get("torch-powersgd").torch_bytes(model, 4) == 2 * 3 * (1280 + 256 + 1064 + 10) * 4 // 4
+    assert hetcomm.modes.ring_bytes(numel, 1) == 0
+    with pytest.raises(ValueError, match="HookState.stats"):
+        hetcomm.modes.get("onebit").torch_bytes(model, 4)
+
+
+def test_mode_table_names_its_choices():
+    with pytest.raises(ValueError, match="mode must be one of .*onebit.*got 'onebits'"):
+        hetcomm.modes.get("onebits")
+    with pytest.raises(ValueError, match="mode must be one of fp32, onebit; got 'topk'"):
+        hetcomm.modes.get("topk", ["fp32", "onebit"])
+    with pytest.raises(ValueError, match="PyTorch's hook.*algorithm"):
+        hetcomm.modes.get("torch-powersgd").comm_hook(algorithm="ring")
+    with pytest.raises(ValueError, match="pass the optimizer"):
+        hetcomm.modes.get("onebit+m").register(None)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from hetcomm import testbed
+from hetcomm import launch, testbed
 
 from .dist_harness import run_ranks
 
@@ -33,7 +33,7 @@ def test_cpu_quotas_slow_ranks_down_and_are_cleaned_up():
 
 def test_rank_cpu_must_match_world():
     with pytest.raises(ValueError, match="one quota per rank"):
-        testbed.spawn_ranks(_spin, 2, rank_cpu=[0.5])
+        launch.spawn_ranks(_spin, 2, rank_cpu=[0.5])
 
 
 def _boom(rank, world):

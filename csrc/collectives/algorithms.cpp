@@ -81,7 +81,7 @@ void allreduce_ring(Transport& t, at::Tensor& x, const std::vector<int>& order_i
   const std::vector<int> order = order_in.empty() ? identity(w) : order_in;
   check_order(order, w);
   const auto b = blocks(x.numel(), w);
-  ring_reduce_scatter(t, x, order, b, 0);
+  ring_reduce_scatter(t, x, order, b, tags::kSteps);
   ring_all_gather(t, x, order, b, w);
 }
 
@@ -139,9 +139,9 @@ void allreduce_halving_doubling(Transport& t, at::Tensor& x) {
   // Unfold: the folded ranks get the result back.
   if (me < 2 * r) {
     if (me % 2 == 0)
-      t.recv(x, me + 1, 100);
+      t.recv(x, me + 1, tags::kUnfold);
     else
-      t.send(x, me - 1, 100);
+      t.send(x, me - 1, tags::kUnfold);
   }
 }
 
@@ -170,29 +170,27 @@ SubgroupTransport::SubgroupTransport(Transport& parent, std::vector<int> members
   rank_ = static_cast<int>(it - members_.begin());
 }
 
-void SubgroupTransport::send(const at::Tensor& t, int dst, int tag) { parent_.send(t, members_.at(dst), tag_base_ + tag); }
+void SubgroupTransport::do_send(const at::Tensor& t, int dst, int tag) { parent_.send(t, members_.at(dst), tag_base_ + tag); }
 
-void SubgroupTransport::recv(at::Tensor& t, int src, int tag) { parent_.recv(t, members_.at(src), tag_base_ + tag); }
+void SubgroupTransport::do_recv(at::Tensor& t, int src, int tag) { parent_.recv(t, members_.at(src), tag_base_ + tag); }
 
-void SubgroupTransport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
+void SubgroupTransport::do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
   parent_.send_recv(out, dst >= 0 ? members_.at(dst) : -1, in, src >= 0 ? members_.at(src) : -1, tag_base_ + tag);
 }
 
-void SubgroupTransport::all_reduce_sum(at::Tensor& t) { allreduce_ring(*this, t); }
+void SubgroupTransport::do_all_reduce_sum(at::Tensor& t) { allreduce_ring(*this, t); }
 
-void SubgroupTransport::all_gather(at::Tensor& out, const at::Tensor& in) {
+void SubgroupTransport::do_all_gather(at::Tensor& out, const at::Tensor& in) {
   const int w = size();
   const int64_t m = in.numel();
-  TORCH_CHECK_VALUE(out.numel() == m * w, "hetcomm: all_gather output must hold world_size * input.numel()");
   out.narrow(0, rank_ * m, m).copy_(in);
   std::vector<int64_t> b(w + 1);
   for (int i = 0; i <= w; ++i) b[i] = i * m;
-  ring_all_gather(*this, out, identity(w), b, 0);
+  ring_all_gather(*this, out, identity(w), b, tags::kSteps);
 }
 
-void SubgroupTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
+void SubgroupTransport::do_all_to_all(at::Tensor& out, const at::Tensor& in) {
   const int w = size();
-  TORCH_CHECK_VALUE(in.numel() == out.numel() && in.numel() % w == 0, "hetcomm: all_to_all sizes must match");
   const int64_t m = in.numel() / w;
   out.narrow(0, rank_ * m, m).copy_(in.narrow(0, rank_ * m, m));
   for (int s = 1; s < w; ++s) {
@@ -211,13 +209,13 @@ void reduce_scatter_ring(Transport& t, at::Tensor& out, const at::Tensor& in) {
   at::Tensor x = in.clone();
   std::vector<int64_t> b(w + 1);
   for (int i = 0; i <= w; ++i) b[i] = i * m;
-  ring_reduce_scatter(t, x, identity(w), b, 0);
+  ring_reduce_scatter(t, x, identity(w), b, tags::kSteps);
   out.copy_(x.narrow(0, t.rank() * m, m));
 }
 
-void SubgroupTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) { reduce_scatter_ring(*this, out, in); }
+void SubgroupTransport::do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) { reduce_scatter_ring(*this, out, in); }
 
-void SubgroupTransport::barrier() {
+void SubgroupTransport::do_barrier() {
   at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
   all_reduce_sum(one);
 }
@@ -271,13 +269,13 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
   const Hierarchy l = hierarchy_of(node_of, t.rank(), t.size());
   const int64_t n = x.numel();
   const auto b = blocks(n, static_cast<int64_t>(l.locals.size()));
-  SubgroupTransport local(t, l.locals, 1000);
+  SubgroupTransport local(t, l.locals, tags::kLocal);
   // 1. intra-node reduce-scatter: local index i ends with block i of the node's sum
-  if (l.locals.size() > 1) ring_reduce_scatter(local, x, identity(local.size()), b, 0);
+  if (l.locals.size() > 1) ring_reduce_scatter(local, x, identity(local.size()), b, tags::kSteps);
   // 2. inter-node all-reduce of that block among the ranks with the same local index
   at::Tensor shard = span(x, b[l.local_index], b[l.local_index + 1]);
   if (l.peers.size() > 1 && shard.numel() > 0) {
-    SubgroupTransport across(t, l.peers, 2000);
+    SubgroupTransport across(t, l.peers, tags::kAcross);
     CodecTimer own;
     CodecTimer& timer = inter.timer ? *inter.timer : own;
     switch (inter.codec) {
@@ -296,7 +294,7 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
     }
   }
   // 3. intra-node all-gather
-  if (l.locals.size() > 1) ring_all_gather(local, x, identity(local.size()), b, 500);
+  if (l.locals.size() > 1) ring_all_gather(local, x, identity(local.size()), b, tags::kGather);
 }
 
 void allreduce_by(Transport& t, at::Tensor& x, Algo algo, const std::vector<int>& order,

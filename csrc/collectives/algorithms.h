@@ -29,25 +29,41 @@ void allreduce_tree(Transport& t, at::Tensor& x);
 // ring of point-to-point calls.
 void reduce_scatter_ring(Transport& t, at::Tensor& out, const at::Tensor& in);
 
+// Tags of point-to-point calls (gloo matches sends to receives by tag, NCCL
+// by order). A collective's steps add their step index to its base, below
+// the next base; a subgroup adds its own base to every tag of its calls.
+namespace tags {
+constexpr int kSteps = 0;           // ring / halving-doubling steps: + step (< world size)
+constexpr int kUnfold = 100;        // halving-doubling returns the folded ranks' result
+constexpr int kGather = 500;        // the intra-node all-gather that ends a hierarchical all-reduce
+constexpr int kLocal = 1000;        // subgroup: the ranks of this node (hierarchical)
+constexpr int kAcross = 2000;       // subgroup: the ranks with this local index on every node
+constexpr int kLowrankLocal = 3000;   // the same two subgroups for hierarchical low-rank
+constexpr int kLowrankAcross = 4000;
+}  // namespace tags
+
 // A transport over a subset of a parent's ranks (members[i] is subgroup rank
 // i). Collectives are built from the parent's point-to-point calls, so any
-// algorithm or codec can run on e.g. the ranks with one local index.
+// algorithm or codec can run on e.g. the ranks with one local index. The
+// parent's counters hold what went over the wire.
 class SubgroupTransport : public Transport {
  public:
   SubgroupTransport(Transport& parent, std::vector<int> members, int tag_base);
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(members_.size()); }
   std::string name() const override { return parent_.name() + "/sub"; }
-  void send(const at::Tensor& t, int dst, int tag) override;
-  void recv(at::Tensor& t, int src, int tag) override;
-  void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
-  void all_reduce_sum(at::Tensor& t) override;
-  void all_gather(at::Tensor& out, const at::Tensor& in) override;
-  void all_to_all(at::Tensor& out, const at::Tensor& in) override;
-  void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
-  void barrier() override;
   at::Device device() const override { return parent_.device(); }
   void synchronize() override { parent_.synchronize(); }
+
+ protected:
+  void do_send(const at::Tensor& t, int dst, int tag) override;
+  void do_recv(at::Tensor& t, int src, int tag) override;
+  void do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
+  void do_all_reduce_sum(at::Tensor& t) override;
+  void do_all_gather(at::Tensor& out, const at::Tensor& in) override;
+  void do_all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
+  void do_barrier() override;
 
  private:
   Transport& parent_;

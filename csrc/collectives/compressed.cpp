@@ -4,7 +4,7 @@
 #include <functional>
 
 #include "kernels/sign.h"
-#include "ops/cpu_ops.h"
+#include "ops/codecs.h"
 
 namespace hetcomm {
 namespace collectives {

@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "collectives/algorithms.h"
-#include "ops/cpu_ops.h"
+#include "ops/codecs.h"
 
 namespace hetcomm {
 namespace collectives {
@@ -157,7 +157,7 @@ void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor,
   TORCH_CHECK_VALUE(q_state.numel() == lowrank_q_numel(layout), "hetcomm: lowrank Q state must have ",
                     lowrank_q_numel(layout), " elements");
   const int locals = static_cast<int>(h.locals.size());
-  SubgroupTransport local(t, h.locals, 3000);
+  SubgroupTransport local(t, h.locals, tags::kLowrankLocal);
   x.div_(divisor);
   if (locals > 1) allreduce_ring(local, x);  // exact node sum on every rank of the node
   // My parts (round robin over the node's ranks), packed into a sub-bucket.
@@ -190,7 +190,7 @@ void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor,
     qo += p.cols * p.rank;
   }
   if (h.peers.size() > 1 && y_n > 0) {
-    SubgroupTransport across(t, h.peers, 4000);
+    SubgroupTransport across(t, h.peers, tags::kLowrankAcross);
     allreduce_lowrank(across, y, 1.0, sub_layout, sub_q, sub_r, timer, 1.0 / static_cast<double>(h.peers.size()));
   }
   // Disjoint results: zeros elsewhere, then the node's sum puts them together.

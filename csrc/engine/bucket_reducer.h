@@ -52,7 +52,6 @@ class BucketReducer {
  public:
   explicit BucketReducer(std::shared_ptr<Transport> t);
 
-  Transport& transport() { return *transport_; }
   // All-reduces the local batch size; the step's divisor becomes sum(b) / b.
   void set_batch_size(double local);
   double divisor() const { return divisor_; }

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "ops/cpu_ops.h"
+#include "ops/codecs.h"
 #include "transport/pg_transport.h"
 #ifdef HETCOMM_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

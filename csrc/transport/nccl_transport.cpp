@@ -12,12 +12,6 @@
 
 namespace hetcomm {
 
-namespace {
-
-int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
-
-}  // namespace
-
 ncclDataType_t nccl_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return ncclFloat32;
@@ -128,31 +122,22 @@ void NcclTransport::synchronize() {
   counters_.comm_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
-void NcclTransport::check_tensor(const at::Tensor& t, const char* name) const {
-  TORCH_CHECK_VALUE(t.defined() && t.is_contiguous(), "hetcomm: ", name, " must be a defined contiguous tensor");
+void NcclTransport::check_place(const at::Tensor& t, const char* name) const {
   TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device_, "hetcomm: ", name, " must be on cuda:", device_,
                     " (the NcclTransport's device), got ", t.device());
 }
 
-void NcclTransport::count(int64_t sent, int64_t recv) {
-  counters_.bytes_sent += sent;
-  counters_.bytes_recv += recv;
-  counters_.calls += 1;
-}
-
-void NcclTransport::send(const at::Tensor& t, int dst, int /*tag*/) {
+void NcclTransport::do_send(const at::Tensor& t, int dst, int /*tag*/) {
   at::Tensor none;
-  send_recv(t, dst, none, -1, 0);
+  do_send_recv(t, dst, none, -1, 0);
 }
 
-void NcclTransport::recv(at::Tensor& t, int src, int /*tag*/) { send_recv(at::Tensor(), -1, t, src, 0); }
+void NcclTransport::do_recv(at::Tensor& t, int src, int /*tag*/) { do_send_recv(at::Tensor(), -1, t, src, 0); }
 
-void NcclTransport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int /*tag*/) {
+void NcclTransport::do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int /*tag*/) {
   // NCCL matches point-to-point calls by order, not tags: the algorithms
   // issue them in the same order on both sides. An empty side is skipped
   // (both ends see the same size).
-  if (dst >= 0) check_tensor(out, "send tensor");
-  if (src >= 0) check_tensor(in, "recv tensor");
   const bool sending = dst >= 0 && out.numel() > 0, receiving = src >= 0 && in.numel() > 0;
   if (!sending && !receiving) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
@@ -163,37 +148,25 @@ void NcclTransport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, in
     HC_NCCL_CHECK(ncclRecv(in.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), src, comm_, stream_.stream()));
   HC_NCCL_CHECK(ncclGroupEnd());
   wait_ready("send/recv");
-  count(sending ? nbytes(out) : 0, receiving ? nbytes(in) : 0);
 }
 
-void NcclTransport::all_reduce_sum(at::Tensor& t) {
-  check_tensor(t, "all_reduce tensor");
+void NcclTransport::do_all_reduce_sum(at::Tensor& t) {
   if (t.numel() == 0) return;  // the same on every rank; NCCL may reject empty (null) buffers
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   HC_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_dtype(t.scalar_type()), ncclSum, comm_,
-                      stream_.stream()));
+                              stream_.stream()));
   wait_ready("ncclAllReduce");
-  const int64_t ring = size_ > 1 ? 2 * (size_ - 1) * nbytes(t) / size_ : 0;
-  count(ring, ring);
 }
 
-void NcclTransport::all_gather(at::Tensor& out, const at::Tensor& in) {
-  check_tensor(in, "all_gather input");
-  check_tensor(out, "all_gather output");
-  TORCH_CHECK_VALUE(out.numel() == in.numel() * size_ && out.scalar_type() == in.scalar_type(),
-                    "hetcomm: all_gather output must hold world_size * input.numel() elements of the input's dtype");
+void NcclTransport::do_all_gather(at::Tensor& out, const at::Tensor& in) {
   if (in.numel() == 0) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  HC_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), comm_, stream_.stream()));
+  HC_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_dtype(in.scalar_type()), comm_,
+                              stream_.stream()));
   wait_ready("ncclAllGather");
-  count((size_ - 1) * nbytes(in), (size_ - 1) * nbytes(in));
 }
 
-void NcclTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
-  check_tensor(in, "all_to_all input");
-  check_tensor(out, "all_to_all output");
-  TORCH_CHECK_VALUE(in.numel() == out.numel() && in.numel() % size_ == 0 && out.scalar_type() == in.scalar_type(),
-                    "hetcomm: all_to_all input and output must have equal numel and dtype, divisible by world_size");
+void NcclTransport::do_all_to_all(at::Tensor& out, const at::Tensor& in) {
   if (in.numel() == 0) return;
   const int64_t m = in.numel() / size_;
   const ncclDataType_t dt = nccl_dtype(in.scalar_type());
@@ -206,25 +179,19 @@ void NcclTransport::all_to_all(at::Tensor& out, const at::Tensor& in) {
   }
   HC_NCCL_CHECK(ncclGroupEnd());
   wait_ready("all_to_all");
-  count((size_ - 1) * m * es, (size_ - 1) * m * es);
 }
 
-void NcclTransport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
-  check_tensor(in, "reduce_scatter input");
-  check_tensor(out, "reduce_scatter output");
-  TORCH_CHECK_VALUE(in.numel() == out.numel() * size_ && out.scalar_type() == in.scalar_type(),
-                    "hetcomm: reduce_scatter input must hold world_size * output.numel() elements of the output's dtype");
+void NcclTransport::do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
   if (out.numel() == 0) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  HC_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_dtype(in.scalar_type()), ncclSum, comm_,
-                          stream_.stream()));
+  HC_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_dtype(in.scalar_type()), ncclSum,
+                                  comm_, stream_.stream()));
   wait_ready("ncclReduceScatter");
-  count((size_ - 1) * nbytes(out), (size_ - 1) * nbytes(out));
 }
 
-void NcclTransport::barrier() {
+void NcclTransport::do_barrier() {
   at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
-  all_reduce_sum(one);
+  do_all_reduce_sum(one);
   synchronize();
 }
 

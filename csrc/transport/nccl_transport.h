@@ -27,14 +27,6 @@ class NcclTransport : public Transport {
   int size() const override { return size_; }
   std::string name() const override { return "nccl:" + std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR); }
 
-  void send(const at::Tensor& t, int dst, int tag) override;
-  void recv(at::Tensor& t, int src, int tag) override;
-  void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
-  void all_reduce_sum(at::Tensor& t) override;
-  void all_gather(at::Tensor& out, const at::Tensor& in) override;
-  void all_to_all(at::Tensor& out, const at::Tensor& in) override;
-  void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
-  void barrier() override;
   at::Device device() const override { return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_)); }
 
   // The stream every call is enqueued on.
@@ -46,11 +38,21 @@ class NcclTransport : public Transport {
   // aborting the communicator) on an NCCL error or after the timeout.
   void synchronize() override;
 
+ protected:
+  void do_send(const at::Tensor& t, int dst, int tag) override;
+  void do_recv(at::Tensor& t, int src, int tag) override;
+  void do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
+  void do_all_reduce_sum(at::Tensor& t) override;
+  void do_all_gather(at::Tensor& out, const at::Tensor& in) override;
+  void do_all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
+  void do_barrier() override;
+  // Every tensor on this transport's GPU.
+  void check_place(const at::Tensor& t, const char* name) const override;
+
  private:
   void check(ncclResult_t r, const char* what);
   void wait_ready(const char* what);
-  void check_tensor(const at::Tensor& t, const char* name) const;
-  void count(int64_t sent, int64_t recv);
   void abort(const std::string& why);
 
   ncclComm_t comm_ = nullptr;

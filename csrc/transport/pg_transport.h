@@ -19,22 +19,22 @@ class ProcessGroupTransport : public Transport {
   int size() const override { return pg_->getSize(); }
   std::string name() const override;
 
-  void send(const at::Tensor& t, int dst, int tag) override;
-  void recv(at::Tensor& t, int src, int tag) override;
-  void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
-  void all_reduce_sum(at::Tensor& t) override;
-  void all_gather(at::Tensor& out, const at::Tensor& in) override;
-  void all_to_all(at::Tensor& out, const at::Tensor& in) override;
-  void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
-  void barrier() override;
   at::Device device() const override { return device_; }
 
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+ protected:
+  void do_send(const at::Tensor& t, int dst, int tag) override;
+  void do_recv(at::Tensor& t, int src, int tag) override;
+  void do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
+  void do_all_reduce_sum(at::Tensor& t) override;
+  void do_all_gather(at::Tensor& out, const at::Tensor& in) override;
+  void do_all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  void do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
+  void do_barrier() override;
 
  private:
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t sent, int64_t recv,
-            std::chrono::steady_clock::time_point start);
-  void check_peer(int peer, const char* name) const;
+  // Waits for work (the process group's timeout bounds it: a dead peer
+  // raises, naming the op) and adds the time since start to comm_ns.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, std::chrono::steady_clock::time_point start);
   // A CUDA tensor on a group whose CUDA backend is gloo, for an op gloo takes
   // only on the host: the op runs on pinned host copies.
   bool staged(const at::Tensor& t) const;

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 namespace hetcomm {
 
@@ -21,6 +22,9 @@ struct WireCounters {
   std::atomic<int64_t> calls{0};
 };
 
+// The public calls check their arguments (naming the argument and the rule)
+// and count the bytes once, for every transport; the transports implement
+// the protected do_* calls, which may assume checked arguments.
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -28,20 +32,20 @@ class Transport {
   virtual int size() const = 0;
   virtual std::string name() const = 0;
 
-  virtual void send(const at::Tensor& t, int dst, int tag) = 0;
-  virtual void recv(at::Tensor& t, int src, int tag) = 0;
+  void send(const at::Tensor& t, int dst, int tag);
+  void recv(at::Tensor& t, int src, int tag);
   // Both at once (a ring step): neither side blocks the other. dst or src may be -1 (skip).
-  virtual void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) = 0;
+  void send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag);
   // In place: t = sum over ranks of t.
-  virtual void all_reduce_sum(at::Tensor& t) = 0;
+  void all_reduce_sum(at::Tensor& t);
   // out (size() * in.numel()) = concatenation of every rank's in, in rank order.
-  virtual void all_gather(at::Tensor& out, const at::Tensor& in) = 0;
+  void all_gather(at::Tensor& out, const at::Tensor& in);
   // in and out hold size() equal blocks; block j of in goes to rank j, and
   // block i of out comes from rank i.
-  virtual void all_to_all(at::Tensor& out, const at::Tensor& in) = 0;
+  void all_to_all(at::Tensor& out, const at::Tensor& in);
   // out (in.numel() / size()) = the sum over ranks of block rank() of in.
-  virtual void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) = 0;
-  virtual void barrier() = 0;
+  void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in);
+  void barrier();
 
   // Where this transport's tensors live: the small control collectives of a
   // step (batch sizes, the configuration check) allocate there.
@@ -53,7 +57,23 @@ class Transport {
   WireCounters& counters() { return counters_; }
 
  protected:
+  virtual void do_send(const at::Tensor& t, int dst, int tag) = 0;
+  virtual void do_recv(at::Tensor& t, int src, int tag) = 0;
+  virtual void do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) = 0;
+  virtual void do_all_reduce_sum(at::Tensor& t) = 0;
+  virtual void do_all_gather(at::Tensor& out, const at::Tensor& in) = 0;
+  virtual void do_all_to_all(at::Tensor& out, const at::Tensor& in) = 0;
+  virtual void do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) = 0;
+  virtual void do_barrier() = 0;
+  // Where a transport needs its tensors (NCCL: on its device); the default takes any.
+  virtual void check_place(const at::Tensor& /*t*/, const char* /*name*/) const {}
+
   WireCounters counters_;
+
+ private:
+  void check_tensor(const at::Tensor& t, const char* name) const;
+  void check_peer(int peer, const char* name) const;
+  void count(int64_t sent, int64_t recv, int64_t calls = 1);
 };
 
 }  // namespace hetcomm

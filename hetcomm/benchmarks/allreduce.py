@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, ops, options, planner, topology
-from ..testbed import run_distributed
+from ..launch import run_distributed
 from . import common
 
 ALGOS = list(topology.ALGORITHMS)

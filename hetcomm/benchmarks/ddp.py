@@ -31,14 +31,14 @@ from torch import nn
 
 import hetcomm
 
+from .. import modes as mode_table
 from ..balance import Balancer, ThroughputMeter
+from ..launch import run_distributed, spawn_ranks
 from ..plan import AUTO_REPEATS, AUTO_TOP, COMPRESSED
-from ..testbed import run_distributed, spawn_ranks
 from . import common
 
 IN, OUT = 256, 10
-TORCH_MODES = ("torch-allreduce", "torch-fp16", "torch-powersgd")
-HETCOMM_MODES = ("none", "fp16", "bf16", "onebit", "topk", "lowrank", "auto")
+TORCH_MODES, HETCOMM_MODES = mode_table.TORCH, mode_table.HETCOMM
 ALL_MODES = TORCH_MODES + HETCOMM_MODES + tuple(f"{m}+bal" for m in HETCOMM_MODES)
 DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk", "lowrank",
                  "none+bal", "onebit+bal", "topk+bal", "lowrank+bal"]
@@ -83,19 +83,6 @@ class _Timeline:
         return busy
 
 
-def _powersgd_bytes(model: nn.Module, world: int, rank: int = 4) -> int:
-    # PowerSGD's volume: P and Q of each compressible matrix, the rest dense.
-    floats = 0
-    for p in model.parameters():
-        if p.dim() > 1:
-            n, m = p.shape[0], p.numel() // p.shape[0]
-            r = min(n, m, rank)
-            floats += (n + m) * r if n * m > 2 * (n + m) * r else n * m
-        else:
-            floats += p.numel()
-    return 2 * (world - 1) * floats * 4 // world
-
-
 def _device(rank: int, cfg: Dict) -> torch.device:
     if cfg.get("device", "cpu") == "cpu":
         return torch.device("cpu")
@@ -111,23 +98,11 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     numel = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                               bucket_cap_mb=10_000 if base == "torch-powersgd" else 25)
-    state = None
-    if base in TORCH_MODES:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        if base == "torch-powersgd":
-            hook_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                                     start_powerSGD_iter=2)
-            inner = powerSGD_hook.powerSGD_hook
-        else:
-            hook_state = None
-            inner = default_hooks.allreduce_hook if base == "torch-allreduce" else default_hooks.fp16_compress_hook
-    else:
-        algorithm = cfg.get("algorithm", "native")
-        # auto chooses the algorithm too unless one is asked for
-        state = hook_state = hetcomm.HookState(base, algorithm=None if base == "auto" and algorithm == "native"
-                                               else algorithm)
-        inner = hetcomm.hook
+    algorithm = cfg.get("algorithm", "native")
+    # auto chooses the algorithm too unless one is asked for
+    overrides = {} if base in TORCH_MODES else {
+        "algorithm": None if base == "auto" and algorithm == "native" else algorithm}
+    hook_state, inner, state = mode_table.get(base).comm_hook(**overrides)
     tl = _Timeline(inner)
 
     def hook(state, bucket):  # DDP wants these parameter names
@@ -185,10 +160,8 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         plans = " ".join(f"{n}x{c}" if c > 1 else n for n, c in sorted(counts.items()))
         auto = stats.get("auto")
         state.close()
-    elif base == "torch-powersgd":
-        sent = _powersgd_bytes(model, world)
     else:
-        sent = 2 * (world - 1) * numel * (2 if base == "torch-fp16" else 4) // world
+        sent = mode_table.get(base).torch_bytes(model, world)
     if dev.type == "cuda":  # exposed: what the step takes beyond compute alone
         exposed = [max(0.0, t - cfg["solo_step_s"]) for t in times]
     hidden = 1.0 - sum(exposed) / sum(busy) if sum(busy) > 0 else 1.0

@@ -19,12 +19,12 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import hetcomm
 
+from .. import modes as mode_table
 from ..amp import DTYPES, PRECISIONS
-from ..testbed import run_distributed
+from ..launch import run_distributed
 from . import common
 from .tasks import TASKS
 from .train import make_optimizer
@@ -47,9 +47,11 @@ def precisions_of(config: str, world: int) -> List[str]:
 
 
 def train(rank: int, world: int, config: str, mode: str = "none", *, task: str = "regress", optim: str = "sgd",
-          steps: int = 200, overflow_at: Optional[int] = None, eval_every: int = 10, attach: bool = False,
+          steps: int = 200, overflow_at: Optional[int] = None, eval_every: int = 10,
           options: Optional[Dict] = None, batch: Optional[Sequence[int]] = None) -> Dict:
-    """One run on this rank. ``overflow_at``: the first fp16 rank's loss is
+    """One run on this rank of a hetcomm mode of :mod:`hetcomm.modes` (with
+    HookState ``options``), or with ``config="naive"`` PyTorch's allreduce_hook
+    and GradScaler. ``overflow_at``: the first fp16 rank's loss is
     multiplied by 1e9 at that step (an fp16 overflow). ``batch``: samples of
     each rank (batch-size weighting; default the task's on every rank).
     Returns the run's record (every rank: its own skipped steps and every
@@ -59,17 +61,13 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
     prec = precisions[rank]
     model = t.model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
-    opt = make_optimizer(optim, ddp.parameters(), t.lr[optim], attach)
-    state = None
+    m = mode_table.get(mode if config != "naive" else "torch-allreduce")
+    opt = make_optimizer(optim, ddp.parameters(), t.lr[optim], m.attach)
+    state = m.register(ddp, opt, **({} if m.is_torch else {"min_compress_numel": 1024, **(options or {})}))
     if config == "naive":
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         scaler = torch.amp.GradScaler("cpu", enabled=prec == "fp16")
         autocast = torch.autocast("cpu", dtype=DTYPES[prec], enabled=prec != "fp32")
     else:
-        state = hetcomm.HookState(mode, **{"min_compress_numel": 1024, **(options or {})})
-        if attach:
-            state.attach_optimizer(opt)
-        ddp.register_comm_hook(state, hetcomm.hook)
         scaler = hetcomm.amp.GradScaler(state, "cpu", precision=prec)
         autocast = scaler.autocast()
     taken = []
@@ -120,10 +118,8 @@ def _worker(rank: int, world: int, configs: List[str], modes: List[str], task: s
     for optim in optims:
         for config in configs:
             for mode in (modes if config != "naive" else ["-"]):
-                base, attach = (mode[:-2], True) if mode.endswith("+m") else (mode, False)
-                r = train(rank, world, config, base, task=task, optim=optim, steps=steps, overflow_at=overflow_at,
-                          eval_every=eval_every, attach=attach and config != "naive")
-                r["mode"] = mode if config != "naive" else r["mode"]
+                r = train(rank, world, config, mode, task=task, optim=optim, steps=steps, overflow_at=overflow_at,
+                          eval_every=eval_every)
                 out.append(r)
                 if rank == 0:
                     print(f"  {optim:6s} {config:7s} {r['mode']:15s} loss {r['final_loss']:.4g}  identical "

@@ -22,26 +22,13 @@ from torch import nn
 
 import hetcomm
 
-from ..testbed import run_distributed
+from .. import modes as mode_table
+from ..launch import run_distributed
 from . import common
-from .ddp import _powersgd_bytes
 from .tasks import TASKS, Task
 
 REFERENCE = "fp32"
-# mode -> (hook, HookState kwargs, attach the optimizer)
-MODES = {
-    "fp32": ("allreduce", None, False),
-    "torch-powersgd": ("powersgd", None, False),
-    "none": ("hetcomm", dict(compression="none"), False),
-    "fp8": ("hetcomm", dict(compression="fp8"), False),
-    "fp8+m": ("hetcomm", dict(compression="fp8"), True),
-    "onebit": ("hetcomm", dict(compression="onebit"), False),
-    "onebit+m": ("hetcomm", dict(compression="onebit"), True),
-    "topk": ("hetcomm", dict(compression="topk", topk_ratio=0.01), False),
-    "topk+m": ("hetcomm", dict(compression="topk", topk_ratio=0.01), True),
-    "lowrank": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4), False),
-    "lowrank+m": ("hetcomm", dict(compression="lowrank", matrix_approximation_rank=4), True),
-}
+MODES = tuple(mode_table.MODES)  # every mode of hetcomm.modes
 DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -55,33 +42,22 @@ def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.
 
 def _register(ddp, mode: str, opt: torch.optim.Optimizer):
     """Registers the mode's hook; returns (hetcomm state or None, bytes per step function)."""
-    hook, kwargs, attach = MODES[mode]
-    numel = sum(p.numel() for p in ddp.module.parameters())
-    world = dist.get_world_size()
-    if hook == "allreduce":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        return None, lambda steps: 2 * (world - 1) * numel * 4 // world
-    if hook == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-        ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
-                                         use_error_feedback=True, warm_start=True)
-        ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
-        dense, low = 2 * (world - 1) * numel * 4 // world, _powersgd_bytes(ddp.module, world)
-        return None, lambda steps: (min(steps, 2) * dense + max(steps - 2, 0) * low) / max(steps, 1)
-    state = hetcomm.HookState(**kwargs)
-    if attach:
-        state.attach_optimizer(opt)
-    ddp.register_comm_hook(state, hetcomm.hook)
-    return state, lambda steps: state.stats()["total"]["bytes_sent"] / max(steps, 1)
+    m = mode_table.get(mode)
+    state = m.register(ddp, opt)
+    if state is not None:
+        return state, lambda steps: state.stats()["total"]["bytes_sent"] / max(steps, 1)
+    dense = mode_table.ring_bytes(sum(p.numel() for p in ddp.module.parameters()), dist.get_world_size())
+    sent = m.torch_bytes(ddp.module, dist.get_world_size())
+    if m.hook != "powersgd":
+        return None, lambda steps: sent
+    start = mode_table.POWERSGD_START  # PowerSGD sends its first steps dense
+    return None, lambda steps: (min(steps, start) * dense + max(steps - start, 0) * sent) / max(steps, 1)
 
 
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float) -> Optional[Dict]:
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model)
-    opt = make_optimizer(optim, ddp.parameters(), lr, MODES[mode][2])
+    opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
     state, bytes_per_step = _register(ddp, mode, opt)
     curve, train_s = [], 0.0
     for step in range(steps):
@@ -213,8 +189,7 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
         if o not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {o!r}: choose from {OPTIMIZERS}")
     for m in modes:
-        if m not in MODES:
-            raise ValueError(f"unknown mode {m!r}: choose from {list(MODES)}")
+        mode_table.get(m)
     if REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
     runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds)

@@ -1,4 +1,4 @@
-#include "ops/cpu_ops.h"
+#include "ops/codecs.h"
 
 #include <ATen/Parallel.h>
 
@@ -10,7 +10,7 @@
 #include "kernels/sign.h"
 #include "kernels/topk.h"
 #ifdef HETCOMM_WITH_CUDA
-#include "ops/cuda_ops.h"
+#include "ops/codecs_cuda.h"
 #define HC_CUDA_DISPATCH(t, call) \
   if ((t).is_cuda()) return call
 #else

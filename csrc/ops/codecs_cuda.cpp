@@ -1,4 +1,4 @@
-#include "ops/cuda_ops.h"
+#include "ops/codecs_cuda.h"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -1,4 +1,4 @@
-// CUDA versions of the ATen codec wrappers in cpu_ops.h: same contracts,
+// CUDA versions of the ATen codec wrappers in codecs.h: same contracts,
 // kernels from csrc/kernels/*_cuda.cu (the same per-element math), enqueued
 // on the current CUDA stream. Only in CUDA builds (HETCOMM_WITH_CUDA).
 #pragma once
@@ -17,7 +17,7 @@ void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double
                       at::Tensor& words, at::Tensor& scales);
 at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                        at::Tensor out, bool accumulate);
-// Checked by the caller (cpu_ops.cpp): enqueue on the device's current stream.
+// Checked by the caller (codecs.cpp): enqueue on the device's current stream.
 void fp8_encode(const kernels::Fp8EncodeParams& p, const at::Device& device);
 void fp8_decode(const kernels::Fp8DecodeParams& p, const at::Device& device);
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,

@@ -1,6 +1,8 @@
-// ATen wrappers around the torch-free kernels: argument checks that name the
-// argument and the rule, output allocation, and at::parallel_for over chunks.
-// Used by the Python ops (bindings.cpp) and by the collectives.
+// The codec ops: ATen wrappers around the torch-free kernels (csrc/kernels/).
+// Each checks its arguments (naming the argument and the rule), allocates its
+// outputs, then runs on the input's device: CUDA tensors go to codecs_cuda.h
+// (the same per-element math), CPU tensors to the CPU loops under
+// at::parallel_for. Used by the Python ops (bindings.cpp) and the collectives.
 #pragma once
 
 #include <ATen/ATen.h>

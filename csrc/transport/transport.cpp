@@ -1,0 +1,108 @@
+#include "transport/transport.h"
+
+namespace hetcomm {
+
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
+
+}  // namespace
+
+void Transport::check_tensor(const at::Tensor& t, const char* name) const {
+  TORCH_CHECK_VALUE(t.defined() && t.is_contiguous(), "hetcomm: ", name, " must be a defined contiguous tensor");
+  check_place(t, name);
+}
+
+void Transport::check_peer(int peer, const char* name) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < size() && peer != rank(), "hetcomm: ", name,
+                    " must be another rank in [0, ", size(), "), got ", peer);
+}
+
+void Transport::count(int64_t sent, int64_t recv, int64_t calls) {
+  counters_.bytes_sent += sent;
+  counters_.bytes_recv += recv;
+  counters_.calls += calls;
+}
+
+void Transport::send(const at::Tensor& t, int dst, int tag) {
+  check_tensor(t, "send tensor");
+  check_peer(dst, "dst");
+  do_send(t, dst, tag);
+  count(nbytes(t), 0);
+}
+
+void Transport::recv(at::Tensor& t, int src, int tag) {
+  check_tensor(t, "recv tensor");
+  check_peer(src, "src");
+  do_recv(t, src, tag);
+  count(0, nbytes(t));
+}
+
+void Transport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
+  if (dst >= 0) {
+    check_tensor(out, "send tensor");
+    check_peer(dst, "dst");
+  }
+  if (src >= 0) {
+    check_tensor(in, "recv tensor");
+    check_peer(src, "src");
+  }
+  if (dst < 0 && src < 0) return;
+  do_send_recv(out, dst, in, src, tag);
+  count(dst >= 0 ? nbytes(out) : 0, src >= 0 ? nbytes(in) : 0, (dst >= 0) + (src >= 0));
+}
+
+void Transport::all_reduce_sum(at::Tensor& t) {
+  check_tensor(t, "all_reduce tensor");
+  const int w = size();
+  if (w > 1) do_all_reduce_sum(t);
+  const int64_t ring = w > 1 ? 2 * (w - 1) * nbytes(t) / w : 0;
+  count(ring, ring);
+}
+
+void Transport::all_gather(at::Tensor& out, const at::Tensor& in) {
+  check_tensor(in, "all_gather input");
+  check_tensor(out, "all_gather output");
+  const int w = size();
+  TORCH_CHECK_VALUE(out.numel() == in.numel() * w && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: all_gather output must hold world_size * input.numel() elements of the input's dtype");
+  if (w == 1)
+    out.copy_(in);
+  else
+    do_all_gather(out, in);
+  count((w - 1) * nbytes(in), (w - 1) * nbytes(in));
+}
+
+void Transport::all_to_all(at::Tensor& out, const at::Tensor& in) {
+  check_tensor(in, "all_to_all input");
+  check_tensor(out, "all_to_all output");
+  const int w = size();
+  TORCH_CHECK_VALUE(in.numel() == out.numel() && in.numel() % w == 0 && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: all_to_all input and output must have equal numel and dtype, divisible by world_size");
+  if (w == 1)
+    out.copy_(in);
+  else
+    do_all_to_all(out, in);
+  count((w - 1) * nbytes(in) / w, (w - 1) * nbytes(in) / w);
+}
+
+void Transport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
+  check_tensor(in, "reduce_scatter input");
+  check_tensor(out, "reduce_scatter output");
+  const int w = size();
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * w && out.scalar_type() == in.scalar_type(),
+                    "hetcomm: reduce_scatter input must hold world_size * output.numel() elements of the output's "
+                    "dtype");
+  if (w == 1)
+    out.copy_(in);
+  else
+    do_reduce_scatter_sum(out, in);
+  count((w - 1) * nbytes(out), (w - 1) * nbytes(out));
+}
+
+void Transport::barrier() {
+  if (size() > 1) do_barrier();
+  count(0, 0);
+}
+
+}  // namespace hetcomm

@@ -1,0 +1,115 @@
+"""One table of the training modes that the demo, the benchmarks and the tests name.
+
+A mode is one of PyTorch's own comm hooks (``torch-allreduce``, alias
+``fp32``; ``torch-fp16``; ``torch-powersgd``: rank 4, error feedback and warm
+start, compressed from step 2, as hetcomm's lowrank) or a hetcomm
+:class:`~hetcomm.HookState` with its defaults. Suffixes: ``+m`` compresses
+the optimizer's momentum (:meth:`HookState.attach_optimizer`), ``-no-ef``
+turns error feedback off (to show what it buys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+POWERSGD_RANK = 4
+POWERSGD_START = 2
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    hook: str  # PyTorch's "allreduce", "fp16", "powersgd", or "hetcomm"
+    options: Mapping[str, Any] = field(default_factory=dict)  # HookState keyword arguments
+    attach: bool = False  # compress the optimizer's momentum
+
+    @property
+    def is_torch(self) -> bool:
+        return self.hook != "hetcomm"
+
+    def comm_hook(self, **overrides) -> Tuple[Any, Callable, Optional[Any]]:
+        """(hook state, hook) for ``DDP.register_comm_hook``, and hetcomm's
+        HookState (None for PyTorch's hooks). ``overrides`` are HookState
+        keywords (hetcomm modes only)."""
+        if self.is_torch:
+            if overrides:
+                raise ValueError(f"mode {self.name!r} is PyTorch's hook: it takes no HookState options, got "
+                                 f"{sorted(overrides)}")
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+            if self.hook == "powersgd":
+                ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                                 start_powerSGD_iter=POWERSGD_START, use_error_feedback=True,
+                                                 warm_start=True)
+                return ps, powerSGD_hook.powerSGD_hook, None
+            return None, (default_hooks.allreduce_hook if self.hook == "allreduce"
+                          else default_hooks.fp16_compress_hook), None
+        import hetcomm
+
+        state = hetcomm.HookState(**{**self.options, **overrides})
+        return state, hetcomm.hook, state
+
+    def register(self, ddp: nn.parallel.DistributedDataParallel, optimizer: Optional[torch.optim.Optimizer] = None,
+                 **overrides):
+        """Registers the mode's hook on ``ddp`` (attaching ``optimizer`` for
+        ``+m``); returns hetcomm's HookState, or None for PyTorch's hooks."""
+        if self.attach and optimizer is None:
+            raise ValueError(f"mode {self.name!r} compresses the optimizer's momentum: pass the optimizer")
+        hook_state, hook, state = self.comm_hook(**overrides)
+        if self.attach:
+            state.attach_optimizer(optimizer)
+        ddp.register_comm_hook(hook_state, hook)
+        return state
+
+    def torch_bytes(self, model: nn.Module, world: int) -> int:
+        """Bytes a PyTorch hook sends per step and rank once compressing (the
+        ring-equivalent volume, the convention of hetcomm's stats)."""
+        if not self.is_torch:
+            raise ValueError(f"mode {self.name!r} counts its bytes in HookState.stats()")
+        if self.hook == "powersgd":
+            floats = 0
+            for p in model.parameters():  # P and Q of each matrix worth compressing, the rest dense
+                if p.dim() > 1:
+                    n, m = p.shape[0], p.numel() // p.shape[0]
+                    r = min(n, m, POWERSGD_RANK)
+                    floats += (n + m) * r if n * m > 2 * (n + m) * r else n * m
+                else:
+                    floats += p.numel()
+            return ring_bytes(floats, world)
+        return ring_bytes(sum(p.numel() for p in model.parameters()), world, 2 if self.hook == "fp16" else 4)
+
+
+def ring_bytes(numel: int, world: int, width: int = 4) -> int:
+    """What a ring all-reduce of ``numel`` elements of ``width`` bytes sends per rank."""
+    return 2 * (world - 1) * numel * width // world if world > 1 else 0
+
+
+def _table() -> Dict[str, Mode]:
+    table = {n: Mode(n, hook) for n, hook in (("torch-allreduce", "allreduce"), ("fp32", "allreduce"),
+                                               ("torch-fp16", "fp16"), ("torch-powersgd", "powersgd"))}
+    for c in ("none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk", "lowrank", "auto"):
+        table[c] = Mode(c, "hetcomm", {"compression": c})
+    for c in ("fp8", "onebit", "topk", "lowrank", "auto"):
+        table[f"{c}+m"] = Mode(f"{c}+m", "hetcomm", {"compression": c}, attach=True)
+    for c in ("onebit", "topk"):
+        table[f"{c}-no-ef"] = Mode(f"{c}-no-ef", "hetcomm", {"compression": c, "error_feedback": False})
+    return table
+
+
+MODES: Dict[str, Mode] = _table()
+#: PyTorch's hooks, and hetcomm's compressions as they are (no suffix)
+TORCH = tuple(n for n, m in MODES.items() if m.is_torch)
+HETCOMM = tuple(n for n, m in MODES.items() if not m.is_torch and not m.attach and len(m.options) == 1)
+
+
+def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
+    """The mode called ``name``; ValueError naming the choices (``choices``,
+    else every mode) when there is none."""
+    allowed = list(choices) if choices is not None else list(MODES)
+    if name not in allowed or name not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(allowed)}; got {name!r}")
+    return MODES[name]

@@ -1,0 +1,140 @@
+"""What HookState agrees on with the other ranks before its first bucket: the
+process group, the comm engine (hetcomm's own NCCL communicator or the
+process group), every rank's options and device capabilities (one
+all-gather; a mismatch is the same ValueError on every rank), the candidate
+modes of ``compression="auto"`` and the measured topology."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C, options, plan, topology
+
+log = logging.getLogger("hetcomm")
+
+_live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_nccl_count = 0  # NCCL communicators made by this process (the same sequence on every rank)
+
+
+@atexit.register
+def _close_engines() -> None:
+    # Stop comm threads before the interpreter goes away (they take the GIL
+    # to complete futures).
+    for engine in list(_live_engines):
+        engine.close()
+
+
+def _default_group_timeout() -> Optional[timedelta]:
+    """The default process group's timeout (None where the backend hides it)."""
+    try:
+        pg = dist.group.WORLD
+        return pg._get_backend(topology.group_device(pg)).options._timeout
+    except Exception:
+        return None
+
+
+def _moves_cuda_with_nccl(group) -> bool:
+    """Whether ``group`` sends CUDA tensors with NCCL ("nccl" or
+    "cpu:gloo,cuda:nccl"); gloo for CUDA tensors is the user's choice to keep."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" not in backend:
+        return backend == "nccl"
+    return any(part.strip() == "cuda:nccl" for part in backend.split(","))
+
+
+def _device_supports_bf16(device: torch.device) -> bool:
+    """CPU counts as bf16-capable; CUDA needs compute capability >= 8.0."""
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return major >= 8
+    return True
+
+
+class Negotiation:
+    """HookState's first-step agreement and its comm engine (a mixin: the
+    attributes are HookState's)."""
+
+    def _rank(self) -> int:
+        return dist.get_rank(self._group()) if dist.is_initialized() else 0
+
+    def _world(self) -> int:
+        return dist.get_world_size(self._group()) if dist.is_initialized() else 1
+
+    def _group(self) -> dist.ProcessGroup:
+        if self._process_group is None:
+            if not dist.is_initialized():
+                raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
+            self._process_group = dist.new_group(timeout=self._timeout or _default_group_timeout())
+        return self._process_group
+
+    def _drain(self) -> None:
+        if self._engine is not None:
+            self._engine.drain()
+
+    def _ensure_engine(self, device: Optional[torch.device] = None):
+        """The comm engine, made for the first bucket's device: hetcomm's own
+        NCCL communicator for CUDA buckets (transport "auto" in a CUDA build),
+        else the process group, with control tensors where it takes them."""
+        if self._engine is None:
+            device = device if device is not None else torch.device("cpu")
+            if device.type == "cuda" and self.transport == "auto" and _C.build_info()["cuda"] and \
+                    _moves_cuda_with_nccl(self._group()):
+                self._engine = _C.Engine.with_nccl(self._nccl_transport(device))
+            else:
+                self._engine = _C.Engine(self._group(), topology.group_device(self._group(), device))
+            _live_engines.add(self._engine)
+        return self._engine
+
+    def _nccl_transport(self, device: torch.device):
+        """hetcomm's own communicator: rank 0's unique id travels through the
+        default group's store, under a key every rank derives the same way."""
+        global _nccl_count
+        _nccl_count += 1
+        store = dist.distributed_c10d._get_default_store()
+        timeout = (self._timeout or _default_group_timeout())
+        return _C.NcclTransport(store, f"hetcomm/nccl/{_nccl_count}", dist.get_rank(self._group()),
+                                dist.get_world_size(self._group()), device.index or 0,
+                                timeout.total_seconds() if timeout else 600.0)
+
+    def _negotiate(self, bucket_device: torch.device) -> None:
+        """First step: all-gather the options and device capabilities; every
+        rank raises the same ValueError if any option differs."""
+        engine = self._ensure_engine(bucket_device)
+        cfg = options.config(self)
+        capable = _device_supports_bf16(bucket_device)
+        own = [v for _, v in cfg] + [int(capable), options.precision_code(self.precision)]
+        gathered = engine.submit_config(torch.tensor(own, dtype=torch.int64)).wait()
+        self._forced_algo = options.check_agreement(cfg, gathered)
+        bf16_everywhere = bool(gathered[:, len(cfg)].all())
+        if self._scaler is not None:
+            self.precisions = [options.precision_name(int(c)) for c in gathered[:, len(cfg) + 1]]
+            log.info("hetcomm: compute precision per rank: %s", ", ".join(
+                f"{r} {p}" for r, p in enumerate(self.precisions)))
+        self._weighted = self._local_batch is not None
+        if self.compression == "auto":
+            modes = self.candidates or plan.safe_modes(self._attached, bf16_everywhere)
+            if "bf16" in modes and not bf16_everywhere:
+                raise ValueError("hetcomm: candidates include 'bf16' but some rank's device has no native bf16 "
+                                 "(CUDA compute capability < 8.0): use 'fp16' there")
+            self._planner.modes = tuple(modes)
+            log.info("hetcomm: compression='auto' chooses per bucket among %s", ", ".join(modes))
+        if (self.algorithm in ("auto", "ring", "hierarchical") or self.compression == "auto") and \
+                self.topology is None:
+            self._detect_topology(bucket_device)
+        if self.compression == "auto-precision":
+            self.resolved_compression = "bf16" if bf16_everywhere else "fp16"
+        self._negotiated = True
+
+    def _detect_topology(self, device: Optional[torch.device] = None) -> None:
+        self.topology = topology.detect(self._group(), device)
+        if self.algorithm == "hierarchical" and self.topology.ranks_per_node() is None:
+            raise ValueError("algorithm 'hierarchical' needs the same number of ranks on every node, found "
+                             f"{self.topology.nodes}")
+        self._ensure_engine().set_topology(self.topology.ring_order(), self.topology.node_ids)
