@@ -1,5 +1,6 @@
-// Binds the core for Python (with engine/engine.cpp, which completes Python
-// futures, the only file that sees pybind11). C++ errors leave here as
+// Binds the core for Python: build info, kernels and the engine here, the
+// transports in bindings_transport.cpp (these two and engine/engine.cpp, which
+// completes Python futures, are the files that see pybind11). C++ errors leave as
 // Python exceptions (c10::ValueError -> ValueError, c10::TypeError -> TypeError,
 // anything else -> RuntimeError, through torch's translators); input checks
 // inside name the argument and the rule.
@@ -13,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "bindings.h"
 #include "collectives/algorithms.h"
 #include "collectives/compressed.h"
 #include "collectives/lowrank.h"
@@ -20,65 +22,17 @@
 #include "ops/codecs.h"
 #include "transport/pg_transport.h"
 #ifdef HETCOMM_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
-
 #include "transport/nccl_transport.h"
 #endif
 
 namespace py = pybind11;
 using namespace hetcomm;
+using namespace hetcomm::bindings;
 
 namespace {
 
-at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
-
-// The 1-D float32 view the compressed all-reduce bindings work on, in place.
-at::Tensor flat_float32(const at::Tensor& x) {
-  ops::check_float_vector(x, "x");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
-  return x.view({-1});
-}
-
 py::object wrap_future(const FuturePtr& fut) {
   return py::cast(std::make_shared<torch::jit::PythonFutureWrapper>(fut));
-}
-
-// A blocking call on any transport from Python. NCCL's: its stream first
-// waits for the caller's (which made the inputs), the work (NCCL calls and the
-// algorithms' own kernels) runs on its stream, and it returns once finished.
-void blocking(Transport& t, const std::function<void()>& fn) {
-#ifdef HETCOMM_WITH_CUDA
-  if (auto* nccl = dynamic_cast<NcclTransport*>(&t)) {
-    nccl->wait_for_current_stream();
-    {
-      c10::cuda::CUDAStreamGuard guard(nccl->stream());
-      fn();
-    }
-    nccl->synchronize();
-    return;
-  }
-#endif
-  fn();
-}
-
-// The names Python uses for the enums (py::enum_ exports them as _C.Algo / _C.Codec).
-const std::vector<std::pair<const char*, Algo>> kAlgoNames = {{"native", Algo::kNative},
-                                                                {"ring", Algo::kRing},
-                                                                {"halving_doubling", Algo::kHalvingDoubling},
-                                                                {"tree", Algo::kTree},
-                                                                {"hierarchical", Algo::kHierarchical}};
-const std::vector<std::pair<const char*, Codec>> kCodecNames = {{"none", Codec::kNone},   {"fp16", Codec::kFP16},
-                                                                  {"bf16", Codec::kBF16},   {"onebit", Codec::kOneBit},
-                                                                  {"topk", Codec::kTopK},   {"lowrank", Codec::kLowRank},
-                                                                  {"fp8", Codec::kFP8}};
-
-Algo algo_named(const std::string& name) {
-  std::string all;
-  for (const auto& [n, a] : kAlgoNames) {
-    if (name == n) return a;
-    all += (all.empty() ? "" : ", ") + std::string(n);
-  }
-  TORCH_CHECK_VALUE(false, "hetcomm: algorithm must be one of ", all, ", got '", name, "'");
 }
 
 py::dict totals_dict(const ReduceTotals& t) {
@@ -187,150 +141,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("node_of"), py::arg("hierarchical"),
         "(worker residual offset, server residual offset) of a bucket's error-feedback state, in the bucket");
 
-  // ---- transports (blocking calls; the GIL is released around every one) ----
-  // Defined once on the base class, so every transport has them all.
-  using T = Transport;
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport")
-      .def_property_readonly("rank", &T::rank)
-      .def_property_readonly("size", &T::size)
-      .def_property_readonly("name", &T::name)
-      .def_property_readonly("device", &T::device)
-      .def(
-          "send", [](T& t, const at::Tensor& x, int dst, int tag) { blocking(t, [&] { t.send(x, dst, tag); }); },
-          py::arg("tensor"), py::arg("dst"), py::arg("tag") = 0, nogil)
-      .def(
-          "recv", [](T& t, at::Tensor x, int src, int tag) { blocking(t, [&] { t.recv(x, src, tag); }); },
-          py::arg("tensor"), py::arg("src"), py::arg("tag") = 0, nogil)
-      .def(
-          "send_recv",
-          [](T& t, const at::Tensor& out, int dst, at::Tensor in, int src, int tag) {
-            blocking(t, [&] { t.send_recv(out, dst, in, src, tag); });
-          },
-          py::arg("out"), py::arg("dst"), py::arg("input"), py::arg("src"), py::arg("tag") = 0, nogil)
-      .def(
-          "all_reduce_sum", [](T& t, at::Tensor x) { blocking(t, [&] { t.all_reduce_sum(x); }); }, py::arg("tensor"),
-          nogil)
-      .def(
-          "all_gather",
-          [](T& t, at::Tensor out, const at::Tensor& in) { blocking(t, [&] { t.all_gather(out, in); }); },
-          py::arg("out"), py::arg("input"), nogil)
-      .def(
-          "all_to_all",
-          [](T& t, at::Tensor out, const at::Tensor& in) { blocking(t, [&] { t.all_to_all(out, in); }); },
-          py::arg("out"), py::arg("input"), nogil)
-      .def(
-          "reduce_scatter_sum",
-          [](T& t, at::Tensor out, const at::Tensor& in, const std::string& algorithm) {
-            TORCH_CHECK_VALUE(algorithm == "native" || algorithm == "ring",
-                              "hetcomm: algorithm must be 'native' or 'ring', got '", algorithm, "'");
-            blocking(t, [&] {
-              if (algorithm == "native")
-                t.reduce_scatter_sum(out, in);
-              else
-                collectives::reduce_scatter_ring(t, out, in);
-            });
-          },
-          py::arg("out"), py::arg("input"), py::arg("algorithm") = "native", nogil,
-          "out = this rank's block of the sum over ranks of input (world_size equal blocks).")
-      .def("barrier", [](T& t) { blocking(t, [&] { t.barrier(); }); }, nogil)
-      .def(
-          "allreduce_onebit",
-          [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
-             c10::optional<at::Tensor> sres) {
-            collectives::CodecTimer timer;
-            at::Tensor flat = flat_float32(x);
-            blocking(t, [&] { collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer); });
-          },
-          py::arg("x"), py::arg("divisor"), py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), nogil,
-          "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately).")
-      .def(
-          "allreduce_fp8",
-          [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
-             c10::optional<at::Tensor> sres) {
-            collectives::CodecTimer timer;
-            at::Tensor flat = flat_float32(x);
-            blocking(t, [&] { collectives::allreduce_fp8(t, flat, divisor, chunk, opt(wres), opt(sres), timer); });
-          },
-          py::arg("x"), py::arg("divisor"), py::arg("chunk") = 256, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), nogil,
-          "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place.")
-      .def(
-          "allreduce_topk",
-          [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res) {
-            collectives::CodecTimer timer;
-            at::Tensor flat = flat_float32(x);
-            blocking(t, [&] { collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer); });
-          },
-          py::arg("x"), py::arg("divisor"), py::arg("ratio"), py::arg("exact") = true, py::arg("residual") = py::none(),
-          nogil, "Top-k all-gather all-reduce of x in place.")
-      .def(
-          "allreduce_lowrank",
-          [](T& t, at::Tensor x, double divisor, const at::Tensor& layout, at::Tensor q_state,
-             c10::optional<at::Tensor> res, std::vector<int> node_of) {
-            collectives::CodecTimer timer;
-            at::Tensor flat = flat_float32(x);
-            blocking(t, [&] {
-              if (node_of.empty())
-                collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
-              else
-                collectives::allreduce_lowrank_hierarchical(t, flat, divisor, layout, q_state, opt(res), node_of,
-                                                            timer);
-            });
-          },
-          py::arg("x"), py::arg("divisor"), py::arg("layout"), py::arg("q_state"), py::arg("residual") = py::none(),
-          py::arg("node_of") = std::vector<int>{}, nogil, "Low-rank (PowerSGD-style) all-reduce of x in place.")
-      .def(
-          "allreduce",
-          [](T& t, at::Tensor x, const std::string& algorithm, std::vector<int> order, std::vector<int> node_of,
-             const std::string& inter, c10::optional<at::Tensor> res, c10::optional<at::Tensor> sres, int64_t chunk,
-             double ratio) {
-            TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
-            TORCH_CHECK_VALUE(inter == "ring" || inter == "onebit" || inter == "fp8" || inter == "topk",
-                              "hetcomm: inter must be 'ring', 'onebit', 'fp8' or 'topk', got '", inter, "'");
-            BucketReducer::check_topology(order, node_of, t.size());
-            if (inter != "ring") ops::check_chunk(chunk);
-            at::Tensor flat = x.view({-1});
-            const Algo algo = algo_named(algorithm);
-            collectives::InterOptions o;
-            o.codec = inter == "ring"     ? collectives::InterCodec::kRing
-                      : inter == "onebit" ? collectives::InterCodec::kOneBit
-                      : inter == "fp8"    ? collectives::InterCodec::kFP8
-                                          : collectives::InterCodec::kTopK;
-            o.residual = opt(res);
-            o.server_residual = opt(sres);
-            o.chunk = chunk;
-            o.topk_ratio = ratio;
-            blocking(t, [&] { collectives::allreduce_by(t, flat, algo, order, node_of, o); });
-          },
-          py::arg("x"), py::arg("algorithm"), py::arg("order") = std::vector<int>{},
-          py::arg("node_of") = std::vector<int>{}, py::arg("inter") = "ring", py::arg("residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::arg("chunk") = 2048, py::arg("topk_ratio") = 0.01, nogil,
-          "Sum of x over ranks, in place, by the named algorithm.")
-      .def("counters", [](T& t) {
-        py::dict d;
-        d["bytes_sent"] = t.counters().bytes_sent.load();
-        d["bytes_recv"] = t.counters().bytes_recv.load();
-        d["comm_s"] = t.counters().comm_ns.load() * 1e-9;
-        d["calls"] = t.counters().calls.load();
-        return d;
-      });
-  py::class_<ProcessGroupTransport, Transport, std::shared_ptr<ProcessGroupTransport>>(m, "ProcessGroupTransport")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("process_group"),
-           py::arg("device") = at::Device(at::kCPU));
+  bind_transports(m);
 
-#ifdef HETCOMM_WITH_CUDA
-  // NCCL matches point-to-point calls by order, not tags.
-  py::class_<NcclTransport, Transport, std::shared_ptr<NcclTransport>>(m, "NcclTransport")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int rank, int size,
-                       int device, double timeout_s) {
-             return std::make_shared<NcclTransport>(store, key, rank, size, device,
-                                                    std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
-           }),
-           py::arg("store"), py::arg("key"), py::arg("rank"), py::arg("size"), py::arg("device"),
-           py::arg("timeout_s") = 600.0, nogil);
-#endif
 
   // ---- engine ----------------------------------------------------------------
   py::enum_<Algo> algo_enum(m, "Algo", "How a sum is computed (csrc/collectives/algorithms.h)");

@@ -65,11 +65,22 @@ class Mode:
         ddp.register_comm_hook(hook_state, hook)
         return state
 
-    def torch_bytes(self, model: nn.Module, world: int) -> int:
+    @property
+    def plain(self) -> bool:
+        """hetcomm's HookState with its defaults: no ``+m``, no ``-no-ef``."""
+        return self.hook == "hetcomm" and not self.attach and self.options.get("error_feedback", True)
+
+    def torch_bytes(self, model: nn.Module, world: int, steps: Optional[int] = None) -> float:
         """Bytes a PyTorch hook sends per step and rank once compressing (the
-        ring-equivalent volume, the convention of hetcomm's stats)."""
+        ring-equivalent volume, the convention of hetcomm's stats); with
+        ``steps``, the mean over a run's first ``steps`` steps (PowerSGD sends
+        its first ``POWERSGD_START`` dense)."""
         if not self.is_torch:
             raise ValueError(f"mode {self.name!r} counts its bytes in HookState.stats()")
+        if self.hook == "powersgd" and steps is not None:
+            dense = ring_bytes(sum(p.numel() for p in model.parameters()), world)
+            start = min(steps, POWERSGD_START)
+            return (start * dense + max(steps - start, 0) * self.torch_bytes(model, world)) / max(steps, 1)
         if self.hook == "powersgd":
             floats = 0
             for p in model.parameters():  # P and Q of each matrix worth compressing, the rest dense
@@ -103,7 +114,7 @@ def _table() -> Dict[str, Mode]:
 MODES: Dict[str, Mode] = _table()
 #: PyTorch's hooks, and hetcomm's compressions as they are (no suffix)
 TORCH = tuple(n for n, m in MODES.items() if m.is_torch)
-HETCOMM = tuple(n for n, m in MODES.items() if not m.is_torch and not m.attach and len(m.options) == 1)
+HETCOMM = tuple(n for n, m in MODES.items() if m.plain)
 
 
 def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:

@@ -1,5 +1,6 @@
-"""Small models and deterministic data shared by the DDP tests. The same
-bodies run on the CPU (gloo) and, with device="cuda", one GPU per rank (NCCL)."""
+"""Small models, deterministic data and training loops shared by the DDP
+tests. The same bodies run on the CPU and, with device="cuda", on the GPUs
+(see the `place` fixture in conftest.py)."""
 
 import os
 import time
@@ -7,6 +8,8 @@ import time
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
 
 IN, OUT = 32, 10
 
@@ -49,6 +52,20 @@ def train_step(ddp, opt, rank, step, size, state=None):
     opt.zero_grad(set_to_none=False)
     nn.functional.cross_entropy(ddp(x.to(dev)), y.to(dev)).backward()
     opt.step()
+
+
+def replicas(rank: int, world: int, mode: str, steps: int, device: str = "cpu", options=None) -> dict:
+    """``steps`` of SGD-momentum on a DDP MLP in several buckets with
+    HookState(mode, **options): this rank's parameters, stats and residual keys."""
+    model = mlp(hidden=128)
+    net = ddp(model, rank, device, bucket_cap_mb=0.02)
+    state = hetcomm.HookState(mode, min_compress_numel=1000, topk_ratio=0.05, **(options or {}))
+    net.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        train_step(net, opt, rank, step, 16)
+    return {"params": flat_params(model), "stats": state.stats(),
+            "residuals": sorted(state.state_dict()["residuals"])}
 
 
 def kill_rank1_then_time_error(ddp, opt, rank):

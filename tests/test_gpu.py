@@ -1,13 +1,12 @@
-"""GPU tests: the CPU tests' bodies on CUDA. Kernels run through the `device`
-fixture in test_kernels.py (CUDA vs the CPU references, bit for bit). Here,
-with one GPU: gloo ranks sharing it (CUDA tensors through the process-group
-transport and the engine's comm stream), every algorithm and wire against the
-same collectives on CPU tensors bit for bit, DDP in every mode, and NCCL with
-one rank; with two GPUs (marker cuda2): the NCCL transport and DDP on one GPU
-per rank. They skip cleanly without a CUDA build of hetcomm and enough visible
-GPUs (decided at run time)."""
-
-from datetime import timedelta
+"""GPU-only tests. The CPU tests' bodies run on CUDA through two fixtures
+(tests/conftest.py): `device` (kernels and ops: CUDA against the CPU, bit for
+bit) and `place` (distributed tests: cpu-gloo, cuda-gloo with the ranks
+sharing a GPU, cuda-nccl with one GPU per rank). Here, what has no CPU twin:
+the kernels against the CPU at sizes up to 10^6, every algorithm and wire of
+`hetcomm bench allreduce` on CUDA tensors against the same on CPU tensors,
+hetcomm's own NCCL communicator against the process-group transport, and the
+NCCL transport's collectives in closed form (marker cuda2). They skip cleanly
+without a CUDA build of hetcomm and enough visible GPUs (decided at run time)."""
 
 import pytest
 import torch
@@ -15,7 +14,10 @@ import torch
 import hetcomm
 from hetcomm import ops
 
-from . import test_balance, test_ddp
+from hetcomm import topology
+from hetcomm.benchmarks import allreduce
+
+from . import models
 from .dist_harness import run_ranks
 
 
@@ -39,47 +41,30 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
 
 
 SHARED_WORLD = 4  # gloo ranks on the one GPU: two "nodes" of two for the hierarchical algorithm
-WIRES = ("none", "fp16", "bf16", "onebit", "topk")
+WIRES = ("none", "fp16", "bf16", "fp8", "onebit", "topk")
 
 
 def _wires_on(device, rank, world):
-    """Two calls of every algorithm x wire (error feedback carried from the
-    first into the second) on this rank's seeded input, on ``device``."""
+    """Two calls of every algorithm x wire `hetcomm bench allreduce` runs (error
+    feedback carried from the first into the second) on this rank's seeded input."""
     import torch.distributed as dist
 
-    nodes = [r * 2 // world for r in range(world)]
+    topo = topology.Topology(world=world, nodes=[f"node{r * 2 // world}" for r in range(world)],
+                             devices=[{}] * world)
     t = hetcomm._C.ProcessGroupTransport(dist.group.WORLD, device)
     base = (torch.randn(5003, generator=torch.Generator().manual_seed(rank)) * 3).to(device)
     out = {}
-    for algo in ("native", "ring", "halving_doubling", "tree", "hierarchical"):
+    for algo in topology.ALGORITHMS:
         for wire in WIRES:
-            if wire in ("onebit", "topk") and algo not in ("native", "hierarchical"):
+            if not allreduce.applicable(topo, algo, wire):
                 continue
-            if algo == "hierarchical" and wire in ("onebit", "topk"):
-                shard, peers, me = hetcomm._C.hierarchical_shard_numel(base.numel(), nodes, rank), 2, nodes[rank]
-            else:
-                shard, peers, me = base.numel(), world, rank
-            w = torch.zeros(shard, device=device)
-            srv = torch.zeros(ops.onebit_segment_numel(shard, peers, me), device=device)
+            state = allreduce.wire_state(base.numel(), algo, wire, topo, rank, device)
             results = []
             for call in range(2):
                 x = base * (call + 1)
-                if wire in ("fp16", "bf16"):
-                    h = ops.cast_encode(x, 4.0, "float16" if wire == "fp16" else "bfloat16")
-                    t.allreduce(h, algo, node_of=nodes)
-                    x = torch.empty_like(x)
-                    ops.cast_decode(h, 4.0, x)
-                elif wire == "none":
-                    t.allreduce(x, algo, node_of=nodes)
-                elif algo == "native" and wire == "onebit":
-                    t.allreduce_onebit(x, float(world), 2048, w, srv)
-                elif algo == "native":
-                    t.allreduce_topk(x, float(world), 0.05, True, w)
-                else:
-                    t.allreduce(x, "hierarchical", node_of=nodes, inter=wire, residual=w, server_residual=srv,
-                                topk_ratio=0.05)
+                allreduce.reduce_once(t, x, algo, wire, topo, state, topk_ratio=0.05)
                 results.append(x.cpu())
-            out[f"{algo}/{wire}"] = results + [w.cpu(), srv.cpu()]
+            out[f"{algo}/{wire}"] = results + [state["w"].cpu(), state["s"].cpu()]
     t.barrier()
     return out
 
@@ -95,7 +80,7 @@ def test_every_algorithm_and_wire_on_a_shared_gpu_equals_the_cpu_bit_for_bit():
     the CUDA codecs give the very bits the CPU path gives, on every rank."""
     results = run_ranks(_wires_cpu_and_shared_gpu, SHARED_WORLD)
     keys = results[0]["cpu"].keys()
-    assert len(keys) == 5 * 3 + 2 * 2  # every algorithm x dense wire, onebit/topk native and hierarchical
+    assert len(keys) == 5 * 3 + 2 * 3  # every algorithm x dense wire, fp8/onebit/topk native and hierarchical
     for rank, r in enumerate(results):
         for key in keys:
             for i, (c, g) in enumerate(zip(r["cpu"][key], r["cuda"][key])):
@@ -107,54 +92,15 @@ def test_every_algorithm_and_wire_on_a_shared_gpu_equals_the_cpu_bit_for_bit():
     assert torch.allclose(results[0]["cuda"]["ring/none"][0], exact, rtol=1e-5, atol=1e-4)
 
 
-SHARED_MODES = [("none", {}), ("fp16", {}), ("bf16", {}), ("fp8", {}), ("onebit", {}), ("topk", {}), ("lowrank", {}),
-                ("none", {"algorithm": "ring"}), ("none", {"algorithm": "tree"}),
-                ("none", {"algorithm": "halving_doubling"}), ("onebit", {"transport": "pg"}),
-                ("topk", {"topk_exact": False}), ("auto", {})]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("mode,options", SHARED_MODES)
-def test_ddp_replicas_bit_identical_on_a_shared_gpu(mode, options):
-    """Two gloo ranks on one GPU: CUDA buckets through the engine's comm stream."""
-    results = run_ranks(test_ddp._replicas, 2, mode, 20, "cuda", options)
-    assert torch.equal(results[1]["params"], results[0]["params"])
-    assert torch.isfinite(results[0]["params"]).all()
-    st = results[0]["stats"]
-    assert st["iter"] == 20
-    if mode in ("onebit", "topk", "lowrank"):
-        assert st["last_step"]["compression_ratio"] > 3
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["none", "fp16", "bf16", "onebit", "topk", "lowrank"])
-def test_ddp_weighted_on_a_shared_gpu(mode):
-    """Unequal batches: replicas identical, the weighted gradient the full-batch one (CPU reference)."""
-    test_ddp.check_weighted(run_ranks(test_ddp._weighted_grads, 2, mode, "cuda"), mode, 1e-5)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["none", "fp16", "onebit", "topk", "lowrank"])
 def test_nccl_with_one_rank_equals_the_process_group_transport(mode):
     """hetcomm's own NCCL communicator (world 1) and the process-group transport
     run the same codecs on the same GPU: the same bits after 10 steps."""
-    nccl = run_ranks(test_ddp._replicas, 1, mode, 10, "cuda", {}, backend="nccl")[0]
-    pg = run_ranks(test_ddp._replicas, 1, mode, 10, "cuda", {"transport": "pg"})[0]
+    nccl = run_ranks(models.replicas, 1, mode, 10, "cuda", {}, backend="nccl")[0]
+    pg = run_ranks(models.replicas, 1, mode, 10, "cuda", {"transport": "pg"})[0]
     assert torch.equal(nccl["params"], pg["params"])
     assert nccl["stats"]["iter"] == 10
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["none", "onebit"])
-def test_hook_returns_before_the_collective_finishes_on_a_shared_gpu(mode):
-    test_ddp.check_overlap(run_ranks(test_ddp._overlap, 2, mode, "cuda")[0], mode)
-
-
-@pytest.mark.cuda
-def test_dead_peer_on_a_shared_gpu_is_an_error_not_a_hang():
-    results = run_ranks(test_ddp._dead_peer, 2, "cuda", {"timeout": timedelta(seconds=15)}, check=False,
-                        pg_timeout=20, timeout=120)
-    test_ddp.check_dead_peer(results, 40)
 
 
 def _gpus(k):
@@ -208,49 +154,3 @@ def test_nccl_transport_collectives_closed_form():
         assert torch.equal(r["recv"], torch.full((5,), float((rank - 1) % world), dtype=torch.float64))
         for algorithm in ("native", "ring", "halving_doubling", "tree"):
             assert torch.equal(r[algorithm], torch.arange(10001, dtype=torch.float32) * (world * (world + 1) // 2))
-
-
-@pytest.mark.cuda2
-@pytest.mark.parametrize("mode", ["none", "fp16", "bf16", "onebit", "topk", "lowrank"])
-def test_ddp_weighted_replicas_on_gpus(mode):
-    _gpus(2)
-    if mode == "bf16" and torch.cuda.get_device_capability(0)[0] < 8:
-        pytest.skip("bf16 needs compute capability >= 8.0")
-    # GPU matmuls differ from the CPU reference by more than the CPU's 1e-6
-    test_ddp.check_weighted(run_ranks(test_ddp._weighted_grads, 2, mode, "cuda", backend="nccl"), mode, 1e-5)
-
-
-@pytest.mark.cuda2
-@pytest.mark.parametrize("mode,options", [("onebit", {}), ("topk", {}), ("lowrank", {}),
-                                          ("none", {"algorithm": "ring"}), ("onebit", {"transport": "pg"}),
-                                          ("none", {"algorithm": "auto"})])
-def test_ddp_replicas_bit_identical_on_gpus(mode, options):
-    _gpus(2)
-    results = run_ranks(test_ddp._replicas, 2, mode, 30, "cuda", options, backend="nccl")
-    for r in results[1:]:
-        assert torch.equal(r["params"], results[0]["params"])
-    assert results[0]["stats"]["iter"] == 30
-
-
-@pytest.mark.cuda2
-@pytest.mark.parametrize("mode", ["none", "onebit"])
-def test_hook_returns_before_the_collective_finishes_on_gpus(mode):
-    _gpus(2)
-    test_ddp.check_overlap(run_ranks(test_ddp._overlap, 2, mode, "cuda", backend="nccl")[0], mode)
-
-
-@pytest.mark.cuda2
-def test_dead_peer_on_nccl_is_an_error_not_a_hang():
-    _gpus(2)
-    results = run_ranks(test_ddp._dead_peer, 2, "cuda", {"timeout": timedelta(seconds=15)}, backend="nccl",
-                        check=False, pg_timeout=20, timeout=120)
-    test_ddp.check_dead_peer(results, 40)
-
-
-@pytest.mark.cuda2
-def test_rebalancing_follows_gpu_speed():
-    """The slow rank's extra work is GPU time the host never waits for: the
-    Balancer must time it with CUDA events to see it."""
-    _gpus(2)
-    test_balance.check_rebalancing(run_ranks(test_balance._balanced, 2, test_balance.PER_SAMPLE, "cuda",
-                                             backend="nccl"))

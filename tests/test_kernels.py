@@ -274,7 +274,7 @@ def test_fp8_rejects_bad_arguments():
         ops.fp8_decode(torch.zeros(64, dtype=torch.uint8), torch.ones(1), 64, 32)
     with pytest.raises(ValueError, match="codes must hold n = 64"):
         ops.fp8_decode(torch.zeros(63, dtype=torch.uint8), torch.ones(2), 64, 32)
-    with pytest.raises(TypeError, match="codes must be Byte"):
+    with pytest.raises(TypeError, match="codes must be uint8"):
         ops.fp8_decode(torch.zeros(64, dtype=torch.int8), torch.ones(2), 64, 32)
     with pytest.raises(ValueError, match="accumulate=True needs an out tensor"):
         ops.fp8_decode(torch.zeros(64, dtype=torch.uint8), torch.ones(2), 64, 32, accumulate=True)

@@ -238,10 +238,22 @@ def test_mode_table_counts_pytorchs_bytes_in_closed_form():
     assert hetcomm.modes.get("torch-fp16").torch_bytes(model, 4) == 2 * 3 * numel * 2 // 4
     # PowerSGD rank 4: P and Q of the 256 x 64 weight ((256 + 64) x 4 = 1280 floats) and of the 10 x 256 one
     # ((10 + 256) x 4 = 1064, worth it: 2 x 1064 < 2560); biases dense
-    assert hetcomm.modes.get("torch-powersgd").torch_bytes(model, 4) == 2 * 3 * (1280 + 256 + 1064 + 10) * 4 // 4
+    powersgd = 2 * 3 * (1280 + 256 + 1064 + 10) * 4 // 4
+    assert hetcomm.modes.get("torch-powersgd").torch_bytes(model, 4) == powersgd
+    # over a run: its first 2 steps are dense
+    dense = 2 * 3 * numel * 4 // 4
+    assert hetcomm.modes.get("torch-powersgd").torch_bytes(model, 4, steps=1) == dense
+    assert hetcomm.modes.get("torch-powersgd").torch_bytes(model, 4, steps=10) == (2 * dense + 8 * powersgd) / 10
+    assert hetcomm.modes.get("fp32").torch_bytes(model, 4, steps=10) == dense
     assert hetcomm.modes.ring_bytes(numel, 1) == 0
     with pytest.raises(ValueError, match="HookState.stats"):
         hetcomm.modes.get("onebit").torch_bytes(model, 4)
+
+
+def test_mode_table_plain_modes_are_hookstates_with_defaults():
+    assert set(hetcomm.modes.HETCOMM) == {"none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk",
+                                          "lowrank", "auto"}
+    assert not any(hetcomm.modes.get(n).plain for n in ("onebit+m", "topk-no-ef", "torch-powersgd", "fp32"))
 
 
 def test_mode_table_names_its_choices():

@@ -10,27 +10,22 @@ namespace kernels {
 
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-
 __global__ void fp8_encode_kernel(Fp8EncodeParams p, int64_t nchunks) {
-  const int lane = threadIdx.x % kLanes;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kLanes;
-  if (c >= nchunks) return;
-  const int64_t begin = c * p.chunk;
-  const int64_t len = min(p.chunk, p.n - begin);
-  const float* g = p.grad + begin;
-  float* e = p.residual ? p.residual + begin : nullptr;
+  const WarpChunk w = warp_chunk(p.grad, p.residual, p.n, p.chunk);
+  if (w.chunk >= nchunks) return;
+  const float* g = w.grad;
+  float* e = w.residual;
 
   uint32_t amax = 0;
-  for (int64_t i = lane; i < len; i += kLanes)
+  for (int64_t i = w.lane; i < w.len; i += kLanes)
     amax = max(amax, magnitude_bits(ef_input(g[i], p.divisor, e ? e[i] : 0.0f)));
   for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   const float scale = fp8_scale(bits_float(amax));
-  if (lane == 0) p.scales[c] = scale;
+  if (w.lane == 0) p.scales[w.chunk] = scale;
 
-  uint8_t* codes = p.codes + begin;
+  uint8_t* codes = p.codes + w.begin;
   const float inv = fp8_inverse(scale);
-  for (int64_t i = lane; i < len; i += kLanes) {
+  for (int64_t i = w.lane; i < w.len; i += kLanes) {
     const float x = ef_input(g[i], p.divisor, e ? e[i] : 0.0f);
     const uint8_t q = fp8_encode(x, inv);
     codes[i] = q;
@@ -56,7 +51,7 @@ __global__ void fp8_decode_kernel(Fp8DecodeParams p, int64_t nchunks) {
 void fp8_encode_cuda(const Fp8EncodeParams& p, void* stream) {
   const int64_t nchunks = fp8_num_chunks(p.n, p.chunk);
   if (nchunks == 0) return;
-  const unsigned int blocks = static_cast<unsigned int>((nchunks + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const unsigned int blocks = warp_per_chunk_blocks(nchunks);
   fp8_encode_kernel<<<blocks, kWarpsPerBlock * kLanes, 0, static_cast<cudaStream_t>(stream)>>>(p, nchunks);
   HC_CUDA_LAUNCH_CHECK("fp8_encode");
 }
@@ -64,7 +59,7 @@ void fp8_encode_cuda(const Fp8EncodeParams& p, void* stream) {
 void fp8_decode_cuda(const Fp8DecodeParams& p, void* stream) {
   const int64_t nchunks = fp8_num_chunks(p.n, p.chunk);
   if (nchunks == 0) return;
-  const unsigned int blocks = static_cast<unsigned int>(nchunks < (1 << 20) ? nchunks : (1 << 20));
+  const unsigned int blocks = block_per_chunk_blocks(nchunks);
   fp8_decode_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(p, nchunks);
   HC_CUDA_LAUNCH_CHECK("fp8_decode");
 }

@@ -10,36 +10,31 @@ namespace kernels {
 
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-
 __global__ void sign_encode_kernel(SignEncodeParams p, int64_t nchunks) {
-  const int lane = threadIdx.x % kLanes;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kLanes;
-  if (c >= nchunks) return;
-  const int64_t begin = c * p.chunk;
-  const int64_t len = min(p.chunk, p.n - begin);
-  const float* g = p.grad + begin;
-  float* e = p.residual ? p.residual + begin : nullptr;
+  const WarpChunk w = warp_chunk(p.grad, p.residual, p.n, p.chunk);
+  if (w.chunk >= nchunks) return;
+  const float* g = w.grad;
+  float* e = w.residual;
 
   float part = 0.0f;
-  for (int64_t i = lane; i < len; i += kLanes)
+  for (int64_t i = w.lane; i < w.len; i += kLanes)
     part = add_rn(part, magnitude(ef_input(g[i], p.divisor, e ? e[i] : 0.0f)));
   for (int offset = kLanes / 2; offset > 0; offset >>= 1)
     part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
-  const float scale = div_rn(part, static_cast<float>(len));
-  if (lane == 0) p.scales[c] = scale;
+  const float scale = div_rn(part, static_cast<float>(w.len));
+  if (w.lane == 0) p.scales[w.chunk] = scale;
 
-  uint32_t* words = p.words + c * (p.chunk / kBitsPerWord);
-  for (int64_t base = 0; base < len; base += kBitsPerWord) {
-    const int64_t i = base + lane;
+  uint32_t* words = p.words + w.chunk * (p.chunk / kBitsPerWord);
+  for (int64_t base = 0; base < w.len; base += kBitsPerWord) {
+    const int64_t i = base + w.lane;
     uint32_t bit = 0;
-    if (i < len) {
+    if (i < w.len) {
       const float x = ef_input(g[i], p.divisor, e ? e[i] : 0.0f);
       bit = sign_bit(x);
       if (e) e[i] = sign_residual(x, bit, scale);
     }
     const uint32_t word = __ballot_sync(0xffffffffu, bit);
-    if (lane == 0) words[base / kBitsPerWord] = word;
+    if (w.lane == 0) words[base / kBitsPerWord] = word;
   }
 }
 
@@ -54,13 +49,11 @@ constexpr int kBatch = 16;
 template <int kItems>
 __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
     sign_encode_regs_kernel(SignEncodeParams p, int64_t nchunks) {
-  const int lane = threadIdx.x % kLanes;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kLanes;
-  if (c >= nchunks) return;
-  const int64_t begin = c * p.chunk;
-  const int len = static_cast<int>(min(p.chunk, p.n - begin));
-  const float* g = p.grad + begin;
-  float* e = p.residual ? p.residual + begin : nullptr;
+  const WarpChunk w = warp_chunk(p.grad, p.residual, p.n, p.chunk);
+  if (w.chunk >= nchunks) return;
+  const int len = static_cast<int>(w.len);
+  const float* g = w.grad;
+  float* e = w.residual;
 
   float x[kItems];
   if (e && len == kItems * kLanes) {
@@ -69,8 +62,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
       float gv[kBatch], ev[kBatch];
 #pragma unroll
       for (int t = 0; t < kBatch; ++t) {
-        gv[t] = __ldg(g + lane + (jb + t) * kLanes);
-        ev[t] = e[lane + (jb + t) * kLanes];
+        gv[t] = __ldg(g + w.lane + (jb + t) * kLanes);
+        ev[t] = e[w.lane + (jb + t) * kLanes];
       }
 #pragma unroll
       for (int t = 0; t < kBatch; ++t) x[jb + t] = ef_input(gv[t], p.divisor, ev[t]);
@@ -78,31 +71,31 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
   } else {
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
-      const int i = lane + j * kLanes;
+      const int i = w.lane + j * kLanes;
       x[j] = i < len ? ef_input(g[i], p.divisor, e ? e[i] : 0.0f) : 0.0f;
     }
   }
   float part = 0.0f;
 #pragma unroll
   for (int j = 0; j < kItems; ++j)
-    if (lane + j * kLanes < len) part = add_rn(part, magnitude(x[j]));
+    if (w.lane + j * kLanes < len) part = add_rn(part, magnitude(x[j]));
   for (int offset = kLanes / 2; offset > 0; offset >>= 1)
     part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
   const float scale = div_rn(part, static_cast<float>(len));
-  if (lane == 0) p.scales[c] = scale;
+  if (w.lane == 0) p.scales[w.chunk] = scale;
 
-  uint32_t* words = p.words + c * (p.chunk / kBitsPerWord);
+  uint32_t* words = p.words + w.chunk * (p.chunk / kBitsPerWord);
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
     if (j * kLanes >= len) break;  // the same for the whole warp
-    const int i = lane + j * kLanes;
+    const int i = w.lane + j * kLanes;
     uint32_t bit = 0;
     if (i < len) {
       bit = sign_bit(x[j]);
       if (e) e[i] = sign_residual(x[j], bit, scale);
     }
     const uint32_t word = __ballot_sync(0xffffffffu, bit);
-    if (lane == 0) words[j] = word;
+    if (w.lane == 0) words[j] = word;
   }
 }
 
@@ -143,7 +136,7 @@ __global__ void sign_decode_kernel(SignDecodeParams p, int64_t nchunks) {
 void sign_encode_cuda(const SignEncodeParams& p, void* stream) {
   const int64_t nchunks = sign_num_chunks(p.n, p.chunk);
   if (nchunks == 0) return;
-  const unsigned int blocks = static_cast<unsigned int>((nchunks + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const unsigned int blocks = warp_per_chunk_blocks(nchunks);
   auto s = static_cast<cudaStream_t>(stream);
   if (p.chunk == 64 * kLanes)
     sign_encode_regs_kernel<64><<<blocks, kWarpsPerBlock * kLanes, 0, s>>>(p, nchunks);
@@ -155,7 +148,7 @@ void sign_encode_cuda(const SignEncodeParams& p, void* stream) {
 void sign_decode_cuda(const SignDecodeParams& p, void* stream) {
   const int64_t nchunks = sign_num_chunks(p.n, p.chunk);
   if (nchunks == 0) return;
-  const unsigned int blocks = static_cast<unsigned int>(nchunks < (1 << 20) ? nchunks : (1 << 20));
+  const unsigned int blocks = block_per_chunk_blocks(nchunks);
   auto s = static_cast<cudaStream_t>(stream);
   // chunk is a multiple of 32: every chunk of an aligned out starts aligned
   if (reinterpret_cast<uintptr_t>(p.out) % 16 == 0)

@@ -17,64 +17,39 @@ namespace k = hetcomm::kernels;
 
 namespace {
 
-void* stream_of(const at::Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
-}
+void* stream_of(const at::Device& device) { return c10::cuda::getCurrentCUDAStream(device.index()).stream(); }
 
-void check_cuda(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == like.get_device() && t.is_contiguous(), "hetcomm: ", name,
-                    " must be a contiguous tensor on ", like.device());
-}
-
-at::Tensor f32(const at::Tensor& t) { return t.reshape({-1}).to(at::kFloat).contiguous(); }
+void* stream_of(const at::Tensor& t) { return stream_of(t.device()); }
 
 }  // namespace
 
-void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
-                      at::Tensor& words, at::Tensor& scales) {
-  c10::cuda::CUDAGuard guard(grad.device());
-  const at::Tensor g = f32(grad);
-  if (residual.defined()) check_cuda(residual, "residual", grad);
-  check_cuda(words, "words", grad);
-  check_cuda(scales, "scales", grad);
-  k::SignEncodeParams p{g.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
-                        static_cast<float>(divisor), g.numel(), chunk,
-                        reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), scales.data_ptr<float>()};
-  k::sign_encode_cuda(p, stream_of(grad));
+void sign_encode(const k::SignEncodeParams& p, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::sign_encode_cuda(p, stream_of(device));
 }
 
-at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
-                       at::Tensor out, bool accumulate) {
-  c10::cuda::CUDAGuard guard(words.device());
-  if (!out.defined()) out = at::empty({n}, words.options().dtype(at::kFloat));
-  check_cuda(out, "out", words);
-  check_cuda(scales, "scales", words);
-  const at::Tensor w = words.contiguous();
-  k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>()), scales.data_ptr<float>(),
-                        out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
-  k::sign_decode_cuda(p, stream_of(words));
-  return out;
+void sign_decode(const k::SignDecodeParams& p, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::sign_decode_cuda(p, stream_of(device));
 }
 
 void fp8_encode(const k::Fp8EncodeParams& p, const at::Device& device) {
   c10::cuda::CUDAGuard guard(device);
-  k::fp8_encode_cuda(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  k::fp8_encode_cuda(p, stream_of(device));
 }
 
 void fp8_decode(const k::Fp8DecodeParams& p, const at::Device& device) {
   c10::cuda::CUDAGuard guard(device);
-  k::fp8_decode_cuda(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  k::fp8_decode_cuda(p, stream_of(device));
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t kk, bool exact) {
   c10::cuda::CUDAGuard guard(grad.device());
-  const at::Tensor g = f32(grad);
+  const at::Tensor& g = grad;
   const int64_t n = g.numel();
-  kk = std::min(kk, n);
   at::Tensor x;
   if (residual.defined()) {
-    check_cuda(residual, "residual", grad);
     k::ef_accumulate_cuda(g.data_ptr<float>(), static_cast<float>(divisor), residual.data_ptr<float>(), n,
                           stream_of(grad));
     x = residual;
@@ -124,45 +99,26 @@ std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at:
   return {idx, val};
 }
 
-at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha) {
-  c10::cuda::CUDAGuard guard(out.device());
-  check_cuda(out, "out", out);
-  const at::Tensor i = idx.contiguous(), v = val.contiguous();
-  check_cuda(i, "idx", out);
-  check_cuda(v, "val", out);
-  k::scatter_add_cuda(i.data_ptr<int32_t>(), v.data_ptr<float>(), i.numel(), static_cast<float>(alpha),
-                      out.data_ptr<float>(), stream_of(out));
-  return out;
+void scatter_add(const int32_t* idx, const float* val, int64_t count, float alpha, float* out,
+                 const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::scatter_add_cuda(idx, val, count, alpha, out, stream_of(device));
 }
 
-void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out) {
-  c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor f = f32(x);
-  check_cuda(out, "out", x);
-  const auto fmt = out.scalar_type() == at::kHalf ? k::Wire16::kHalf : k::Wire16::kBFloat16;
-  k::cast_encode_cuda(fmt, f.data_ptr<float>(), static_cast<float>(divisor), static_cast<uint16_t*>(out.data_ptr()),
-                      f.numel(), stream_of(x));
+void cast_encode(k::Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t n, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::cast_encode_cuda(fmt, in, divisor, out, n, stream_of(device));
 }
 
-at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out) {
-  c10::cuda::CUDAGuard guard(h.device());
-  const at::Tensor hc = h.reshape({-1}).contiguous();
-  if (!out.defined()) out = at::empty({hc.numel()}, h.options().dtype(at::kFloat));
-  check_cuda(out, "out", h);
-  const auto fmt = h.scalar_type() == at::kHalf ? k::Wire16::kHalf : k::Wire16::kBFloat16;
-  k::cast_decode_cuda(fmt, static_cast<const uint16_t*>(hc.data_ptr()), static_cast<float>(mul), out.data_ptr<float>(),
-                      hc.numel(), stream_of(h));
-  return out;
+void cast_decode(k::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::cast_decode_cuda(fmt, in, mul, out, n, stream_of(device));
 }
 
-at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out) {
-  c10::cuda::CUDAGuard guard(p.device());
-  check_cuda(p, "p", p);
-  check_cuda(qt, "qt", p);
-  check_cuda(out, "out", p);
-  k::outer_product_cuda(p.data_ptr<float>(), qt.data_ptr<float>(), out.data_ptr<float>(), p.size(0), qt.size(1),
-                        p.size(1), stream_of(p));
-  return out;
+void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
+                   const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::outer_product_cuda(p, qt, out, rows, cols, r, stream_of(device));
 }
 
 }  // namespace cuda

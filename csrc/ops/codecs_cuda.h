@@ -1,31 +1,36 @@
-// CUDA versions of the ATen codec wrappers in codecs.h: same contracts,
-// kernels from csrc/kernels/*_cuda.cu (the same per-element math), enqueued
-// on the current CUDA stream. Only in CUDA builds (HETCOMM_WITH_CUDA).
+// CUDA bodies of the codec ops in codecs.h: the kernels of
+// csrc/kernels/*_cuda.cu (the same per-element math as the CPU's), enqueued on
+// `device`'s current stream. Arguments are checked by codecs.cpp before they
+// get here; codecs_cpu.h has the same calls for the CPU. CUDA builds only
+// (HETCOMM_WITH_CUDA).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <tuple>
 
+#include "kernels/cast.h"
 #include "kernels/fp8.h"
+#include "kernels/sign.h"
 
 namespace hetcomm {
 namespace ops {
 namespace cuda {
 
-void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
-                      at::Tensor& words, at::Tensor& scales);
-at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
-                       at::Tensor out, bool accumulate);
-// Checked by the caller (codecs.cpp): enqueue on the device's current stream.
+void sign_encode(const kernels::SignEncodeParams& p, const at::Device& device);
+void sign_decode(const kernels::SignDecodeParams& p, const at::Device& device);
 void fp8_encode(const kernels::Fp8EncodeParams& p, const at::Device& device);
 void fp8_decode(const kernels::Fp8DecodeParams& p, const at::Device& device);
+// grad: float32, contiguous, on the GPU; residual: undefined or float32[grad.numel()] beside it; 0 <= k <= n.
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t k, bool exact);
-at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha);
-void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out);
-at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out);
-at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out);
+void scatter_add(const int32_t* idx, const float* val, int64_t count, float alpha, float* out,
+                 const at::Device& device);
+void cast_encode(kernels::Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t n,
+                 const at::Device& device);
+void cast_decode(kernels::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n, const at::Device& device);
+void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
+                   const at::Device& device);
 
 }  // namespace cuda
 }  // namespace ops

@@ -36,8 +36,10 @@ WIRES = ["none", "fp16", "onebit"]
 COMPRESSED_WIRES = ("fp8", "onebit", "topk")  # error feedback; flat (native) or across nodes (hierarchical)
 
 
-def _one(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topology, state: Dict) -> None:
-    """x (fp32) becomes the sum over ranks, by `algo` with the `wire` format."""
+def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topology, state: Dict,
+                topk_ratio: float = 0.01) -> None:
+    """x (fp32) becomes the sum over ranks, by `algo` with the `wire` format;
+    a compressed wire's error feedback lives in ``state`` (:func:`wire_state`)."""
     order, nodes = topo.ring_order(), topo.node_ids
     if wire in ("fp16", "bf16"):
         h = ops.cast_encode(x, 1.0, "float16" if wire == "fp16" else "bfloat16")
@@ -47,17 +49,31 @@ def _one(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topology, stat
         t.allreduce(x, algo, order=order if algo == "ring" else [], node_of=nodes)
     elif algo == "native":
         if wire == "onebit":
-            t.allreduce_onebit(x, 1.0, 2048, state["w"], state["s"])
+            t.allreduce_onebit(x, 1.0, options.chunk_for("onebit", None), state["w"], state["s"])
         elif wire == "fp8":
             t.allreduce_fp8(x, 1.0, options.chunk_for("fp8", None), state["w"], state["s"])
         else:
-            t.allreduce_topk(x, 1.0, 0.01, True, state["w"])
+            t.allreduce_topk(x, 1.0, topk_ratio, True, state["w"])
     else:  # hierarchical, compressed across nodes
         t.allreduce(x, "hierarchical", node_of=nodes, inter=wire, residual=state["w"], server_residual=state["s"],
-                    chunk=options.chunk_for(wire, None))
+                    chunk=options.chunk_for(wire, None), topk_ratio=topk_ratio)
 
 
-def _applicable(topo: topology.Topology, algo: str, wire: str) -> bool:
+def wire_state(n: int, algo: str, wire: str, topo: topology.Topology, rank: int, device: torch.device) -> Dict:
+    """Zeroed error-feedback state of an n-element sum by `algo` and `wire`:
+    the worker residual "w" (this rank's shard: across nodes, one node's) and
+    the server residual "s" (this rank's segment of it)."""
+    if algo == "hierarchical" and wire in COMPRESSED_WIRES:
+        shard = _C.hierarchical_shard_numel(n, topo.node_ids, rank)
+        peers, me = topo.num_nodes, topo.node_ids[rank]
+    else:
+        shard, peers, me = n, topo.world, rank
+    return {"w": torch.zeros(shard, device=device),
+            "s": torch.zeros(ops.onebit_segment_numel(shard, peers, me), device=device)}
+
+
+def applicable(topo: topology.Topology, algo: str, wire: str) -> bool:
+    """Whether `algo` can carry `wire` on this topology (compressed wires: flat or across nodes)."""
     if wire in COMPRESSED_WIRES and algo not in ("native", "hierarchical"):
         return False
     if algo == "hierarchical":
@@ -159,21 +175,15 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
             base = _input(n, size, rank).to(device)
         for wire in wires:
             for algo in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos:
-                if not _applicable(topo, algo, wire):
+                if not applicable(topo, algo, wire):
                     continue
-                if algo == "hierarchical" and wire in COMPRESSED_WIRES:
-                    shard = _C.hierarchical_shard_numel(n, topo.node_ids, rank)
-                    peers, me = topo.num_nodes, topo.node_ids[rank]
-                else:
-                    shard, peers, me = n, world, rank
-                state = {"w": torch.zeros(shard, device=device),
-                         "s": torch.zeros(ops.onebit_segment_numel(shard, peers, me), device=device)}
+                state = wire_state(n, algo, wire, topo, rank, device)
 
                 def run(x):
                     if algo == "torch":
                         dist.all_reduce(x)
                     else:
-                        _one(t, x, algo, wire, topo, state)
+                        reduce_once(t, x, algo, wire, topo, state)
 
                 max_err, wrong = float("nan"), -1
                 if check:

@@ -46,12 +46,7 @@ def _register(ddp, mode: str, opt: torch.optim.Optimizer):
     state = m.register(ddp, opt)
     if state is not None:
         return state, lambda steps: state.stats()["total"]["bytes_sent"] / max(steps, 1)
-    dense = mode_table.ring_bytes(sum(p.numel() for p in ddp.module.parameters()), dist.get_world_size())
-    sent = m.torch_bytes(ddp.module, dist.get_world_size())
-    if m.hook != "powersgd":
-        return None, lambda steps: sent
-    start = mode_table.POWERSGD_START  # PowerSGD sends its first steps dense
-    return None, lambda steps: (min(steps, start) * dense + max(steps - start, 0) * sent) / max(steps, 1)
+    return None, lambda steps: m.torch_bytes(ddp.module, dist.get_world_size(), steps)
 
 
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float) -> Optional[Dict]:

@@ -1,0 +1,38 @@
+// What the two binding files share: bindings.cpp (the module: build info,
+// kernels, engine) and bindings_transport.cpp (the transports' blocking calls).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/algorithms.h"
+#include "engine/bucket_reducer.h"
+
+namespace hetcomm {
+namespace bindings {
+
+inline at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
+
+// The names Python uses for the enums (py::enum_ exports them as _C.Algo / _C.Codec).
+inline const std::vector<std::pair<const char*, Algo>> kAlgoNames = {{"native", Algo::kNative},
+                                                                {"ring", Algo::kRing},
+                                                                {"halving_doubling", Algo::kHalvingDoubling},
+                                                                {"tree", Algo::kTree},
+                                                                {"hierarchical", Algo::kHierarchical}};
+inline const std::vector<std::pair<const char*, Codec>> kCodecNames = {{"none", Codec::kNone},   {"fp16", Codec::kFP16},
+                                                                  {"bf16", Codec::kBF16},   {"onebit", Codec::kOneBit},
+                                                                  {"topk", Codec::kTopK},   {"lowrank", Codec::kLowRank},
+                                                                  {"fp8", Codec::kFP8}};
+
+// The algorithm Python names `name` (an error listing the names otherwise).
+Algo algo_named(const std::string& name);
+
+// Transport, ProcessGroupTransport and (CUDA builds) NcclTransport.
+void bind_transports(pybind11::module_& m);
+
+}  // namespace bindings
+}  // namespace hetcomm

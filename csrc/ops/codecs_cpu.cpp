@@ -1,0 +1,88 @@
+#include "ops/codecs_cpu.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <functional>
+
+#include "kernels/lowrank.h"
+#include "kernels/topk.h"
+
+namespace hetcomm {
+namespace ops {
+namespace cpu {
+
+namespace k = hetcomm::kernels;
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 15;
+
+int64_t chunk_grain(int64_t chunk) { return std::max<int64_t>(1, kGrainElements / chunk); }
+
+}  // namespace
+
+void sign_encode(const k::SignEncodeParams& p) {
+  at::parallel_for(0, k::sign_num_chunks(p.n, p.chunk), chunk_grain(p.chunk),
+                   [&](int64_t b, int64_t e) { k::sign_encode_cpu(p, b, e); });
+}
+
+void sign_decode(const k::SignDecodeParams& p) {
+  at::parallel_for(0, k::sign_num_chunks(p.n, p.chunk), chunk_grain(p.chunk),
+                   [&](int64_t b, int64_t e) { k::sign_decode_cpu(p, b, e); });
+}
+
+void fp8_encode(const k::Fp8EncodeParams& p) {
+  at::parallel_for(0, k::fp8_num_chunks(p.n, p.chunk), chunk_grain(p.chunk),
+                   [&](int64_t b, int64_t e) { k::fp8_encode_cpu(p, b, e); });
+}
+
+void fp8_decode(const k::Fp8DecodeParams& p) {
+  at::parallel_for(0, k::fp8_num_chunks(p.n, p.chunk), chunk_grain(p.chunk),
+                   [&](int64_t b, int64_t e) { k::fp8_decode_cpu(p, b, e); });
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                               int64_t kk, bool exact) {
+  const int64_t n = grad.numel();
+  at::Tensor x = residual.defined() ? residual : at::empty({n}, at::kFloat);
+  float* xp = x.data_ptr<float>();
+  const float* gp = grad.data_ptr<float>();
+  const float d = static_cast<float>(divisor);
+  at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) {
+    if (residual.defined())
+      k::ef_accumulate_cpu(gp, d, xp, b, e);
+    else
+      k::scale_copy_cpu(gp, d, xp, b, e);
+  });
+  at::Tensor idx = at::empty({kk}, at::kInt);
+  at::Tensor val = at::empty({kk}, at::kFloat);
+  const k::ParallelFor pfor = [](int64_t count, const std::function<void(int64_t, int64_t)>& body) {
+    at::parallel_for(0, count, 1, body);
+  };
+  const int64_t count = exact ? k::topk_select_exact_cpu(xp, n, kk, idx.data_ptr<int32_t>(), val.data_ptr<float>(), pfor)
+                              : k::topk_select_sampled_cpu(xp, n, kk, idx.data_ptr<int32_t>(), val.data_ptr<float>(), pfor);
+  if (residual.defined()) k::topk_clear_cpu(xp, idx.data_ptr<int32_t>(), count);
+  return {idx.narrow(0, 0, count), val.narrow(0, 0, count)};
+}
+
+void scatter_add(const int32_t* idx, const float* val, int64_t count, float alpha, float* out) {
+  k::scatter_add_cpu(idx, val, count, alpha, out);  // sequential: the order of repeated indices is fixed
+}
+
+void cast_encode(k::Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t n) {
+  at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) { k::cast_encode_cpu(fmt, in, divisor, out, b, e); });
+}
+
+void cast_decode(k::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n) {
+  at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) { k::cast_decode_cpu(fmt, in, mul, out, b, e); });
+}
+
+void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)),
+                   [&](int64_t b, int64_t e) { k::outer_product_cpu(p, qt, out, rows, cols, r, b, e); });
+}
+
+}  // namespace cpu
+}  // namespace ops
+}  // namespace hetcomm

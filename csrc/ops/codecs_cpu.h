@@ -1,0 +1,32 @@
+// CPU bodies of the codec ops in codecs.h: the torch-free kernels
+// (csrc/kernels/*_cpu.cpp) run under at::parallel_for. Arguments are checked
+// by codecs.cpp before they get here; codecs_cuda.h has the same calls for CUDA.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+#include "kernels/cast.h"
+#include "kernels/fp8.h"
+#include "kernels/sign.h"
+
+namespace hetcomm {
+namespace ops {
+namespace cpu {
+
+void sign_encode(const kernels::SignEncodeParams& p);
+void sign_decode(const kernels::SignDecodeParams& p);
+void fp8_encode(const kernels::Fp8EncodeParams& p);
+void fp8_decode(const kernels::Fp8DecodeParams& p);
+// grad: float32, contiguous; residual: undefined or float32[grad.numel()]; 0 <= k <= n.
+std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                               int64_t k, bool exact);
+void scatter_add(const int32_t* idx, const float* val, int64_t count, float alpha, float* out);
+void cast_encode(kernels::Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t n);
+void cast_decode(kernels::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n);
+void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r);
+
+}  // namespace cpu
+}  // namespace ops
+}  // namespace hetcomm
