@@ -147,7 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- engine ----------------------------------------------------------------
   py::enum_<Algo> algo_enum(m, "Algo", "How a sum is computed (csrc/collectives/algorithms.h)");
   for (const auto& [n, a] : kAlgoNames) algo_enum.value(n, a);
-  py::enum_<Codec> codec_enum(m, "Codec", "A bucket's wire format (csrc/engine/bucket_reducer.h)");
+  py::enum_<Codec> codec_enum(m, "Codec", "A bucket's wire format (csrc/collectives/algorithms.h)");
   for (const auto& [n, c] : kCodecNames) codec_enum.value(n, c);
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("process_group"),

@@ -28,8 +28,18 @@ inline const std::vector<std::pair<const char*, Codec>> kCodecNames = {{"none", 
                                                                   {"topk", Codec::kTopK},   {"lowrank", Codec::kLowRank},
                                                                   {"fp8", Codec::kFP8}};
 
-// The algorithm Python names `name` (an error listing the names otherwise).
-Algo algo_named(const std::string& name);
+// The value of `table` Python names `name` (an error listing the names otherwise).
+template <typename E>
+E named(const std::vector<std::pair<const char*, E>>& table, const std::string& name, const char* what) {
+  std::string all;
+  for (const auto& [n, value] : table) {
+    if (name == n) return value;
+    all += (all.empty() ? "" : ", ") + std::string(n);
+  }
+  TORCH_CHECK_VALUE(false, "hetcomm: ", what, " must be one of ", all, ", got '", name, "'");
+}
+inline Algo algo_named(const std::string& name) { return named(kAlgoNames, name, "algorithm"); }
+inline Codec codec_named(const std::string& name) { return named(kCodecNames, name, "codec"); }
 
 // Transport, ProcessGroupTransport and (CUDA builds) NcclTransport.
 void bind_transports(pybind11::module_& m);

@@ -54,15 +54,6 @@ void blocking(Transport& t, const std::function<void()>& fn) {
 
 }  // namespace
 
-Algo algo_named(const std::string& name) {
-  std::string all;
-  for (const auto& [n, a] : kAlgoNames) {
-    if (name == n) return a;
-    all += (all.empty() ? "" : ", ") + std::string(n);
-  }
-  TORCH_CHECK_VALUE(false, "hetcomm: algorithm must be one of ", all, ", got '", name, "'");
-}
-
 void bind_transports(py::module_& m) {
   using T = Transport;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -162,17 +153,17 @@ void bind_transports(py::module_& m) {
              const std::string& inter, c10::optional<at::Tensor> res, c10::optional<at::Tensor> sres, int64_t chunk,
              double ratio) {
             TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
-            TORCH_CHECK_VALUE(inter == "ring" || inter == "onebit" || inter == "fp8" || inter == "topk",
-                              "hetcomm: inter must be 'ring', 'onebit', 'fp8' or 'topk', got '", inter, "'");
+            TORCH_CHECK_VALUE(inter == "ring" || inter == "none" || inter == "onebit" || inter == "fp8" ||
+                                  inter == "topk",
+                              "hetcomm: inter must be 'ring' (or 'none'), 'onebit', 'fp8' or 'topk', got '", inter,
+                              "'");
             BucketReducer::check_topology(order, node_of, t.size());
-            if (inter != "ring") ops::check_chunk(chunk);
+            const collectives::Codec codec = inter == "ring" ? collectives::Codec::kNone : codec_named(inter);
+            if (codec != collectives::Codec::kNone) ops::check_chunk(chunk);
             at::Tensor flat = x.view({-1});
             const Algo algo = algo_named(algorithm);
             collectives::InterOptions o;
-            o.codec = inter == "ring"     ? collectives::InterCodec::kRing
-                      : inter == "onebit" ? collectives::InterCodec::kOneBit
-                      : inter == "fp8"    ? collectives::InterCodec::kFP8
-                                          : collectives::InterCodec::kTopK;
+            o.codec = codec;
             o.residual = opt(res);
             o.server_residual = opt(sres);
             o.chunk = chunk;

@@ -106,13 +106,13 @@ def choose(times: Sequence[Sequence[float]], current: Optional[int] = None,
     return best
 
 
-def wire_of(mode: str, topk_ratio: float, lowrank_fraction: Optional[float] = None) -> str:
-    """The cost model's name of a wire format."""
+def wire_of(mode: str, topk_ratio: float, lowrank_fraction: Optional[float] = None) -> planner.Wire:
+    """The cost model's wire format of a mode."""
     if mode == "topk":
-        return f"topk:{topk_ratio}"
+        return planner.Wire("topk", topk_ratio)
     if mode == "lowrank":
-        return f"lowrank:{lowrank_fraction:.4f}"
-    return mode
+        return planner.Wire("lowrank", round(lowrank_fraction, 4))
+    return planner.Wire(mode)
 
 
 def lowrank_fraction(layout, numel: int) -> float:
@@ -149,15 +149,15 @@ class Planner:
         self._last_trial: Dict[int, Tuple[str, int]] = {}
 
     # ---- fixed modes -------------------------------------------------------------
-    def algorithm(self, numel: int, wire: str, compressed: bool) -> Tuple[str, str, Optional[float]]:
+    def algorithm(self, numel: int, wire: planner.Wire) -> Tuple[str, str, Optional[float]]:
         """(algorithm, why, predicted seconds) for a bucket of ``numel`` fp32
         elements sent as ``wire``: the option, or the cost model's choice."""
         s = self.s
         if s.algorithm != "auto":
-            if compressed and s.algorithm not in ("native", "hierarchical"):
+            if not planner.carries(s.algorithm, wire):
                 return "native", "fixed", None  # the codecs run flat or across nodes only
             return s.algorithm, "fixed", None
-        key = (numel, wire)
+        key = (numel, str(wire))
         if key not in self._algo:
             choice = planner.plan(s.topology, numel * 4, wire, forced=s._forced_algo)
             predicted = (choice.get("predicted_s") or {}).get(choice["algorithm"])
@@ -181,15 +181,15 @@ class Planner:
             return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
         if mode == "auto":
             return self._auto(numel, key, index, layout_of)
-        algo, why, predicted = self.algorithm(numel, self._wire(mode, numel, layout_of), True)
+        algo, why, predicted = self.algorithm(numel, self._wire(mode, numel, layout_of))
         return BucketPlan(mode, algo, why, predicted_s=predicted)
 
-    def _wire(self, mode: str, numel: int, layout_of) -> str:
+    def _wire(self, mode: str, numel: int, layout_of) -> planner.Wire:
         fraction = lowrank_fraction(layout_of(), numel) if mode == "lowrank" else None
         return wire_of(mode, self.s.topk_ratio, fraction)
 
     def _dense(self, numel: int, mode: str, why: str, interim: bool = False) -> BucketPlan:
-        algo, how, predicted = self.algorithm(numel, mode, False)
+        algo, how, predicted = self.algorithm(numel, planner.Wire(mode))
         return BucketPlan(mode, algo, why if why != "fixed" else how, interim, predicted)
 
     # ---- compression="auto" -----------------------------------------------------------
@@ -204,9 +204,7 @@ class Planner:
         ranked = []
         for mode in self.modes:
             wire = self._wire(mode, numel, layout_of)
-            usable = [a for a in algos if a in ("native", "hierarchical")] if mode in COMPRESSED else algos
-            if mode in COMPRESSED and not usable:
-                usable = ["native"]
+            usable = [a for a in algos if planner.carries(a, wire)] or ["native"]
             preds = [(planner.predict(s.topology, numel * 4, a, wire), a) for a in usable]
             preds = [(t, a) for t, a in preds if t is not None]
             if mode in DENSE:  # one algorithm per dense wire: the predicted best

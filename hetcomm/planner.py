@@ -8,94 +8,177 @@ from __future__ import annotations
 
 import math
 import os
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Union
 
 from .topology import ALGORITHMS, ENV_ALGO, WIRE_BYTES, LinkClass, Topology
+
+WIRES = ("none", "fp16", "bf16", "fp8", "onebit", "topk", "lowrank")
+_DEFAULT_FRACTION = {"topk": 0.01, "lowrank": 0.1}
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What a bucket's fp32 elements become on the wire. ``fraction``: for
+    top-k the share of elements sent, for low-rank the share of the bucket's
+    fp32 elements that P, Q and the dense parts make up. Written as text
+    ``kind`` or ``kind:fraction`` (``"topk:0.01"``, ``"lowrank:0.1234"``)."""
+    kind: str
+    fraction: Optional[float] = None
+
+    @staticmethod
+    def of(wire: Union[str, "Wire"]) -> "Wire":
+        if isinstance(wire, Wire):
+            return wire
+        kind, sep, frac = str(wire).partition(":")
+        try:
+            fraction = float(frac) if sep else _DEFAULT_FRACTION.get(kind)
+        except ValueError:
+            fraction = None
+        if kind not in WIRES or (sep and (kind not in _DEFAULT_FRACTION or fraction is None or not 0 < fraction <= 1)):
+            raise ValueError(f"unknown wire format {wire!r}: one of {', '.join(WIRES)} (topk and lowrank may add "
+                             "':<fraction in (0, 1]>')")
+        return Wire(kind, fraction)
+
+    @property
+    def dense(self) -> bool:
+        """Every element sent (fp32 or a 16-bit cast): any algorithm carries it."""
+        return self.kind in WIRE_BYTES
+
+    def __str__(self) -> str:
+        return self.kind if self.fraction is None else f"{self.kind}:{self.fraction:.4g}"
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One way to compute the sum (csrc/collectives/algorithms.h)."""
+    name: str
+    compressed: bool  # also carries the compressed wires (their error feedback runs flat or across nodes only)
+    across_nodes: bool  # needs several nodes with the same number of ranks
+
+    def applies(self, topo: Topology, wire: Wire) -> bool:
+        if not wire.dense and not self.compressed:
+            return False
+        if self.across_nodes:
+            per_node = topo.ranks_per_node()
+            # one rank per node: a dense hierarchical sum is the flat one; a compressed one still compresses
+            return bool(per_node) and topo.num_nodes > 1 and (per_node > 1 or not wire.dense)
+        return True
+
+
+#: The algorithms, in the order ties are broken.
+ALGORITHM_TABLE = {a.name: a for a in (Algorithm("native", True, False), Algorithm("ring", False, False),
+                                       Algorithm("halving_doubling", False, False), Algorithm("tree", False, False),
+                                       Algorithm("hierarchical", True, True))}
+assert tuple(ALGORITHM_TABLE) == ALGORITHMS
+
+
+def applies(topo: Topology, algorithm: str, wire: Union[str, Wire]) -> bool:
+    """Whether ``algorithm`` can carry ``wire`` on ``topo``."""
+    if algorithm not in ALGORITHM_TABLE:
+        raise ValueError(f"unknown algorithm {algorithm!r}: one of {', '.join(ALGORITHMS)}")
+    return ALGORITHM_TABLE[algorithm].applies(topo, Wire.of(wire))
+
+
+def carries(algorithm: str, wire: Union[str, Wire]) -> bool:
+    """Whether ``algorithm`` can carry ``wire`` at all (whatever the topology)."""
+    return Wire.of(wire).dense or ALGORITHM_TABLE[algorithm].compressed
 
 
 def _stage(link: LinkClass, messages: float, nbytes: float) -> float:
     return link.alpha * messages + nbytes * link.beta
 
 
-def predict(topo: Topology, nbytes: float, algorithm: str, wire: str = "none") -> Optional[float]:
-    """Predicted seconds for one all-reduce of an fp32 bucket of `nbytes`
-    (None: not applicable). wire: none/fp16/bf16 (dense), fp8, onebit, topk:<ratio>."""
-    w = topo.world
-    if w == 1:
-        return 0.0
-    worst = topo.worst()
-    n_elems = nbytes / 4
-    codec = 0.0
-    if wire in WIRE_BYTES:
-        b = n_elems * WIRE_BYTES[wire]
-        if wire != "none":
-            codec = 2 * nbytes / (topo.codec_gbps * 1e9 * 4)  # casts are ~4x cheaper than the 1-bit codec
-    elif wire.startswith("lowrank"):
-        # "lowrank:<fraction of the fp32 elements P, Q and the dense parts make up>"
-        frac = float(wire.split(":")[1]) if ":" in wire else 0.1
-        return _predict_lowrank(topo, nbytes, algorithm, frac)
-    elif wire in ("onebit", "fp8") or wire.startswith("topk"):
-        b = None
-        codec = 3 * nbytes / (topo.codec_gbps * 1e9)
-    else:
-        raise ValueError(f"unknown wire format {wire!r}")
-    per_node = topo.ranks_per_node()
-    nodes = topo.num_nodes
-    intra = topo.links.get("intra", worst)
-    inter = topo.links.get("inter", worst)
-    # The ranks of a node share its link: stages where all of them cross
-    # nodes at once carry `share` flows on one link.
-    share = (per_node or 1) if nodes > 1 else 1
-
-    def compressed_allreduce(ranks: int, elems: float, link: LinkClass, flows: int) -> float:
-        if wire in ("onebit", "fp8"):  # all-to-all + all-gather of 1/32 (1/4) of the data, plus scales
-            per_elem = 1 / 8 if wire == "onebit" else 1.0
-            return 2 * (ranks - 1) * link.alpha + flows * 2 * (ranks - 1) / ranks * elems * per_elem * 1.02 * link.beta
-        ratio = float(wire.split(":")[1]) if ":" in wire else 0.01
-        return (ranks - 1) * (link.alpha + flows * 8 * math.ceil(ratio * elems) * link.beta)
-
-    if b is None:  # fp8 / onebit / topk: flat, or compressed across nodes only
-        if algorithm == "native":
-            return codec + compressed_allreduce(w, n_elems, worst, share)
-        if algorithm == "hierarchical" and per_node and nodes > 1:
-            local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * nbytes)
-            return codec / per_node + local + compressed_allreduce(nodes, n_elems / per_node, inter, share)
+def predict(topo: Topology, nbytes: float, algorithm: str, wire: Union[str, Wire] = "none") -> Optional[float]:
+    """Predicted seconds for one all-reduce of an fp32 bucket of ``nbytes``
+    sent as ``wire`` (None: the algorithm does not apply)."""
+    wire = Wire.of(wire)
+    if not applies(topo, algorithm, wire):
         return None
-    if algorithm in ("native", "ring"):
-        # 2(W-1) steps of b/W bytes; every step waits for the slowest link on the ring
-        return codec + _stage(worst, 2 * (w - 1), 2 * (w - 1) / w * b)
-    if algorithm == "halving_doubling":
-        p = 2 ** int(math.log2(w))
-        t, mask = 0.0, p // 2
-        while mask >= 1:
-            crosses = topo.nodes[0] != topo.nodes[min(mask, w - 1)]
-            t += 2 * _stage(topo.link(0, min(mask, w - 1)), 1, b * mask / p * (share if crosses else 1))
-            mask //= 2
-        if p != w:
-            t += 2 * _stage(worst, 1, b)
-        return codec + t
-    if algorithm == "tree":
-        return codec + 2 * math.ceil(math.log2(w)) * _stage(worst, 1, b)
-    if algorithm == "hierarchical":
-        if not per_node or nodes == 1 or per_node == 1:
-            return None
-        local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * b)
-        return codec + local + _stage(inter, 2 * (nodes - 1), 2 * (nodes - 1) / nodes * b / per_node * share)
-    raise ValueError(f"unknown algorithm {algorithm!r}")
+    if topo.world == 1:
+        return 0.0
+    if wire.kind == "lowrank":
+        return _predict_lowrank(topo, nbytes, algorithm, wire.fraction)
+    if wire.dense:
+        codec = 2 * nbytes / (topo.codec_gbps * 1e9 * 4) if wire.kind != "none" else 0.0  # casts: ~4x the 1-bit codec
+        return codec + _DENSE_COST[algorithm](topo, nbytes / 4 * WIRE_BYTES[wire.kind])
+    codec = 3 * nbytes / (topo.codec_gbps * 1e9)
+    return _predict_compressed(topo, nbytes / 4, algorithm, wire, codec)
 
 
-def _predict_lowrank(topo: Topology, nbytes: float, algorithm: str, frac: float) -> Optional[float]:
+def _share(topo: Topology) -> int:
+    """Flows on one inter-node link when every rank of a node crosses at once."""
+    return (topo.ranks_per_node() or 1) if topo.num_nodes > 1 else 1
+
+
+def _links(topo: Topology):
+    worst = topo.worst()
+    return worst, topo.links.get("intra", worst), topo.links.get("inter", worst)
+
+
+def _ring(topo: Topology, b: float) -> float:
+    # 2(W-1) steps of b/W bytes; every step waits for the slowest link on the ring
+    w = topo.world
+    return _stage(topo.worst(), 2 * (w - 1), 2 * (w - 1) / w * b)
+
+
+def _halving_doubling(topo: Topology, b: float) -> float:
+    w, share = topo.world, _share(topo)
+    p = 2 ** int(math.log2(w))
+    t, mask = 0.0, p // 2
+    while mask >= 1:
+        crosses = topo.nodes[0] != topo.nodes[min(mask, w - 1)]
+        t += 2 * _stage(topo.link(0, min(mask, w - 1)), 1, b * mask / p * (share if crosses else 1))
+        mask //= 2
+    if p != w:
+        t += 2 * _stage(topo.worst(), 1, b)
+    return t
+
+
+def _tree(topo: Topology, b: float) -> float:
+    return 2 * math.ceil(math.log2(topo.world)) * _stage(topo.worst(), 1, b)
+
+
+def _hierarchical(topo: Topology, b: float) -> float:
+    per_node, nodes = topo.ranks_per_node(), topo.num_nodes
+    _, intra, inter = _links(topo)
+    local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * b)
+    return local + _stage(inter, 2 * (nodes - 1), 2 * (nodes - 1) / nodes * b / per_node * _share(topo))
+
+
+#: The cost of each algorithm's dense all-reduce of b wire bytes.
+_DENSE_COST = {"native": _ring, "ring": _ring, "halving_doubling": _halving_doubling, "tree": _tree,
+               "hierarchical": _hierarchical}
+
+
+def _predict_compressed(topo: Topology, n_elems: float, algorithm: str, wire: Wire, codec: float) -> float:
+    """fp8 / onebit / topk: flat, or exact inside nodes and compressed across them."""
+    share = _share(topo)
+
+    def compressed_allreduce(ranks: int, elems: float, link: LinkClass) -> float:
+        if wire.kind in ("onebit", "fp8"):  # all-to-all + all-gather of 1/32 (1/4) of the data, plus scales
+            per_elem = 1 / 8 if wire.kind == "onebit" else 1.0
+            return 2 * (ranks - 1) * link.alpha + share * 2 * (ranks - 1) / ranks * elems * per_elem * 1.02 * link.beta
+        return (ranks - 1) * (link.alpha + share * 8 * math.ceil(wire.fraction * elems) * link.beta)
+
+    worst, intra, inter = _links(topo)
+    if algorithm == "native":
+        return codec + compressed_allreduce(topo.world, n_elems, worst)
+    per_node = topo.ranks_per_node()
+    local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * n_elems * 4)
+    return codec / per_node + local + compressed_allreduce(topo.num_nodes, n_elems / per_node, inter)
+
+
+def _predict_lowrank(topo: Topology, nbytes: float, algorithm: str, frac: float) -> float:
     """Two all-reduces (P, then Q) carrying `frac` of the bucket's bytes in all;
     hierarchical: an exact intra-node all-reduce before and after, low-rank
     across nodes on the node's links."""
-    w, worst = topo.world, topo.worst()
+    w = topo.world
+    worst, intra, inter = _links(topo)
     sent = frac * nbytes
     if algorithm == "native":
         return _stage(worst, 4 * (w - 1), 2 * (w - 1) / w * sent)
     per_node, nodes = topo.ranks_per_node(), topo.num_nodes
-    if algorithm != "hierarchical" or not per_node or nodes == 1:
-        return None
-    intra, inter = topo.links.get("intra", worst), topo.links.get("inter", worst)
     local = 2 * _stage(intra, 2 * (per_node - 1), 2 * (per_node - 1) / per_node * nbytes) if per_node > 1 else 0.0
     # each node's matrices are split among its ranks, which share its link
     return local + _stage(inter, 4 * (nodes - 1), 2 * (nodes - 1) / nodes * sent)
@@ -104,14 +187,11 @@ def _predict_lowrank(topo: Topology, nbytes: float, algorithm: str, frac: float)
 _FROM_ENV = object()
 
 
-def plan(topo: Topology, nbytes: float, wire: str = "none", allowed: Optional[List[str]] = None,
+def plan(topo: Topology, nbytes: float, wire: Union[str, Wire] = "none", allowed: Optional[List[str]] = None,
          forced=_FROM_ENV) -> dict:
     """The algorithm predicted fastest for a bucket, with every prediction.
     ``forced`` (default: HETCOMM_ALGO) forces one, where it applies."""
-    algos = list(allowed or ALGORITHMS)
-    if wire not in WIRE_BYTES:  # compressed codecs run flat ("native") or across nodes only
-        algos = [a for a in algos if a in ("native", "hierarchical")]
-    predictions = {a: predict(topo, nbytes, a, wire) for a in algos}
+    predictions = {a: predict(topo, nbytes, a, wire) for a in (allowed or ALGORITHMS)}
     predictions = {a: t for a, t in predictions.items() if t is not None}
     if forced is _FROM_ENV:
         forced = os.environ.get(ENV_ALGO)
@@ -119,9 +199,9 @@ def plan(topo: Topology, nbytes: float, wire: str = "none", allowed: Optional[Li
         if forced not in ALGORITHMS:
             raise ValueError(f"{ENV_ALGO} must be one of {ALGORITHMS}, got {forced!r}")
         if forced in predictions:
-            return {"algorithm": forced, "wire": wire, "predicted_s": predictions, "forced": True}
+            return {"algorithm": forced, "wire": str(wire), "predicted_s": predictions, "forced": True}
     best = min(predictions, key=lambda a: (predictions[a], ALGORITHMS.index(a)))
-    return {"algorithm": best, "wire": wire, "predicted_s": predictions, "forced": False}
+    return {"algorithm": best, "wire": str(wire), "predicted_s": predictions, "forced": False}
 
 
 def plan_table(topo: Topology, wires: List[str], sizes: Optional[List[int]] = None) -> List[dict]:

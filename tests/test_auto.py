@@ -48,7 +48,7 @@ def _rank_predict(first):
 
     def predict(topo, nbytes, algorithm, wire="none"):
         t = real(topo, nbytes, algorithm, wire)
-        return None if t is None else (0.0 if wire.split(":")[0] == first else t + 1.0)
+        return None if t is None else (0.0 if plan.planner.Wire.of(wire).kind == first else t + 1.0)
     return predict
 
 

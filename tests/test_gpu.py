@@ -14,7 +14,7 @@ import torch
 import hetcomm
 from hetcomm import ops
 
-from hetcomm import topology
+from hetcomm import planner, topology
 from hetcomm.benchmarks import allreduce
 
 from . import models
@@ -56,7 +56,7 @@ def _wires_on(device, rank, world):
     out = {}
     for algo in topology.ALGORITHMS:
         for wire in WIRES:
-            if not allreduce.applicable(topo, algo, wire):
+            if not planner.applies(topo, algo, wire):
                 continue
             state = allreduce.wire_state(base.numel(), algo, wire, topo, rank, device)
             results = []

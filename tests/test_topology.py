@@ -178,3 +178,31 @@ def test_planner_lowrank_goes_hierarchical_on_slow_links_and_flat_on_one_node():
     # sending less is predicted faster
     assert planner.predict(two_nodes, 1 << 24, "native", "lowrank:0.01") < \
         planner.predict(two_nodes, 1 << 24, "native", "lowrank:0.1")
+
+
+def test_wire_formats_parse_print_and_reject():
+    assert planner.Wire.of("topk") == planner.Wire("topk", 0.01)
+    assert planner.Wire.of("lowrank:0.25") == planner.Wire("lowrank", 0.25)
+    assert planner.Wire.of("onebit") == planner.Wire("onebit") and planner.Wire.of("onebit").fraction is None
+    assert str(planner.Wire("topk", 0.05)) == "topk:0.05" and str(planner.Wire("bf16")) == "bf16"
+    assert [planner.Wire.of(w).dense for w in planner.WIRES] == [True, True, True, False, False, False, False]
+    for bad in ("zip", "onebit:0.1", "topk:", "topk:x", "lowrank:2"):
+        with pytest.raises(ValueError, match="unknown wire format"):
+            planner.Wire.of(bad)
+    with pytest.raises(ValueError, match="unknown algorithm 'rings'"):
+        planner.predict(_topo(["a", "a"]), 1024, "rings")
+
+
+def test_the_algorithm_table_says_where_each_wire_runs():
+    two_by_two, one_per_node, one_node = _topo(["a", "a", "b", "b"]), _topo(["a", "b"]), _topo(["a"] * 4)
+    for name in topology.ALGORITHMS:
+        for wire in planner.WIRES:
+            flat_ok = planner.Wire.of(wire).dense or name in ("native", "hierarchical")
+            assert planner.carries(name, wire) == flat_ok
+            # hierarchical: several equal nodes; with one rank per node only a compressed wire gains from it
+            want = flat_ok and (name != "hierarchical" or wire in ("fp8", "onebit", "topk", "lowrank"))
+            assert planner.applies(one_per_node, name, wire) == want, (name, wire)
+            assert planner.applies(two_by_two, name, wire) == flat_ok, (name, wire)
+            assert planner.applies(one_node, name, wire) == (flat_ok and name != "hierarchical"), (name, wire)
+            # the cost model predicts exactly where the algorithm applies
+            assert (planner.predict(two_by_two, 1 << 20, name, wire) is not None) == flat_ok

@@ -279,18 +279,21 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
     CodecTimer own;
     CodecTimer& timer = inter.timer ? *inter.timer : own;
     switch (inter.codec) {
-      case InterCodec::kRing:
+      case Codec::kNone:
         allreduce_ring(across, shard);
         break;
-      case InterCodec::kOneBit:
+      case Codec::kOneBit:
         allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer);
         break;
-      case InterCodec::kFP8:
+      case Codec::kFP8:
         allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer);
         break;
-      case InterCodec::kTopK:
+      case Codec::kTopK:
         allreduce_topk(across, shard, 1.0, inter.topk_ratio, inter.topk_exact, inter.residual, timer);
         break;
+      default:
+        TORCH_CHECK_VALUE(false, "hetcomm: the hierarchical all-reduce carries none, onebit, fp8 or topk across "
+                          "nodes, got codec ", static_cast<int>(inter.codec));
     }
   }
   // 3. intra-node all-gather

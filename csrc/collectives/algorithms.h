@@ -72,16 +72,19 @@ class SubgroupTransport : public Transport {
   int tag_base_;
 };
 
-// Inter-node stage of the hierarchical all-reduce.
-enum class InterCodec { kRing = 0, kOneBit = 1, kTopK = 2, kFP8 = 3 };
+// A wire format: what a bucket's fp32 elements become on the wire (the
+// engine's per-bucket codec; kNone, kOneBit, kFP8 and kTopK also name the
+// inter-node stage of the hierarchical all-reduce).
+enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5, kFP8 = 6 };
 
 // Intra-node reduce-scatter (ring), inter-node all-reduce of each rank's
 // shard among the ranks with the same local index, intra-node all-gather.
 // node_of[r] is rank r's node id; every node must hold the same number of
-// ranks. The inter-node stage may be compressed (onebit / fp8 / topk, with the
-// given residuals, sized for this rank's shard); intra-node stays exact.
+// ranks. The inter-node stage is an exact ring (kNone) or compressed (kOneBit
+// / kFP8 / kTopK, with the given residuals, sized for this rank's shard);
+// intra-node stays exact.
 struct InterOptions {
-  InterCodec codec = InterCodec::kRing;
+  Codec codec = Codec::kNone;
   int64_t chunk = 2048;
   double topk_ratio = 0.01;
   bool topk_exact = true;

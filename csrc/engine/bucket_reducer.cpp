@@ -142,9 +142,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         // Exact inside nodes, compressed across them.
         TORCH_CHECK_VALUE(!node_of_.empty(), "hetcomm: the hierarchical algorithm needs the topology");
         collectives::InterOptions inter;
-        inter.codec = job.codec == Codec::kOneBit ? collectives::InterCodec::kOneBit
-                      : job.codec == Codec::kFP8  ? collectives::InterCodec::kFP8
-                                                  : collectives::InterCodec::kTopK;
+        inter.codec = job.codec;
         inter.chunk = job.chunk;
         inter.topk_ratio = job.topk_ratio;
         inter.topk_exact = job.topk_exact;

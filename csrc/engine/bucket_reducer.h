@@ -17,9 +17,8 @@
 
 namespace hetcomm {
 
-enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5, kFP8 = 6 };
-
 using collectives::Algo;
+using collectives::Codec;
 
 struct BucketJob {
   int64_t index = 0;

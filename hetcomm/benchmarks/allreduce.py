@@ -33,7 +33,7 @@ from . import common
 
 ALGOS = list(topology.ALGORITHMS)
 WIRES = ["none", "fp16", "onebit"]
-COMPRESSED_WIRES = ("fp8", "onebit", "topk")  # error feedback; flat (native) or across nodes (hierarchical)
+WIRE_CHOICES = ("none", "fp16", "bf16", "fp8", "onebit", "topk")  # every wire but lowrank (a DDP bucket's layout)
 
 
 def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topology, state: Dict,
@@ -63,23 +63,13 @@ def wire_state(n: int, algo: str, wire: str, topo: topology.Topology, rank: int,
     """Zeroed error-feedback state of an n-element sum by `algo` and `wire`:
     the worker residual "w" (this rank's shard: across nodes, one node's) and
     the server residual "s" (this rank's segment of it)."""
-    if algo == "hierarchical" and wire in COMPRESSED_WIRES:
+    if algo == "hierarchical" and not planner.Wire.of(wire).dense:
         shard = _C.hierarchical_shard_numel(n, topo.node_ids, rank)
         peers, me = topo.num_nodes, topo.node_ids[rank]
     else:
         shard, peers, me = n, topo.world, rank
     return {"w": torch.zeros(shard, device=device),
             "s": torch.zeros(ops.onebit_segment_numel(shard, peers, me), device=device)}
-
-
-def applicable(topo: topology.Topology, algo: str, wire: str) -> bool:
-    """Whether `algo` can carry `wire` on this topology (compressed wires: flat or across nodes)."""
-    if wire in COMPRESSED_WIRES and algo not in ("native", "hierarchical"):
-        return False
-    if algo == "hierarchical":
-        per = topo.ranks_per_node()
-        return bool(per) and topo.num_nodes > 1 and per > 1
-    return True
 
 
 def _transport(rank: int, world: int, device: torch.device):
@@ -175,7 +165,7 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
             base = _input(n, size, rank).to(device)
         for wire in wires:
             for algo in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos:
-                if not applicable(topo, algo, wire):
+                if not planner.applies(topo, algo, wire):
                     continue
                 state = wire_state(n, algo, wire, topo, rank, device)
 
@@ -204,12 +194,11 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 sec = float(elapsed)
                 algbw = size / sec / 1e9
-                tk = "topk:0.01" if wire == "topk" else wire
                 row = {"bytes": size, "algorithm": algo, "wire": wire, "time_us": sec * 1e6,
                        "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (world - 1) / world,
                        "max_err": max_err, "wrong": wrong,
-                       "predicted_us": 0.0 if algo == "torch" else (planner.predict(topo, size, algo, tk) or 0) * 1e6,
-                       "planned": planner.plan(topo, size, tk)["algorithm"]}
+                       "predicted_us": 0.0 if algo == "torch" else (planner.predict(topo, size, algo, wire) or 0) * 1e6,
+                       "planned": planner.plan(topo, size, wire)["algorithm"]}
                 rows.append(row)
                 if rank == 0:
                     table.row(row)
@@ -226,7 +215,7 @@ def main(sizes: List[int], algos: Optional[List[str]], wires: Optional[List[str]
         if a not in ALGOS:
             raise SystemExit(f"hetcomm bench allreduce: unknown algorithm {a!r}; choose from {', '.join(ALGOS)}")
     for w in wires:
-        if w not in ("none", "fp16", "bf16") + COMPRESSED_WIRES:
+        if w not in WIRE_CHOICES:
             raise SystemExit(f"hetcomm bench allreduce: unknown wire format {w!r}")
     results = run_distributed(_worker, ranks, sizes, algos, wires, iters, warmup, check, device,
                               backend="nccl" if device == "cuda" else "gloo")
