@@ -92,6 +92,26 @@ at::Tensor decode_output(at::Tensor out, bool accumulate, const at::Tensor& like
   return out;
 }
 
+// A chunked decode's arguments (sign, fp8), checked: the codes (`type`, at
+// least `code_numel` = `code_rule`), a scale per chunk beside them, n >= 0,
+// the chunk; the output as decode_output makes it. Contiguous.
+struct ChunkedDecode {
+  at::Tensor codes, scales, out;
+};
+
+ChunkedDecode check_decode(const at::Tensor& codes, const char* name, at::ScalarType type, int64_t code_numel,
+                           const char* code_rule, const at::Tensor& scales, int64_t n, int64_t chunk, int64_t nchunks,
+                           at::Tensor out, bool accumulate) {
+  check_chunk(chunk);
+  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
+  TORCH_CHECK_VALUE(codes.defined() && scales.defined(), "hetcomm: ", name, " and scales must be tensors");
+  ChunkedDecode d{codes.contiguous(), scales.contiguous(), at::Tensor()};
+  check_buffer(d.codes, name, d.codes, type, code_numel, code_rule);
+  check_buffer(d.scales, "scales", d.codes, at::kFloat, nchunks, "ceil(n/chunk)");
+  d.out = decode_output(out, accumulate, d.codes, n);
+  return d;
+}
+
 k::Wire16 wire16(at::ScalarType type) { return type == at::kHalf ? k::Wire16::kHalf : k::Wire16::kBFloat16; }
 
 }  // namespace
@@ -152,18 +172,12 @@ std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at:
 
 at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                        at::Tensor out, bool accumulate) {
-  check_chunk(chunk);
-  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
-  TORCH_CHECK_VALUE(words.defined() && scales.defined(), "hetcomm: words and scales must be tensors");
-  const at::Tensor w = words.contiguous();
-  const at::Tensor s = scales.contiguous();
-  check_buffer(w, "words", w, at::kInt, k::sign_num_words(n), "ceil(n/32)");
-  check_buffer(s, "scales", w, at::kFloat, k::sign_num_chunks(n, chunk), "ceil(n/chunk)");
-  out = decode_output(out, accumulate, w, n);
-  const k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>()), s.data_ptr<float>(),
-                              out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
-  HC_RUN(w, "words", cpu::sign_decode(p), cuda::sign_decode(p, w.device()));
-  return out;
+  const ChunkedDecode d = check_decode(words, "words", at::kInt, k::sign_num_words(n), "ceil(n/32)", scales, n, chunk,
+                                       k::sign_num_chunks(n, chunk), out, accumulate);
+  const k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(d.codes.data_ptr<int32_t>()), d.scales.data_ptr<float>(),
+                              d.out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
+  HC_RUN(d.codes, "words", cpu::sign_decode(p), cuda::sign_decode(p, d.codes.device()));
+  return d.out;
 }
 
 void fp8_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
@@ -193,16 +207,12 @@ std::tuple<at::Tensor, at::Tensor> fp8_encode(const at::Tensor& grad, const at::
 
 at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                       at::Tensor out, bool accumulate) {
-  check_chunk(chunk);
-  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
-  TORCH_CHECK_VALUE(codes.defined(), "hetcomm: codes is undefined");
-  check_buffer(codes, "codes", codes, at::kByte, n, "n");
-  check_buffer(scales, "scales", codes, at::kFloat, k::fp8_num_chunks(n, chunk), "ceil(n/chunk)");
-  out = decode_output(out, accumulate, codes, n);
-  const k::Fp8DecodeParams p{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), out.data_ptr<float>(), n, chunk,
+  const ChunkedDecode d = check_decode(codes, "codes", at::kByte, n, "n", scales, n, chunk, k::fp8_num_chunks(n, chunk),
+                                       out, accumulate);
+  const k::Fp8DecodeParams p{d.codes.data_ptr<uint8_t>(), d.scales.data_ptr<float>(), d.out.data_ptr<float>(), n, chunk,
                              static_cast<float>(alpha), accumulate};
-  HC_RUN(codes, "codes", cpu::fp8_decode(p), cuda::fp8_decode(p, codes.device()));
-  return out;
+  HC_RUN(d.codes, "codes", cpu::fp8_decode(p), cuda::fp8_decode(p, d.codes.device()));
+  return d.out;
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
