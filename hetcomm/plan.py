@@ -20,8 +20,15 @@ options and the cost model of :mod:`hetcomm.planner`; for
 3. Decision: every rank all-gathers its round times, takes the slowest rank's
    time per round and the fastest round: the same choice everywhere, whatever
    each rank measured (:func:`choose`).
-4. Re-check every ``AUTO_RECHECK`` compressed steps (round 0: the current
-   plans), switching only to a round at least ``1 / AUTO_HYSTERESIS`` faster.
+4. Re-check (round 0: the current plans), switching only to a round at least
+   ``1 / AUTO_HYSTERESIS`` faster: first ``AUTO_SETTLE`` compressed steps
+   after the first decision (whose trial ran in the run's first steps, slower
+   and noisier than the steady state: measured, it could pick a plan 10-40 %
+   slower than the best), then every ``AUTO_RECHECK``. A re-check leaves out
+   the candidates its last measurement found more than ``AUTO_SPAN`` times
+   slower than the chosen round (fp32 at 100 Mbit: 10x a compressed step,
+   3 trial steps of it cost 25 compressed ones), except every
+   ``AUTO_FULL_EVERY``-th, which measures every candidate again.
 
 A bucket's error-feedback state belongs to the plan that made it: when a
 bucket's compressed plan changes, what its residuals still owe is folded into
@@ -46,8 +53,11 @@ COMPRESSED = ("fp8", "onebit", "topk", "lowrank")
 AUTO_MODES = DENSE + COMPRESSED
 AUTO_TOP = 3          # candidates by prediction kept for the trial (plus fp32 native)
 AUTO_REPEATS = 3      # trial steps per candidate, interleaved (the minimum counts: the first may warm up)
-AUTO_RECHECK = 1000   # compressed steps between re-checks
+AUTO_SETTLE = 100     # compressed steps from the first decision to the first re-check
+AUTO_RECHECK = 1000   # compressed steps between later re-checks
 AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
+AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
+AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,9 @@ class Planner:
         self._step_times: Dict[int, List[float]] = {}  # trial round -> step seconds
         self._order: Dict[str, List[int]] = {}  # bucket key -> candidate indices in trial-round order
         self._rechecking = False
+        self.rechecks = 0                  # re-checks started so far
+        #: per bucket key, the (mode, algorithm) pairs a pruned re-check leaves out
+        self.pruned: Dict[str, set] = {}
         self._opened: Optional[float] = None
         self._last_round: Optional[int] = None
         #: the slowest rank's step time of each round of the last trial
@@ -238,11 +251,13 @@ class Planner:
         mode, algo, predicted = cands[self.decided.get(key, 0)]
         return BucketPlan(mode, algo, "measured" if key in self.decided else "predicted", predicted_s=predicted)
 
-    def _order_of(self, key: str) -> List[int]:
+    def _order_of(self, key: str, prune: bool = False) -> List[int]:
         """The candidates of ``key`` in trial order: the current choice first
-        (round 0 of a re-check), then by prediction."""
+        (round 0 of a re-check), then by prediction; ``prune``: without those
+        measured hopeless (:attr:`pruned`)."""
         first = self.decided.get(key)
-        rest = [j for j in range(len(self.candidates[key])) if j != first]
+        out = self.pruned.get(key, set()) if prune else set()
+        rest = [j for j, c in enumerate(self.candidates[key]) if j != first and c[:2] not in out]
         return rest if first is None else [first] + rest
 
     def _candidate_in_round(self, key: str, c: int) -> int:
@@ -254,7 +269,11 @@ class Planner:
     def _start_trial(self) -> None:
         self.trial_start = self.compressed_steps
         self._rechecking = bool(self.decided)
-        self._order = {k: self._order_of(k) for k in self.candidates}
+        prune = False
+        if self._rechecking:
+            self.rechecks += 1
+            prune = self.rechecks % AUTO_FULL_EVERY != 0
+        self._order = {k: self._order_of(k, prune) for k in self.candidates}
         self._step_times, self._times = {}, {}
 
     def _in_trial(self) -> bool:
@@ -298,7 +317,7 @@ class Planner:
         if self.trial_start is not None and not self._in_trial():
             self._decide(engine)
             self.trial_start = None
-            self.next_check = self.compressed_steps + AUTO_RECHECK
+            self.next_check = self.compressed_steps + (AUTO_SETTLE if self.rechecks == 0 else AUTO_RECHECK)
         elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check:
             self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
 
@@ -325,6 +344,15 @@ class Planner:
             j = self._candidate_in_round(k, best)
             changed += self.decided.get(k, j) != j
             self.decided[k] = j
+            # what this trial measured hopeless is left out of the next pruned re-check; what it measured
+            # within AUTO_SPAN is back in
+            pruned = self.pruned.setdefault(k, set())
+            for c in range(min(rounds, len(self._order[k]))):  # (later rounds ran the first again)
+                cand = self.candidates[k][self._candidate_in_round(k, c)][:2]
+                if self.round_times[c] > AUTO_SPAN * self.round_times[best] and cand != self.candidates[k][j][:2]:
+                    pruned.add(cand)
+                else:
+                    pruned.discard(cand)
             per_bucket = self._times.get(k, {})
             self.measured[k] = [min(per_bucket[i]) if per_bucket.get(i) else None
                                 for i in range(len(self.candidates[k]))]
@@ -338,11 +366,14 @@ class Planner:
     # ---- what is saved ----------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"decided": {k: list(self.candidates[k][j][:2]) for k, j in self.decided.items()},
-                "compressed_steps": self.compressed_steps, "next_check": self.next_check}
+                "compressed_steps": self.compressed_steps, "next_check": self.next_check,
+                "rechecks": self.rechecks, "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v}}
 
     def load_state_dict(self, sd: dict) -> None:
         self.compressed_steps = int(sd.get("compressed_steps", 0))
         self.next_check = int(sd.get("next_check", 0))
+        self.rechecks = int(sd.get("rechecks", 0))
+        self.pruned = {str(k): {tuple(c) for c in v} for k, v in sd.get("pruned", {}).items()}
         self._restored = {str(k): tuple(v) for k, v in sd.get("decided", {}).items()}
         self.candidates, self.decided, self.trial_start, self._times, self._order = {}, {}, None, {}, {}
 
@@ -352,7 +383,8 @@ class Planner:
         for k, cands in self.candidates.items():
             j = self.decided.get(k)
             seen = self.measured.get(k, [None] * len(cands))
-            out[k] = {"candidates": [{"mode": m, "algorithm": a, "predicted_s": t, "comm_s": w}
+            out[k] = {"candidates": [{"mode": m, "algorithm": a, "predicted_s": t, "comm_s": w,
+                                      "pruned": (m, a) in self.pruned.get(k, ())}
                                      for (m, a, t), w in zip(cands, seen)],
                       "chosen": None if j is None else {"mode": cands[j][0], "algorithm": cands[j][1]}}
         return out

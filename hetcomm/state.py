@@ -325,8 +325,10 @@ class HookState(BucketSteps, Negotiation):
         out["plans"] = {k: {"mode": p.mode, "algorithm": p.algorithm, "why": p.why, "predicted_s": p.predicted_s}
                         for k, p in self.last_plans.items()}
         if self.compression == "auto":
-            out["auto"] = {"modes": list(self._planner.modes), "round_step_s": self._planner.round_times,
-                           "buckets": self._planner.describe()}
+            pl = self._planner
+            out["auto"] = {"modes": list(pl.modes), "round_step_s": pl.round_times, "rechecks": pl.rechecks,
+                           "next_check": pl.next_check, "compressed_steps": pl.compressed_steps,
+                           "buckets": pl.describe()}
         return out
 
     def close(self) -> None:

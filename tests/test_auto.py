@@ -301,3 +301,65 @@ def test_auto_seeds_the_compressed_momentum_from_the_optimizer(tmp_path, weight_
         apart = float((auto[0]["params"] - fixed[0]["params"]).abs().max())
         compression = float((fixed[0]["params"] - exact[0]["params"]).abs().max())
         assert apart < 0.25 * compression, (apart, compression)
+
+
+class _OneRankEngine:
+    """What the planner asks of the engine, for one rank: its round times come back as the all-gather."""
+
+    def last_step_buckets(self):
+        return []
+
+    def submit_config(self, row):
+        fut = torch.futures.Future()
+        fut.set_result(row.view(1, -1))
+        return fut
+
+
+def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(monkeypatch):
+    """The planner alone, on a clock of its own: fp32 costs 10 per step, fp8
+    1.0 and onebit 1.2. The first trial picks fp8 and finds fp32 hopeless
+    (over AUTO_SPAN x); the first re-check comes AUTO_SETTLE steps later and
+    leaves fp32 out; every AUTO_FULL_EVERY-th re-check measures it again. When
+    onebit becomes clearly faster (0.5, past the hysteresis) a re-check
+    switches to it."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
+                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
+    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
+                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, _compressed_at=lambda step: True)
+    planner = plan.Planner(state)
+    planner.modes = ("none", "fp8", "onebit")
+    cost = {"none": 10.0, "fp8": 1.0, "onebit": 1.2}
+    clock = [0.0]
+    monkeypatch.setattr(plan.time, "monotonic", lambda: clock[0])
+    engine = _OneRankEngine()
+    ran = []  # (compressed step, mode, why)
+    for step in range(3 * plan.AUTO_RECHECK + plan.AUTO_SETTLE + 60):
+        if step == plan.AUTO_SETTLE + 2 * plan.AUTO_RECHECK:
+            cost["onebit"] = 0.5
+        planner.begin_step(engine)
+        p = planner.plan(1 << 20, "bucket", 0, step, lambda: None)
+        ran.append((planner.compressed_steps, p.mode, p.why))
+        clock[0] += cost[p.mode]
+        planner.end_step(True)
+    trials = [(s, m) for s, m, why in ran if why == "trial"]
+    first = [m for s, m in trials if s < 3 * 3]
+    assert sorted(first) == ["fp8"] * 3 + ["none"] * 3 + ["onebit"] * 3  # 3 candidates x AUTO_REPEATS
+    settle = [m for s, m in trials if 9 + plan.AUTO_SETTLE <= s < 9 + plan.AUTO_SETTLE + 6]
+    assert sorted(settle) == ["fp8"] * 3 + ["onebit"] * 3  # fp32 left out: 10 > AUTO_SPAN x 1.0
+    starts = [s for (s, _), (p, _) in zip(trials[1:], trials) if s != p + 1]  # where each re-check began
+    assert starts[0] == 9 + plan.AUTO_SETTLE and all(b - a > plan.AUTO_RECHECK for a, b in zip(starts, starts[1:]))
+    assert len(starts) == plan.AUTO_FULL_EVERY
+    counts = [sorted({m for s, m in trials if a <= s < a + 9}) for a in starts]
+    assert counts[:3] == [["fp8", "onebit"]] * 3
+    assert counts[3] == ["fp8", "none", "onebit"]  # every AUTO_FULL_EVERY-th re-check measures every candidate
+    # the third re-check measured onebit's new speed and switched to it; the fourth kept it
+    assert ran[-1][1] == "onebit" and ran[-1][2] == "measured"
+    assert planner.rechecks == plan.AUTO_FULL_EVERY and planner.pruned["bucket"] == {("none", "native")}
+    # and what is left out is saved with the decisions
+    sd = planner.state_dict()
+    assert sd["pruned"] == {"bucket": [["none", "native"]]} and sd["rechecks"] == plan.AUTO_FULL_EVERY
+    fresh = plan.Planner(state)
+    fresh.load_state_dict(sd)
+    assert fresh.pruned == planner.pruned and fresh.rechecks == planner.rechecks

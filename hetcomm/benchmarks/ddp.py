@@ -9,7 +9,8 @@ per rank), and the fraction of communication hidden behind backward: 1 -
 some bucket's communication was in flight). The optimizer is SGD with momentum
 0.9; hetcomm's compressed modes and ``auto`` compress the momentum
 (``attach_optimizer``), as the README asks of momentum users. ``auto``'s trial
-steps are part of its warm-up, not timed.
+steps and its first re-check (``AUTO_SETTLE`` steps later) are part of its
+warm-up, not timed: its steady state, what a long run sees.
 
 ``--device cuda``: the model and buckets on GPUs. With a GPU per rank the
 ranks use NCCL (hetcomm its own NCCL communicator); with fewer GPUs than ranks
@@ -34,7 +35,7 @@ import hetcomm
 from .. import modes as mode_table
 from ..balance import Balancer, ThroughputMeter
 from ..launch import run_distributed, spawn_ranks
-from ..plan import AUTO_REPEATS, AUTO_TOP, COMPRESSED
+from ..plan import AUTO_REPEATS, AUTO_SETTLE, AUTO_TOP, COMPRESSED
 from . import common
 
 IN, OUT = 256, 10
@@ -114,8 +115,10 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         # momentum compression, as the README asks of SGD-momentum users (and
         # what lets auto choose 1-bit and top-k): every compressed mode pays it
         state.attach_optimizer(opt)
-    # auto's first steps after start_iter try its candidates: not counted
-    warmup = cfg["warmup"] + (state.start_iter + AUTO_REPEATS * (AUTO_TOP + 1) if base == "auto" else 0)
+    # auto's first steps after start_iter try its candidates, and its first re-check AUTO_SETTLE steps later
+    # measures them again in steady state: not counted (what a long run sees)
+    trial = AUTO_REPEATS * (AUTO_TOP + 1)
+    warmup = cfg["warmup"] + (state.start_iter + trial + AUTO_SETTLE + trial if base == "auto" else 0)
     gb = cfg["global_batch"]
     if balanced:
         bal = Balancer(state, gb, dataset_len=gb * 10_000, rebalance_every=3, lag=0, threshold=0.05)
