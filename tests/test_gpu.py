@@ -12,9 +12,7 @@ import pytest
 import torch
 
 import hetcomm
-from hetcomm import ops
-
-from hetcomm import planner, topology
+from hetcomm import ops, planner, topology
 from hetcomm.benchmarks import allreduce
 
 from . import models

@@ -78,6 +78,13 @@ def test_kernels_reject_bad_tensors():
         ops.cast_encode(torch.randn(3), 1.0, "int8")
     with pytest.raises(ValueError, match="words must hold"):
         ops.sign_decode(torch.zeros(1, dtype=torch.int32), torch.ones(1), 64, 64)
+    # the sizes are checked before anything is computed from them (a chunk of 0 once divided by zero)
+    with pytest.raises(ValueError, match="chunk must be a positive multiple of 32, got 0"):
+        ops.sign_decode(torch.zeros(0, dtype=torch.int32), torch.zeros(0), 0, 0)
+    with pytest.raises(ValueError, match="chunk must be a positive multiple of 32, got 0"):
+        hetcomm._C.fp8_decode(torch.zeros(0, dtype=torch.uint8), torch.zeros(0), 0, 0, 1.0, None, False)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        ops.sign_decode(torch.zeros(1, dtype=torch.int32), torch.ones(1), -5, 64)
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -92,18 +92,22 @@ at::Tensor decode_output(at::Tensor out, bool accumulate, const at::Tensor& like
   return out;
 }
 
-// A chunked decode's arguments (sign, fp8), checked: the codes (`type`, at
-// least `code_numel` = `code_rule`), a scale per chunk beside them, n >= 0,
-// the chunk; the output as decode_output makes it. Contiguous.
+// A chunked decode's sizes, checked before anything is computed from them.
+void check_decode_sizes(int64_t n, int64_t chunk) {
+  check_chunk(chunk);
+  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
+}
+
+// A chunked decode's tensors (sign, fp8), checked: the codes (`type`, at least
+// `code_numel` = `code_rule`), a scale per chunk beside them; the output as
+// decode_output makes it. Contiguous. After check_decode_sizes(n, chunk).
 struct ChunkedDecode {
   at::Tensor codes, scales, out;
 };
 
 ChunkedDecode check_decode(const at::Tensor& codes, const char* name, at::ScalarType type, int64_t code_numel,
-                           const char* code_rule, const at::Tensor& scales, int64_t n, int64_t chunk, int64_t nchunks,
+                           const char* code_rule, const at::Tensor& scales, int64_t n, int64_t nchunks,
                            at::Tensor out, bool accumulate) {
-  check_chunk(chunk);
-  TORCH_CHECK_VALUE(n >= 0, "hetcomm: n must be >= 0, got ", n);
   TORCH_CHECK_VALUE(codes.defined() && scales.defined(), "hetcomm: ", name, " and scales must be tensors");
   ChunkedDecode d{codes.contiguous(), scales.contiguous(), at::Tensor()};
   check_buffer(d.codes, name, d.codes, type, code_numel, code_rule);
@@ -172,7 +176,8 @@ std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at:
 
 at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                        at::Tensor out, bool accumulate) {
-  const ChunkedDecode d = check_decode(words, "words", at::kInt, k::sign_num_words(n), "ceil(n/32)", scales, n, chunk,
+  check_decode_sizes(n, chunk);  // (sign_num_chunks divides by the chunk)
+  const ChunkedDecode d = check_decode(words, "words", at::kInt, k::sign_num_words(n), "ceil(n/32)", scales, n,
                                        k::sign_num_chunks(n, chunk), out, accumulate);
   const k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(d.codes.data_ptr<int32_t>()), d.scales.data_ptr<float>(),
                               d.out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
@@ -207,8 +212,9 @@ std::tuple<at::Tensor, at::Tensor> fp8_encode(const at::Tensor& grad, const at::
 
 at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                       at::Tensor out, bool accumulate) {
-  const ChunkedDecode d = check_decode(codes, "codes", at::kByte, n, "n", scales, n, chunk, k::fp8_num_chunks(n, chunk),
-                                       out, accumulate);
+  check_decode_sizes(n, chunk);  // (fp8_num_chunks divides by the chunk)
+  const ChunkedDecode d = check_decode(codes, "codes", at::kByte, n, "n", scales, n, k::fp8_num_chunks(n, chunk), out,
+                                       accumulate);
   const k::Fp8DecodeParams p{d.codes.data_ptr<uint8_t>(), d.scales.data_ptr<float>(), d.out.data_ptr<float>(), n, chunk,
                              static_cast<float>(alpha), accumulate};
   HC_RUN(d.codes, "codes", cpu::fp8_decode(p), cuda::fp8_decode(p, d.codes.device()));
