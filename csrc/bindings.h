@@ -10,10 +10,12 @@
 #include <vector>
 
 #include "collectives/algorithms.h"
-#include "engine/bucket_reducer.h"
 
 namespace hetcomm {
 namespace bindings {
+
+using collectives::Algo;
+using collectives::Codec;
 
 inline at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
 

@@ -12,6 +12,7 @@
 #include "collectives/algorithms.h"
 #include "collectives/compressed.h"
 #include "collectives/lowrank.h"
+#include "engine/bucket_reducer.h"
 #include "ops/codecs.h"
 #include "transport/pg_transport.h"
 #ifdef HETCOMM_WITH_CUDA

@@ -149,13 +149,24 @@ int64_t topk_count(int64_t n, double ratio) {
   return std::min<int64_t>(n, static_cast<int64_t>(std::ceil(ratio * static_cast<double>(n))));
 }
 
-void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
-                      at::Tensor& words, at::Tensor& scales) {
+namespace {
+
+// A chunked encode's arguments (sign, fp8), checked: the divisor, the chunk,
+// the gradient (returned as contiguous float32) and its residual.
+at::Tensor check_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk) {
   check_divisor(divisor);
   check_chunk(chunk);
-  const at::Tensor g = as_float32(grad, "grad");
-  const int64_t n = g.numel();
+  at::Tensor g = as_float32(grad, "grad");
   check_residual(residual, g);
+  return g;
+}
+
+}  // namespace
+
+void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                      at::Tensor& words, at::Tensor& scales) {
+  const at::Tensor g = check_encode(grad, residual, divisor, chunk);
+  const int64_t n = g.numel();
   check_buffer(words, "words", g, at::kInt, k::sign_num_words(n), "ceil(n/32)", true);
   check_buffer(scales, "scales", g, at::kFloat, k::sign_num_chunks(n, chunk), "ceil(n/chunk)", true);
   const k::SignEncodeParams p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
@@ -187,11 +198,8 @@ at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_
 
 void fp8_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
                      at::Tensor& codes, at::Tensor& scales) {
-  check_divisor(divisor);
-  check_chunk(chunk);
-  const at::Tensor g = as_float32(grad, "grad");
+  const at::Tensor g = check_encode(grad, residual, divisor, chunk);
   const int64_t n = g.numel();
-  check_residual(residual, g);
   check_buffer(codes, "codes", g, at::kByte, n, "n");
   check_buffer(scales, "scales", g, at::kFloat, k::fp8_num_chunks(n, chunk), "ceil(n/chunk)");
   const k::Fp8EncodeParams p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
