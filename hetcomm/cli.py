@@ -31,6 +31,12 @@ def _bench(args) -> None:
                        algos=args.algos, wires=args.wires, iters=args.iters, warmup=args.warmup,
                        check=args.check, ranks=args.ranks, json_path=args.json, device=args.device,
                        png_path=args.plot)
+    elif args.what == "links":
+        from .benchmarks import common, links
+
+        links.main(sizes=common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor), patterns=args.patterns,
+                   iters=args.iters, warmup=args.warmup, ranks=args.ranks, json_path=args.json,
+                   link_rate=args.link_rate)
     elif args.what == "train":
         from .benchmarks import train
 
@@ -48,13 +54,14 @@ def _bench(args) -> None:
 
         grid.main(networks=args.networks, params=args.grid_params, ranks=args.grid_ranks,
                   modes=args.modes or grid.DEFAULT_MODES, iters=args.iters, warmup=args.warmup,
-                  global_batch=args.global_batch, json_path=args.json)
+                  global_batch=args.global_batch, json_path=args.json, rounds=args.rounds)
     elif args.what == "ddp":
         from .benchmarks import ddp
 
         ddp.main(ranks=args.ranks, modes=args.modes, params=args.params, global_batch=args.global_batch,
                  steps=args.iters, warmup=args.warmup, rank_cpu=args.rank_cpu, json_path=args.json,
-                 algorithm=args.algorithm, device=args.device)
+                 algorithm=args.algorithm, device=args.device, layers=args.layers, bucket_mb=args.bucket_mb,
+                 rounds=args.rounds)
 
 
 def _topo(args) -> None:
@@ -209,6 +216,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     import hetcomm
     from . import demo, topology
     from .benchmarks import ddp as bench_ddp
+    from .benchmarks import links as bench_links
     from .benchmarks import tasks as bench_tasks
     from .benchmarks import train as bench_train
 
@@ -262,12 +270,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     a.add_argument("--plot", type=writable_path, default=None, metavar="PATH",
                    help="busbw against size per algorithm and wire, as a PNG (needs matplotlib)")
     a.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
+    lk = bs.add_parser("links", help="what the link between two nodes delivers to one flow, several flows and a ring "
+                       "step (plain send/recv; inside `hetcomm testbed`)", formatter_class=fmt)
+    common(lk)
+    lk.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun/testbed")
+    lk.add_argument("--patterns", type=choices_list(bench_links.PATTERNS, "pattern"), default=None,
+                    help=f"comma-separated traffic patterns (default: {','.join(bench_links.PATTERNS)})")
+    lk.add_argument("--link-rate", type=rate, default=None,
+                    help="the link's rate for the 'of rate' column (default: the testbed's --inter-node-rate)")
     g = bs.add_parser("ddp", help="real DDP steps: PyTorch's hooks next to hetcomm's modes", formatter_class=fmt)
     common(g, sizes=False)
     g.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks on this machine")
     g.add_argument("--rank-cpu", type=quotas, default=None, help="per-rank CPU quotas in cores, e.g. 0.25,0.75 (root)")
     g.add_argument("--params", type=param_count, default=param_count("1M"), help="model size in parameters (K/M/B)")
     g.add_argument("--global-batch", type=positive_int, default=64, help="samples per step over all ranks")
+    g.add_argument("--rounds", type=positive_int, default=1,
+                   help="run the modes this many times, taking turns, and pool their timed steps (noise)")
+    g.add_argument("--layers", type=positive_int, default=2, help="hidden layers of the MLP (more: more buckets)")
+    g.add_argument("--bucket-mb", type=positive_float, default=25.0,
+                   help="DDP's bucket_cap_mb for every mode but PowerSGD (which takes one bucket)")
     g.add_argument("--modes", type=choices_list(bench_ddp.ALL_MODES, "mode"), default=None,
                    help="comma-separated modes (default: all; +bal = balanced)")
     g.add_argument("--algorithm", default="native", choices=("auto",) + topology.ALGORITHMS,
@@ -349,7 +370,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.cmd == "bench":
         args.fn = _bench
-        if args.what in ("compress", "allreduce"):
+        if args.what in ("compress", "allreduce", "links"):
             if args.stepfactor < 2:
                 p.error("-f/--stepfactor must be >= 2")
             if args.minbytes > args.maxbytes:

@@ -215,6 +215,8 @@ class Cluster:
                              WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(ranks_per_node),
                              **{topology.ENV_NODE: f"node{node}"}, GLOO_SOCKET_IFNAME=self.ifname(node), OMP_NUM_THREADS="1")
                     e.setdefault("HETCOMM_CACHE_DIR", cache.name)
+                    if self.inter_rate:
+                        e["HETCOMM_LINK_RATE"] = self.inter_rate  # for `hetcomm bench links`
                     log = None if rank == 0 else tempfile.TemporaryFile(mode="w+")
                     logs.append(log)
                     p = subprocess.Popen(["ip", "netns", "exec", ns] + list(command), env=e, stdout=log,

@@ -112,6 +112,33 @@ def test_bench_ddp_side_by_side(tmp_path):
     assert all(0 <= r["hidden"] <= 1 and r["step_ms"] > 0 for r in rows.values())
 
 
+def test_bench_ddp_many_buckets_in_rounds(tmp_path):
+    from hetcomm.benchmarks.ddp import model_for
+
+    _run(["bench", "ddp", "--ranks", "2", "--params", "60K", "--layers", "4", "--bucket-mb", "0.05", "--rounds", "2",
+          "-n", "3", "-w", "1", "--global-batch", "8", "--modes", "torch-allreduce,none", "--json", "d.json"], tmp_path)
+    data = json.load(open(tmp_path / "d.json"))
+    rows = {r["mode"]: r for r in data["rows"]}
+    model = model_for(60_000, layers=4)
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 5 and rows["none"]["params"] == sum(p.numel() for p in model.parameters())
+    # 0.24 MB of gradients in DDP buckets of 0.05 MB: several buckets (DDP's first one is larger), each planned
+    assert int(rows["none"]["plans"].split("x")[-1]) >= 2, rows["none"]["plans"]
+    for r in rows.values():
+        assert r["rounds"] == 2 and len(r["round_step_ms"]) == 2 and all(t > 0 for t in r["round_step_ms"])
+        assert 0 <= r["hidden"] <= 1
+
+
+def test_model_for_has_the_asked_size():
+    from hetcomm.benchmarks.ddp import model_for
+
+    for params, layers in [(10**6, 2), (5 * 10**6, 8), (200_000, 1), (60_000, 4)]:
+        n = sum(p.numel() for p in model_for(params, layers=layers).parameters())
+        assert abs(n - params) < 0.02 * params, (params, layers, n)
+    with pytest.raises(ValueError, match="layers must be >= 1"):
+        model_for(1000, layers=0)
+
+
 def test_bench_ddp_on_cuda_without_a_gpu_says_what_is_missing(tmp_path):
     import hetcomm
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from hetcomm import testbed
+from hetcomm.benchmarks import links
 
 pytestmark = pytest.mark.netns
 
@@ -60,6 +61,38 @@ def test_bench_allreduce_inside_the_testbed_is_correct(tmp_path):
     # and across nodes loses nothing (results + residuals = the exact sums)
     assert all(x["wrong"] == 0 for x in rows), rows
     assert all(x["busbw_GBps"] > 0 for x in rows)
+
+
+def test_bench_links_measures_the_shaped_rate_for_every_traffic_pattern(tmp_path):
+    _need_netns()
+    out = tmp_path / "links.json"
+    cmd = [sys.executable, "-m", "hetcomm.cli", "testbed", "--nodes", "2", "--ranks-per-node", "2",
+           "--inter-node-rate", "200mbit", "--", sys.executable, "-m", "hetcomm.cli", "bench", "links",
+           "-b", "1M", "-e", "1M", "-n", "2", "-w", "1", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {x["pattern"]: x for x in data["rows"]}
+    assert set(rows) == set(links.PATTERNS)
+    assert data["meta"]["rate_bits"] == 200e6  # the testbed's rate, handed down in HETCOMM_LINK_RATE
+    # one, two and both-ways flows of 1 MiB: the link's bytes over the time are the shaped 200 Mbit/s
+    # (a flow that also paid its connection set-up or lost packets shows as less; tbf's burst as a little more)
+    for name in ("single", "shared", "exchange", "ring"):
+        assert 0.4 < rows[name]["of_rate"] < 1.2, rows[name]
+        assert rows[name]["min_ms"] <= rows[name]["time_ms"] <= rows[name]["max_ms"]
+    assert rows["shared"]["link_bytes"] == 2 * rows["single"]["link_bytes"] == 2 * (1 << 20)
+    assert rows["local"]["mbit_s"] > 3 * rows["single"]["mbit_s"]  # inside a node: its loopback, not the link
+
+
+def test_link_patterns_pair_the_ranks_of_two_nodes():
+    nodes = [[0, 1], [2, 3]]
+    plan = {p: [links._plan(p, r, nodes) for r in range(4)] for p in links.PATTERNS}
+    assert plan["single"] == [([2], [], 1), ([], [], 1), ([], [0], 1), ([], [], 1)]
+    assert plan["shared"] == [([2], [], 2), ([3], [], 2), ([], [0], 2), ([], [1], 2)]
+    assert plan["exchange"] == [([2], [2], 2), ([3], [3], 2), ([0], [0], 2), ([1], [1], 2)]
+    assert plan["ring"] == [([1], [3], 1), ([2], [0], 1), ([3], [1], 1), ([0], [2], 1)]
+    assert plan["local"] == [([1], [1], 1), ([0], [0], 1), ([], [], 1), ([], [], 1)]
+    assert links.rate_bits("100mbit") == 1e8 and links.rate_bits(None) is None
 
 
 def test_a_failing_rank_fails_the_testbed_run(tmp_path):

@@ -81,10 +81,15 @@ void ProcessGroupTransport::do_send_recv(const at::Tensor& out, int dst, at::Ten
   const auto start = std::chrono::steady_clock::now();
   c10::intrusive_ptr<c10d::Work> ws, wr;
   std::vector<at::Tensor> vs{out}, vr{in};
-  if (dst >= 0) ws = pg_->send(vs, dst, tag);
+  // The receive is posted first: with the send first, the peer's data can
+  // arrive before its receive is posted, and on gloo's TCP pairs that stalls
+  // the flow. Measured on the testbed (2 x 2 ranks, 100 Mbit, two 4 MiB
+  // exchange steps between nodes, two flows per link): receive first 1.48 s
+  // median, steady; send first 1.7-2.4 s median, 1.44-2.77 s per call.
   if (src >= 0) wr = pg_->recv(vr, src, tag);
-  if (ws) wait(ws, "send", start);
+  if (dst >= 0) ws = pg_->send(vs, dst, tag);
   if (wr) wait(wr, "recv", start);
+  if (ws) wait(ws, "send", start);
 }
 
 void ProcessGroupTransport::do_all_reduce_sum(at::Tensor& t) {

@@ -45,11 +45,20 @@ DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp1
                  "none+bal", "onebit+bal", "topk+bal", "lowrank+bal"]
 
 
-def model_for(params: int, seed: int = 0) -> nn.Module:
-    """An MLP IN -> h -> h -> OUT with about ``params`` parameters."""
-    h = max(16, int((-(IN + OUT + 2) + math.sqrt((IN + OUT + 2) ** 2 + 4 * params)) / 2))
+def model_for(params: int, seed: int = 0, layers: int = 2) -> nn.Module:
+    """An MLP IN -> h -> ... -> h -> OUT (``layers`` hidden layers of width h)
+    with about ``params`` parameters."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    # (layers - 1) h^2 + (IN + OUT + layers) h + OUT = params
+    a, b = layers - 1, IN + OUT + layers
+    h = (params - OUT) / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * max(0, params - OUT))) / (2 * a)
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, OUT))
+    h = max(16, int(h))
+    mods: List[nn.Module] = [nn.Linear(IN, h), nn.ReLU()]
+    for _ in range(layers - 1):
+        mods += [nn.Linear(h, h), nn.ReLU()]
+    return nn.Sequential(*mods, nn.Linear(h, OUT))
 
 
 class _Timeline:
@@ -95,10 +104,11 @@ def _device(rank: int, cfg: Dict) -> torch.device:
 def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     base, balanced = mode.split("+")[0], mode.endswith("+bal")
     dev = _device(rank, cfg)
-    model = model_for(cfg["params"]).to(dev)
+    model = model_for(cfg["params"], layers=cfg.get("layers", 2)).to(dev)
     numel = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                              bucket_cap_mb=10_000 if base == "torch-powersgd" else 25)
+                                              bucket_cap_mb=10_000 if base == "torch-powersgd" else
+                                              cfg.get("bucket_mb", 25))
     algorithm = cfg.get("algorithm", "native")
     # auto chooses the algorithm too unless one is asked for
     overrides = {} if base in TORCH_MODES else {
@@ -167,18 +177,35 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         sent = mode_table.get(base).torch_bytes(model, world)
     if dev.type == "cuda":  # exposed: what the step takes beyond compute alone
         exposed = [max(0.0, t - cfg["solo_step_s"]) for t in times]
-    hidden = 1.0 - sum(exposed) / sum(busy) if sum(busy) > 0 else 1.0
-    return {"step_ms": 1000 * times[len(times) // 2], "samples_per_s": gb / times[len(times) // 2],
-            "bytes_per_step": sent, "hidden": min(1.0, max(0.0, hidden)), "compute_rate": meter.rate,
+    return {**_timing(times, exposed, busy, gb), "bytes_per_step": sent, "compute_rate": meter.rate,
             "local_batch": bal.sizes[rank] if balanced else local, "params": numel, "plans": plans,
             **({"auto": auto} if auto else {})}
+
+
+def _timing(times: List[float], exposed: List[float], busy: List[float], global_batch: int) -> Dict:
+    """Median step, samples/s and hidden fraction of the timed steps (kept, so
+    that rounds can be pooled: :func:`_pool`)."""
+    times = sorted(times)
+    hidden = 1.0 - sum(exposed) / sum(busy) if sum(busy) > 0 else 1.0
+    return {"step_ms": 1000 * times[len(times) // 2], "samples_per_s": global_batch / times[len(times) // 2],
+            "hidden": min(1.0, max(0.0, hidden)), "_steps": (times, exposed, busy)}
+
+
+def _pool(rounds: List[Dict], global_batch: int) -> Dict:
+    """One mode's rounds as one result: the timed steps of every round pooled
+    (median over all of them), the rest from the last round."""
+    times, exposed, busy = ([x for r in rounds for x in r["_steps"][i]] for i in range(3))
+    out = {**rounds[-1], **_timing(times, exposed, busy, global_batch), "rounds": len(rounds)}
+    out["round_step_ms"] = [r["step_ms"] for r in rounds]
+    del out["_steps"]
+    return out
 
 
 def _solo_rate(rank: int, world: int, cfg: Dict) -> float:
     """This rank's samples/s training alone (no DDP, no communication; all
     ranks at once, so ranks sharing a GPU share it here too)."""
     dev = _device(rank, cfg)
-    model = model_for(cfg["params"]).to(dev)
+    model = model_for(cfg["params"], layers=cfg.get("layers", 2)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     b = cfg["global_batch"] // world
     gen = torch.Generator().manual_seed(rank)
@@ -200,9 +227,14 @@ def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str
     out = {"_solo": {"rate": _solo_rate(rank, world, cfg)}}
     cfg = dict(cfg, solo_step_s=(cfg["global_batch"] // world) / out["_solo"]["rate"])
     dist.barrier()
+    # rounds take turns (mode a, b, c, a, b, c, ...): a drifting load weighs on every mode alike
+    runs: Dict[str, List[Dict]] = {m: [] for m in modes}
+    for _ in range(cfg.get("rounds", 1)):
+        for mode in modes:
+            runs[mode].append(_run_mode(rank, world, mode, cfg))
+            dist.barrier()
     for mode in modes:
-        out[mode] = _run_mode(rank, world, mode, cfg)
-        dist.barrier()
+        out[mode] = _pool(runs[mode], cfg["global_batch"])
     every: List[Optional[Dict]] = [None] * world
     dist.all_gather_object(every, out)
     return every
@@ -215,7 +247,8 @@ def backend_for(device: str, ranks: int) -> str:
 
 
 def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
-        rank_cpu: Optional[List[float]] = None, algorithm: str = "native", device: str = "cpu") -> Dict:
+        rank_cpu: Optional[List[float]] = None, algorithm: str = "native", device: str = "cpu", layers: int = 2,
+        bucket_mb: float = 25, rounds: int = 1) -> Dict:
     for m in modes:
         if m.split("+")[0] not in TORCH_MODES + HETCOMM_MODES or (m.endswith("+bal") and m.split("+")[0] in TORCH_MODES):
             raise ValueError(f"unknown mode {m!r}: choose from {TORCH_MODES + HETCOMM_MODES}, +bal for hetcomm's")
@@ -224,7 +257,8 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
                          "(build_info()['cuda'])")
     backend = backend_for(device, ranks)
     cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup, "algorithm": algorithm,
-           "device": device, "backend": backend}
+           "device": device, "backend": backend, "layers": layers, "bucket_mb": bucket_mb,
+           "rounds": rounds}
     if rank_cpu is None:  # here, or inside the testbed / torchrun
         per_rank = run_distributed(_worker, ranks, modes, cfg, backend=backend)
         if per_rank is None:
@@ -250,8 +284,9 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
 
 def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int, steps: int, warmup: int,
          rank_cpu: Optional[List[float]], json_path: Optional[str], algorithm: str = "native",
-         device: str = "cpu") -> Dict:
-    res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu, algorithm, device)
+         device: str = "cpu", layers: int = 2, bucket_mb: float = 25, rounds: int = 1) -> Dict:
+    res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu, algorithm, device,
+              layers, bucket_mb, rounds)
     if not res:  # not rank 0
         return res
     cfg = res["cfg"]
@@ -259,7 +294,9 @@ def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int,
         f"{torch.cuda.get_device_name(0)} x{min(torch.cuda.device_count(), res['ranks'])}"
     print(f"# hetcomm bench ddp: {res['ranks']} {cfg['backend']} ranks on {where}, CPU quotas {rank_cpu or 'none'}, "
           f"hetcomm algorithm {algorithm}, "
-          f"{res['rows'][0]['params']:,} parameters, global batch {global_batch}, {steps} timed steps")
+          f"{res['rows'][0]['params']:,} parameters ({layers} hidden layers, DDP buckets of {bucket_mb} MB), "
+          f"global batch {global_batch}, {steps} timed steps" +
+          (f" x {rounds} rounds (modes take turns; the median over all)" if rounds > 1 else ""))
     cols = [("mode", "mode", "s"), ("step_ms", "step ms", ".1f"), ("samples_per_s", "samples/s", ".1f"),
             ("bytes_per_step", "bytes/step", ",d"), ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
     cols += [("of_ideal", "of ideal", ".2f")]

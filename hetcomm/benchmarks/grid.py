@@ -22,10 +22,11 @@ DEFAULT_MODES = ["torch-allreduce", "torch-powersgd", "none", "bf16", "onebit", 
 
 
 def _cell_command(network: str, ranks: int, params: int, modes: List[str], iters: int, warmup: int,
-                  global_batch: int, json_path: str) -> List[str]:
+                  global_batch: int, json_path: str, rounds: int = 1) -> List[str]:
     hetcomm = [sys.executable, "-m", "hetcomm.cli"]
     bench = hetcomm + ["bench", "ddp", "--params", str(params), "--modes", ",".join(modes), "--iters", str(iters),
-                       "--warmup", str(warmup), "--global-batch", str(global_batch), "--json", json_path]
+                       "--warmup", str(warmup), "--global-batch", str(global_batch), "--rounds", str(rounds),
+                       "--json", json_path]
     if network == LOOPBACK:
         return bench + ["--ranks", str(ranks)]
     return hetcomm + ["testbed", "--nodes", "2", "--ranks-per-node", str(ranks // 2), "--inter-node-rate", network,
@@ -47,7 +48,7 @@ def summarise_cell(rows: List[Dict]) -> Dict:
 
 
 def main(networks: List[str], params: List[int], ranks: List[int], modes: List[str], iters: int, warmup: int,
-         global_batch: int, json_path: Optional[str], timeout: float = 3600.0) -> List[Dict]:
+         global_batch: int, json_path: Optional[str], timeout: float = 3600.0, rounds: int = 1) -> List[Dict]:
     for r in ranks:
         if r < 2 or r % 2:
             raise ValueError(f"--grid-ranks: each rank count must be even and >= 2 (2 nodes), got {r}")
@@ -64,7 +65,7 @@ def main(networks: List[str], params: List[int], ranks: List[int], modes: List[s
             for p in params:
                 for r in ranks:
                     path = os.path.join(tmp, f"{network}-{p}-{r}.json")
-                    cmd = _cell_command(network, r, p, modes, iters, warmup, global_batch, path)
+                    cmd = _cell_command(network, r, p, modes, iters, warmup, global_batch, path, rounds)
                     print(f"# cell {network} {p:,} params {r} ranks", file=sys.stderr, flush=True)
                     cell = {"network": network, "params": p, "ranks": r}
                     try:
@@ -81,7 +82,7 @@ def main(networks: List[str], params: List[int], ranks: List[int], modes: List[s
                     cells.append(cell)
                     common.write_json(json_path, {"partial": True, "cells": cells})
     print(f"# hetcomm bench ddp --grid: auto against the best fixed mode and torch-powersgd, measured in the "
-          f"same cell (median step ms, {iters} timed steps)")
+          f"same cell (median step ms, {iters} timed steps x {rounds} round(s))")
     cols = [("network", "network", "s"), ("params", "params", ",d"), ("ranks", "ranks", "d"),
             ("best_mode", "best fixed", "s"), ("best_ms", "ms", ".1f"), ("auto_ms", "auto ms", ".1f"),
             ("auto_vs_best", "auto/best", ".2f"), ("auto_vs_powersgd", "auto/PowerSGD", ".2f"),
@@ -92,7 +93,7 @@ def main(networks: List[str], params: List[int], ranks: List[int], modes: List[s
     for c in cells:
         if "error" in c:
             print(f"# {c['network']} {c['params']:,} {c['ranks']}: {c['error']}")
-    common.write_json(json_path, {"cells": cells, "modes": modes, "iters": iters, "warmup": warmup,
+    common.write_json(json_path, {"cells": cells, "modes": modes, "iters": iters, "warmup": warmup, "rounds": rounds,
                                   "global_batch": global_batch},
                       common.metadata(max(ranks), units={"best_ms": "milliseconds", "auto_ms": "milliseconds"}))
     return cells
