@@ -136,6 +136,8 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     gen = torch.Generator().manual_seed(rank)
     times, exposed, busy = [], [], []
     local = gb // world + (1 if rank < gb % world else 0)
+    # batch-size weighting (one small all-reduce per step) where the batches differ, as a user would
+    uneven = gb % world != 0
     for step in range(warmup + cfg["steps"]):
         b = bal.sizes[rank] if balanced else local
         x, y = torch.randn(b, IN, generator=gen).to(dev), torch.randint(0, OUT, (b,), generator=gen).to(dev)
@@ -146,7 +148,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
             with bal.step(b):
                 nn.functional.cross_entropy(ddp(x), y).backward()
         else:
-            if state is not None:
+            if state is not None and uneven:
                 state.set_local_batch_size(b)
             nn.functional.cross_entropy(ddp(x), y).backward()
         common.sync(dev)
