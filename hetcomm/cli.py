@@ -35,8 +35,7 @@ def _bench(args) -> None:
         from .benchmarks import common, links
 
         links.main(sizes=common.size_sweep(args.minbytes, args.maxbytes, args.stepfactor), patterns=args.patterns,
-                   iters=args.iters, warmup=args.warmup, ranks=args.ranks, json_path=args.json,
-                   link_rate=args.link_rate)
+                   iters=args.iters, warmup=args.warmup, json_path=args.json, link_rate=args.link_rate)
     elif args.what == "train":
         from .benchmarks import train
 
@@ -273,7 +272,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     lk = bs.add_parser("links", help="what the link between two nodes delivers to one flow, several flows and a ring "
                        "step (plain send/recv; inside `hetcomm testbed`)", formatter_class=fmt)
     common(lk)
-    lk.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun/testbed")
     lk.add_argument("--patterns", type=choices_list(bench_links.PATTERNS, "pattern"), default=None,
                     help=f"comma-separated traffic patterns (default: {','.join(bench_links.PATTERNS)})")
     lk.add_argument("--link-rate", type=rate, default=None,

@@ -95,6 +95,12 @@ def test_link_patterns_pair_the_ranks_of_two_nodes():
     assert links.rate_bits("100mbit") == 1e8 and links.rate_bits(None) is None
 
 
+def test_bench_links_outside_a_cluster_says_how_to_run_it(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match="run it inside `hetcomm testbed`"):
+        links.main([1024], None, 1, 0, None)
+
+
 def test_a_failing_rank_fails_the_testbed_run(tmp_path):
     _need_netns()
     before = _namespaces()

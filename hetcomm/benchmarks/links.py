@@ -17,10 +17,10 @@ ranks of a node are its local indices 0..k-1):
 - ``local``: local 0 and local 1 of node 0 send to each other (inside a node,
   no inter-node link: "link" means the node's own loopback).
 
-Per pattern: the median time (slowest rank; min and max of the repeats), the bytes that crossed the busiest link
-direction, the link's goodput and, given the link's rate (``--link-rate``,
-inside ``hetcomm testbed`` its ``--inter-node-rate``), the fraction of it that
-was reached. If several concurrent flows reach a smaller fraction than one,
+Per pattern: the median time (slowest rank; min and max of the repeats), the
+bytes that crossed the busiest link direction, the link's goodput and, given
+the link's rate (``--link-rate``, inside ``hetcomm testbed`` its
+``--inter-node-rate``), the fraction of it that was reached. If several concurrent flows reach a smaller fraction than one,
 the link (its queue) is what loses, not the algorithm."""
 
 from __future__ import annotations
@@ -143,14 +143,18 @@ def _worker(rank: int, world: int, sizes: List[int], patterns: List[str], iters:
         else ([], None)
 
 
-def main(sizes: List[int], patterns: Optional[List[str]], iters: int, warmup: int, ranks: int,
-         json_path: Optional[str], link_rate: Optional[str] = None) -> List[dict]:
+def main(sizes: List[int], patterns: Optional[List[str]], iters: int, warmup: int, json_path: Optional[str],
+         link_rate: Optional[str] = None) -> List[dict]:
     patterns = patterns or list(PATTERNS)
-    results = run_distributed(_worker, ranks, sizes, patterns, iters, warmup, link_rate)
+    if "WORLD_SIZE" not in os.environ:  # ranks spawned here share one node: no link between nodes to measure
+        raise SystemExit("hetcomm bench links: measures the link between two nodes; run it inside `hetcomm testbed` "
+                         "(or torchrun on 2 or more nodes), e.g. hetcomm testbed --nodes 2 --ranks-per-node 2 "
+                         "--inter-node-rate 100mbit -- hetcomm bench links")
+    world = int(os.environ["WORLD_SIZE"])
+    results = run_distributed(_worker, world, sizes, patterns, iters, warmup, link_rate)
     if results is None:  # a non-zero rank under torchrun / the testbed
         return []
     rows, info = results
-    world = int(os.environ.get("WORLD_SIZE", ranks))
     common.write_json(json_path, {"rows": rows}, common.metadata(
         world, iters=iters, warmup=warmup, **info,
         units={"bytes": "B per flow", "time_ms": "milliseconds", "link_bytes": "B on the busiest link direction",
