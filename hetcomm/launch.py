@@ -102,12 +102,18 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
             q.remove()
 
 
+def joined() -> bool:
+    """Whether this process is a rank of a job started by torchrun or the
+    testbed (RANK and WORLD_SIZE set), rather than one that spawns its own."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def run_distributed(fn: Callable, ranks: int, *args, backend: str = "gloo"):
     """Under torchrun or the testbed (RANK / WORLD_SIZE set): join that job
     (env://, gloo or NCCL with LOCAL_RANK's GPU) and run ``fn(rank, world,
     *args)`` here; returns rank 0's result (None on other ranks). Otherwise
     spawn ``ranks`` local ranks and return rank 0's result."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if joined():
         import torch.distributed as dist
 
         if backend == "nccl":

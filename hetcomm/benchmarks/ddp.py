@@ -104,11 +104,11 @@ def _device(rank: int, cfg: Dict) -> torch.device:
 def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     base, balanced = mode.split("+")[0], mode.endswith("+bal")
     dev = _device(rank, cfg)
-    model = model_for(cfg["params"], layers=cfg.get("layers", 2)).to(dev)
+    model = model_for(cfg["params"], layers=cfg["layers"]).to(dev)
     numel = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                               bucket_cap_mb=10_000 if base == "torch-powersgd" else
-                                              cfg.get("bucket_mb", 25))
+                                              cfg["bucket_mb"])
     algorithm = cfg.get("algorithm", "native")
     # auto chooses the algorithm too unless one is asked for
     overrides = {} if base in TORCH_MODES else {
@@ -207,7 +207,7 @@ def _solo_rate(rank: int, world: int, cfg: Dict) -> float:
     """This rank's samples/s training alone (no DDP, no communication; all
     ranks at once, so ranks sharing a GPU share it here too)."""
     dev = _device(rank, cfg)
-    model = model_for(cfg["params"], layers=cfg.get("layers", 2)).to(dev)
+    model = model_for(cfg["params"], layers=cfg["layers"]).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     b = cfg["global_batch"] // world
     gen = torch.Generator().manual_seed(rank)
@@ -231,7 +231,7 @@ def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str
     dist.barrier()
     # rounds take turns (mode a, b, c, a, b, c, ...): a drifting load weighs on every mode alike
     runs: Dict[str, List[Dict]] = {m: [] for m in modes}
-    for _ in range(cfg.get("rounds", 1)):
+    for _ in range(cfg["rounds"]):
         for mode in modes:
             runs[mode].append(_run_mode(rank, world, mode, cfg))
             dist.barrier()

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import topology
-from ..launch import run_distributed
+from ..launch import joined, run_distributed
 from . import common
 
 ENV_RATE = "HETCOMM_LINK_RATE"  # set by `hetcomm testbed` to its --inter-node-rate
@@ -96,7 +96,9 @@ def _once(send: List[int], recv: List[int], out: torch.Tensor, inbox: torch.Tens
 def _worker(rank: int, world: int, sizes: List[int], patterns: List[str], iters: int, warmup: int,
             link_rate: Optional[str]) -> tuple:
     torch.set_num_threads(1)
-    topo = topology.detect(use_cache=False)
+    # each rank's node, all-gathered (no link probes: this benchmark is the measurement)
+    infos = topology.discover()
+    topo = topology.Topology(world, [i["node"] for i in infos], infos, source="discover")
     nodes: Dict[int, List[int]] = {}
     for r, nd in enumerate(topo.node_ids):
         nodes.setdefault(nd, []).append(r)
@@ -146,7 +148,7 @@ def _worker(rank: int, world: int, sizes: List[int], patterns: List[str], iters:
 def main(sizes: List[int], patterns: Optional[List[str]], iters: int, warmup: int, json_path: Optional[str],
          link_rate: Optional[str] = None) -> List[dict]:
     patterns = patterns or list(PATTERNS)
-    if "WORLD_SIZE" not in os.environ:  # ranks spawned here share one node: no link between nodes to measure
+    if not joined():  # ranks spawned here share one node: no link between nodes to measure
         raise SystemExit("hetcomm bench links: measures the link between two nodes; run it inside `hetcomm testbed` "
                          "(or torchrun on 2 or more nodes), e.g. hetcomm testbed --nodes 2 --ranks-per-node 2 "
                          "--inter-node-rate 100mbit -- hetcomm bench links")
