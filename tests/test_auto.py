@@ -165,13 +165,18 @@ def test_hetcomm_algo_still_forces_the_algorithm_under_auto(tmp_path):
                 (c["mode"], c["algorithm"]) == ("none", "native")
 
 
+def _run_then_resume(rank, world, ckpt_dir, opt_name):
+    """20 steps saving at 16, then a fresh DDP model and HookState resumed
+    from that checkpoint for the last 4 (as a restarted job builds them)."""
+    return (_train_span(rank, world, ckpt_dir, 0, 20, 16, "small", "auto", opt_name),
+            _train_span(rank, world, ckpt_dir, 16, 20, -1, "small", "auto", opt_name))
+
+
 @pytest.mark.parametrize("opt_name", ["sgd-attach", "sgd"])
 def test_auto_resumes_its_decisions_bit_for_bit(tmp_path, opt_name):
     # Also when every bucket was decided dense and no tensor state was saved:
     # the decisions are per bucket, so the first resumed step still regroups.
-    run = run_ranks(_train_span, 2, str(tmp_path), 0, 20, 16, "small", "auto", opt_name)
-    resumed = run_ranks(_train_span, 2, str(tmp_path), 16, 20, -1, "small", "auto", opt_name)
-    for a, b in zip(run, resumed):
+    for a, b in run_ranks(_run_then_resume, 2, str(tmp_path), opt_name):
         assert torch.equal(a["params"], b["params"])
 
 
@@ -248,6 +253,14 @@ def _momentum_run(rank, world, cache_dir, compression, candidates, weight_decay)
             "mirrored": sorted(state._buckets.momentum)}
 
 
+def _momentum_runs(rank, world, cache_dir, weight_decay):
+    """Fixed onebit, auto restricted to onebit, and exact (with weight decay
+    only), one after another in one job."""
+    return (_momentum_run(rank, world, cache_dir, "onebit", None, weight_decay),
+            _momentum_run(rank, world, cache_dir, "auto", ("onebit",), weight_decay),
+            _momentum_run(rank, world, cache_dir, "none", None, weight_decay) if weight_decay else None)
+
+
 def _adam_moment_gap(rank, world, optimizer):
     torch.manual_seed(0)
     model = models.mlp(hidden=96)
@@ -287,8 +300,7 @@ def test_auto_seeds_the_compressed_momentum_from_the_optimizer(tmp_path, weight_
     # first compressed step. Without weight decay the two are the same numbers
     # (bit for bit); with it the decay's momentum moves into the compressed
     # part, and training stays where the fixed run goes.
-    fixed = run_ranks(_momentum_run, 2, str(tmp_path), "onebit", None, weight_decay)
-    auto = run_ranks(_momentum_run, 2, str(tmp_path), "auto", ("onebit",), weight_decay)
+    fixed, auto, exact = zip(*run_ranks(_momentum_runs, 2, str(tmp_path), weight_decay))
     assert auto[0]["plans"] == fixed[0]["plans"] == ["onebit"]
     # DDP rebuilds its buckets after the first step: the new buckets' momentum
     # starts from the optimizer's, not from zero
@@ -297,7 +309,6 @@ def test_auto_seeds_the_compressed_momentum_from_the_optimizer(tmp_path, weight_
     if weight_decay == 0.0:
         assert torch.equal(auto[0]["params"], fixed[0]["params"])
     else:  # far closer to the fixed run than 1-bit compression itself moves it from exact training
-        exact = run_ranks(_momentum_run, 2, str(tmp_path), "none", None, weight_decay)
         apart = float((auto[0]["params"] - fixed[0]["params"]).abs().max())
         compression = float((fixed[0]["params"] - exact[0]["params"]).abs().max())
         assert apart < 0.25 * compression, (apart, compression)

@@ -79,12 +79,44 @@ def check_weighted(results, mode, exact_tol=1e-6):
         assert results[0]["stats"]["last_step"]["compression_ratio"] > {"fp16": 1.9, "bf16": 1.9}.get(mode, 3)
 
 
-@pytest.mark.parametrize("mode", ["none", "fp16", "bf16", "fp8", "onebit", "topk", "lowrank"])
-def test_unequal_batches_give_the_full_batch_gradient_and_identical_replicas(place, mode):
-    if mode == "bf16" and place.device == "cuda" and torch.cuda.get_device_capability(0)[0] < 8:
+WEIGHTED_MODES = ["none", "fp16", "bf16", "fp8", "onebit", "topk", "lowrank"]
+
+
+def _weighted_every_mode(rank, world, modes, device):
+    return {mode: _weighted_grads(rank, world, mode, device) for mode in modes}
+
+
+def once_per_place(fn):
+    """A module-wide fixture per place: ``fn(place)`` runs once (every case in
+    one spawn: starting ranks is most of a short case's time), the tests read
+    its result."""
+    cache = {}
+
+    @pytest.fixture
+    def fixture(place):
+        if place.name not in cache:
+            cache[place.name] = fn(place)
+        return cache[place.name]
+
+    return fixture
+
+
+def _bf16_ok(place):
+    return place.device != "cuda" or torch.cuda.get_device_capability(0)[0] >= 8
+
+
+@once_per_place
+def weighted_runs(place):
+    modes = [m for m in WEIGHTED_MODES if m != "bf16" or _bf16_ok(place)]
+    return place.run(_weighted_every_mode, 3, modes, place.device)
+
+
+@pytest.mark.parametrize("mode", WEIGHTED_MODES)
+def test_unequal_batches_give_the_full_batch_gradient_and_identical_replicas(place, weighted_runs, mode):
+    if mode == "bf16" and not _bf16_ok(place):
         pytest.skip("bf16 needs compute capability >= 8.0")
     # GPU matmuls differ from the CPU reference by more than the CPU's 1e-6
-    check_weighted(place.run(_weighted_grads, 3, mode, place.device), mode, 1e-6 if place.device == "cpu" else 1e-5)
+    check_weighted([r[mode] for r in weighted_runs], mode, 1e-6 if place.device == "cpu" else 1e-5)
 
 
 @pytest.mark.parametrize("mode", ["onebit", "topk"])
@@ -340,11 +372,23 @@ def _overlap(rank, world, mode, device="cpu"):
     return {"steps": steps, "compressed": state.stats()["last_step"]["compression_ratio"]}
 
 
-@pytest.mark.parametrize("mode", ["none", "onebit", "lowrank"])
-def test_hook_returns_before_the_collective_finishes(place, mode):
+OVERLAP_MODES = ["none", "onebit", "lowrank"]
+
+
+def _overlap_every_mode(rank, world, device):
+    return {mode: _overlap(rank, world, mode, device) for mode in OVERLAP_MODES}
+
+
+@once_per_place
+def overlap_runs(place):
+    return place.run(_overlap_every_mode, 2, place.device)
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+def test_hook_returns_before_the_collective_finishes(place, overlap_runs, mode):
     """Overlap: while rank 1 is late, rank 0's hook calls return at once with
     unfinished futures, and its backward then waits for them."""
-    r0 = place.run(_overlap, 2, mode, place.device)[0]
+    r0 = overlap_runs[0][mode]
     if mode != "none":
         assert r0["compressed"] > 1.5  # steps 2, 3 ran the codec
     for step in r0["steps"][1:]:  # step 0 waits inside the first call: the ranks agree on options

@@ -247,34 +247,54 @@ def _replicas(rank, world, mode, steps):
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     for step in range(steps):
         models.train_step(ddp, opt, rank, step, 8 + rank, state)  # uneven batches, weighted
-    return {"params": models.flat_params(model), "buckets": len(state._buckets.step_layout),
-            "ratio": state.stats()["last_step"]["compression_ratio"]}
+    out = {"params": models.flat_params(model), "buckets": len(state._buckets.step_layout),
+           "ratio": state.stats()["last_step"]["compression_ratio"]}
+    state.close()
+    return out
+
+
+def _replicas_every_mode(rank, world, modes, steps):
+    return {mode: _replicas(rank, world, mode, steps) for mode in modes}
+
+
+@pytest.fixture(scope="module")
+def replicas_200_steps():
+    """The three compressed modes one after another in one job of 4 ranks."""
+    return run_ranks(_replicas_every_mode, 4, ["onebit", "topk", "lowrank"], 200, timeout=600)
 
 
 @pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
-def test_200_compressed_steps_on_4_ranks_keep_replicas_bit_identical(mode):
-    results = run_ranks(_replicas, 4, mode, 200, timeout=400)
+def test_200_compressed_steps_on_4_ranks_keep_replicas_bit_identical(replicas_200_steps, mode):
+    results = [r[mode] for r in replicas_200_steps]
     for r in results[1:]:
         assert torch.equal(r["params"], results[0]["params"])
     assert results[0]["buckets"] >= 2 and results[0]["ratio"] > 2
 
 
-def _subgroups(rank, world, pass_group):
+def _subgroups(rank, world):
+    """DDP on a subgroup: first with a HookState over the world (an error),
+    then, in the same job, with the subgroup passed (each pair reduces alone)."""
     import torch.distributed as dist
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = groups[rank // 2]
-    model = models.mlp()
-    ddp = DDP(model, process_group=mine)
-    state = hetcomm.HookState("none", process_group=mine if pass_group else None)
-    ddp.register_comm_hook(state, hetcomm.hook)
-    return models.first_error(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank) or models.flat_grads(model)
+    out = []
+    for pass_group in (False, True):
+        model = models.mlp()
+        ddp = DDP(model, process_group=mine)
+        state = hetcomm.HookState("none", process_group=mine if pass_group else None)
+        ddp.register_comm_hook(state, hetcomm.hook)
+        out.append(models.first_error(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank)
+                   or models.flat_grads(model))
+        state.close()
+    return out
 
 
 def test_ddp_on_a_subgroup_with_a_world_state_is_an_error_naming_the_fix():
-    for err in run_ranks(_subgroups, 4, False):
+    res = run_ranks(_subgroups, 4)
+    for err, _ in res:
         assert isinstance(err, str) and "process_group=ddp.process_group" in err, err
-    grads = run_ranks(_subgroups, 4, True)
+    grads = [g for _, g in res]
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[2], grads[3])
     assert not torch.equal(grads[0], grads[2])  # each subgroup reduced on its own
 
@@ -337,44 +357,78 @@ def _plant(path, text):
         f.write(text)
 
 
-def test_a_bad_or_foreign_topology_cache_is_ignored_and_reprobed(tmp_path):
+BAD_CACHES = ("truncated", "nan links", "other layout", "other cluster", "stale")
+
+
+def _bad_cache(good, case):
+    import json
+
+    return {"truncated": json.dumps(good)[:40],
+            "nan links": json.dumps(dict(good, links={"intra": {"alpha": float("nan"), "beta": 1e-9}})),
+            "other layout": json.dumps(dict(good, nodes=["x", "y"])),
+            "other cluster": json.dumps(dict(good, cluster="0123456789abcdef")),
+            "stale": json.dumps(dict(good, created=good["created"] - 10 * 86400))}[case]
+
+
+def _cache_scenario(rank, world, tmp):
+    """Every case in one job (spawning ranks per case was most of this test's
+    time). Only rank 0 reads and writes the cache, so it plants each case's
+    file right before the collective detect and reports the file after it."""
     import json
     import os
     import stat
 
-    cache = str(tmp_path / "cache")
-    first = run_ranks(_detect, 2, cache)
-    assert [r["source"] for r in first] == ["probe", "probe"]
-    (path,) = [os.path.join(cache, f) for f in os.listdir(cache)]
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and not os.listdir(cache)[0].startswith(".")
-    good = json.loads(open(path).read())
-    assert good["cluster"] and good["created"] > 0
-    assert [r["source"] for r in run_ranks(_detect, 2, cache)] == ["cache", "cache"]
-    bad = {
-        "truncated": open(path).read()[:40],
-        "nan links": json.dumps(dict(good, links={"intra": {"alpha": float("nan"), "beta": 1e-9}})),
-        "other layout": json.dumps(dict(good, nodes=["x", "y"])),
-        "other cluster": json.dumps(dict(good, cluster="0123456789abcdef")),
-        "stale": json.dumps(dict(good, created=good["created"] - 10 * 86400)),
-    }
-    for case, text in bad.items():
-        _plant(path, text)
-        res = run_ranks(_detect, 2, cache, timeout=120)
-        assert [r["source"] for r in res] == ["probe", "probe"], case
-        assert res[0]["links"] == res[1]["links"]  # agreed
-        assert res[0]["seconds"] < 30 and res[1]["seconds"] < 30
-        assert json.loads(open(path).read())["created"] > good["created"]  # rewritten, fresh
+    import torch.distributed as dist
+
+    cache = os.path.join(tmp, "cache")
+    out = {"first": _detect(rank, world, cache), "bad": {}}
+    if rank == 0:
+        (name,) = os.listdir(cache)
+        path = os.path.join(cache, name)
+        out["file_mode"], out["name"] = stat.S_IMODE(os.stat(path).st_mode), name
+        out["good"] = good = json.loads(open(path).read())
+    out["again"] = _detect(rank, world, cache)
+    for case in BAD_CACHES:
+        if rank == 0:
+            _plant(path, _bad_cache(good, case))
+        out["bad"][case] = _detect(rank, world, cache)
+        if rank == 0:
+            out["bad"][case]["created_after"] = json.loads(open(path).read())["created"]
     # A planted symbolic link is neither followed on read nor written through.
-    target = tmp_path / "elsewhere.json"
-    target.write_text(json.dumps(good))
-    os.unlink(path)
-    os.symlink(target, path)
-    assert [r["source"] for r in run_ranks(_detect, 2, cache)] == ["probe", "probe"]
-    assert not os.path.islink(path) and json.loads(target.read_text()) == good
+    target = os.path.join(tmp, "elsewhere.json")
+    if rank == 0:
+        with open(target, "w") as f:
+            json.dump(good, f)
+        os.unlink(path)
+        os.symlink(target, path)
+    out["symlink"] = _detect(rank, world, cache)
+    if rank == 0:
+        out["link_left"], out["target_after"] = os.path.islink(path), json.loads(open(target).read())
+        with open(os.path.join(tmp, "given.json"), "w") as f:
+            f.write("{not json")
+    dist.barrier()
     # An unreadable HETCOMM_TOPOLOGY is a warning and a probe, not an error.
-    given = tmp_path / "given.json"
-    given.write_text("{not json")
-    assert [r["source"] for r in run_ranks(_detect, 2, str(tmp_path / "c2"), str(given))] == ["probe", "probe"]
+    out["given"] = _detect(rank, world, os.path.join(tmp, "c2"), os.path.join(tmp, "given.json"))
+    return out
+
+
+def test_a_bad_or_foreign_topology_cache_is_ignored_and_reprobed(tmp_path):
+    r0, r1 = run_ranks(_cache_scenario, 2, str(tmp_path), timeout=240)
+    sources = lambda key: [r0[key]["source"], r1[key]["source"]]  # noqa: E731
+    assert sources("first") == ["probe", "probe"]
+    assert r0["file_mode"] == 0o600 and not r0["name"].startswith(".")
+    good = r0["good"]
+    assert good["cluster"] and good["created"] > 0
+    assert sources("again") == ["cache", "cache"]
+    for case in BAD_CACHES:
+        res, other = r0["bad"][case], r1["bad"][case]
+        assert [res["source"], other["source"]] == ["probe", "probe"], case
+        assert res["links"] == other["links"], case  # agreed
+        assert res["seconds"] < 30 and other["seconds"] < 30, case
+        assert res["created_after"] > good["created"], case  # rewritten, fresh
+    assert sources("symlink") == ["probe", "probe"]
+    assert not r0["link_left"] and r0["target_after"] == good
+    assert sources("given") == ["probe", "probe"]
 
 
 def _dead_peer(rank, world, mode, algorithm, cache_dir):
