@@ -195,6 +195,21 @@ def choices_list(allowed, noun: str) -> Callable[[str], List[str]]:
     return parse
 
 
+def mode_list(text: str) -> List[str]:
+    """bench train's modes: any of hetcomm.modes, ranked forms (lowrank-r16) included."""
+    from . import modes
+
+    items = [x for x in text.split(",") if x]
+    if not items:
+        raise argparse.ArgumentTypeError("unknown mode (empty list)")
+    for x in items:
+        try:
+            modes.get(x)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return items
+
+
 def writable_path(text: str) -> str:
     """An output file: its folder must exist and be writable now, not after the run."""
     folder = os.path.dirname(os.path.abspath(text))
@@ -310,8 +325,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="comma-separated tasks")
     tr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
                     default=list(bench_train.OPTIMIZERS), help="comma-separated optimizers (SGD momentum 0.9, AdamW)")
-    tr.add_argument("--modes", type=choices_list(list(bench_train.MODES), "mode"), default=bench_train.DEFAULT_MODES,
-                    help="comma-separated modes (fp32 is always run: it sets the target)")
+    tr.add_argument("--modes", type=mode_list, default=bench_train.DEFAULT_MODES,
+                    help="comma-separated modes (fp32 is always run: it sets the target); lowrank-rN and "
+                         "torch-powersgd-rN set the rank")
     tr.add_argument("--scale", type=positive_float, default=1.0, help="multiplies each task's number of steps")
     tr.add_argument("--lr-scale", type=positive_float, default=1.0,
                     help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")

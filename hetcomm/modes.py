@@ -5,12 +5,14 @@ A mode is one of PyTorch's own comm hooks (``torch-allreduce``, alias
 start, compressed from step 2, as hetcomm's lowrank) or a hetcomm
 :class:`~hetcomm.HookState` with its defaults. Suffixes: ``+m`` compresses
 the optimizer's momentum (:meth:`HookState.attach_optimizer`), ``-no-ef``
-turns error feedback off (to show what it buys).
+turns error feedback off (to show what it buys); ``-rN`` after ``lowrank``
+or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
@@ -26,6 +28,7 @@ class Mode:
     hook: str  # PyTorch's "allreduce", "fp16", "powersgd", or "hetcomm"
     options: Mapping[str, Any] = field(default_factory=dict)  # HookState keyword arguments
     attach: bool = False  # compress the optimizer's momentum
+    rank: int = POWERSGD_RANK  # torch-powersgd's matrix_approximation_rank (lowrank's is in options)
 
     @property
     def is_torch(self) -> bool:
@@ -42,7 +45,7 @@ class Mode:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
             if self.hook == "powersgd":
-                ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=self.rank,
                                                  start_powerSGD_iter=POWERSGD_START, use_error_feedback=True,
                                                  warm_start=True)
                 return ps, powerSGD_hook.powerSGD_hook, None
@@ -86,7 +89,7 @@ class Mode:
             for p in model.parameters():  # P and Q of each matrix worth compressing, the rest dense
                 if p.dim() > 1:
                     n, m = p.shape[0], p.numel() // p.shape[0]
-                    r = min(n, m, POWERSGD_RANK)
+                    r = min(n, m, self.rank)
                     floats += (n + m) * r if n * m > 2 * (n + m) * r else n * m
                 else:
                     floats += p.numel()
@@ -121,6 +124,21 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     """The mode called ``name``; ValueError naming the choices (``choices``,
     else every mode) when there is none."""
     allowed = list(choices) if choices is not None else list(MODES)
+    ranked = _RANKED.match(name)
+    if ranked and choices is None:
+        base, r, suffix = ranked.group(1), int(ranked.group(2)), ranked.group(3) or ""
+        if r < 1:
+            raise ValueError(f"mode {name!r}: the rank after -r must be >= 1")
+        if base + suffix not in MODES:
+            raise ValueError(f"mode {name!r}: {base} has no {suffix} form")
+        m = MODES[base + suffix]
+        if m.is_torch:
+            return replace(m, name=name, rank=r)
+        return replace(m, name=name, options={**m.options, "matrix_approximation_rank": r})
     if name not in allowed or name not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(allowed)}; got {name!r}")
+        ranks = " (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N)" if choices is None else ""
+        raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")
     return MODES[name]
+
+
+_RANKED = re.compile(r"^(lowrank|torch-powersgd)-r(\d+)(\+m)?$")

@@ -250,6 +250,26 @@ def test_mode_table_counts_pytorchs_bytes_in_closed_form():
         hetcomm.modes.get("onebit").torch_bytes(model, 4)
 
 
+def test_a_rank_suffix_sets_lowrank_and_powersgds_rank():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    # rank 16: P and Q of the 256 x 64 weight, (256 + 64) x 16 = 5120 floats < 16384 / 2; the 10 x 256 one
+    # ((10 + 256) x 10 = 2660, its rank capped at 10) is not worth it (2 x 2660 > 2560): dense, as the biases
+    assert hetcomm.modes.get("torch-powersgd-r16").torch_bytes(model, 4) == 2 * 3 * (5120 + 256 + 2560 + 10) * 4 // 4
+    mode = hetcomm.modes.get("torch-powersgd-r16")
+    assert mode.comm_hook()[0].matrix_approximation_rank == 16 and mode.name == "torch-powersgd-r16"
+    m = hetcomm.modes.get("lowrank-r16+m")
+    assert m.attach and m.options == {"compression": "lowrank", "matrix_approximation_rank": 16}
+    state = hetcomm.modes.get("lowrank-r8").comm_hook()[0]
+    assert state.matrix_approximation_rank == 8 and state.compression == "lowrank"
+    state.close()
+    for bad, rule in (("lowrank-r0", "rank after -r must be >= 1"), ("torch-powersgd-r8+m", "no \\+m form"),
+                      ("onebit-r8", "lowrank-rN")):
+        with pytest.raises(ValueError, match=rule):
+            hetcomm.modes.get(bad)
+    with pytest.raises(ValueError, match="mode must be one of fp32; got 'lowrank-r8'"):
+        hetcomm.modes.get("lowrank-r8", choices=["fp32"])
+
+
 def test_mode_table_plain_modes_are_hookstates_with_defaults():
     assert set(hetcomm.modes.HETCOMM) == {"none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk",
                                           "lowrank", "auto"}

@@ -28,7 +28,6 @@ from . import common
 from .tasks import TASKS, Task
 
 REFERENCE = "fp32"
-MODES = tuple(mode_table.MODES)  # every mode of hetcomm.modes
 DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
 OPTIMIZERS = ("sgd", "adamw")
 
