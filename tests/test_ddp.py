@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hetcomm
 
 from . import models
-from .dist_harness import run_ranks
+from .dist_harness import each_mode, run_ranks
 
 
 def _vs_allreduce_hook(rank, world, steps):
@@ -82,10 +82,6 @@ def check_weighted(results, mode, exact_tol=1e-6):
 WEIGHTED_MODES = ["none", "fp16", "bf16", "fp8", "onebit", "topk", "lowrank"]
 
 
-def _weighted_every_mode(rank, world, modes, device):
-    return {mode: _weighted_grads(rank, world, mode, device) for mode in modes}
-
-
 def once_per_place(fn):
     """A module-wide fixture per place: ``fn(place)`` runs once (every case in
     one spawn: starting ranks is most of a short case's time), the tests read
@@ -108,7 +104,7 @@ def _bf16_ok(place):
 @once_per_place
 def weighted_runs(place):
     modes = [m for m in WEIGHTED_MODES if m != "bf16" or _bf16_ok(place)]
-    return place.run(_weighted_every_mode, 3, modes, place.device)
+    return place.run(each_mode, 3, _weighted_grads, modes, place.device)
 
 
 @pytest.mark.parametrize("mode", WEIGHTED_MODES)
@@ -375,13 +371,9 @@ def _overlap(rank, world, mode, device="cpu"):
 OVERLAP_MODES = ["none", "onebit", "lowrank"]
 
 
-def _overlap_every_mode(rank, world, device):
-    return {mode: _overlap(rank, world, mode, device) for mode in OVERLAP_MODES}
-
-
 @once_per_place
 def overlap_runs(place):
-    return place.run(_overlap_every_mode, 2, place.device)
+    return place.run(each_mode, 2, _overlap, OVERLAP_MODES, place.device)
 
 
 @pytest.mark.parametrize("mode", OVERLAP_MODES)

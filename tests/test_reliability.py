@@ -11,7 +11,7 @@ import hetcomm
 from hetcomm import topology
 
 from . import models
-from .dist_harness import run_ranks
+from .dist_harness import each_mode, run_ranks
 
 pytestmark = pytest.mark.reliability
 
@@ -253,14 +253,10 @@ def _replicas(rank, world, mode, steps):
     return out
 
 
-def _replicas_every_mode(rank, world, modes, steps):
-    return {mode: _replicas(rank, world, mode, steps) for mode in modes}
-
-
 @pytest.fixture(scope="module")
 def replicas_200_steps():
     """The three compressed modes one after another in one job of 4 ranks."""
-    return run_ranks(_replicas_every_mode, 4, ["onebit", "topk", "lowrank"], 200, timeout=600)
+    return run_ranks(each_mode, 4, _replicas, ["onebit", "topk", "lowrank"], 200, timeout=600)
 
 
 @pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
