@@ -165,6 +165,10 @@ def test_bench_train_time_to_accuracy(tmp_path):
             first = next(p for p in r["curve"] if p["mse"] <= 1.02 * fp32["final"])
             assert (r["steps_to_target"], r["time_to_target_s"]) == (first["step"], first["time_s"])
     assert runs["fp32"]["bytes_per_step"] / runs["onebit+m"]["bytes_per_step"] > 10
+    # hetcomm's runs say what each evaluated step sent (auto's choice shows there); PyTorch's hooks have no plans
+    assert all("plans" not in p for r in (fp32, runs["torch-powersgd"]) for p in r["curve"])
+    last = runs["onebit+m"]["curve"][-1]["plans"]
+    assert {k.split("/")[0] for k in last} == {"onebit"} and sum(last.values()) >= 1
     assert (tmp_path / "t.png").stat().st_size > 10_000
     assert "vs PowerSGD" in out.stdout and data["meta"]["world_size"] == 2
 

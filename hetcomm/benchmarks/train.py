@@ -48,6 +48,15 @@ def _register(ddp, mode: str, opt: torch.optim.Optimizer):
     return None, lambda steps: m.torch_bytes(ddp.module, dist.get_world_size(), steps)
 
 
+def plan_summary(state) -> Dict[str, int]:
+    """What the last step ran: buckets per "wire/algorithm" (e.g. what auto chose)."""
+    out: Dict[str, int] = {}
+    for p in state.last_plans.values():
+        k = f"{p.mode}/{p.algorithm}"
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float) -> Optional[Dict]:
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -63,15 +72,20 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
         train_s += time.perf_counter() - t0
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             if rank == 0:
-                curve.append({"step": step + 1, "time_s": train_s, **task.evaluate(model)})
+                point = {"step": step + 1, "time_s": train_s, **task.evaluate(model)}
+                if state is not None:
+                    point["plans"] = plan_summary(state)
+                curve.append(point)
             dist.barrier()  # every rank resumes the clock together
     sent = bytes_per_step(steps)
+    auto = state.stats().get("auto") if state is not None else None
     if state is not None:
         state.close()
     if rank != 0:
         return None
     final = curve[-1]
-    return {"task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr, "steps": steps,
+    extra = {"auto": {k: auto[k] for k in ("modes", "round_step_s", "rechecks", "buckets")}} if auto else {}
+    return {**extra, "task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr, "steps": steps,
             "world_size": dist.get_world_size(),
             "curve": curve, "final": final[task.metric], "final_loss": final["loss"],
             "s_per_step": train_s / steps, "bytes_per_step": sent,
@@ -90,8 +104,10 @@ def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: L
                 for mode in modes:
                     r = _run(rank, task, optim, mode, steps, eval_every, task.lr[optim] * lr_scale)
                     if r is not None:
+                        plans = r["curve"][-1].get("plans")
                         print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
-                              f"{1000 * r['s_per_step']:.1f} ms/step", file=sys.stderr, flush=True)
+                              f"{1000 * r['s_per_step']:.1f} ms/step" + (f"  last step: {plans}" if plans else ""),
+                              file=sys.stderr, flush=True)
                         out.append(r)
                         common.write_json(partial_path, {"partial": True, "runs": out})  # kept if a later run fails
     return out
