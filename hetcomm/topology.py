@@ -165,40 +165,78 @@ def _rounds(world: int) -> List[List[tuple]]:
     return out
 
 
+#: The large probe message is sized so that one transfer takes at most this
+#: long: 1 MiB from ~170 Mbit/s up, less below (1 MiB x 12 transfers per pair
+#: took ~1 s at 100 Mbit, and the pairs across one node's link share it). On
+#: the 100 Mbit testbed, 2 x 2 ranks: 512 KiB, the probe 1.5-1.7 s instead of
+#: 3.2-3.6 s, bandwidth within 0.88-1.01x of the rate (1 MiB: 0.80-0.95x).
+PROBE_BUDGET_S = 0.05
+PROBE_SIZING = 64 << 10  # bytes of the exchange that sizes the large message (also its least size)
+
+
+def probe_size(one_way_s: float, measured: int, largest: int, budget_s: Optional[float] = None,
+               smallest: int = PROBE_SIZING) -> int:
+    """The large probe message in bytes: ``largest`` halved while a transfer of
+    it, extrapolated from ``measured`` bytes taking ``one_way_s``, would take
+    longer than ``budget_s`` (never below ``smallest``)."""
+    budget_s = PROBE_BUDGET_S if budget_s is None else budget_s
+    size = largest
+    while size // 2 >= smallest and one_way_s * size / measured > budget_s:
+        size //= 2
+    return size
+
+
 def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
           device: Optional[torch.device] = None) -> Dict[tuple, tuple]:
-    """One-way time (s) of `small` and `large` byte messages per rank pair,
+    """One-way time (s) of a `small` and a large message per rank pair, and
+    the large message's bytes: ``{(a, b): (t_small, t_large, large_bytes)}``,
     measured by ping-pong in rounds of disjoint pairs, with tensors on
-    ``device`` (a GPU measures its own links: NVLink, PCIe, the network).
-    Collective; identical result on every rank."""
+    ``device`` (a GPU measures its own links: NVLink, PCIe, the network). The
+    large message is `large` bytes, or less on a slow link (:func:`probe_size`:
+    the lower rank of each pair decides from one exchange of 64 KiB and tells
+    the other). Collective; identical result on every rank."""
     from . import _C
 
     device = group_device(group, device)
     t = _C.ProcessGroupTransport(group if group is not None else dist.group.WORLD, device)
     me, world = t.rank, t.size
     mine = {}
-    bufs = {s: torch.zeros(s // 4, device=device) for s in (small, large)}
+    sizing = min(PROBE_SIZING, large)
+    buf = torch.zeros(max(small, sizing, large) // 4, device=device)
+
+    def exchange(peer: int, first: bool, nbytes: int, reps: int, tag: int) -> float:
+        """The least one-way time of ``reps`` exchanges after a warm-up one."""
+        view, samples = buf[:nbytes // 4], []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            if first:
+                t.send(view, peer, tag + i)
+                t.recv(view, peer, tag + i)
+            else:
+                t.recv(view, peer, tag + i)
+                t.send(view, peer, tag + i)
+            sync(device)  # NCCL's wait() only orders streams
+            if i:  # the first exchange warms the connection up
+                samples.append((time.perf_counter() - t0) / 2)
+        return min(samples)  # the least disturbed exchange (the machine may be busy)
+
     for rnd, pairs in enumerate(_rounds(world)):
         for a, b in pairs:
             if me not in (a, b):
                 continue
-            peer = b if me == a else a
-            times = {}
-            for size, buf in bufs.items():
-                samples = []
-                for i in range(reps + 1):
-                    t0 = time.perf_counter()
-                    if me == a:
-                        t.send(buf, peer, 10 * rnd + i)
-                        t.recv(buf, peer, 10 * rnd + i)
-                    else:
-                        t.recv(buf, peer, 10 * rnd + i)
-                        t.send(buf, peer, 10 * rnd + i)
-                    sync(device)  # NCCL's wait() only orders streams
-                    if i:  # the first exchange warms the connection up
-                        samples.append((time.perf_counter() - t0) / 2)
-                times[size] = min(samples)  # the least disturbed exchange (the machine may be busy)
-            mine[(min(a, b), max(a, b))] = (times[small], times[large])
+            # tags: reps + 1 small exchanges, 2 sizing ones, the size, reps + 1 large ones
+            peer, first, tag = b if me == a else a, me == a, rnd * (2 * reps + 5)
+            t_small = exchange(peer, first, small, reps, tag)
+            t_mid = exchange(peer, first, sizing, 1, tag + reps + 1)
+            size = torch.zeros(1, dtype=torch.float32, device=device)
+            if first:  # powers of two up to 2**24 bytes are exact in a float32
+                size.fill_(probe_size(t_mid, sizing, large))
+                t.send(size, peer, tag + reps + 3)
+            else:
+                t.recv(size, peer, tag + reps + 3)
+            sync(device)
+            nbytes = int(size.item())
+            mine[(min(a, b), max(a, b))] = (t_small, exchange(peer, first, nbytes, reps, tag + reps + 4), nbytes)
         t.barrier()
     gathered: List[Optional[dict]] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
@@ -210,13 +248,17 @@ def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
 
 
 def fit(nodes: List[str], measurements: Dict[tuple, tuple], small: int = 4096, large: int = 1 << 20) -> Dict[str, LinkClass]:
-    """alpha-beta per link class from the pair measurements (medians)."""
+    """alpha-beta per link class from the pair measurements (medians):
+    ``(t_small, t_large)`` (``large`` bytes), or ``(t_small, t_large,
+    large_bytes)`` as :func:`probe` returns them."""
     by_class: Dict[str, List[tuple]] = {}
-    for (a, b), (ts, tl) in measurements.items():
+    for (a, b), m in measurements.items():
+        ts, tl = m[0], m[1]
+        big = m[2] if len(m) > 2 else large
         cls = "intra" if nodes[a] == nodes[b] else "inter"
         # Noise can make the large message look no slower than the small one;
         # then charge it all to bandwidth.
-        beta = (tl - ts) / (large - small) if tl > 1.05 * ts else tl / large
+        beta = (tl - ts) / (big - small) if tl > 1.05 * ts else tl / big
         alpha = max(1e-7, ts - small * beta)
         by_class.setdefault(cls, []).append((alpha, beta))
     out = {}

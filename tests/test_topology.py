@@ -41,12 +41,26 @@ def test_fit_recovers_alpha_beta():
     meas = {}
     for a in range(4):
         for b in range(a + 1, 4):
-            al, be = intra if nodes[a] == nodes[b] else inter
-            meas[(a, b)] = (al + small * be, al + large * be)
+            if nodes[a] == nodes[b]:  # (t_small, t_large): the default large size
+                al, be = intra
+                meas[(a, b)] = (al + small * be, al + large * be)
+            else:  # what probe returns on a slow link: the large message it sized down
+                (al, be), big = inter, 128 << 10
+                meas[(a, b)] = (al + small * be, al + big * be, big)
     links = topology.fit(nodes, meas, small, large)
     assert links["intra"].pairs == 2 and links["inter"].pairs == 4
     assert links["intra"].alpha == pytest.approx(10e-6) and links["intra"].beta == pytest.approx(1e-10)
     assert links["inter"].alpha == pytest.approx(200e-6) and links["inter"].beta == pytest.approx(1e-8)
+
+
+def test_probe_sizes_its_large_message_to_the_link():
+    kib = 1 << 10
+    # 100 Mbit: 64 KiB one way in 5.2 ms; 1 MiB would take 84 ms, 512 KiB takes 42 ms (<= 50 ms)
+    assert topology.probe_size(64 * kib / 12.5e6, 64 * kib, 1024 * kib) == 512 * kib
+    assert topology.probe_size(64 * kib / 6.25e6, 64 * kib, 1024 * kib) == 256 * kib  # 50 Mbit
+    assert topology.probe_size(64 * kib / 25e6, 64 * kib, 1024 * kib) == 1024 * kib  # 200 Mbit: 42 ms, kept
+    assert topology.probe_size(1.0, 64 * kib, 1024 * kib) == 64 * kib  # never below the sizing message
+    assert topology.probe_size(1e-3, 64 * kib, 1024 * kib, budget_s=4e-3) == 256 * kib
 
 
 def test_planner_prefers_hierarchy_for_big_buckets_on_slow_inter_node_links():
