@@ -168,7 +168,7 @@ def _rounds(world: int) -> List[List[tuple]]:
 #: The large probe message is sized so that one transfer takes at most this
 #: long: 1 MiB from ~170 Mbit/s up, less below (1 MiB x 12 transfers per pair
 #: took ~1 s at 100 Mbit, and the pairs across one node's link share it). On
-#: the 100 Mbit testbed, 2 x 2 ranks: 512 KiB, the probe 1.5-1.7 s instead of
+#: the 100 Mbit testbed, 2 x 2 ranks: 512 KiB, the probe 1.3-1.7 s instead of
 #: 3.2-3.6 s, bandwidth within 0.88-1.01x of the rate (1 MiB: 0.80-0.95x).
 PROBE_BUDGET_S = 0.05
 PROBE_SIZING = 64 << 10  # bytes of the exchange that sizes the large message (also its least size)
