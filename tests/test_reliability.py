@@ -272,9 +272,12 @@ def _subgroups(rank, world):
     then, in the same job, with the subgroup passed (each pair reduces alone)."""
     import torch.distributed as dist
 
+    from hetcomm import hooks
+
+    world_only = hooks._every_group_spans_the_world()  # the shortcut that skips looking for DDP's group
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = groups[rank // 2]
-    out = []
+    out = [(world_only, hooks._every_group_spans_the_world())]
     for pass_group in (False, True):
         model = models.mlp()
         ddp = DDP(model, process_group=mine)
@@ -288,6 +291,8 @@ def _subgroups(rank, world):
 
 def test_ddp_on_a_subgroup_with_a_world_state_is_an_error_naming_the_fix():
     res = run_ranks(_subgroups, 4)
+    assert all(r[0] == (True, False) for r in res)  # a subgroup exists: DDP's group is looked for
+    res = [r[1:] for r in res]
     for err, _ in res:
         assert isinstance(err, str) and "process_group=ddp.process_group" in err, err
     grads = [g for _, g in res]
