@@ -174,12 +174,11 @@ PROBE_BUDGET_S = 0.05
 PROBE_SIZING = 64 << 10  # bytes of the exchange that sizes the large message (also its least size)
 
 
-def probe_size(one_way_s: float, measured: int, largest: int, budget_s: Optional[float] = None,
+def probe_size(one_way_s: float, measured: int, largest: int, budget_s: float = PROBE_BUDGET_S,
                smallest: int = PROBE_SIZING) -> int:
     """The large probe message in bytes: ``largest`` halved while a transfer of
     it, extrapolated from ``measured`` bytes taking ``one_way_s``, would take
     longer than ``budget_s`` (never below ``smallest``)."""
-    budget_s = PROBE_BUDGET_S if budget_s is None else budget_s
     size = largest
     while size // 2 >= smallest and one_way_s * size / measured > budget_s:
         size //= 2
