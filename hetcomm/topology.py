@@ -165,6 +165,34 @@ def _rounds(world: int) -> List[List[tuple]]:
     return out
 
 
+#: Most rounds the probe runs. Every rank pair takes world - 1 rounds (world if odd; three on
+#: 2 x 2 ranks, ~1.5 s at 100 Mbit); beyond this the pairs are sampled
+#: (:func:`_schedule`): the fit keeps one median per link class anyway.
+PROBE_MAX_ROUNDS = 8
+
+
+def _schedule(nodes: List[str], max_rounds: int = PROBE_MAX_ROUNDS) -> List[List[tuple]]:
+    """The probe's rounds of disjoint rank pairs: every pair (:func:`_rounds`)
+    if that takes at most ``max_rounds``; else a sample: one round of pairs
+    inside every node at once (local ranks 0-1, 2-3, ...), then rounds of
+    node pairs by the circle method, each node in one pair per round (one flow
+    on its link) and measured by its k-th rank in round k (each NIC in turn),
+    at most ``max_rounds`` in all. Depends only on ``nodes``: the same on every rank."""
+    full = _rounds(len(nodes))
+    if len(full) <= max_rounds:
+        return full
+    members: Dict[str, List[int]] = {}
+    for r, n in enumerate(nodes):
+        members.setdefault(n, []).append(r)
+    groups = list(members.values())
+    rounds = [[(g[i], g[i + 1]) for g in groups for i in range(0, len(g) - 1, 2)]]
+    for k, node_pairs in enumerate(_rounds(len(groups))):
+        if len(rounds) >= max_rounds:
+            break
+        rounds.append([(groups[u][k % len(groups[u])], groups[v][k % len(groups[v])]) for u, v in node_pairs])
+    return [r for r in rounds if r]
+
+
 #: The large probe message is sized so that one transfer takes at most this
 #: long: 1 MiB from ~170 Mbit/s up, less below (1 MiB x 12 transfers per pair
 #: took ~1 s at 100 Mbit, and the pairs across one node's link share it). On
@@ -186,10 +214,13 @@ def probe_size(one_way_s: float, measured: int, largest: int, budget_s: float = 
 
 
 def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
-          device: Optional[torch.device] = None) -> Dict[tuple, tuple]:
+          device: Optional[torch.device] = None, nodes: Optional[List[str]] = None,
+          max_rounds: int = PROBE_MAX_ROUNDS) -> Dict[tuple, tuple]:
     """One-way time (s) of a `small` and a large message per rank pair, and
     the large message's bytes: ``{(a, b): (t_small, t_large, large_bytes)}``,
-    measured by ping-pong in rounds of disjoint pairs, with tensors on
+    measured by ping-pong in rounds of disjoint pairs (every pair, or with
+    ``nodes``, the node of each rank, a sample of them where every pair would
+    take more than ``max_rounds`` rounds: :func:`_schedule`), with tensors on
     ``device`` (a GPU measures its own links: NVLink, PCIe, the network). The
     large message is `large` bytes, or less on a slow link (:func:`probe_size`:
     the lower rank of each pair decides from one exchange of 64 KiB and tells
@@ -199,6 +230,8 @@ def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
     device = group_device(group, device)
     t = _C.ProcessGroupTransport(group if group is not None else dist.group.WORLD, device)
     me, world = t.rank, t.size
+    if nodes is not None and len(nodes) != world:
+        raise ValueError(f"nodes must name the node of each of the group's {world} ranks, got {len(nodes)}")
     mine = {}
     sizing = min(PROBE_SIZING, large)
     buf = torch.zeros(max(small, sizing, large) // 4, device=device)
@@ -219,7 +252,7 @@ def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
                 samples.append((time.perf_counter() - t0) / 2)
         return min(samples)  # the least disturbed exchange (the machine may be busy)
 
-    for rnd, pairs in enumerate(_rounds(world)):
+    for rnd, pairs in enumerate(_schedule(nodes, max_rounds) if nodes is not None else _rounds(world)):
         for a, b in pairs:
             if me not in (a, b):
                 continue
@@ -423,7 +456,7 @@ def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = 
         return Topology.from_json(payload[0])
     topo = Topology(world=world, nodes=nodes, devices=devices)
     device = group_device(group, device)
-    topo.links = fit(nodes, probe(group, device=device))
+    topo.links = fit(nodes, probe(group, device=device, nodes=nodes))
     gbps: List[Optional[float]] = [measure_codec_gbps(device=device)]
     dist.broadcast_object_list(gbps, src=src, group=group)  # rank 0's speed for everyone: identical plans
     topo.codec_gbps = float(gbps[0])

@@ -34,6 +34,34 @@ def test_probe_rounds_pair_everyone_once_in_disjoint_rounds(world):
         assert len(flat) == len(set(flat))
 
 
+@pytest.mark.parametrize("nodes_ranks", [(64, 8), (16, 8), (1, 16), (40, 1), (5, 3), (2, 5)])
+def test_probe_samples_pairs_on_big_clusters(nodes_ranks):
+    n, r = nodes_ranks
+    nodes = [f"n{i // r}" for i in range(n * r)]
+    rounds = topology._schedule(nodes, max_rounds=8)
+    if n * r - 1 + (n * r) % 2 <= 8:  # small enough: every pair, as before
+        assert rounds == topology._rounds(n * r)
+        return
+    assert 1 <= len(rounds) <= 8
+    for rnd in rounds:
+        flat = [x for p in rnd for x in p]
+        assert len(flat) == len(set(flat))  # disjoint pairs
+        inter = [p for p in rnd if nodes[p[0]] != nodes[p[1]]]
+        assert len(inter) in (0, len(rnd))  # a round measures one link class
+        per_node = [nodes[x] for p in inter for x in p]
+        assert len(per_node) == len(set(per_node))  # one flow per node's link
+    pairs = {tuple(sorted(p)) for rnd in rounds for p in rnd}
+    classes = {"intra" if nodes[a] == nodes[b] else "inter" for a, b in pairs}
+    assert classes == ({"intra"} if r > 1 else set()) | ({"inter"} if n > 1 else set())
+    if n > 1:  # every node measures its link, with a different rank in each round
+        assert {nodes[x] for p in pairs for x in p if nodes[p[0]] != nodes[p[1]]} == set(nodes)
+        inter_rounds = [rnd for rnd in rounds if nodes[rnd[0][0]] != nodes[rnd[0][1]]]
+        users = {x for rnd in inter_rounds for p in rnd for x in p}
+        assert len(users) > n if r > 1 and len(inter_rounds) > 1 else len(users) <= n
+    if r > 1:  # inside every node
+        assert {nodes[a] for a, b in pairs if nodes[a] == nodes[b]} == set(nodes)
+
+
 def test_fit_recovers_alpha_beta():
     nodes = ["a", "a", "b", "b"]
     small, large = 4096, 1 << 20
@@ -107,7 +135,9 @@ def _detect(rank, world, cache_dir, given):
     t = topology.detect()
     devices = [str(topology.group_device(g, d)) for g in (None, dist.new_group())
                for d in (None, torch.device("cpu"), torch.device("cuda", 1))]
-    return {"topo": t.to_json(), "plan": planner.plan(t, 1 << 22), "order": t.ring_order(), "devices": devices}
+    sampled = topology.probe(nodes=t.nodes, max_rounds=2, reps=1)  # every pair would take 3 rounds
+    return {"topo": t.to_json(), "plan": planner.plan(t, 1 << 22), "order": t.ring_order(), "devices": devices,
+            "sampled": sampled, "sampled_fit": topology.fit(t.nodes, sampled)}
 
 
 def test_detect_measures_caches_and_agrees_on_every_rank(tmp_path):
@@ -119,6 +149,11 @@ def test_detect_measures_caches_and_agrees_on_every_rank(tmp_path):
     for r in first[1:]:
         assert r["topo"] == t0 and r["plan"] == first[0]["plan"]
     assert first[0]["order"] == [0, 1, 2, 3]
+    # sampled: both nodes' insides, then the node pair through their first ranks; the same on every rank
+    assert sorted(first[0]["sampled"]) == [(0, 1), (0, 2), (2, 3)]
+    assert all(r["sampled"] == first[0]["sampled"] for r in first)
+    links = first[0]["sampled_fit"]
+    assert links["intra"].pairs == 2 and links["inter"].pairs == 1 and links["inter"].beta > 0
     # gloo groups take CPU tensors; a GPU asked for is kept
     assert first[0]["devices"] == ["cpu", "cpu", "cuda:1"] * 2
     cached = run_ranks(_detect, 4, str(tmp_path), None)
