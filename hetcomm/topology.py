@@ -165,22 +165,20 @@ def _rounds(world: int) -> List[List[tuple]]:
     return out
 
 
-#: Most rounds the probe runs. Every rank pair takes world - 1 rounds (world if odd; three on
-#: 2 x 2 ranks, ~1.5 s at 100 Mbit); beyond this the pairs are sampled
-#: (:func:`_schedule`): the fit keeps one median per link class anyway.
+#: Most rounds the probe runs: one inside every node, then node pairs. The fit
+#: keeps one median per link class, so a sample of pairs does: every pair would
+#: take world - 1 rounds (1.3-1.9 s on 2 x 2 ranks at 100 Mbit, 1.05-1.12 s
+#: sampled; 4 x 4: 13.5-13.9 s, 2.7-3.3 s sampled).
 PROBE_MAX_ROUNDS = 8
 
 
 def _schedule(nodes: List[str], max_rounds: int = PROBE_MAX_ROUNDS) -> List[List[tuple]]:
-    """The probe's rounds of disjoint rank pairs: every pair (:func:`_rounds`)
-    if that takes at most ``max_rounds``; else a sample: one round of pairs
-    inside every node at once (local ranks 0-1, 2-3, ...), then rounds of
-    node pairs by the circle method, each node in one pair per round (one flow
-    on its link) and measured by its k-th rank in round k (each NIC in turn),
-    at most ``max_rounds`` in all. Depends only on ``nodes``: the same on every rank."""
-    full = _rounds(len(nodes))
-    if len(full) <= max_rounds:
-        return full
+    """The probe's rounds of disjoint rank pairs, sampled: one round of pairs
+    inside every node at once (local ranks 0-1, 2-3, ...), then rounds of node
+    pairs by the circle method, each node in one pair per round (one flow on
+    its link, as in hierarchical's inter-node stage) and measured by its k-th
+    rank in round k (each NIC in turn), at most ``max_rounds`` in all. Depends
+    only on ``nodes``: the same on every rank."""
     members: Dict[str, List[int]] = {}
     for r, n in enumerate(nodes):
         members.setdefault(n, []).append(r)
@@ -218,9 +216,9 @@ def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
           max_rounds: int = PROBE_MAX_ROUNDS) -> Dict[tuple, tuple]:
     """One-way time (s) of a `small` and a large message per rank pair, and
     the large message's bytes: ``{(a, b): (t_small, t_large, large_bytes)}``,
-    measured by ping-pong in rounds of disjoint pairs (every pair, or with
-    ``nodes``, the node of each rank, a sample of them where every pair would
-    take more than ``max_rounds`` rounds: :func:`_schedule`), with tensors on
+    measured by ping-pong in rounds of disjoint pairs (every pair; with
+    ``nodes``, the node of each rank, a sample in at most ``max_rounds``
+    rounds: :func:`_schedule`), with tensors on
     ``device`` (a GPU measures its own links: NVLink, PCIe, the network). The
     large message is `large` bytes, or less on a slow link (:func:`probe_size`:
     the lower rank of each pair decides from one exchange of 64 KiB and tells
