@@ -34,10 +34,17 @@ def test_probe_rounds_pair_everyone_once_in_disjoint_rounds(world):
         assert len(flat) == len(set(flat))
 
 
-@pytest.mark.parametrize("nodes_ranks", [(64, 8), (16, 8), (1, 16), (40, 1), (5, 3), (2, 5), (2, 2), (1, 2), (2, 1)])
+UNEVEN = ["a", "b", "a", "c", "c", "a", "d", "b", "a", "e", "e", "e"]  # 1-4 ranks a node, interleaved
+
+
+@pytest.mark.parametrize("nodes_ranks", [(64, 8), (16, 8), (1, 16), (40, 1), (5, 3), (2, 5), (2, 2), (1, 2), (2, 1),
+                                         UNEVEN])
 def test_probe_samples_pairs(nodes_ranks):
-    n, r = nodes_ranks
-    nodes = [f"n{i // r}" for i in range(n * r)]
+    if isinstance(nodes_ranks, list):
+        nodes, n, r = nodes_ranks, len(set(nodes_ranks)), 4
+    else:
+        n, r = nodes_ranks
+        nodes = [f"n{i // r}" for i in range(n * r)]
     rounds = topology._schedule(nodes, max_rounds=8)
     assert 1 <= len(rounds) <= min(8, (r > 1) + n - 1 + n % 2)
     for rnd in rounds:
@@ -55,8 +62,8 @@ def test_probe_samples_pairs(nodes_ranks):
         inter_rounds = [rnd for rnd in rounds if nodes[rnd[0][0]] != nodes[rnd[0][1]]]
         users = {x for rnd in inter_rounds for p in rnd for x in p}
         assert len(users) > n if r > 1 and len(inter_rounds) > 1 else len(users) <= n
-    if r > 1:  # inside every node
-        assert {nodes[a] for a, b in pairs if nodes[a] == nodes[b]} == set(nodes)
+    if r > 1:  # inside every node of two ranks or more
+        assert {nodes[a] for a, b in pairs if nodes[a] == nodes[b]} == {x for x in nodes if nodes.count(x) > 1}
 
 
 def test_fit_recovers_alpha_beta():
