@@ -34,6 +34,15 @@ class Mode:
     def is_torch(self) -> bool:
         return self.hook != "hetcomm"
 
+    def ddp_options(self, bucket_cap_mb: Optional[float] = None) -> Dict[str, Any]:
+        """DDP keyword arguments for this mode: PyTorch's PowerSGD hook gets
+        one bucket (on gloo it fails with "collective mismatch" from its
+        second compressed bucket on: an MLP of 64 -> 1000 -> 1000 -> 10 on 2
+        ranks, torch 2.13); the others ``bucket_cap_mb`` if given."""
+        if self.hook == "powersgd":
+            return {"bucket_cap_mb": 10_000}
+        return {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+
     def comm_hook(self, **overrides) -> Tuple[Any, Callable, Optional[Any]]:
         """(hook state, hook) for ``DDP.register_comm_hook``, and hetcomm's
         HookState (None for PyTorch's hooks). ``overrides`` are HookState

@@ -37,6 +37,26 @@ def test_hook_none_is_bit_identical_to_pytorch_allreduce_hook():
         assert torch.equal(theirs, ours)
 
 
+def _powersgd_baseline(rank, world):
+    model = models.mlp(hidden=96)
+    mode = hetcomm.modes.get("torch-powersgd")
+    # several buckets asked for; PyTorch's PowerSGD hook on gloo fails with them ("collective mismatch" at its
+    # first compressed step, torch 2.13), so the benchmarks' baseline gets one
+    ddp = DDP(model, **mode.ddp_options(bucket_cap_mb=0.01))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    mode.register(ddp, opt)
+    for step in range(5):
+        models.train_step(ddp, opt, rank, step, 16)
+    return models.flat_params(model)
+
+
+def test_the_benchmarks_powersgd_baseline_trains_where_its_hook_needs_one_bucket():
+    a, b = run_ranks(_powersgd_baseline, 2)
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+    assert not torch.equal(a, models.flat_params(models.mlp(hidden=96)))
+    assert hetcomm.modes.get("onebit").ddp_options(0.01) == {"bucket_cap_mb": 0.01}
+
+
 SIZES = [3, 8, 5]
 
 

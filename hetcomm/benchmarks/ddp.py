@@ -107,8 +107,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     model = model_for(cfg["params"], layers=cfg["layers"]).to(dev)
     numel = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                              bucket_cap_mb=10_000 if base == "torch-powersgd" else
-                                              cfg["bucket_mb"])
+                                              **mode_table.get(base).ddp_options(cfg["bucket_mb"]))
     algorithm = cfg.get("algorithm", "native")
     # auto chooses the algorithm too unless one is asked for
     overrides = {} if base in TORCH_MODES else {

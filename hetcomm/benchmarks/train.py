@@ -59,7 +59,7 @@ def plan_summary(state) -> Dict[str, int]:
 
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float) -> Optional[Dict]:
     model = task.model()
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(model, **mode_table.get(mode).ddp_options())
     opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
     state, bytes_per_step = _register(ddp, mode, opt)
     curve, train_s = [], 0.0
