@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
 from hetcomm import planner, topology
+from hetcomm import probe as probing
 from hetcomm.topology import LinkClass, Topology
 
 from . import models
@@ -26,7 +27,7 @@ def _topo(nodes, intra=(5e-6, 1 / 50e9), inter=(50e-6, 1 / 1.25e9)):
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
 def test_probe_rounds_pair_everyone_once_in_disjoint_rounds(world):
-    rounds = topology._rounds(world)
+    rounds = probing._rounds(world)
     pairs = [tuple(sorted(p)) for r in rounds for p in r]
     assert sorted(pairs) == [(a, b) for a in range(world) for b in range(a + 1, world)]
     for r in rounds:
@@ -45,7 +46,7 @@ def test_probe_samples_pairs(nodes_ranks):
     else:
         n, r = nodes_ranks
         nodes = [f"n{i // r}" for i in range(n * r)]
-    rounds = topology._schedule(nodes, max_rounds=8)
+    rounds = probing._schedule(nodes, max_rounds=8)
     assert 1 <= len(rounds) <= min(8, (r > 1) + n - 1 + n % 2)
     for rnd in rounds:
         flat = [x for p in rnd for x in p]
@@ -79,7 +80,7 @@ def test_fit_recovers_alpha_beta():
             else:  # what probe returns on a slow link: the large message it sized down
                 (al, be), big = inter, 128 << 10
                 meas[(a, b)] = (al + small * be, al + big * be, big)
-    links = topology.fit(nodes, meas, small, large)
+    links = probing.fit(nodes, meas, small, large)
     assert links["intra"].pairs == 2 and links["inter"].pairs == 4
     assert links["intra"].alpha == pytest.approx(10e-6) and links["intra"].beta == pytest.approx(1e-10)
     assert links["inter"].alpha == pytest.approx(200e-6) and links["inter"].beta == pytest.approx(1e-8)
@@ -88,11 +89,11 @@ def test_fit_recovers_alpha_beta():
 def test_probe_sizes_its_large_message_to_the_link():
     kib = 1 << 10
     # 100 Mbit: 64 KiB one way in 5.2 ms; 1 MiB would take 84 ms, 512 KiB takes 42 ms (<= 50 ms)
-    assert topology.probe_size(64 * kib / 12.5e6, 64 * kib, 1024 * kib) == 512 * kib
-    assert topology.probe_size(64 * kib / 6.25e6, 64 * kib, 1024 * kib) == 256 * kib  # 50 Mbit
-    assert topology.probe_size(64 * kib / 25e6, 64 * kib, 1024 * kib) == 1024 * kib  # 200 Mbit: 42 ms, kept
-    assert topology.probe_size(1.0, 64 * kib, 1024 * kib) == 64 * kib  # never below the sizing message
-    assert topology.probe_size(1e-3, 64 * kib, 1024 * kib, budget_s=4e-3) == 256 * kib
+    assert probing.probe_size(64 * kib / 12.5e6, 64 * kib, 1024 * kib) == 512 * kib
+    assert probing.probe_size(64 * kib / 6.25e6, 64 * kib, 1024 * kib) == 256 * kib  # 50 Mbit
+    assert probing.probe_size(64 * kib / 25e6, 64 * kib, 1024 * kib) == 1024 * kib  # 200 Mbit: 42 ms, kept
+    assert probing.probe_size(1.0, 64 * kib, 1024 * kib) == 64 * kib  # never below the sizing message
+    assert probing.probe_size(1e-3, 64 * kib, 1024 * kib, budget_s=4e-3) == 256 * kib
 
 
 def test_planner_prefers_hierarchy_for_big_buckets_on_slow_inter_node_links():
@@ -139,9 +140,9 @@ def _detect(rank, world, cache_dir, given):
     t = topology.detect()
     devices = [str(topology.group_device(g, d)) for g in (None, dist.new_group())
                for d in (None, torch.device("cpu"), torch.device("cuda", 1))]
-    sampled = topology.probe(nodes=t.nodes, reps=1)  # what detect measured (every pair would take 3 rounds)
+    sampled = probing.probe(nodes=t.nodes, reps=1)  # what detect measured (every pair would take 3 rounds)
     return {"topo": t.to_json(), "plan": planner.plan(t, 1 << 22), "order": t.ring_order(), "devices": devices,
-            "sampled": sampled, "sampled_fit": topology.fit(t.nodes, sampled)}
+            "sampled": sampled, "sampled_fit": probing.fit(t.nodes, sampled)}
 
 
 def test_detect_measures_caches_and_agrees_on_every_rank(tmp_path):
