@@ -136,3 +136,12 @@ def write_json(path: Optional[str], payload: Dict, meta: Optional[Dict] = None) 
     if path:
         with open(path, "w") as f:
             json.dump({"meta": meta, **payload} if meta is not None else payload, f, indent=2)
+
+
+def plan_summary(state) -> Dict[str, int]:
+    """What a HookState's last step ran: buckets per "wire/algorithm" (e.g. what auto chose)."""
+    out: Dict[str, int] = {}
+    for p in state.last_plans.values():
+        k = f"{p.mode}/{p.algorithm}"
+        out[k] = out.get(k, 0) + 1
+    return out

@@ -167,11 +167,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     if state is not None:
         stats = state.stats()
         sent = stats["last_step"]["bytes_sent"]
-        counts: Dict[str, int] = {}
-        for p in stats["plans"].values():
-            name = f"{p['mode']}/{p['algorithm']}"
-            counts[name] = counts.get(name, 0) + 1
-        plans = " ".join(f"{n}x{c}" if c > 1 else n for n, c in sorted(counts.items()))
+        plans = " ".join(f"{n}x{c}" if c > 1 else n for n, c in sorted(common.plan_summary(state).items()))
         auto = stats.get("auto")
         state.close()
     else:

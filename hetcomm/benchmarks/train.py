@@ -48,15 +48,6 @@ def _register(ddp, mode: str, opt: torch.optim.Optimizer):
     return None, lambda steps: m.torch_bytes(ddp.module, dist.get_world_size(), steps)
 
 
-def plan_summary(state) -> Dict[str, int]:
-    """What the last step ran: buckets per "wire/algorithm" (e.g. what auto chose)."""
-    out: Dict[str, int] = {}
-    for p in state.last_plans.values():
-        k = f"{p.mode}/{p.algorithm}"
-        out[k] = out.get(k, 0) + 1
-    return out
-
-
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float) -> Optional[Dict]:
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model, **mode_table.get(mode).ddp_options())
@@ -74,7 +65,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
             if rank == 0:
                 point = {"step": step + 1, "time_s": train_s, **task.evaluate(model)}
                 if state is not None:
-                    point["plans"] = plan_summary(state)
+                    point["plans"] = common.plan_summary(state)
                 curve.append(point)
             dist.barrier()  # every rank resumes the clock together
     sent = bytes_per_step(steps)
