@@ -74,14 +74,13 @@ def probe_size(one_way_s: float, measured: int, largest: int, budget_s: float = 
     return size
 
 
-def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
-          device: Optional[torch.device] = None, nodes: Optional[List[str]] = None,
-          max_rounds: int = PROBE_MAX_ROUNDS) -> Dict[tuple, tuple]:
-    """One-way time (s) of a `small` and a large message per rank pair, and
-    the large message's bytes: ``{(a, b): (t_small, t_large, large_bytes)}``,
-    measured by ping-pong in rounds of disjoint pairs (every pair; with
-    ``nodes``, the node of each rank, a sample in at most ``max_rounds``
-    rounds: :func:`_schedule`), with tensors on
+def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
+          device: Optional[torch.device] = None, max_rounds: int = PROBE_MAX_ROUNDS) -> Dict[tuple, tuple]:
+    """One-way time (s) of a `small` and a large message per sampled rank
+    pair, and the large message's bytes: ``{(a, b): (t_small, t_large,
+    large_bytes)}``, measured by ping-pong in at most ``max_rounds`` rounds of
+    disjoint pairs chosen from ``nodes``, the node of each rank
+    (:func:`_schedule`), with tensors on
     ``device`` (a GPU measures its own links: NVLink, PCIe, the network). The
     large message is `large` bytes, or less on a slow link (:func:`probe_size`:
     the lower rank of each pair decides from one exchange of 64 KiB and tells
@@ -91,7 +90,7 @@ def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
     device = group_device(group, device)
     t = _C.ProcessGroupTransport(group if group is not None else dist.group.WORLD, device)
     me, world = t.rank, t.size
-    if nodes is not None and len(nodes) != world:
+    if len(nodes) != world:
         raise ValueError(f"nodes must name the node of each of the group's {world} ranks, got {len(nodes)}")
     mine = {}
     sizing = min(PROBE_SIZING, large)
@@ -113,7 +112,7 @@ def probe(group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
                 samples.append((time.perf_counter() - t0) / 2)
         return min(samples)  # the least disturbed exchange (the machine may be busy)
 
-    for rnd, pairs in enumerate(_schedule(nodes, max_rounds) if nodes is not None else _rounds(world)):
+    for rnd, pairs in enumerate(_schedule(nodes, max_rounds)):
         for a, b in pairs:
             if me not in (a, b):
                 continue

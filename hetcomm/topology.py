@@ -291,7 +291,7 @@ def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = 
 
     topo = Topology(world=world, nodes=nodes, devices=devices)
     device = group_device(group, device)
-    topo.links = fit(nodes, probe(group, device=device, nodes=nodes))
+    topo.links = fit(nodes, probe(nodes, group, device=device))
     gbps: List[Optional[float]] = [measure_codec_gbps(device=device)]
     dist.broadcast_object_list(gbps, src=src, group=group)  # rank 0's speed for everyone: identical plans
     topo.codec_gbps = float(gbps[0])

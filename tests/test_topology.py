@@ -140,7 +140,7 @@ def _detect(rank, world, cache_dir, given):
     t = topology.detect()
     devices = [str(topology.group_device(g, d)) for g in (None, dist.new_group())
                for d in (None, torch.device("cpu"), torch.device("cuda", 1))]
-    sampled = probing.probe(nodes=t.nodes, reps=1)  # what detect measured (every pair would take 3 rounds)
+    sampled = probing.probe(t.nodes, reps=1)  # what detect measured (every pair would take 3 rounds)
     return {"topo": t.to_json(), "plan": planner.plan(t, 1 << 22), "order": t.ring_order(), "devices": devices,
             "sampled": sampled, "sampled_fit": probing.fit(t.nodes, sampled)}
 
