@@ -196,7 +196,7 @@ def choices_list(allowed, noun: str) -> Callable[[str], List[str]]:
 
 
 def mode_list(text: str) -> List[str]:
-    """bench train's modes: any of hetcomm.modes, ranked forms (lowrank-r16) included."""
+    """bench train's modes: any of hetcomm.modes, ranked and chunked forms (lowrank-r16, onebit-c256) included."""
     from . import modes
 
     items = [x for x in text.split(",") if x]
@@ -327,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     default=list(bench_train.OPTIMIZERS), help="comma-separated optimizers (SGD momentum 0.9, AdamW)")
     tr.add_argument("--modes", type=mode_list, default=bench_train.DEFAULT_MODES,
                     help="comma-separated modes (fp32 is always run: it sets the target); lowrank-rN and "
-                         "torch-powersgd-rN set the rank")
+                         "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale")
     tr.add_argument("--scale", type=positive_float, default=1.0, help="multiplies each task's number of steps")
     tr.add_argument("--lr-scale", type=positive_float, default=1.0,
                     help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")

@@ -6,7 +6,8 @@ start, compressed from step 2, as hetcomm's lowrank) or a hetcomm
 :class:`~hetcomm.HookState` with its defaults. Suffixes: ``+m`` compresses
 the optimizer's momentum (:meth:`HookState.attach_optimizer`), ``-no-ef``
 turns error feedback off (to show what it buys); ``-rN`` after ``lowrank``
-or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``).
+or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
+``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``).
 """
 
 from __future__ import annotations
@@ -133,21 +134,26 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     """The mode called ``name``; ValueError naming the choices (``choices``,
     else every mode) when there is none."""
     allowed = list(choices) if choices is not None else list(MODES)
-    ranked = _RANKED.match(name)
-    if ranked and choices is None:
-        base, r, suffix = ranked.group(1), int(ranked.group(2)), ranked.group(3) or ""
-        if r < 1:
+    ranked = _RANKED.match(name) if choices is None else None
+    if ranked:
+        base, letter, n, suffix = ranked.group(1), ranked.group(2), int(ranked.group(3)), ranked.group(4) or ""
+        if (letter == "r") != (base in ("lowrank", "torch-powersgd")):
+            raise ValueError(f"mode {name!r}: -rN is for lowrank and torch-powersgd, -cN for onebit and fp8")
+        if letter == "r" and n < 1:
             raise ValueError(f"mode {name!r}: the rank after -r must be >= 1")
         if base + suffix not in MODES:
             raise ValueError(f"mode {name!r}: {base} has no {suffix} form")
         m = MODES[base + suffix]
+        if letter == "c":  # HookState checks the chunk (a positive multiple of 32)
+            return replace(m, name=name, options={**m.options, "chunk_size": n})
         if m.is_torch:
-            return replace(m, name=name, rank=r)
-        return replace(m, name=name, options={**m.options, "matrix_approximation_rank": r})
+            return replace(m, name=name, rank=n)
+        return replace(m, name=name, options={**m.options, "matrix_approximation_rank": n})
     if name not in allowed or name not in MODES:
-        ranks = " (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N)" if choices is None else ""
+        ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
+                 "onebit-cN, fp8-cN: N elements per scale)") if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")
     return MODES[name]
 
 
-_RANKED = re.compile(r"^(lowrank|torch-powersgd)-r(\d+)(\+m)?$")
+_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8)-([rc])(\d+)(\+m)?$")

@@ -14,7 +14,7 @@ import torch
 from . import _C
 
 DEFAULT_CHUNK = 2048
-FP8_CHUNK = 256  # fp8's default, HookState's too (hetcomm.options.DEFAULT_CHUNK says why)
+FP8_CHUNK = 256  # fp8's default, HookState's too for both codecs (hetcomm.planner.DEFAULT_CHUNK says why)
 
 
 def sign_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0,

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import ops, topology
 from .plan import AUTO_MODES, COMPRESSED  # COMPRESSED: modes with per-bucket state, compressed after start_iter
+from .planner import DEFAULT_CHUNK
 from .topology import ALGORITHMS
 
 COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk", "lowrank", "auto")
@@ -41,16 +42,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# Elements per scale when chunk_size is None. fp8's scale follows the chunk's
-# largest value, so a long chunk starves its small values of precision: with
-# 2048 the 4-rank language model (SGD-momentum) blew up at its loss drop in 2
-# of 2 seeds, with 256 it reached fp32's perplexity in both (bench/README.md).
-DEFAULT_CHUNK = {"onebit": ops.DEFAULT_CHUNK, "fp8": ops.FP8_CHUNK}
-
-
-def chunk_for(mode: str, chunk_size: Optional[int]) -> int:
-    """Elements per scale of ``mode``'s codec: the option, or the mode's default."""
-    return chunk_size if chunk_size is not None else DEFAULT_CHUNK.get(mode, ops.DEFAULT_CHUNK)
+def chunk_for(chunk_size: Optional[int]) -> int:
+    """Elements per scale of the onebit and fp8 codecs: the option, or their
+    default (planner.DEFAULT_CHUNK says why 256)."""
+    return chunk_size if chunk_size is not None else DEFAULT_CHUNK
 
 
 def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size: Optional[int],

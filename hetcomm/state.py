@@ -71,8 +71,8 @@ class HookState(BucketSteps, Negotiation):
             next step's gradient (default True). ``False`` exists to show why
             it matters.
         chunk_size: elements per 1-bit or fp8 scale (a positive multiple of
-            32); ``None`` (default): 2048 for onebit, 256 for fp8 (whose scale
-            follows the chunk's largest value).
+            32); ``None`` (default): 256 (a long chunk's scale
+            serves its small values badly: ``planner.DEFAULT_CHUNK``).
         min_compress_numel: buckets with fewer elements go uncompressed (fp32).
         topk_ratio: fraction of entries top-k sends, in (0, 1].
         topk_exact: exact top-k selection (default) or, with ``False``, the

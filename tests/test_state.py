@@ -259,11 +259,19 @@ def test_a_rank_suffix_sets_lowrank_and_powersgds_rank():
     assert mode.comm_hook()[0].matrix_approximation_rank == 16 and mode.name == "torch-powersgd-r16"
     m = hetcomm.modes.get("lowrank-r16+m")
     assert m.attach and m.options == {"compression": "lowrank", "matrix_approximation_rank": 16}
+    m = hetcomm.modes.get("onebit-c256+m")
+    assert m.attach and m.name == "onebit-c256+m" and m.options == {"compression": "onebit", "chunk_size": 256}
+    state = hetcomm.modes.get("fp8-c64").comm_hook()[0]
+    assert state.chunk_size == 64 and state.compression == "fp8"
+    state.close()
+    with pytest.raises(ValueError, match="chunk_size must be None or a positive multiple of 32"):
+        hetcomm.modes.get("onebit-c100").comm_hook()
     state = hetcomm.modes.get("lowrank-r8").comm_hook()[0]
     assert state.matrix_approximation_rank == 8 and state.compression == "lowrank"
     state.close()
     for bad, rule in (("lowrank-r0", "rank after -r must be >= 1"), ("torch-powersgd-r8+m", "no \\+m form"),
-                      ("onebit-r8", "lowrank-rN")):
+                      ("onebit-r8", "-rN is for lowrank"), ("lowrank-c256", "-cN for onebit and fp8"),
+                      ("fp8-c256-no-ef", "must be one of")):
         with pytest.raises(ValueError, match=rule):
             hetcomm.modes.get(bad)
     with pytest.raises(ValueError, match="mode must be one of fp32; got 'lowrank-r8'"):
