@@ -104,25 +104,30 @@ void bind_transports(py::module_& m) {
       .def(
           "allreduce_onebit",
           [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
-             c10::optional<at::Tensor> sres) {
+             c10::optional<at::Tensor> sres, int64_t pieces) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
-            blocking(t, [&] { collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer); });
+            blocking(t, [&] {
+              collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces);
+            });
           },
           py::arg("x"), py::arg("divisor"), py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), nogil,
-          "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately).")
+          py::arg("server_residual") = py::none(), py::arg("pieces") = 0, nogil,
+          "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately), pipelined in "
+          "`pieces` (0: by the bucket's size).")
       .def(
           "allreduce_fp8",
           [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
-             c10::optional<at::Tensor> sres) {
+             c10::optional<at::Tensor> sres, int64_t pieces) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
-            blocking(t, [&] { collectives::allreduce_fp8(t, flat, divisor, chunk, opt(wres), opt(sres), timer); });
+            blocking(t, [&] {
+              collectives::allreduce_fp8(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces);
+            });
           },
           py::arg("x"), py::arg("divisor"), py::arg("chunk") = 256, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), nogil,
-          "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place.")
+          py::arg("server_residual") = py::none(), py::arg("pieces") = 0, nogil,
+          "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`.")
       .def(
           "allreduce_topk",
           [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res) {

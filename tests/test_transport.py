@@ -152,3 +152,59 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
             got, got_w, got_s = res["fp8"][step]
             assert torch.equal(got, want) and torch.equal(got_w, wres[r]) and torch.equal(got_s, sres[r])
         assert (want - sum(r["xs"][step] / d for r, d in zip(results, divisors))).abs().max() > 0  # lossy
+
+
+def _pieced(rank, world, n, chunk):
+    """Two steps of onebit and fp8 (residuals carried) in 1, 2, 3, 7 and the
+    automatic number of pieces; the bytes each sent."""
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    g = torch.Generator().manual_seed(7 + rank)
+    xs = [torch.randn(n, generator=g) * (1 + 100 * (torch.rand(n, generator=g) < 0.01)) for _ in range(2)]
+    seg = hetcomm.ops.onebit_segment_numel(n, world, rank)
+    out = {}
+    for pieces in (1, 2, 3, 7, 0):
+        for wire in ("onebit", "fp8"):
+            wres, sres, ys = torch.zeros(n), torch.zeros(seg), []
+            before = t.counters()
+            for x in xs:
+                y = x.clone()
+                getattr(t, f"allreduce_{wire}")(y, float(rank + 1), chunk, wres, sres, pieces=pieces)
+                ys.append(y)
+            after = t.counters()
+            out[(pieces, wire)] = (ys, wres, sres, after["bytes_sent"] - before["bytes_sent"],
+                                   after["calls"] - before["calls"])
+    try:
+        t.allreduce_onebit(torch.zeros(64), 1.0, 32, None, None, pieces=-1)
+    except ValueError as e:
+        out["error"] = str(e)
+    return {"xs": xs, "out": out}
+
+
+@pytest.mark.parametrize("world,n,chunk,auto", [(2, 600_011, 256, 2), (3, 9_001, 64, 1)])
+def test_two_phase_in_pieces_is_bit_identical_to_one_piece(world, n, chunk, auto):
+    """A bucket's exchange pipelined in pieces (encode piece p + 1 while piece
+    p is on the wire) sends the same bytes and leaves the same sums and
+    residuals as in one piece, bit for bit; fp8's are the reference's.
+    ``auto``: the pieces a bucket of n elements gets on gloo (one per 2**18
+    elements, at most 4)."""
+    results = run_ranks(_pieced, world, n, chunk)
+    for res in results:
+        for key, (ys, wres, sres, sent, calls) in ((k, v) for k, v in res["out"].items() if k != "error"):
+            one = res["out"][(1, key[1])]
+            assert all(torch.equal(a, b) for a, b in zip(ys, one[0])), key
+            assert torch.equal(wres, one[1]) and torch.equal(sres, one[2]), key
+            assert sent == one[3], key
+            # each piece is its own all-to-all and all-gather (2 per step, 2 steps)
+            assert calls == 4 * (key[0] or auto), key
+        assert "pieces must be >= 0" in res["out"]["error"]
+    # every rank holds the same sums; fp8 in pieces against the single-process reference, bit for bit
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["out"][(0, "onebit")][0], results[0]["out"][(0, "onebit")][0]))
+    divisors = [float(r + 1) for r in range(world)]
+    wres = [torch.zeros(n) for _ in range(world)]
+    sres = [torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, r)) for r in range(world)]
+    for step in range(2):
+        want, wres, sres, _ = ref.two_phase_allreduce([r["xs"][step] for r in results], wres, sres, divisors, chunk,
+                                                      encode=ref.fp8_encode)
+        for pieces in (3, 0):
+            assert torch.equal(results[0]["out"][(pieces, "fp8")][0][step], want)

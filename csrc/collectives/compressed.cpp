@@ -1,7 +1,9 @@
 #include "collectives/compressed.h"
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
+#include <vector>
 
 #include "kernels/sign.h"
 #include "ops/codecs.h"
@@ -124,11 +126,30 @@ int64_t onebit_segment_offset(int64_t n, int world, int rank) {
 
 namespace {
 
+// Pieces of a large bucket: enough that encoding one piece overlaps the
+// previous piece's exchange, few enough that per-message latency stays small.
+constexpr int64_t kPieceNumel = 1 << 18;  // bucket elements per piece
+constexpr int64_t kMaxPieces = 4;
+
+// Elements of a segment in each piece (the last may be shorter): a multiple of
+// chunk, so a piece's chunks, scales and sign words are the segment's own.
+int64_t piece_stride(int64_t n, int64_t seg, int64_t chunk, int64_t pieces, bool overlaps) {
+  TORCH_CHECK_VALUE(pieces >= 0, "hetcomm: pieces must be >= 0 (0: chosen by the bucket's size), got ", pieces);
+  if (pieces == 0) pieces = overlaps ? std::clamp<int64_t>(n / kPieceNumel, 1, kMaxPieces) : 1;
+  const int64_t per = (seg + pieces - 1) / pieces;
+  return std::max<int64_t>(chunk, (per + chunk - 1) / chunk * chunk);
+}
+
 // Two phases: every rank encodes segment r (worker residual) and sends it to
 // rank r; rank r decodes and sums its segment in rank order, encodes the sum
-// (server residual) and all-gather hands every rank the same messages.
+// (server residual) and all-gather hands every rank the same messages. A
+// large bucket goes in pieces (piece p: elements [p * ps, (p + 1) * ps) of
+// every segment), each started as soon as it is encoded, so the codec works
+// while the previous piece is on the wire; the pieces' chunks are the
+// segments' own, so the result is bit for bit the one of a single piece.
 void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                         const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec) {
+                         const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec,
+                         int64_t pieces) {
   const int w = t.size();
   const int me = t.rank();
   const int64_t n = x.numel();
@@ -137,60 +158,91 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   TORCH_CHECK_VALUE(!worker_residual.defined() || worker_residual.numel() == n,
                     "hetcomm: worker residual must have the bucket's ", n, " elements, got ", worker_residual.numel());
   const int64_t seg = segment_stride(n, w);
-  const Block blk{codec, codec.payload_ints(seg), kernels::sign_num_chunks(seg, chunk)};
   const int64_t my_len = segment_len(n, seg, me);
   TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == my_len,
                     "hetcomm: server residual must have ", my_len, " elements, got ", server_residual.numel());
+  const int64_t ps = piece_stride(n, seg, chunk, pieces, t.overlaps());
+  const int np = static_cast<int>((seg + ps - 1) / ps);
+  // Piece p of segment r, and the block that carries piece p of any segment
+  // (sized by the longest: segment 0's, so the pieces' blocks add up to one
+  // segment's block).
+  auto piece_len = [&](int r, int p) { return std::clamp<int64_t>(segment_len(n, seg, r) - p * ps, 0, ps); };
+  auto block_of = [&](int p) {
+    const int64_t cap = std::min(ps, seg - p * ps);
+    return Block{codec, codec.payload_ints(cap), kernels::sign_num_chunks(cap, chunk)};
+  };
 
   const auto ints = x.options().dtype(at::kInt);  // on the bucket's device
-  at::Tensor send = at::zeros({w * blk.ints()}, ints);
-  at::Tensor recv = at::empty({w * blk.ints()}, ints);
-  {
+  std::vector<at::Tensor> recv(np), all(np), keep(2 * np);  // keep: what a started collective reads
+  std::vector<Pending> scattered(np), gathered(np);
+  auto scatter = [&](int p) {  // phase 1 of piece p: each segment's piece to the segment's owner
+    const Block blk = block_of(p);
+    at::Tensor send = at::zeros({w * blk.ints()}, ints);
+    {
+      Timed _(timer);
+      for (int r = 0; r < w; ++r) {
+        const int64_t len = piece_len(r, p);
+        if (len == 0) continue;
+        at::Tensor block = send.narrow(0, r * blk.ints(), blk.ints());
+        const int64_t at = r * seg + p * ps;
+        codec.encode(x.narrow(0, at, len), narrow_or_empty(worker_residual, at, len), divisor, chunk,
+                     blk.payload(block, len), blk.scales(block, len, chunk));
+      }
+    }
+    recv[p] = at::empty({w * blk.ints()}, ints);
+    keep[2 * p] = send;
+    scattered[p] = t.start_all_to_all(recv[p], send);
+  };
+  auto reduce = [&](int p) {  // phase 2: the owner sums its piece, encodes it and all-gathers it
+    const Block blk = block_of(p);
+    scattered[p].wait();
+    at::Tensor mine = at::zeros({blk.ints()}, ints);
+    const int64_t len = piece_len(me, p);
+    if (len > 0) {
+      Timed _(timer);
+      at::Tensor acc = at::zeros({len}, x.options());
+      for (int r = 0; r < w; ++r) {
+        at::Tensor block = recv[p].narrow(0, r * blk.ints(), blk.ints());
+        codec.decode(blk.payload(block, len), blk.scales(block, len, chunk), len, chunk, acc, true);
+      }
+      codec.encode(acc, narrow_or_empty(server_residual, p * ps, len), 1.0, chunk, blk.payload(mine, len),
+                   blk.scales(mine, len, chunk));
+    }
+    all[p] = at::empty({w * blk.ints()}, ints);
+    keep[2 * p + 1] = mine;
+    gathered[p] = t.start_all_gather(all[p], mine);
+  };
+  auto decode = [&](int p) {  // every rank decodes the same messages
+    const Block blk = block_of(p);
+    gathered[p].wait();
     Timed _(timer);
     for (int r = 0; r < w; ++r) {
-      const int64_t len = segment_len(n, seg, r);
+      const int64_t len = piece_len(r, p);
       if (len == 0) continue;
-      at::Tensor block = send.narrow(0, r * blk.ints(), blk.ints());
-      codec.encode(x.narrow(0, r * seg, len), narrow_or_empty(worker_residual, r * seg, len), divisor, chunk,
-                   blk.payload(block, len), blk.scales(block, len, chunk));
+      at::Tensor block = all[p].narrow(0, r * blk.ints(), blk.ints());
+      codec.decode(blk.payload(block, len), blk.scales(block, len, chunk), len, chunk,
+                   x.narrow(0, r * seg + p * ps, len), false);
     }
+  };
+  // Every rank starts the collectives in one order: scatter 0, scatter 1, gather 0, scatter 2, gather 1, ...
+  for (int p = 0; p < np; ++p) {
+    scatter(p);
+    if (p > 0) reduce(p - 1);
   }
-  t.all_to_all(recv, send);
-
-  at::Tensor mine = at::zeros({blk.ints()}, ints);
-  {
-    Timed _(timer);
-    if (my_len > 0) {
-      at::Tensor acc = at::zeros({my_len}, x.options());
-      for (int r = 0; r < w; ++r) {
-        at::Tensor block = recv.narrow(0, r * blk.ints(), blk.ints());
-        codec.decode(blk.payload(block, my_len), blk.scales(block, my_len, chunk), my_len, chunk, acc, true);
-      }
-      codec.encode(acc, server_residual, 1.0, chunk, blk.payload(mine, my_len), blk.scales(mine, my_len, chunk));
-    }
-  }
-
-  at::Tensor all = at::empty({w * blk.ints()}, ints);
-  t.all_gather(all, mine);
-  Timed _(timer);
-  for (int r = 0; r < w; ++r) {
-    const int64_t len = segment_len(n, seg, r);
-    if (len == 0) continue;
-    at::Tensor block = all.narrow(0, r * blk.ints(), blk.ints());
-    codec.decode(blk.payload(block, len), blk.scales(block, len, chunk), len, chunk, x.narrow(0, r * seg, len), false);
-  }
+  reduce(np - 1);
+  for (int p = 0; p < np; ++p) decode(p);  // x is written only after every piece was encoded
 }
 
 }  // namespace
 
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                      const at::Tensor& server_residual, CodecTimer& timer) {
-  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, sign_codec());
+                      const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, sign_codec(), pieces);
 }
 
 void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                   const at::Tensor& server_residual, CodecTimer& timer) {
-  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec());
+                   const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec(), pieces);
 }
 
 void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,

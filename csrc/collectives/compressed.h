@@ -45,13 +45,15 @@ void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType
 
 // Two-phase 1-bit all-reduce (x float32, contiguous). worker_residual: numel
 // x.numel(); server_residual: numel onebit_segment_numel(...) for this rank.
-// Either may be undefined (no error feedback).
+// Either may be undefined (no error feedback). pieces: how many pieces the
+// exchange is pipelined in (0: up to 4 by the bucket's size where the
+// transport overlaps(), else 1); any number gives the same bytes.
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                      const at::Tensor& server_residual, CodecTimer& timer);
+                      const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0);
 // The same two phases with fp8 e4m3 codes and a power-of-two scale per chunk
 // (kernels/fp8.h): 8 bits per element, residuals laid out as for onebit.
 void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                   const at::Tensor& server_residual, CodecTimer& timer);
+                   const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0);
 // Elements of the segment this rank averages (its server residual's size).
 int64_t onebit_segment_numel(int64_t n, int world, int rank);
 // Where that segment starts in x.

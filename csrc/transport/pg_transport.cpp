@@ -100,12 +100,17 @@ void ProcessGroupTransport::do_all_reduce_sum(at::Tensor& t) {
   wait(pg_->allreduce(v, opts), "all_reduce", start);
 }
 
-void ProcessGroupTransport::do_all_gather(at::Tensor& out, const at::Tensor& in) {
-  const auto start = std::chrono::steady_clock::now();
+Pending ProcessGroupTransport::pending(c10::intrusive_ptr<c10d::Work> work, const char* what) {
+  return Pending([this, work = std::move(work), what] { wait(work, what, std::chrono::steady_clock::now()); });
+}
+
+void ProcessGroupTransport::do_all_gather(at::Tensor& out, const at::Tensor& in) { do_start_all_gather(out, in).wait(); }
+
+Pending ProcessGroupTransport::do_start_all_gather(at::Tensor& out, const at::Tensor& in) {
   std::vector<std::vector<at::Tensor>> outs(1);
   for (int r = 0; r < size(); ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
   std::vector<at::Tensor> ins{in};
-  wait(pg_->allgather(outs, ins), "all_gather", start);
+  return pending(pg_->allgather(outs, ins), "all_gather");
 }
 
 void ProcessGroupTransport::do_all_to_all(at::Tensor& out, const at::Tensor& in) {
@@ -115,13 +120,20 @@ void ProcessGroupTransport::do_all_to_all(at::Tensor& out, const at::Tensor& in)
     out.copy_(h);
     return;
   }
-  const auto start = std::chrono::steady_clock::now();
+  do_start_all_to_all(out, in).wait();
+}
+
+Pending ProcessGroupTransport::do_start_all_to_all(at::Tensor& out, const at::Tensor& in) {
+  if (staged(out) || staged(in)) {
+    do_all_to_all(out, in);
+    return {};
+  }
   std::vector<int64_t> splits;  // empty: equal splits
   at::Tensor in_mut = in;
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-  wait(pg_->all_to_all_single(out, in_mut, splits, splits), "all_to_all", start);
+  return pending(pg_->all_to_all_single(out, in_mut, splits, splits), "all_to_all");
 #else  // the same op under its older name
-  wait(pg_->alltoall_base(out, in_mut, splits, splits), "all_to_all", start);
+  return pending(pg_->alltoall_base(out, in_mut, splits, splits), "all_to_all");
 #endif
 }
 

@@ -20,6 +20,9 @@ class ProcessGroupTransport : public Transport {
   std::string name() const override;
 
   at::Device device() const override { return device_; }
+  // Host tensors: the process group's threads move them while the caller
+  // works. (A GPU's collectives keep today's blocking order: unmeasured.)
+  bool overlaps() const override { return device_.is_cpu(); }
 
  protected:
   void do_send(const at::Tensor& t, int dst, int tag) override;
@@ -30,11 +33,15 @@ class ProcessGroupTransport : public Transport {
   void do_all_to_all(at::Tensor& out, const at::Tensor& in) override;
   void do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
   void do_barrier() override;
+  Pending do_start_all_gather(at::Tensor& out, const at::Tensor& in) override;
+  Pending do_start_all_to_all(at::Tensor& out, const at::Tensor& in) override;
 
  private:
   // Waits for work (the process group's timeout bounds it: a dead peer
   // raises, naming the op) and adds the time since start to comm_ns.
+  // pending(): the same wait later, counting only the time spent waiting.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, std::chrono::steady_clock::time_point start);
+  Pending pending(c10::intrusive_ptr<c10d::Work> work, const char* what);
   // A CUDA tensor on a group whose CUDA backend is gloo, for an op gloo takes
   // only on the host: the op runs on pinned host copies.
   bool staged(const at::Tensor& t) const;

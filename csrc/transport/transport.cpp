@@ -60,30 +60,46 @@ void Transport::all_reduce_sum(at::Tensor& t) {
   count(ring, ring);
 }
 
-void Transport::all_gather(at::Tensor& out, const at::Tensor& in) {
+void Transport::all_gather(at::Tensor& out, const at::Tensor& in) { start_all_gather(out, in).wait(); }
+
+void Transport::all_to_all(at::Tensor& out, const at::Tensor& in) { start_all_to_all(out, in).wait(); }
+
+Pending Transport::start_all_gather(at::Tensor& out, const at::Tensor& in) {
   check_tensor(in, "all_gather input");
   check_tensor(out, "all_gather output");
   const int w = size();
   TORCH_CHECK_VALUE(out.numel() == in.numel() * w && out.scalar_type() == in.scalar_type(),
                     "hetcomm: all_gather output must hold world_size * input.numel() elements of the input's dtype");
-  if (w == 1)
-    out.copy_(in);
-  else
-    do_all_gather(out, in);
   count((w - 1) * nbytes(in), (w - 1) * nbytes(in));
+  if (w == 1) {
+    out.copy_(in);
+    return {};
+  }
+  return do_start_all_gather(out, in);
 }
 
-void Transport::all_to_all(at::Tensor& out, const at::Tensor& in) {
+Pending Transport::start_all_to_all(at::Tensor& out, const at::Tensor& in) {
   check_tensor(in, "all_to_all input");
   check_tensor(out, "all_to_all output");
   const int w = size();
   TORCH_CHECK_VALUE(in.numel() == out.numel() && in.numel() % w == 0 && out.scalar_type() == in.scalar_type(),
                     "hetcomm: all_to_all input and output must have equal numel and dtype, divisible by world_size");
-  if (w == 1)
-    out.copy_(in);
-  else
-    do_all_to_all(out, in);
   count((w - 1) * nbytes(in) / w, (w - 1) * nbytes(in) / w);
+  if (w == 1) {
+    out.copy_(in);
+    return {};
+  }
+  return do_start_all_to_all(out, in);
+}
+
+Pending Transport::do_start_all_gather(at::Tensor& out, const at::Tensor& in) {
+  do_all_gather(out, in);
+  return {};
+}
+
+Pending Transport::do_start_all_to_all(at::Tensor& out, const at::Tensor& in) {
+  do_all_to_all(out, in);
+  return {};
 }
 
 void Transport::reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {

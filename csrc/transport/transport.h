@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace hetcomm {
@@ -20,6 +21,23 @@ struct WireCounters {
   std::atomic<int64_t> bytes_recv{0};
   std::atomic<int64_t> comm_ns{0};
   std::atomic<int64_t> calls{0};
+};
+
+// A collective started by Transport::start_*: wait() returns when its data is
+// usable (as the blocking call would) and throws as it would. Waiting twice,
+// or on a collective that had finished when started, does nothing.
+class Pending {
+ public:
+  Pending() = default;
+  explicit Pending(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait() {
+    auto w = std::move(wait_);
+    wait_ = nullptr;
+    if (w) w();
+  }
+
+ private:
+  std::function<void()> wait_;
 };
 
 // The public calls check their arguments (naming the argument and the rule)
@@ -43,6 +61,15 @@ class Transport {
   // in and out hold size() equal blocks; block j of in goes to rank j, and
   // block i of out comes from rank i.
   void all_to_all(at::Tensor& out, const at::Tensor& in);
+  // The same two collectives started: where overlaps() they move the data
+  // while the caller works (out and in must stay alive and untouched until
+  // wait()); elsewhere they finish before returning. Every rank starts
+  // collectives in the same order.
+  Pending start_all_gather(at::Tensor& out, const at::Tensor& in);
+  Pending start_all_to_all(at::Tensor& out, const at::Tensor& in);
+  // Whether started collectives progress while the host encodes the next
+  // piece (a process group's own threads move host tensors).
+  virtual bool overlaps() const { return false; }
   // out (in.numel() / size()) = the sum over ranks of block rank() of in.
   void reduce_scatter_sum(at::Tensor& out, const at::Tensor& in);
   void barrier();
@@ -65,6 +92,9 @@ class Transport {
   virtual void do_all_to_all(at::Tensor& out, const at::Tensor& in) = 0;
   virtual void do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) = 0;
   virtual void do_barrier() = 0;
+  // Default: the blocking call.
+  virtual Pending do_start_all_gather(at::Tensor& out, const at::Tensor& in);
+  virtual Pending do_start_all_to_all(at::Tensor& out, const at::Tensor& in);
   // Where a transport needs its tensors (NCCL: on its device); the default takes any.
   virtual void check_place(const at::Tensor& /*t*/, const char* /*name*/) const {}
 
