@@ -185,8 +185,8 @@ def test_two_phase_in_pieces_is_bit_identical_to_one_piece(world, n, chunk, auto
     """A bucket's exchange pipelined in pieces (encode piece p + 1 while piece
     p is on the wire) sends the same bytes and leaves the same sums and
     residuals as in one piece, bit for bit; fp8's are the reference's.
-    ``auto``: the pieces a bucket of n elements gets on gloo (one per 2**18
-    elements, at most 4)."""
+    ``auto``: the pieces a bucket of n elements gets on gloo (one per 2**17
+    elements of a rank's segment, n / world, at most 4)."""
     results = run_ranks(_pieced, world, n, chunk)
     for res in results:
         for key, (ys, wres, sres, sent, calls) in ((k, v) for k, v in res["out"].items() if k != "error"):

@@ -46,8 +46,8 @@ void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType
 // Two-phase 1-bit all-reduce (x float32, contiguous). worker_residual: numel
 // x.numel(); server_residual: numel onebit_segment_numel(...) for this rank.
 // Either may be undefined (no error feedback). pieces: how many pieces the
-// exchange is pipelined in (0: up to 4 by the bucket's size where the
-// transport overlaps(), else 1); any number gives the same bytes.
+// exchange is pipelined in (0: one per 2^17 elements of a segment, up to 4,
+// where the transport overlaps(), else 1); any number gives the same bytes.
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                       const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0);
 // The same two phases with fp8 e4m3 codes and a power-of-two scale per chunk
