@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import ops, topology
+from . import topology
 from .plan import AUTO_MODES, COMPRESSED  # COMPRESSED: modes with per-bucket state, compressed after start_iter
 from .planner import DEFAULT_CHUNK
 from .topology import ALGORITHMS

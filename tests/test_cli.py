@@ -81,7 +81,7 @@ def test_topo_prints_links_and_plan(tmp_path):
 
 def test_bench_allreduce_rows_are_correct(tmp_path):
     out = _run(["bench", "allreduce", "-b", "64K", "-e", "256K", "-f", "4", "-n", "2", "-w", "1", "--ranks", "3",
-                "--wires", "none,fp16,onebit,topk", "--json", "a.json", "--plot", "a.png"], tmp_path)
+                "--wires", "none,fp16,onebit,topk", "--pieces", "1,3", "--json", "a.json", "--plot", "a.png"], tmp_path)
     assert "busbw" in out.stdout and "# Out of bounds values : 0 OK" in out.stdout
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.load(open(tmp_path / "a.json"))
@@ -97,6 +97,11 @@ def test_bench_allreduce_rows_are_correct(tmp_path):
         err.setdefault(r["wire"], []).append(r["max_err"])
     assert max(err["none"]) < 1e-6 and 1e-5 < max(err["fp16"]) < 2e-3  # fp32 / fp16 rounding of a 3-term sum
     assert min(err["onebit"] + err["topk"]) > 0.1  # one call of a lossy wire is far off; error feedback repays it
+    # native onebit side by side in 1 and 3 pieces: the same sums (bit for bit, so the same error)
+    native = {(r["bytes"], r["pieces"]): r["max_err"] for r in rows if (r["algorithm"], r["wire"]) == ("native", "onebit")}
+    assert sorted(native) == [(64 << 10, "1"), (64 << 10, "3"), (256 << 10, "1"), (256 << 10, "3")]
+    assert all(native[(b, "1")] == native[(b, "3")] for b in (64 << 10, 256 << 10))
+    assert {r["pieces"] for r in rows if (r["algorithm"], r["wire"]) != ("native", "onebit")} == {"-"}
 
 
 def test_bench_ddp_side_by_side(tmp_path):

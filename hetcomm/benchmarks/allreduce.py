@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,10 @@ WIRE_CHOICES = ("none", "fp16", "bf16", "fp8", "onebit", "topk")  # every wire b
 
 
 def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topology, state: Dict,
-                topk_ratio: float = 0.01) -> None:
+                topk_ratio: float = 0.01, pieces: int = 0) -> None:
     """x (fp32) becomes the sum over ranks, by `algo` with the `wire` format;
-    a compressed wire's error feedback lives in ``state`` (:func:`wire_state`)."""
+    a compressed wire's error feedback lives in ``state`` (:func:`wire_state`);
+    ``pieces``: of the native onebit / fp8 exchange (0: by the size)."""
     order, nodes = topo.ring_order(), topo.node_ids
     if wire in ("fp16", "bf16"):
         h = ops.cast_encode(x, 1.0, "float16" if wire == "fp16" else "bfloat16")
@@ -49,9 +50,9 @@ def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topolog
         t.allreduce(x, algo, order=order if algo == "ring" else [], node_of=nodes)
     elif algo == "native":
         if wire == "onebit":
-            t.allreduce_onebit(x, 1.0, options.chunk_for(None), state["w"], state["s"])
+            t.allreduce_onebit(x, 1.0, options.chunk_for(None), state["w"], state["s"], pieces=pieces)
         elif wire == "fp8":
-            t.allreduce_fp8(x, 1.0, options.chunk_for(None), state["w"], state["s"])
+            t.allreduce_fp8(x, 1.0, options.chunk_for(None), state["w"], state["s"], pieces=pieces)
         else:
             t.allreduce_topk(x, 1.0, topk_ratio, True, state["w"])
     else:  # hierarchical, compressed across nodes
@@ -82,6 +83,7 @@ def _transport(rank: int, world: int, device: torch.device):
 CHECK_CALLS = 3  # calls from zero state in a compressed wire's invariant check
 UNIT_ROUNDOFF = {"none": 2.0 ** -24, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 COLUMNS = [("bytes", "size(B)", "d"), ("algorithm", "algorithm", "s", 16), ("wire", "wire", "s"),
+           ("pieces", "pieces", "s"),
            ("time_us", "time(us)", ".1f"), ("algbw_GBps", "algbw(GB/s)", ".3f"), ("busbw_GBps", "busbw(GB/s)", ".3f"),
            ("max_err", "max_err", ".2e"), ("wrong", "#wrong", "d"), ("predicted_us", "predicted(us)", ".1f"),
            ("planned", "planned", "s", 16)]
@@ -143,7 +145,7 @@ def _check(run, base: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor
 
 
 def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: List[str], iters: int, warmup: int,
-            check: bool, device_type: str = "cpu") -> List[dict]:
+            check: bool, device_type: str = "cpu", pieces: List[int] = (0,)) -> List[dict]:
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     topo = topology.detect(use_cache=False, device=device)  # a benchmark measures the links it runs on
@@ -164,7 +166,8 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
         else:
             base = _input(n, size, rank).to(device)
         for wire in wires:
-            for algo in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos:
+            for algo, piece in [(a, p) for a in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos
+                                for p in (pieces if a == "native" and wire in ("onebit", "fp8") else [None])]:
                 if not planner.applies(topo, algo, wire):
                     continue
                 state = wire_state(n, algo, wire, topo, rank, device)
@@ -173,7 +176,7 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
                     if algo == "torch":
                         dist.all_reduce(x)
                     else:
-                        reduce_once(t, x, algo, wire, topo, state)
+                        reduce_once(t, x, algo, wire, topo, state, pieces=piece or 0)
 
                 max_err, wrong = float("nan"), -1
                 if check:
@@ -194,7 +197,8 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 sec = float(elapsed)
                 algbw = size / sec / 1e9
-                row = {"bytes": size, "algorithm": algo, "wire": wire, "time_us": sec * 1e6,
+                row = {"bytes": size, "algorithm": algo, "wire": wire,
+                       "pieces": "-" if piece is None else str(piece or "auto"), "time_us": sec * 1e6,
                        "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (world - 1) / world,
                        "max_err": max_err, "wrong": wrong,
                        "predicted_us": 0.0 if algo == "torch" else (planner.predict(topo, size, algo, wire) or 0) * 1e6,
@@ -208,7 +212,7 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
 
 def main(sizes: List[int], algos: Optional[List[str]], wires: Optional[List[str]], iters: int, warmup: int,
          check: bool, ranks: int, json_path: Optional[str], device: str = "cpu",
-         png_path: Optional[str] = None) -> List[dict]:
+         png_path: Optional[str] = None, pieces: Sequence[int] = (0,)) -> List[dict]:
     algos = algos or ALGOS
     wires = wires or WIRES
     for a in algos:
@@ -217,7 +221,7 @@ def main(sizes: List[int], algos: Optional[List[str]], wires: Optional[List[str]
     for w in wires:
         if w not in WIRE_CHOICES:
             raise SystemExit(f"hetcomm bench allreduce: unknown wire format {w!r}")
-    results = run_distributed(_worker, ranks, sizes, algos, wires, iters, warmup, check, device,
+    results = run_distributed(_worker, ranks, sizes, algos, wires, iters, warmup, check, device, list(pieces),
                               backend="nccl" if device == "cuda" else "gloo")
     if results is None:  # a non-zero rank under torchrun / the testbed
         return []
@@ -245,11 +249,12 @@ def plot(rows: List[dict], path: str, world: int) -> bool:
     algos = list(dict.fromkeys(r["algorithm"] for r in rows))
     wires = list(dict.fromkeys(r["wire"] for r in rows))
     styles, markers = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))], "osD^v"
-    for key in dict.fromkeys((r["algorithm"], r["wire"]) for r in rows):  # colour: algorithm; line: wire
-        pts = [r for r in rows if (r["algorithm"], r["wire"]) == key]
+    for key in dict.fromkeys((r["algorithm"], r["wire"], r["pieces"]) for r in rows):  # colour: algorithm; line: wire
+        pts = [r for r in rows if (r["algorithm"], r["wire"], r["pieces"]) == key]
         w = wires.index(key[1]) % len(styles)
+        pieces = "" if key[2] == "-" else f" ({key[2]} pieces)"
         ax.plot([r["bytes"] for r in pts], [r["busbw_GBps"] for r in pts], color=f"C{algos.index(key[0]) % 10}",
-                linestyle=styles[w], marker=markers[w], label=f"{key[0]} / {key[1]}")
+                linestyle=styles[w], marker=markers[w], label=f"{key[0]} / {key[1]}{pieces}")
     ax.set_xscale("log", base=2)
     common.finish_axis(ax, f"hetcomm bench allreduce, {world} ranks", "message size (bytes of fp32)",
                        "bus bandwidth (GB/s)")
