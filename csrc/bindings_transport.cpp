@@ -157,7 +157,7 @@ void bind_transports(py::module_& m) {
           "allreduce",
           [](T& t, at::Tensor x, const std::string& algorithm, std::vector<int> order, std::vector<int> node_of,
              const std::string& inter, c10::optional<at::Tensor> res, c10::optional<at::Tensor> sres, int64_t chunk,
-             double ratio) {
+             double ratio, int64_t pieces) {
             TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
             TORCH_CHECK_VALUE(inter == "ring" || inter == "none" || inter == "onebit" || inter == "fp8" ||
                                   inter == "topk",
@@ -174,12 +174,14 @@ void bind_transports(py::module_& m) {
             o.server_residual = opt(sres);
             o.chunk = chunk;
             o.topk_ratio = ratio;
+            o.pieces = pieces;
             blocking(t, [&] { collectives::allreduce_by(t, flat, algo, order, node_of, o); });
           },
           py::arg("x"), py::arg("algorithm"), py::arg("order") = std::vector<int>{},
           py::arg("node_of") = std::vector<int>{}, py::arg("inter") = "ring", py::arg("residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::arg("chunk") = 2048, py::arg("topk_ratio") = 0.01, nogil,
-          "Sum of x over ranks, in place, by the named algorithm.")
+          py::arg("server_residual") = py::none(), py::arg("chunk") = 2048, py::arg("topk_ratio") = 0.01,
+          py::arg("pieces") = 0, nogil,
+          "Sum of x over ranks, in place, by the named algorithm (pieces: of a onebit / fp8 stage across nodes).")
       .def("counters", [](T& t) {
         py::dict d;
         d["bytes_sent"] = t.counters().bytes_sent.load();

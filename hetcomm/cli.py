@@ -280,8 +280,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     a.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "fp8", "onebit", "topk"), "wire"), default=None,
                    help="comma-separated wire formats (default none,fp16,onebit)")
     a.add_argument("--pieces", type=comma_list(nonneg_int), default=[0],
-                   help="pieces the native onebit/fp8 exchange is pipelined in, 0: by the size (the hook's); several "
-                        "side by side, e.g. 1,0")
+                   help="pieces the onebit/fp8 exchange (native, or across nodes) is pipelined in, 0: by the size "
+                        "(the hook's); several side by side, e.g. 1,0")
     a.add_argument("-c", "--check", type=int, choices=[0, 1], default=1,
                    help="compare with a float64 sum of random inputs (1) or not (0); see max_err and #wrong")
     a.add_argument("--plot", type=writable_path, default=None, metavar="PATH",

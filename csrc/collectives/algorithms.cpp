@@ -200,6 +200,50 @@ void SubgroupTransport::do_all_to_all(at::Tensor& out, const at::Tensor& in) {
   }
 }
 
+Pending SubgroupTransport::do_start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
+  return parent_.start_send_recv(out, dst >= 0 ? members_.at(dst) : -1, in, src >= 0 ? members_.at(src) : -1,
+                                 tag_base_ + tag);
+}
+
+namespace {
+
+// Waits for every one of parts, in order.
+Pending all_of(std::vector<Pending> parts) {
+  return Pending([parts = std::move(parts)]() mutable {
+    for (auto& p : parts) p.wait();
+  });
+}
+
+}  // namespace
+
+Pending SubgroupTransport::do_start_all_to_all(at::Tensor& out, const at::Tensor& in) {
+  if (!overlaps()) return Transport::do_start_all_to_all(out, in);
+  const int w = size();
+  const int64_t m = in.numel() / w;
+  out.narrow(0, rank_ * m, m).copy_(in.narrow(0, rank_ * m, m));
+  std::vector<Pending> parts;
+  for (int s = 1; s < w; ++s) {
+    const int dst = mod(rank_ + s, w), src = mod(rank_ - s, w);
+    at::Tensor recv_block = out.narrow(0, src * m, m);
+    parts.push_back(start_send_recv(in.narrow(0, dst * m, m), dst, recv_block, src, s));
+  }
+  return all_of(std::move(parts));
+}
+
+Pending SubgroupTransport::do_start_all_gather(at::Tensor& out, const at::Tensor& in) {
+  if (!overlaps()) return Transport::do_start_all_gather(out, in);
+  const int w = size();
+  const int64_t m = in.numel();
+  out.narrow(0, rank_ * m, m).copy_(in);
+  std::vector<Pending> parts;
+  for (int s = 1; s < w; ++s) {
+    const int dst = mod(rank_ + s, w), src = mod(rank_ - s, w);
+    at::Tensor recv_block = out.narrow(0, src * m, m);
+    parts.push_back(start_send_recv(in, dst, recv_block, src, tags::kDirect + s));
+  }
+  return all_of(std::move(parts));
+}
+
 void reduce_scatter_ring(Transport& t, at::Tensor& out, const at::Tensor& in) {
   const int w = t.size();
   const int64_t m = out.numel();
@@ -283,10 +327,10 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
         allreduce_ring(across, shard);
         break;
       case Codec::kOneBit:
-        allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer);
+        allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces);
         break;
       case Codec::kFP8:
-        allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer);
+        allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces);
         break;
       case Codec::kTopK:
         allreduce_topk(across, shard, 1.0, inter.topk_ratio, inter.topk_exact, inter.residual, timer);

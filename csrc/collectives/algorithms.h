@@ -36,6 +36,7 @@ namespace tags {
 constexpr int kSteps = 0;           // ring / halving-doubling steps: + step (< world size)
 constexpr int kUnfold = 100;        // halving-doubling returns the folded ranks' result
 constexpr int kGather = 500;        // the intra-node all-gather that ends a hierarchical all-reduce
+constexpr int kDirect = 600;        // a subgroup's started all-gather: + step (< world size)
 constexpr int kLocal = 1000;        // subgroup: the ranks of this node (hierarchical)
 constexpr int kAcross = 2000;       // subgroup: the ranks with this local index on every node
 constexpr int kLowrankLocal = 3000;   // the same two subgroups for hierarchical low-rank
@@ -54,6 +55,7 @@ class SubgroupTransport : public Transport {
   std::string name() const override { return parent_.name() + "/sub"; }
   at::Device device() const override { return parent_.device(); }
   void synchronize() override { parent_.synchronize(); }
+  bool overlaps() const override { return parent_.overlaps(); }
 
  protected:
   void do_send(const at::Tensor& t, int dst, int tag) override;
@@ -64,6 +66,11 @@ class SubgroupTransport : public Transport {
   void do_all_to_all(at::Tensor& out, const at::Tensor& in) override;
   void do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) override;
   void do_barrier() override;
+  // Where the parent overlaps(): every pair's exchange posted at once (the
+  // all-gather direct, not a ring), waited for together.
+  Pending do_start_all_gather(at::Tensor& out, const at::Tensor& in) override;
+  Pending do_start_all_to_all(at::Tensor& out, const at::Tensor& in) override;
+  Pending do_start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
 
  private:
   Transport& parent_;
@@ -88,6 +95,7 @@ struct InterOptions {
   int64_t chunk = 2048;
   double topk_ratio = 0.01;
   bool topk_exact = true;
+  int64_t pieces = 0;  // of the onebit / fp8 exchange (0: by its size, see allreduce_onebit)
   at::Tensor residual, server_residual;
   CodecTimer* timer = nullptr;  // where the inter-node codec's time is added (the reducer's, for stats())
 };

@@ -78,7 +78,14 @@ void ProcessGroupTransport::do_send_recv(const at::Tensor& out, int dst, at::Ten
     if (src >= 0) in.copy_(h_in);
     return;
   }
-  const auto start = std::chrono::steady_clock::now();
+  do_start_send_recv(out, dst, in, src, tag).wait();
+}
+
+Pending ProcessGroupTransport::do_start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
+  if (staged(out) || staged(in)) {
+    do_send_recv(out, dst, in, src, tag);
+    return {};
+  }
   c10::intrusive_ptr<c10d::Work> ws, wr;
   std::vector<at::Tensor> vs{out}, vr{in};
   // The receive is posted first: with the send first, the peer's data can
@@ -88,8 +95,11 @@ void ProcessGroupTransport::do_send_recv(const at::Tensor& out, int dst, at::Ten
   // median, steady; send first 1.7-2.4 s median, 1.44-2.77 s per call.
   if (src >= 0) wr = pg_->recv(vr, src, tag);
   if (dst >= 0) ws = pg_->send(vs, dst, tag);
-  if (wr) wait(wr, "recv", start);
-  if (ws) wait(ws, "send", start);
+  return Pending([this, wr = std::move(wr), ws = std::move(ws)] {
+    const auto start = std::chrono::steady_clock::now();
+    if (wr) wait(wr, "recv", start);
+    if (ws) wait(ws, "send", start);
+  });
 }
 
 void ProcessGroupTransport::do_all_reduce_sum(at::Tensor& t) {

@@ -39,6 +39,10 @@ void Transport::recv(at::Tensor& t, int src, int tag) {
 }
 
 void Transport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
+  start_send_recv(out, dst, in, src, tag).wait();
+}
+
+Pending Transport::start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
   if (dst >= 0) {
     check_tensor(out, "send tensor");
     check_peer(dst, "dst");
@@ -47,9 +51,9 @@ void Transport::send_recv(const at::Tensor& out, int dst, at::Tensor& in, int sr
     check_tensor(in, "recv tensor");
     check_peer(src, "src");
   }
-  if (dst < 0 && src < 0) return;
-  do_send_recv(out, dst, in, src, tag);
+  if (dst < 0 && src < 0) return {};
   count(dst >= 0 ? nbytes(out) : 0, src >= 0 ? nbytes(in) : 0, (dst >= 0) + (src >= 0));
+  return do_start_send_recv(out, dst, in, src, tag);
 }
 
 void Transport::all_reduce_sum(at::Tensor& t) {
@@ -99,6 +103,11 @@ Pending Transport::do_start_all_gather(at::Tensor& out, const at::Tensor& in) {
 
 Pending Transport::do_start_all_to_all(at::Tensor& out, const at::Tensor& in) {
   do_all_to_all(out, in);
+  return {};
+}
+
+Pending Transport::do_start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
+  do_send_recv(out, dst, in, src, tag);
   return {};
 }
 

@@ -67,6 +67,7 @@ class Transport {
   // collectives in the same order.
   Pending start_all_gather(at::Tensor& out, const at::Tensor& in);
   Pending start_all_to_all(at::Tensor& out, const at::Tensor& in);
+  Pending start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag);
   // Whether started collectives progress while the host encodes the next
   // piece (a process group's own threads move host tensors).
   virtual bool overlaps() const { return false; }
@@ -95,6 +96,7 @@ class Transport {
   // Default: the blocking call.
   virtual Pending do_start_all_gather(at::Tensor& out, const at::Tensor& in);
   virtual Pending do_start_all_to_all(at::Tensor& out, const at::Tensor& in);
+  virtual Pending do_start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag);
   // Where a transport needs its tensors (NCCL: on its device); the default takes any.
   virtual void check_place(const at::Tensor& /*t*/, const char* /*name*/) const {}
 

@@ -40,7 +40,7 @@ def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topolog
                 topk_ratio: float = 0.01, pieces: int = 0) -> None:
     """x (fp32) becomes the sum over ranks, by `algo` with the `wire` format;
     a compressed wire's error feedback lives in ``state`` (:func:`wire_state`);
-    ``pieces``: of the native onebit / fp8 exchange (0: by the size)."""
+    ``pieces``: of the onebit / fp8 exchange, flat or across nodes (0: by the size)."""
     order, nodes = topo.ring_order(), topo.node_ids
     if wire in ("fp16", "bf16"):
         h = ops.cast_encode(x, 1.0, "float16" if wire == "fp16" else "bfloat16")
@@ -57,7 +57,7 @@ def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topolog
             t.allreduce_topk(x, 1.0, topk_ratio, True, state["w"])
     else:  # hierarchical, compressed across nodes
         t.allreduce(x, "hierarchical", node_of=nodes, inter=wire, residual=state["w"], server_residual=state["s"],
-                    chunk=options.chunk_for(None), topk_ratio=topk_ratio)
+                    chunk=options.chunk_for(None), topk_ratio=topk_ratio, pieces=pieces)
 
 
 def wire_state(n: int, algo: str, wire: str, topo: topology.Topology, rank: int, device: torch.device) -> Dict:
@@ -167,7 +167,8 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
             base = _input(n, size, rank).to(device)
         for wire in wires:
             for algo, piece in [(a, p) for a in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos
-                                for p in (pieces if a == "native" and wire in ("onebit", "fp8") else [None])]:
+                                for p in (pieces if a in ("native", "hierarchical") and wire in ("onebit", "fp8")
+                                          else [None])]:
                 if not planner.applies(topo, algo, wire):
                     continue
                 state = wire_state(n, algo, wire, topo, rank, device)
