@@ -203,6 +203,7 @@ def test_bench_ddp_grid_compares_auto_with_the_best_fixed_mode(tmp_path):
                 "--modes", "torch-allreduce,none,auto", "-n", "3", "--json", "g.json"], tmp_path)
     cells = json.load(open(tmp_path / "g.json"))["cells"]
     assert [(c["network"], c["params"], c["ranks"]) for c in cells] == [("loopback", 50_000, 2)]
+    assert "error" not in cells[0], cells[0]["error"]
     rows = {r["mode"]: r["step_ms"] for r in cells[0]["rows"]}
     best = min(("torch-allreduce", "none"), key=rows.get)
     assert cells[0]["best_mode"] == best and cells[0]["auto_vs_best"] == pytest.approx(rows["auto"] / rows[best])
