@@ -154,30 +154,52 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
         assert (want - sum(r["xs"][step] / d for r, d in zip(results, divisors))).abs().max() > 0  # lossy
 
 
+def _sweep_pieces(t, xs, reduce, worker_numel, server_numel, piece_counts):
+    """Two steps per (pieces, wire) of ``reduce(y, wire, wres, sres, pieces)``
+    with residuals carried: {(pieces, wire): (results, worker residual, server
+    residual, bytes sent, calls)}."""
+    out = {}
+    for pieces in piece_counts:
+        for wire in ("onebit", "fp8"):
+            wres, sres, ys = torch.zeros(worker_numel), torch.zeros(server_numel), []
+            before = t.counters()
+            for x in xs:
+                y = x.clone()
+                reduce(y, wire, wres, sres, pieces)
+                ys.append(y)
+            after = t.counters()
+            out[(pieces, wire)] = (ys, wres, sres, after["bytes_sent"] - before["bytes_sent"],
+                                   after["calls"] - before["calls"])
+    return out
+
+
+def _assert_same_as_one_piece(out):
+    """Every (pieces, wire) run left the one-piece run's sums and residuals bit
+    for bit and sent its bytes."""
+    for key, (ys, wres, sres, sent, _) in out.items():
+        one = out[(1, key[1])]
+        assert all(torch.equal(a, b) for a, b in zip(ys, one[0])), key
+        assert torch.equal(wres, one[1]) and torch.equal(sres, one[2]), key
+        assert sent == one[3], key
+
+
 def _pieced(rank, world, n, chunk):
     """Two steps of onebit and fp8 (residuals carried) in 1, 2, 3, 7 and the
     automatic number of pieces; the bytes each sent."""
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     g = torch.Generator().manual_seed(7 + rank)
     xs = [torch.randn(n, generator=g) * (1 + 100 * (torch.rand(n, generator=g) < 0.01)) for _ in range(2)]
-    seg = hetcomm.ops.onebit_segment_numel(n, world, rank)
-    out = {}
-    for pieces in (1, 2, 3, 7, 0):
-        for wire in ("onebit", "fp8"):
-            wres, sres, ys = torch.zeros(n), torch.zeros(seg), []
-            before = t.counters()
-            for x in xs:
-                y = x.clone()
-                getattr(t, f"allreduce_{wire}")(y, float(rank + 1), chunk, wres, sres, pieces=pieces)
-                ys.append(y)
-            after = t.counters()
-            out[(pieces, wire)] = (ys, wres, sres, after["bytes_sent"] - before["bytes_sent"],
-                                   after["calls"] - before["calls"])
+
+    def reduce(y, wire, wres, sres, pieces):
+        getattr(t, f"allreduce_{wire}")(y, float(rank + 1), chunk, wres, sres, pieces=pieces)
+
+    out = _sweep_pieces(t, xs, reduce, n, hetcomm.ops.onebit_segment_numel(n, world, rank), (1, 2, 3, 7, 0))
+    error = None
     try:
         t.allreduce_onebit(torch.zeros(64), 1.0, 32, None, None, pieces=-1)
     except ValueError as e:
-        out["error"] = str(e)
-    return {"xs": xs, "out": out}
+        error = str(e)
+    return {"xs": xs, "out": out, "error": error}
 
 
 @pytest.mark.parametrize("world,n,chunk,auto", [(2, 600_011, 256, 2), (3, 9_001, 64, 1)])
@@ -189,14 +211,11 @@ def test_two_phase_in_pieces_is_bit_identical_to_one_piece(world, n, chunk, auto
     elements of a rank's segment, n / world, at most 4)."""
     results = run_ranks(_pieced, world, n, chunk)
     for res in results:
-        for key, (ys, wres, sres, sent, calls) in ((k, v) for k, v in res["out"].items() if k != "error"):
-            one = res["out"][(1, key[1])]
-            assert all(torch.equal(a, b) for a, b in zip(ys, one[0])), key
-            assert torch.equal(wres, one[1]) and torch.equal(sres, one[2]), key
-            assert sent == one[3], key
+        _assert_same_as_one_piece(res["out"])
+        for key, (*_, calls) in res["out"].items():
             # each piece is its own all-to-all and all-gather (2 per step, 2 steps)
             assert calls == 4 * (key[0] or auto), key
-        assert "pieces must be >= 0" in res["out"]["error"]
+        assert "pieces must be >= 0" in res["error"]
     # every rank holds the same sums; fp8 in pieces against the single-process reference, bit for bit
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["out"][(0, "onebit")][0], results[0]["out"][(0, "onebit")][0]))
@@ -216,23 +235,14 @@ def _hierarchical_pieced(rank, world, n, chunk):
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     node_of = [0, 0, 1, 1]
     shard = _C.hierarchical_shard_numel(n, node_of, rank)
-    seg = hetcomm.ops.onebit_segment_numel(shard, 2, node_of[rank])
     g = torch.Generator().manual_seed(11 + rank)
     xs = [torch.randn(n, generator=g) for _ in range(2)]
-    out = {}
-    for pieces in (1, 3, 0):
-        for wire in ("onebit", "fp8"):
-            wres, sres, ys = torch.zeros(shard), torch.zeros(seg), []
-            before = t.counters()
-            for x in xs:
-                y = x.clone()
-                t.allreduce(y, "hierarchical", node_of=node_of, inter=wire, residual=wres, server_residual=sres,
-                            chunk=chunk, pieces=pieces)
-                ys.append(y)
-            after = t.counters()
-            out[(pieces, wire)] = (ys, wres, sres, after["bytes_sent"] - before["bytes_sent"],
-                                   after["calls"] - before["calls"])
-    return out
+
+    def reduce(y, wire, wres, sres, pieces):
+        t.allreduce(y, "hierarchical", node_of=node_of, inter=wire, residual=wres, server_residual=sres,
+                    chunk=chunk, pieces=pieces)
+
+    return _sweep_pieces(t, xs, reduce, shard, hetcomm.ops.onebit_segment_numel(shard, 2, node_of[rank]), (1, 3, 0))
 
 
 def test_hierarchical_in_pieces_is_bit_identical_to_one_piece():
@@ -242,11 +252,7 @@ def test_hierarchical_in_pieces_is_bit_identical_to_one_piece():
     segment of ~275K elements)."""
     results = run_ranks(_hierarchical_pieced, 4, 1_100_003, 256)
     for res in results:
-        for key, (ys, wres, sres, sent, calls) in res.items():
-            one = res[(1, key[1])]
-            assert all(torch.equal(a, b) for a, b in zip(ys, one[0])), key
-            assert torch.equal(wres, one[1]) and torch.equal(sres, one[2]), key
-            assert sent == one[3], key
+        _assert_same_as_one_piece(res)
         for wire in ("onebit", "fp8"):  # each piece adds one exchange per phase (one peer across: 2 calls each)
             assert res[(3, wire)][4] - res[(1, wire)][4] == 2 * 2 * 2 * 2, res[(3, wire)][4]
             assert res[(0, wire)][4] - res[(1, wire)][4] == 2 * 2 * 1 * 2

@@ -145,7 +145,7 @@ def _check(run, base: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor
 
 
 def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: List[str], iters: int, warmup: int,
-            check: bool, device_type: str = "cpu", pieces: List[int] = (0,)) -> List[dict]:
+            check: bool, device_type: str = "cpu", pieces: Sequence[int] = (0,)) -> List[dict]:
     torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     topo = topology.detect(use_cache=False, device=device)  # a benchmark measures the links it runs on
