@@ -131,6 +131,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("p"), py::arg("qt"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def(
+      "momentum_handoff", [](at::Tensor x, at::Tensor m, double beta) { ops::momentum_handoff(x, m, beta); },
+      py::arg("x"), py::arg("m"), py::arg("beta"), py::call_guard<py::gil_scoped_release>());
+  m.def(
       "orthonormalize_columns", [](at::Tensor p, double eps) { ops::orthonormalize_columns(p, eps); return p; },
       py::arg("p"), py::arg("eps") = 1e-8, py::call_guard<py::gil_scoped_release>());
   m.def("hierarchical_shard_numel", &collectives::hierarchical_shard_numel, py::arg("n"), py::arg("node_of"),

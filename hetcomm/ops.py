@@ -96,6 +96,14 @@ def lowrank_outer(p: torch.Tensor, qt: torch.Tensor, out: Optional[torch.Tensor]
     return _C.lowrank_outer(p, qt, out)
 
 
+def momentum_handoff(x: torch.Tensor, m: torch.Tensor, beta: float) -> None:
+    """Momentum compression's hand-over, in place and in one pass: ``x`` (the
+    new momentum) becomes ``x - beta * m`` and ``m`` the old ``x`` (contiguous
+    float32 of one numel and device). What the hook gives an attached
+    optimizer: its own buffer, ``beta * m + x``, then becomes the new momentum."""
+    _C.momentum_handoff(x, m, float(beta))
+
+
 def orthonormalize_columns(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Modified Gram-Schmidt of the columns of ``p`` (contiguous float32), in
     place, dot products in float64; returns ``p``. A CUDA ``p`` is computed on

@@ -93,6 +93,12 @@ def fuzz_lowrank_ops(p, qt, out, eps):
 
 
 @common
+@given(tensors(), tensors(), floats)
+def fuzz_momentum_handoff(x, m, beta):
+    call("momentum_handoff", ops.momentum_handoff, x, m, beta)
+
+
+@common
 @given(ints, ints, ints, floats, node_lists, st.lists(st.lists(ints, min_size=4, max_size=4), max_size=3))
 def fuzz_size_helpers(n, world, rank, ratio, nodes, layout):
     call("onebit_segment_numel", ops.onebit_segment_numel, n, world, rank)

@@ -36,6 +36,10 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
     assert torch.equal(idx_g.cpu(), idx_c) and torch.equal(val_g.cpu(), val_c)
     p, qt = torch.randn(max(1, n // 1000), 4), torch.randn(4, 777)
     assert torch.equal(ops.lowrank_outer(p.cuda(), qt.cuda()).cpu(), ops.lowrank_outer(p, qt))
+    x_cpu, m_cpu, x_gpu, m_gpu = g.clone(), e.clone(), g.cuda(), e.cuda()
+    ops.momentum_handoff(x_cpu, m_cpu, 0.9)
+    ops.momentum_handoff(x_gpu, m_gpu, 0.9)
+    assert torch.equal(x_gpu.cpu(), x_cpu) and torch.equal(m_gpu.cpu(), m_cpu)
 
 
 SHARED_WORLD = 4  # gloo ranks on the one GPU: two "nodes" of two for the hierarchical algorithm

@@ -179,6 +179,33 @@ def test_build_info():
         assert info["cuda_archs"] == "75,80,90"
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("beta", [0.0, 0.9, 0.999])
+def test_momentum_handoff_is_the_new_momentum_minus_beta_times_the_old(device, n, beta):
+    m_new, m_old = _data(n, seed=1), _data(n, seed=2) * 1e3
+    # Reference: beta * m_old rounded to float32, then subtracted (torch's
+    # elementwise mul and sub each round; no fused multiply-add).
+    want = m_new - torch.tensor(beta, dtype=torch.float32) * m_old
+    x, m = m_new.clone().to(device), m_old.clone().to(device)
+    ops.momentum_handoff(x, m, beta)
+    assert torch.equal(x.cpu(), want) and torch.equal(m.cpu(), m_new)
+    # what the optimizer then does with it: beta * buf + x is the new momentum (up to rounding)
+    assert torch.allclose(beta * m_old + want, m_new, rtol=1e-5, atol=1e-3 * (1 + 1e3 * beta))
+
+
+def test_momentum_handoff_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="m must hold x's numel = 4 elements, got 3"):
+        ops.momentum_handoff(torch.zeros(4), torch.zeros(3), 0.9)
+    with pytest.raises(TypeError, match="x must be float32, got float64"):
+        ops.momentum_handoff(torch.zeros(4, dtype=torch.float64), torch.zeros(4), 0.9)
+    with pytest.raises(TypeError, match="m must be float32"):
+        ops.momentum_handoff(torch.zeros(4), torch.zeros(4, dtype=torch.float16), 0.9)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        ops.momentum_handoff(torch.zeros(4, 2).t(), torch.zeros(8), 0.9)
+    with pytest.raises(ValueError, match="beta must be in \\[0, 1\\), got 1"):
+        ops.momentum_handoff(torch.zeros(4), torch.zeros(4), 1.0)
+
+
 @pytest.mark.parametrize("rows,cols,r", [(1, 1, 1), (33, 7, 3), (300, 517, 4), (64, 2049, 8)])
 def test_lowrank_outer_is_the_fixed_order_sum(device, rows, cols, r):
     gen = torch.Generator().manual_seed(rows * cols + r)

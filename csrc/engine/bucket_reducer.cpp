@@ -6,6 +6,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/lowrank.h"
+#include "ops/codecs.h"
 
 namespace hetcomm {
 
@@ -166,9 +167,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       if (job.momentum.defined()) {
         // Hand the optimizer m_new - beta m_old: its own buffer (beta buf + that)
         // becomes m_new, the compressed momentum, and m keeps m_new.
-        at::Tensor m_new = x.clone();
-        x.sub_(job.momentum, job.beta);
-        job.momentum.copy_(m_new);
+        ops::momentum_handoff(x, job.momentum, job.beta);
       }
       if (!x.is_same(buf)) buf.copy_(x);
       break;

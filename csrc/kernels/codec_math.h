@@ -91,6 +91,10 @@ HC_HD float ef_input(float grad, float divisor, float residual) {
   return add_rn(div_rn(grad, divisor), residual);
 }
 
+// Momentum compression's hand-over: what the optimizer is given so that its
+// own buffer (beta * m_old + this) becomes m_new.
+HC_HD float momentum_delta(float m_new, float m_old, float beta) { return add_rn(m_new, -mul_rn(beta, m_old)); }
+
 // ---- 1-bit sign codec -----------------------------------------------------
 // x >= 0 (including -0.0) encodes as 1 (+scale); x < 0 as 0 (-scale).
 HC_HD uint32_t sign_bit(float x) { return x >= 0.0f ? 1u : 0u; }

@@ -50,6 +50,8 @@ bool runs_on_cuda(const at::Tensor& t, const char* name) {
 const char* dtype_name(at::ScalarType type) {
   switch (type) {
     case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kLong: return "int64";
     case at::kInt: return "int32";
     case at::kByte: return "uint8";
     case at::kHalf: return "float16";
@@ -293,6 +295,18 @@ at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out) {
   const float m = static_cast<float>(mul);
   HC_RUN(hc, "h", cpu::cast_decode(fmt, in, m, o, hc.numel()), cuda::cast_decode(fmt, in, m, o, hc.numel(), hc.device()));
   return out;
+}
+
+void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta) {
+  TORCH_CHECK_VALUE(x.defined(), "hetcomm: x is undefined");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "hetcomm: x must be float32, got ", dtype_name(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
+  check_buffer(m, "m", x, at::kFloat, x.numel(), "x's numel", true);
+  TORCH_CHECK_VALUE(beta >= 0.0 && beta < 1.0, "hetcomm: beta must be in [0, 1), got ", beta);
+  float* xp = x.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  const float b = static_cast<float>(beta);
+  HC_RUN(x, "x", cpu::momentum_handoff(xp, mp, b, x.numel()), cuda::momentum_handoff(xp, mp, b, x.numel(), x.device()));
 }
 
 at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out) {

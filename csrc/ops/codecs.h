@@ -46,6 +46,11 @@ at::Tensor cast_encode(const at::Tensor& x, double divisor, at::ScalarType wire)
 void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out);
 at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out);
 
+// Momentum compression's hand-over, in place, one pass: x (the new momentum)
+// becomes x - beta * m, m becomes the old x. Both float32, contiguous, the same
+// numel and device.
+void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta);
+
 // Low-rank pieces every rank must compute to the same bits.
 // out (rows x cols, float32) = p (rows x r) @ qt (r x cols), fixed order, no BLAS.
 at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out);

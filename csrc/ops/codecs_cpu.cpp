@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "kernels/lowrank.h"
+#include "kernels/momentum.h"
 #include "kernels/topk.h"
 
 namespace hetcomm {
@@ -76,6 +77,10 @@ void cast_encode(k::Wire16 fmt, const float* in, float divisor, uint16_t* out, i
 
 void cast_decode(k::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n) {
   at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) { k::cast_decode_cpu(fmt, in, mul, out, b, e); });
+}
+
+void momentum_handoff(float* x, float* m, float beta, int64_t n) {
+  at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) { k::momentum_handoff_cpu(x, m, beta, b, e); });
 }
 
 void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r) {

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/cast.h"
+#include "kernels/momentum.h"
 #include "kernels/codec_math.h"
 #include "kernels/lowrank.h"
 #include "kernels/sign.h"
@@ -113,6 +114,11 @@ void cast_encode(k::Wire16 fmt, const float* in, float divisor, uint16_t* out, i
 void cast_decode(k::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n, const at::Device& device) {
   c10::cuda::CUDAGuard guard(device);
   k::cast_decode_cuda(fmt, in, mul, out, n, stream_of(device));
+}
+
+void momentum_handoff(float* x, float* m, float beta, int64_t n, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::momentum_handoff_cuda(x, m, beta, n, stream_of(device));
 }
 
 void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
