@@ -131,6 +131,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("p"), py::arg("qt"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def(
+      "momentum_fold_in", [](at::Tensor x, const at::Tensor& m, double alpha) { ops::momentum_fold_in(x, m, alpha); },
+      py::arg("x"), py::arg("m"), py::arg("alpha"), py::call_guard<py::gil_scoped_release>());
+  m.def(
       "momentum_handoff", [](at::Tensor x, at::Tensor m, double beta) { ops::momentum_handoff(x, m, beta); },
       py::arg("x"), py::arg("m"), py::arg("beta"), py::call_guard<py::gil_scoped_release>());
   m.def(

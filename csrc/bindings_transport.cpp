@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
@@ -33,6 +34,19 @@ at::Tensor flat_float32(const at::Tensor& x) {
   ops::check_float_vector(x, "x");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
   return x.view({-1});
+}
+
+// The momentum folded into a two-phase all-reduce of `flat` (none without m):
+// m float32 beside it, its numel, contiguous; beta in [0, 1).
+collectives::MomentumFold momentum_fold(const at::Tensor& flat, const c10::optional<at::Tensor>& m, double alpha,
+                                        double beta) {
+  if (!m.has_value() || !m->defined()) return {};
+  TORCH_CHECK_VALUE(m->numel() == flat.numel() && m->is_contiguous() && m->scalar_type() == at::kFloat &&
+                        m->device() == flat.device(),
+                    "hetcomm: momentum must be a contiguous float32 tensor of x's numel (", flat.numel(), ") beside it");
+  TORCH_CHECK_VALUE(beta >= 0.0 && beta < 1.0, "hetcomm: beta must be in [0, 1), got ", beta);
+  TORCH_CHECK_VALUE(std::isfinite(alpha), "hetcomm: momentum_alpha must be finite, got ", alpha);
+  return {m->view({-1}), alpha, beta};
 }
 
 // A blocking call on any transport from Python. NCCL's: its stream first
@@ -104,29 +118,38 @@ void bind_transports(py::module_& m) {
       .def(
           "allreduce_onebit",
           [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
-             c10::optional<at::Tensor> sres, int64_t pieces) {
+             c10::optional<at::Tensor> sres, int64_t pieces, c10::optional<at::Tensor> momentum, double momentum_alpha,
+             double beta) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
+            const collectives::MomentumFold fold = momentum_fold(flat, momentum, momentum_alpha, beta);
             blocking(t, [&] {
-              collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces);
+              collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces,
+                                      fold.m.defined() ? &fold : nullptr);
             });
           },
           py::arg("x"), py::arg("divisor"), py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::arg("pieces") = 0, nogil,
+          py::arg("server_residual") = py::none(), py::arg("pieces") = 0, py::arg("momentum") = py::none(),
+          py::arg("momentum_alpha") = 0.0, py::arg("beta") = 0.0, nogil,
           "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately), pipelined in "
-          "`pieces` (0: by the bucket's size).")
+          "`pieces` (0: by the bucket's size). With `momentum` m: x += momentum_alpha * m before, and the "
+          "hand-over (ops.momentum_handoff with beta) after, piece by piece.")
       .def(
           "allreduce_fp8",
           [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
-             c10::optional<at::Tensor> sres, int64_t pieces) {
+             c10::optional<at::Tensor> sres, int64_t pieces, c10::optional<at::Tensor> momentum, double momentum_alpha,
+             double beta) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
+            const collectives::MomentumFold fold = momentum_fold(flat, momentum, momentum_alpha, beta);
             blocking(t, [&] {
-              collectives::allreduce_fp8(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces);
+              collectives::allreduce_fp8(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces,
+                                      fold.m.defined() ? &fold : nullptr);
             });
           },
           py::arg("x"), py::arg("divisor"), py::arg("chunk") = 256, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::arg("pieces") = 0, nogil,
+          py::arg("server_residual") = py::none(), py::arg("pieces") = 0, py::arg("momentum") = py::none(),
+          py::arg("momentum_alpha") = 0.0, py::arg("beta") = 0.0, nogil,
           "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`.")
       .def(
           "allreduce_topk",

@@ -96,6 +96,13 @@ def lowrank_outer(p: torch.Tensor, qt: torch.Tensor, out: Optional[torch.Tensor]
     return _C.lowrank_outer(p, qt, out)
 
 
+def momentum_fold_in(x: torch.Tensor, m: torch.Tensor, alpha: float) -> None:
+    """``x += alpha * m`` in place, each element rounded as ``alpha * m`` then
+    the sum (no fused multiply-add: the same bits on every device and for any
+    slice). What a rank sends under momentum compression: its local momentum."""
+    _C.momentum_fold_in(x, m, float(alpha))
+
+
 def momentum_handoff(x: torch.Tensor, m: torch.Tensor, beta: float) -> None:
     """Momentum compression's hand-over, in place and in one pass: ``x`` (the
     new momentum) becomes ``x - beta * m`` and ``m`` the old ``x`` (contiguous

@@ -94,7 +94,8 @@ def fuzz_lowrank_ops(p, qt, out, eps):
 
 @common
 @given(tensors(), tensors(), floats)
-def fuzz_momentum_handoff(x, m, beta):
+def fuzz_momentum_ops(x, m, beta):
+    call("momentum_fold_in", ops.momentum_fold_in, x, m, beta)
     call("momentum_handoff", ops.momentum_handoff, x, m, beta)
 
 

@@ -37,8 +37,9 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
     p, qt = torch.randn(max(1, n // 1000), 4), torch.randn(4, 777)
     assert torch.equal(ops.lowrank_outer(p.cuda(), qt.cuda()).cpu(), ops.lowrank_outer(p, qt))
     x_cpu, m_cpu, x_gpu, m_gpu = g.clone(), e.clone(), g.cuda(), e.cuda()
-    ops.momentum_handoff(x_cpu, m_cpu, 0.9)
-    ops.momentum_handoff(x_gpu, m_gpu, 0.9)
+    for x, m in ((x_cpu, m_cpu), (x_gpu, m_gpu)):
+        ops.momentum_fold_in(x, m, 0.45)
+        ops.momentum_handoff(x, m, 0.9)
     assert torch.equal(x_gpu.cpu(), x_cpu) and torch.equal(m_gpu.cpu(), m_cpu)
 
 

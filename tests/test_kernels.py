@@ -193,6 +193,21 @@ def test_momentum_handoff_is_the_new_momentum_minus_beta_times_the_old(device, n
     assert torch.allclose(beta * m_old + want, m_new, rtol=1e-5, atol=1e-3 * (1 + 1e3 * beta))
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_momentum_fold_in_rounds_the_product_then_the_sum(device, n):
+    x, m = _data(n, seed=3), _data(n, seed=4) * 1e-3
+    want = x + torch.tensor(0.45, dtype=torch.float32) * m  # two roundings, as torch's elementwise ops
+    got = x.clone().to(device)
+    ops.momentum_fold_in(got, m.to(device), 0.45)
+    assert torch.equal(got.cpu(), want)
+    # the same bits for any slicing (the two phases fold in piece by piece)
+    pieces = x.clone().to(device)
+    for a, b in ((0, n // 3), (n // 3, n)):
+        part = pieces[a:b]
+        ops.momentum_fold_in(part, m[a:b].to(device), 0.45)
+    assert torch.equal(pieces.cpu(), want)
+
+
 def test_momentum_handoff_rejects_bad_arguments():
     with pytest.raises(ValueError, match="m must hold x's numel = 4 elements, got 3"):
         ops.momentum_handoff(torch.zeros(4), torch.zeros(3), 0.9)
@@ -204,6 +219,10 @@ def test_momentum_handoff_rejects_bad_arguments():
         ops.momentum_handoff(torch.zeros(4, 2).t(), torch.zeros(8), 0.9)
     with pytest.raises(ValueError, match="beta must be in \\[0, 1\\), got 1"):
         ops.momentum_handoff(torch.zeros(4), torch.zeros(4), 1.0)
+    with pytest.raises(ValueError, match="m must hold x's numel = 4 elements, got 5"):
+        ops.momentum_fold_in(torch.zeros(4), torch.zeros(5), 0.5)
+    with pytest.raises(ValueError, match="alpha must be finite, got inf"):
+        ops.momentum_fold_in(torch.zeros(4), torch.zeros(4), float("inf"))
 
 
 @pytest.mark.parametrize("rows,cols,r", [(1, 1, 1), (33, 7, 3), (300, 517, 4), (64, 2049, 8)])

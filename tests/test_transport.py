@@ -229,6 +229,57 @@ def test_two_phase_in_pieces_is_bit_identical_to_one_piece(world, n, chunk, auto
             assert torch.equal(results[0]["out"][(pieces, "fp8")][0][step], want)
 
 
+def _momentum_folded(rank, world, n, chunk):
+    """Two steps of onebit and fp8 with momentum compression folded into the
+    exchange (1, 3 and automatic pieces), and the same done around a one-piece
+    exchange with the whole-bucket ops: {(pieces or "around", wire): (results,
+    momentum, worker residual, server residual)}."""
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    g = torch.Generator().manual_seed(11 + rank)
+    xs = [torch.randn(n, generator=g) for _ in range(2)]
+    m0 = torch.randn(n, generator=torch.Generator().manual_seed(5))  # the same on every rank, as the hook's m
+    divisor, beta = float(rank + 1), 0.9
+    alpha = beta * divisor / world  # what the engine folds in: beta * m in the weighted mean
+    out = {}
+    for how in ("around", 1, 3, 0):
+        for wire in ("onebit", "fp8"):
+            allreduce = getattr(t, f"allreduce_{wire}")
+            m, wres = m0.clone(), torch.zeros(n)
+            sres, ys = torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, rank)), []
+            for x in xs:
+                y = x.clone()
+                if how == "around":
+                    hetcomm.ops.momentum_fold_in(y, m, alpha)
+                    allreduce(y, divisor, chunk, wres, sres, pieces=1)
+                    hetcomm.ops.momentum_handoff(y, m, beta)
+                else:
+                    allreduce(y, divisor, chunk, wres, sres, pieces=how, momentum=m, momentum_alpha=alpha, beta=beta)
+                ys.append(y)
+            out[(how, wire)] = (ys, m, wres, sres)
+    errors = []
+    for bad in (dict(momentum=torch.zeros(n - 1)), dict(momentum=torch.zeros(n), beta=1.0)):
+        try:
+            t.allreduce_onebit(torch.zeros(n), 1.0, chunk, None, None, **bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return {"out": out, "errors": errors}
+
+
+def test_momentum_folded_into_the_pieces_is_the_fold_around_the_exchange():
+    """Momentum compression inside the two phases (fold in before a piece is
+    encoded, hand over once it is decoded) leaves the results, the momentum
+    and both residuals bit for bit as folding in and handing over the whole
+    bucket around a one-piece exchange; bad momentum arguments are errors."""
+    for res in run_ranks(_momentum_folded, 2, 600_011, 256):
+        out = res["out"]
+        for (how, wire), (ys, m, wres, sres) in out.items():
+            ref_ys, ref_m, ref_wres, ref_sres = out[("around", wire)]
+            assert all(torch.equal(a, b) for a, b in zip(ys, ref_ys)), (how, wire)
+            assert torch.equal(m, ref_m) and torch.equal(wres, ref_wres) and torch.equal(sres, ref_sres), (how, wire)
+        assert "momentum must be a contiguous float32 tensor of x's numel (600011)" in res["errors"][0]
+        assert "beta must be in [0, 1), got 1" in res["errors"][1]
+
+
 def _hierarchical_pieced(rank, world, n, chunk):
     """Hierarchical (2 nodes x 2 ranks) with onebit / fp8 across nodes, in 1, 3
     and the automatic number of pieces, two steps with residuals carried."""

@@ -152,7 +152,7 @@ int64_t piece_stride(int64_t seg, int64_t chunk, int64_t pieces, bool overlaps) 
 // segments' own, so the result is bit for bit the one of a single piece.
 void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                          const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec,
-                         int64_t pieces) {
+                         int64_t pieces, const MomentumFold* fold) {
   const int w = t.size();
   const int me = t.rank();
   const int64_t n = x.numel();
@@ -164,6 +164,11 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   const int64_t my_len = segment_len(n, seg, me);
   TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == my_len,
                     "hetcomm: server residual must have ", my_len, " elements, got ", server_residual.numel());
+  if (fold != nullptr) {
+    TORCH_CHECK_VALUE(fold->m.defined() && fold->m.numel() == n, "hetcomm: momentum must have the bucket's ", n,
+                      " elements");
+    TORCH_CHECK_VALUE(fold->m.device() == x.device(), "hetcomm: momentum must be on ", x.device());
+  }
   const int64_t ps = piece_stride(seg, chunk, pieces, t.overlaps());
   const int np = static_cast<int>((seg + ps - 1) / ps);
   // Piece p of segment r, and the block that carries piece p of any segment
@@ -188,6 +193,10 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
         if (len == 0) continue;
         at::Tensor block = send.narrow(0, r * blk.ints(), blk.ints());
         const int64_t at = r * seg + p * ps;
+        if (fold != nullptr) {
+          at::Tensor part = x.narrow(0, at, len);
+          ops::momentum_fold_in(part, fold->m.narrow(0, at, len), fold->add_alpha);
+        }
         codec.encode(x.narrow(0, at, len), narrow_or_empty(worker_residual, at, len), divisor, chunk,
                      blk.payload(block, len), blk.scales(block, len, chunk));
       }
@@ -223,8 +232,12 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
       const int64_t len = piece_len(r, p);
       if (len == 0) continue;
       at::Tensor block = all[p].narrow(0, r * blk.ints(), blk.ints());
-      codec.decode(blk.payload(block, len), blk.scales(block, len, chunk), len, chunk,
-                   x.narrow(0, r * seg + p * ps, len), false);
+      at::Tensor part = x.narrow(0, r * seg + p * ps, len);
+      codec.decode(blk.payload(block, len), blk.scales(block, len, chunk), len, chunk, part, false);
+      if (fold != nullptr) {
+        at::Tensor m = fold->m.narrow(0, r * seg + p * ps, len);
+        ops::momentum_handoff(part, m, fold->beta);
+      }
     }
   };
   // Every rank starts the collectives in one order: scatter 0, scatter 1, gather 0, scatter 2, gather 1, ...
@@ -239,13 +252,13 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
 }  // namespace
 
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                      const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces) {
-  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, sign_codec(), pieces);
+                      const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, sign_codec(), pieces, fold);
 }
 
 void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                   const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces) {
-  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec(), pieces);
+                   const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec(), pieces, fold);
 }
 
 void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,

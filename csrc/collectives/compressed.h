@@ -43,17 +43,32 @@ using SumFn = std::function<void(Transport&, at::Tensor&)>;
 void allreduce_dense(Transport& t, at::Tensor& x, double divisor, at::ScalarType wire, CodecTimer& timer,
                      const SumFn& sum = nullptr);
 
+// Momentum compression (HookState.attach_optimizer) inside the two phases,
+// piece by piece: before a piece of x is encoded, x += add_alpha * m on it
+// (what this rank sends: its weighted local momentum); once it is decoded, the
+// hand-over (ops::momentum_handoff with beta) on it. The same bits as doing
+// both over the whole bucket around the exchange, but hidden behind the wire
+// of the other pieces. m: float32, x's numel, beside it.
+struct MomentumFold {
+  at::Tensor m;
+  double add_alpha = 0.0;
+  double beta = 0.0;
+};
+
 // Two-phase 1-bit all-reduce (x float32, contiguous). worker_residual: numel
 // x.numel(); server_residual: numel onebit_segment_numel(...) for this rank.
 // Either may be undefined (no error feedback). pieces: how many pieces the
 // exchange is pipelined in (0: one per 2^17 elements of a segment, up to 4,
-// where the transport overlaps(), else 1); any number gives the same bytes.
+// where the transport overlaps(), else 1); any number gives the same bytes
+// and the same result. fold: momentum compression folded in (or none).
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                      const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0);
+                      const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0,
+                      const MomentumFold* fold = nullptr);
 // The same two phases with fp8 e4m3 codes and a power-of-two scale per chunk
 // (kernels/fp8.h): 8 bits per element, residuals laid out as for onebit.
 void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                   const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0);
+                   const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0,
+                   const MomentumFold* fold = nullptr);
 // Elements of the segment this rank averages (its server residual's size).
 int64_t onebit_segment_numel(int64_t n, int world, int rank);
 // Where that segment starts in x.

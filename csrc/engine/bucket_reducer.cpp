@@ -137,8 +137,14 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       // Momentum compression (1-bit Adam's scheme for SGD): every rank sends
       // its local momentum beta m + g_i (weighted: sum_i x_i / d_i = beta m +
       // the weighted mean of g), so the codec's error feedback runs on the
-      // momentum and every rank gets the same new m.
-      if (job.momentum.defined()) x.add_(job.momentum, job.beta * divisor / w);
+      // momentum and every rank gets the same new m; the optimizer is handed
+      // m_new - beta m_old (its own buffer, beta m_old + that, becomes m_new)
+      // and m keeps m_new. Flat onebit / fp8 do both piece by piece inside the
+      // exchange (the same bits, behind the wire); the others around it.
+      const bool two_phase = job.algo != Algo::kHierarchical && (job.codec == Codec::kOneBit || job.codec == Codec::kFP8);
+      collectives::MomentumFold fold{job.momentum, job.beta * divisor / w, job.beta};
+      const collectives::MomentumFold* folded = job.momentum.defined() && two_phase ? &fold : nullptr;
+      if (job.momentum.defined() && folded == nullptr) ops::momentum_fold_in(x, job.momentum, fold.add_alpha);
       if (job.algo == Algo::kHierarchical && job.codec != Codec::kLowRank) {
         // Exact inside nodes, compressed across them.
         TORCH_CHECK_VALUE(!node_of_.empty(), "hetcomm: the hierarchical algorithm needs the topology");
@@ -153,9 +159,9 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         x.div_(divisor);
         collectives::allreduce_hierarchical(t, x, node_of_, inter);
       } else if (job.codec == Codec::kOneBit)
-        collectives::allreduce_onebit(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_);
+        collectives::allreduce_onebit(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded);
       else if (job.codec == Codec::kFP8)
-        collectives::allreduce_fp8(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_);
+        collectives::allreduce_fp8(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded);
       else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)
         collectives::allreduce_lowrank_hierarchical(t, x, divisor, job.layout, job.q_state, job.residual, node_of_,
                                                     codec_);
@@ -164,11 +170,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         collectives::allreduce_lowrank(t, x, divisor, job.layout, job.q_state, job.residual, codec_, 1.0 / divisor_);
       else
         collectives::allreduce_topk(t, x, divisor, job.topk_ratio, job.topk_exact, job.residual, codec_);
-      if (job.momentum.defined()) {
-        // Hand the optimizer m_new - beta m_old: its own buffer (beta buf + that)
-        // becomes m_new, the compressed momentum, and m keeps m_new.
-        ops::momentum_handoff(x, job.momentum, job.beta);
-      }
+      if (job.momentum.defined() && folded == nullptr) ops::momentum_handoff(x, job.momentum, job.beta);
       if (!x.is_same(buf)) buf.copy_(x);
       break;
     }

@@ -46,9 +46,10 @@ at::Tensor cast_encode(const at::Tensor& x, double divisor, at::ScalarType wire)
 void cast_encode_into(const at::Tensor& x, double divisor, at::Tensor& out);
 at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out);
 
-// Momentum compression's hand-over, in place, one pass: x (the new momentum)
-// becomes x - beta * m, m becomes the old x. Both float32, contiguous, the same
-// numel and device.
+// Momentum compression, in place, one pass each (kernels/momentum.h): fold_in:
+// x += alpha * m; handoff: x (the new momentum) becomes x - beta * m, m becomes
+// the old x. Both float32, contiguous, the same numel and device.
+void momentum_fold_in(at::Tensor& x, const at::Tensor& m, double alpha);
 void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta);
 
 // Low-rank pieces every rank must compute to the same bits.

@@ -79,6 +79,10 @@ void cast_decode(k::Wire16 fmt, const uint16_t* in, float mul, float* out, int64
   at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) { k::cast_decode_cpu(fmt, in, mul, out, b, e); });
 }
 
+void momentum_fold_in(float* x, const float* m, float alpha, int64_t n) {
+  at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) { k::momentum_fold_in_cpu(x, m, alpha, b, e); });
+}
+
 void momentum_handoff(float* x, float* m, float beta, int64_t n) {
   at::parallel_for(0, n, kGrainElements, [&](int64_t b, int64_t e) { k::momentum_handoff_cpu(x, m, beta, b, e); });
 }

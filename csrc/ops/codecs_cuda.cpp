@@ -116,6 +116,11 @@ void cast_decode(k::Wire16 fmt, const uint16_t* in, float mul, float* out, int64
   k::cast_decode_cuda(fmt, in, mul, out, n, stream_of(device));
 }
 
+void momentum_fold_in(float* x, const float* m, float alpha, int64_t n, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::momentum_fold_in_cuda(x, m, alpha, n, stream_of(device));
+}
+
 void momentum_handoff(float* x, float* m, float beta, int64_t n, const at::Device& device) {
   c10::cuda::CUDAGuard guard(device);
   k::momentum_handoff_cuda(x, m, beta, n, stream_of(device));

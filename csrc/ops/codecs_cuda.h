@@ -32,6 +32,7 @@ void cast_encode(kernels::Wire16 fmt, const float* in, float divisor, uint16_t* 
 void cast_decode(kernels::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n, const at::Device& device);
 void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
                    const at::Device& device);
+void momentum_fold_in(float* x, const float* m, float alpha, int64_t n, const at::Device& device);
 void momentum_handoff(float* x, float* m, float beta, int64_t n, const at::Device& device);
 
 }  // namespace cuda
