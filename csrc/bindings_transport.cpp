@@ -4,7 +4,6 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
-#include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
@@ -34,19 +33,6 @@ at::Tensor flat_float32(const at::Tensor& x) {
   ops::check_float_vector(x, "x");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.is_contiguous(), "hetcomm: x must be contiguous float32");
   return x.view({-1});
-}
-
-// The momentum folded into a two-phase all-reduce of `flat` (none without m):
-// m float32 beside it, its numel, contiguous; beta in [0, 1).
-collectives::MomentumFold momentum_fold(const at::Tensor& flat, const c10::optional<at::Tensor>& m, double alpha,
-                                        double beta) {
-  if (!m.has_value() || !m->defined()) return {};
-  TORCH_CHECK_VALUE(m->numel() == flat.numel() && m->is_contiguous() && m->scalar_type() == at::kFloat &&
-                        m->device() == flat.device(),
-                    "hetcomm: momentum must be a contiguous float32 tensor of x's numel (", flat.numel(), ") beside it");
-  TORCH_CHECK_VALUE(beta >= 0.0 && beta < 1.0, "hetcomm: beta must be in [0, 1), got ", beta);
-  TORCH_CHECK_VALUE(std::isfinite(alpha), "hetcomm: momentum_alpha must be finite, got ", alpha);
-  return {m->view({-1}), alpha, beta};
 }
 
 // A blocking call on any transport from Python. NCCL's: its stream first
@@ -122,7 +108,7 @@ void bind_transports(py::module_& m) {
              double beta) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
-            const collectives::MomentumFold fold = momentum_fold(flat, momentum, momentum_alpha, beta);
+            const collectives::MomentumFold fold{opt(momentum), momentum_alpha, beta};
             blocking(t, [&] {
               collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces,
                                       fold.m.defined() ? &fold : nullptr);
@@ -141,7 +127,7 @@ void bind_transports(py::module_& m) {
              double beta) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
-            const collectives::MomentumFold fold = momentum_fold(flat, momentum, momentum_alpha, beta);
+            const collectives::MomentumFold fold{opt(momentum), momentum_alpha, beta};
             blocking(t, [&] {
               collectives::allreduce_fp8(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces,
                                       fold.m.defined() ? &fold : nullptr);

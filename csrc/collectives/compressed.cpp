@@ -1,6 +1,7 @@
 #include "collectives/compressed.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <functional>
 #include <vector>
@@ -164,10 +165,15 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   const int64_t my_len = segment_len(n, seg, me);
   TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == my_len,
                     "hetcomm: server residual must have ", my_len, " elements, got ", server_residual.numel());
+  at::Tensor m;  // the folded momentum, flat
   if (fold != nullptr) {
-    TORCH_CHECK_VALUE(fold->m.defined() && fold->m.numel() == n, "hetcomm: momentum must have the bucket's ", n,
-                      " elements");
-    TORCH_CHECK_VALUE(fold->m.device() == x.device(), "hetcomm: momentum must be on ", x.device());
+    // Checked before anything is sent: an error half-way would leave the other ranks waiting.
+    TORCH_CHECK_VALUE(fold->m.defined() && fold->m.numel() == n && fold->m.is_contiguous() &&
+                          fold->m.scalar_type() == at::kFloat && fold->m.device() == x.device(),
+                      "hetcomm: momentum must be a contiguous float32 tensor of x's numel (", n, ") on ", x.device());
+    TORCH_CHECK_VALUE(fold->beta >= 0.0 && fold->beta < 1.0, "hetcomm: beta must be in [0, 1), got ", fold->beta);
+    TORCH_CHECK_VALUE(std::isfinite(fold->add_alpha), "hetcomm: momentum_alpha must be finite, got ", fold->add_alpha);
+    m = fold->m.view({-1});
   }
   const int64_t ps = piece_stride(seg, chunk, pieces, t.overlaps());
   const int np = static_cast<int>((seg + ps - 1) / ps);
@@ -195,7 +201,7 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
         const int64_t at = r * seg + p * ps;
         if (fold != nullptr) {
           at::Tensor part = x.narrow(0, at, len);
-          ops::momentum_fold_in(part, fold->m.narrow(0, at, len), fold->add_alpha);
+          ops::momentum_fold_in(part, m.narrow(0, at, len), fold->add_alpha);
         }
         codec.encode(x.narrow(0, at, len), narrow_or_empty(worker_residual, at, len), divisor, chunk,
                      blk.payload(block, len), blk.scales(block, len, chunk));
@@ -235,8 +241,8 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
       at::Tensor part = x.narrow(0, r * seg + p * ps, len);
       codec.decode(blk.payload(block, len), blk.scales(block, len, chunk), len, chunk, part, false);
       if (fold != nullptr) {
-        at::Tensor m = fold->m.narrow(0, r * seg + p * ps, len);
-        ops::momentum_handoff(part, m, fold->beta);
+        at::Tensor m_part = m.narrow(0, r * seg + p * ps, len);
+        ops::momentum_handoff(part, m_part, fold->beta);
       }
     }
   };

@@ -1,4 +1,4 @@
-// CUDA twin of momentum_cpu.cpp: the same hand-over, elementwise.
+// CUDA twin of momentum_cpu.cpp: the same fold-in and hand-over, elementwise.
 #include "kernels/codec_math.h"
 #include "kernels/cuda_check.cuh"
 #include "kernels/momentum.h"
