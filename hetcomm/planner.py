@@ -23,8 +23,9 @@ _DEFAULT_FRACTION = {"topk": 0.01, "lowrank": 0.1}
 #: 4-rank language model (SGD-momentum) blew up at its loss drop in 2 of 2
 #: seeds, with 256 it reached fp32's perplexity in both. onebit of the
 #: momentum on digits over 5 seeds, 2048 -> 256: SGD-momentum 97.83 -> 97.99 %,
-#: AdamW 97.55 (a miss) -> 97.88 % against fp32's 98.22 / 98.27, the language
-#: model unchanged (bench/README.md). 256 costs 1/64 byte per element: 12.5 %
+#: AdamW 97.55 (a miss) -> 97.88 % against fp32's 98.22 / 98.27 (with AdamW
+#: still a miss over 15 runs: 97.1 %), the language model unchanged
+#: (bench/README.md). 256 costs 1/64 byte per element: 12.5 %
 #: more than onebit's signs, 1.6 % more than fp8's codes.
 DEFAULT_CHUNK = 256
 #: Bytes per element on the wire of the two-phase codecs, without the scales.
