@@ -216,32 +216,28 @@ Pending all_of(std::vector<Pending> parts) {
 
 }  // namespace
 
-Pending SubgroupTransport::do_start_all_to_all(at::Tensor& out, const at::Tensor& in) {
-  if (!overlaps()) return Transport::do_start_all_to_all(out, in);
+Pending SubgroupTransport::start_pairwise(at::Tensor& out, int64_t m, const std::function<at::Tensor(int)>& block_for,
+                                          int tag) {
   const int w = size();
-  const int64_t m = in.numel() / w;
-  out.narrow(0, rank_ * m, m).copy_(in.narrow(0, rank_ * m, m));
+  out.narrow(0, rank_ * m, m).copy_(block_for(rank_));
   std::vector<Pending> parts;
   for (int s = 1; s < w; ++s) {
     const int dst = mod(rank_ + s, w), src = mod(rank_ - s, w);
     at::Tensor recv_block = out.narrow(0, src * m, m);
-    parts.push_back(start_send_recv(in.narrow(0, dst * m, m), dst, recv_block, src, s));
+    parts.push_back(start_send_recv(block_for(dst), dst, recv_block, src, tag + s));
   }
   return all_of(std::move(parts));
 }
 
+Pending SubgroupTransport::do_start_all_to_all(at::Tensor& out, const at::Tensor& in) {
+  if (!overlaps()) return Transport::do_start_all_to_all(out, in);
+  const int64_t m = in.numel() / size();
+  return start_pairwise(out, m, [&](int r) { return in.narrow(0, r * m, m); }, tags::kSteps);
+}
+
 Pending SubgroupTransport::do_start_all_gather(at::Tensor& out, const at::Tensor& in) {
   if (!overlaps()) return Transport::do_start_all_gather(out, in);
-  const int w = size();
-  const int64_t m = in.numel();
-  out.narrow(0, rank_ * m, m).copy_(in);
-  std::vector<Pending> parts;
-  for (int s = 1; s < w; ++s) {
-    const int dst = mod(rank_ + s, w), src = mod(rank_ - s, w);
-    at::Tensor recv_block = out.narrow(0, src * m, m);
-    parts.push_back(start_send_recv(in, dst, recv_block, src, tags::kDirect + s));
-  }
-  return all_of(std::move(parts));
+  return start_pairwise(out, in.numel(), [&](int) { return in; }, tags::kDirect);
 }
 
 void reduce_scatter_ring(Transport& t, at::Tensor& out, const at::Tensor& in) {

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -73,6 +74,10 @@ class SubgroupTransport : public Transport {
   Pending do_start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
 
  private:
+  // Both: block_for(r) (m elements) to rank r, out's block r from rank r, for
+  // every other rank at once (tags tag + 1 .. tag + size() - 1); this rank's own copied.
+  Pending start_pairwise(at::Tensor& out, int64_t m, const std::function<at::Tensor(int)>& block_for, int tag);
+
   Transport& parent_;
   std::vector<int> members_;
   int rank_;

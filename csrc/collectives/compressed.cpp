@@ -199,12 +199,10 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
         if (len == 0) continue;
         at::Tensor block = send.narrow(0, r * blk.ints(), blk.ints());
         const int64_t at = r * seg + p * ps;
-        if (fold != nullptr) {
-          at::Tensor part = x.narrow(0, at, len);
-          ops::momentum_fold_in(part, m.narrow(0, at, len), fold->add_alpha);
-        }
-        codec.encode(x.narrow(0, at, len), narrow_or_empty(worker_residual, at, len), divisor, chunk,
-                     blk.payload(block, len), blk.scales(block, len, chunk));
+        at::Tensor part = x.narrow(0, at, len);
+        if (fold != nullptr) ops::momentum_fold_in(part, m.narrow(0, at, len), fold->add_alpha);
+        codec.encode(part, narrow_or_empty(worker_residual, at, len), divisor, chunk, blk.payload(block, len),
+                     blk.scales(block, len, chunk));
       }
     }
     recv[p] = at::empty({w * blk.ints()}, ints);
