@@ -98,10 +98,10 @@ class HookState(BucketSteps, Negotiation):
         candidates: ``compression="auto"`` only: the modes it may choose from
             (``"none"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"onebit"``, ``"topk"``,
             ``"lowrank"``). Default: fp32 and bf16 (fp16 where a device lacks
-            bf16); fp8 unless an Adam is attached; onebit once
-            :meth:`attach_optimizer` was given SGD-momentum or
-            :class:`hetcomm.optim.AdamW`; topk and lowrank only when listed
-            here (measured to miss fp32's quality on the language model).
+            bf16); fp8 unless an Adam is attached; onebit, topk and lowrank
+            only when listed here (measured to miss fp32's quality at fp32's
+            learning rate: onebit on the regression task with SGD-momentum and
+            on digits with AdamW, topk and lowrank on the language model).
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.

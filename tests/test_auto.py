@@ -38,7 +38,7 @@ def test_choose_with_a_current_plan_switches_only_past_the_hysteresis():
 def test_safe_modes_follow_the_optimizer():
     assert plan.safe_modes(None, True) == ("none", "bf16", "fp8")  # the gradient in fp8 with error feedback
     assert plan.safe_modes("adam", False) == ("none", "fp16")  # torch's Adam attached: dense only
-    assert plan.safe_modes("sgd", True) == ("none", "bf16", "fp8", "onebit")  # top-k missed the LM
+    assert plan.safe_modes("sgd", True) == ("none", "bf16", "fp8")  # onebit missed the regression, top-k the LM
     assert plan.safe_modes("hetcomm-adamw", True) == ("none", "bf16")  # onebit of Adam's momentum missed digits
 
 
@@ -95,7 +95,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
 def test_auto_agrees_on_every_rank_and_keeps_replicas_identical(tmp_path):
     res = run_ranks(_auto_run, 4, 18, None, None, 0.01, False, True, str(tmp_path))
     r0 = res[0]
-    assert r0["auto"]["modes"] == ["none", "bf16", "fp8", "onebit"]  # SGD-momentum attached
+    assert r0["auto"]["modes"] == ["none", "bf16", "fp8"]  # SGD-momentum attached
     assert all(p["why"] == "measured" for p in r0["plans"].values()) and len(r0["plans"]) > 1
     for r in res[1:]:
         assert torch.equal(r["params"], r0["params"])

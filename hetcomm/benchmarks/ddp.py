@@ -121,8 +121,9 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     ddp.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     if base in COMPRESSED + ("auto",):
-        # momentum compression, as the README asks of SGD-momentum users (and
-        # what lets auto choose 1-bit and top-k): every compressed mode pays it
+        # momentum compression, as the README asks of SGD-momentum users of
+        # onebit and top-k (auto then offers fp8 of the momentum; 1-bit and
+        # top-k only when listed in candidates=): every compressed mode pays it
         state.attach_optimizer(opt)
     # auto's first steps after start_iter try its candidates, and its first re-check AUTO_SETTLE steps later
     # measures them again in steady state: not counted (what a long run sees)
