@@ -53,6 +53,23 @@ void blocking(Transport& t, const std::function<void()>& fn) {
   fn();
 }
 
+// The two-phase exchanges (onebit, fp8) share one Python signature; `run` is the collective.
+using TwoPhase = void (*)(Transport&, at::Tensor&, double, int64_t, const at::Tensor&, const at::Tensor&,
+                          collectives::CodecTimer&, int64_t, const collectives::MomentumFold*);
+
+auto two_phase_binding(TwoPhase run) {
+  return [run](Transport& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
+               c10::optional<at::Tensor> sres, int64_t pieces, c10::optional<at::Tensor> momentum,
+               double momentum_alpha, double beta) {
+    collectives::CodecTimer timer;
+    at::Tensor flat = flat_float32(x);
+    const collectives::MomentumFold fold{opt(momentum), momentum_alpha, beta};
+    blocking(t, [&] {
+      run(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces, fold.m.defined() ? &fold : nullptr);
+    });
+  };
+}
+
 }  // namespace
 
 void bind_transports(py::module_& m) {
@@ -101,42 +118,18 @@ void bind_transports(py::module_& m) {
           py::arg("out"), py::arg("input"), py::arg("algorithm") = "native", nogil,
           "out = this rank's block of the sum over ranks of input (world_size equal blocks).")
       .def("barrier", [](T& t) { blocking(t, [&] { t.barrier(); }); }, nogil)
-      .def(
-          "allreduce_onebit",
-          [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
-             c10::optional<at::Tensor> sres, int64_t pieces, c10::optional<at::Tensor> momentum, double momentum_alpha,
-             double beta) {
-            collectives::CodecTimer timer;
-            at::Tensor flat = flat_float32(x);
-            const collectives::MomentumFold fold{opt(momentum), momentum_alpha, beta};
-            blocking(t, [&] {
-              collectives::allreduce_onebit(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces,
-                                      fold.m.defined() ? &fold : nullptr);
-            });
-          },
-          py::arg("x"), py::arg("divisor"), py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::arg("pieces") = 0, py::arg("momentum") = py::none(),
-          py::arg("momentum_alpha") = 0.0, py::arg("beta") = 0.0, nogil,
-          "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately), pipelined in "
-          "`pieces` (0: by the bucket's size). With `momentum` m: x += momentum_alpha * m before, and the "
-          "hand-over (ops.momentum_handoff with beta) after, piece by piece.")
-      .def(
-          "allreduce_fp8",
-          [](T& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
-             c10::optional<at::Tensor> sres, int64_t pieces, c10::optional<at::Tensor> momentum, double momentum_alpha,
-             double beta) {
-            collectives::CodecTimer timer;
-            at::Tensor flat = flat_float32(x);
-            const collectives::MomentumFold fold{opt(momentum), momentum_alpha, beta};
-            blocking(t, [&] {
-              collectives::allreduce_fp8(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces,
-                                      fold.m.defined() ? &fold : nullptr);
-            });
-          },
-          py::arg("x"), py::arg("divisor"), py::arg("chunk") = 256, py::arg("worker_residual") = py::none(),
-          py::arg("server_residual") = py::none(), py::arg("pieces") = 0, py::arg("momentum") = py::none(),
-          py::arg("momentum_alpha") = 0.0, py::arg("beta") = 0.0, nogil,
-          "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`.")
+      .def("allreduce_onebit", two_phase_binding(&collectives::allreduce_onebit), py::arg("x"), py::arg("divisor"),
+           py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
+           py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
+           py::arg("beta") = 0.0, nogil,
+           "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately), pipelined in "
+           "`pieces` (0: by the bucket's size). With `momentum` m: x += momentum_alpha * m before, and the "
+           "hand-over (ops.momentum_handoff with beta) after, piece by piece.")
+      .def("allreduce_fp8", two_phase_binding(&collectives::allreduce_fp8), py::arg("x"), py::arg("divisor"),
+           py::arg("chunk") = 256, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
+           py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
+           py::arg("beta") = 0.0, nogil,
+           "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`.")
       .def(
           "allreduce_topk",
           [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res) {

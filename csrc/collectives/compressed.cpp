@@ -168,11 +168,7 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   at::Tensor m;  // the folded momentum, flat
   if (fold != nullptr) {
     // Checked before anything is sent: an error half-way would leave the other ranks waiting.
-    TORCH_CHECK_VALUE(fold->m.defined() && fold->m.numel() == n && fold->m.is_contiguous() &&
-                          fold->m.scalar_type() == at::kFloat && fold->m.device() == x.device(),
-                      "hetcomm: momentum must be a contiguous float32 tensor of x's numel (", n, ") on ", x.device());
-    TORCH_CHECK_VALUE(fold->beta >= 0.0 && fold->beta < 1.0, "hetcomm: beta must be in [0, 1), got ", fold->beta);
-    TORCH_CHECK_VALUE(std::isfinite(fold->add_alpha), "hetcomm: momentum_alpha must be finite, got ", fold->add_alpha);
+    ops::check_momentum(x, fold->m, "momentum", fold->add_alpha, fold->beta);
     m = fold->m.view({-1});
   }
   const int64_t ps = piece_stride(seg, chunk, pieces, t.overlaps());

@@ -127,8 +127,7 @@ FuturePtr Engine::submit_bucket(BucketJob job) {
   ops::check_chunk(job.chunk);
   TORCH_CHECK_VALUE(job.topk_ratio > 0.0 && job.topk_ratio <= 1.0, "hetcomm: topk_ratio must be in (0, 1], got ",
                     job.topk_ratio);
-  TORCH_CHECK_VALUE(std::isfinite(job.beta) && job.beta >= 0.0 && job.beta < 1.0,
-                    "hetcomm: momentum beta must be in [0, 1), got ", job.beta);
+  ops::check_beta(job.beta);
   const int64_t n = job.buffer.numel();
   TORCH_CHECK_VALUE(!job.momentum.defined() || job.momentum.numel() == n, "hetcomm: momentum must have the bucket's ",
                     n, " elements");

@@ -297,21 +297,21 @@ at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out) {
   return out;
 }
 
-namespace {
-
-// x: float32, contiguous; m: float32 beside it, x's numel.
-void check_momentum_pair(const at::Tensor& x, const at::Tensor& m) {
+void check_momentum(const at::Tensor& x, const at::Tensor& m, const char* m_name, double alpha, double beta) {
   TORCH_CHECK_VALUE(x.defined(), "hetcomm: x is undefined");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "hetcomm: x must be float32, got ", dtype_name(x.scalar_type()));
   TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
-  check_buffer(m, "m", x, at::kFloat, x.numel(), "x's numel", true);
+  check_buffer(m, m_name, x, at::kFloat, x.numel(), "x's numel", true);
+  TORCH_CHECK_VALUE(std::isfinite(alpha), "hetcomm: alpha must be finite, got ", alpha);
+  check_beta(beta);
 }
 
-}  // namespace
+void check_beta(double beta) {
+  TORCH_CHECK_VALUE(beta >= 0.0 && beta < 1.0, "hetcomm: beta must be in [0, 1), got ", beta);
+}
 
 void momentum_fold_in(at::Tensor& x, const at::Tensor& m, double alpha) {
-  check_momentum_pair(x, m);
-  TORCH_CHECK_VALUE(std::isfinite(alpha), "hetcomm: alpha must be finite, got ", alpha);
+  check_momentum(x, m, "m", alpha, 0.0);
   float* xp = x.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
   const float a = static_cast<float>(alpha);
@@ -319,8 +319,7 @@ void momentum_fold_in(at::Tensor& x, const at::Tensor& m, double alpha) {
 }
 
 void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta) {
-  check_momentum_pair(x, m);
-  TORCH_CHECK_VALUE(beta >= 0.0 && beta < 1.0, "hetcomm: beta must be in [0, 1), got ", beta);
+  check_momentum(x, m, "m", 0.0, beta);
   float* xp = x.data_ptr<float>();
   float* mp = m.data_ptr<float>();
   const float b = static_cast<float>(beta);

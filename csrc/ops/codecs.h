@@ -63,6 +63,11 @@ void orthonormalize_columns(at::Tensor& p, double eps);
 void check_float_vector(const at::Tensor& t, const char* name);
 void check_chunk(int64_t chunk);
 void check_divisor(double divisor);
+// beta (a momentum's decay) in [0, 1).
+void check_beta(double beta);
+// The momentum pair of fold_in / handoff: x float32 and contiguous, m (named
+// m_name in the error) float32, contiguous, x's numel, beside x; alpha finite; beta as above.
+void check_momentum(const at::Tensor& x, const at::Tensor& m, const char* m_name, double alpha, double beta);
 at::Tensor as_float32(const at::Tensor& t, const char* name);
 int64_t topk_count(int64_t n, double ratio);
 
