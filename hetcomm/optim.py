@@ -2,8 +2,10 @@
 
 Attached to a HookState (``state.attach_optimizer(opt)``), the hook compresses
 Adam's first moment (1-bit Adam's scheme) and reduces the gradient exactly in
-fp32 on the steps ``start_iter + 2**j - 1``. This optimizer updates the
-variance (second moment) on those exact steps only: a compressed step's
+fp32 on the steps ``start_iter + 2**j - 1`` and every ``exact_every``-th step
+(16 by default). This optimizer updates the variance (second moment) on those
+exact steps only (the doublings alone, a few dozen samples per coordinate,
+cost a point of accuracy on digits; README "Limits"): a compressed step's
 gradient carries the codec's error, about 1 / (1 - beta1) times the gradient
 for onebit, which squared into the variance shrinks every step. Between
 updates the variance is frozen; an update after ``k`` steps decays it by

@@ -141,6 +141,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("iter (steps done; was the state restored on every rank?)", s.iter),
         ("momentum (attach_optimizer)", float_bits(s._beta or 0.0)),
         ("optimizer kind (attach_optimizer)", ATTACHED.index(s._attached)),
+        ("exact_every (attach_optimizer)", s._exact_every),
         (SCALER_NAME, int(s._scaler is not None)),
         (ENV_NAME, 0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
     ]

@@ -16,6 +16,8 @@ from .hooks import BucketSteps
 from .negotiation import Negotiation
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
+#: With an Adam attached, every this many compressed steps one is exact (attach_optimizer's default).
+EXACT_EVERY = 16
 
 
 class HookState(BucketSteps, Negotiation):
@@ -101,7 +103,8 @@ class HookState(BucketSteps, Negotiation):
             bf16); fp8 unless an Adam is attached; onebit, topk and lowrank
             only when listed here (measured to miss fp32's quality at fp32's
             learning rate: onebit on the regression task with SGD-momentum and
-            on digits with AdamW, topk and lowrank on the language model).
+            at the edge of the tolerance on digits with AdamW, topk and lowrank
+            on the language model).
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
@@ -179,6 +182,7 @@ class HookState(BucketSteps, Negotiation):
         self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
         self._attached: Optional[str] = None  # the kind of optimizer attached (options.ATTACHED)
         self._exact_steps = False  # Adam attached: steps start_iter + 2**j - 1 are exact
+        self._exact_every = 0  # and every this many steps (0: none more)
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
         self._scaler: Optional[Any] = None  # a weak reference to this rank's hetcomm.amp.GradScaler
@@ -212,7 +216,8 @@ class HookState(BucketSteps, Negotiation):
                 "first backward so all ranks agree on batch-size weighting")
         self._local_batch = float(batch_size)
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> "HookState":
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *,
+                         exact_every: Optional[int] = None) -> "HookState":
         """Compress the optimizer's momentum instead of the gradient (call on
         every rank before the first step; returns the state).
 
@@ -228,10 +233,14 @@ class HookState(BucketSteps, Negotiation):
 
         :class:`hetcomm.optim.AdamW` (recommended), ``torch.optim.Adam`` /
         ``AdamW``: the same for Adam's first moment (``betas[0]``), and the
-        steps ``start_iter + 2**j - 1`` (j = 0, 1, 2, ...: a few dozen in a
-        long run) are reduced exactly in fp32. hetcomm's AdamW updates its
-        variance on those steps only; torch's sees every step's compressed
-        difference (noisier, smaller steps: measured in the README).
+        steps ``start_iter + 2**j - 1`` (j = 0, 1, 2, ...) and every
+        ``exact_every``-th step after ``start_iter`` (default 16 with an
+        Adam; 0: the doublings only) are reduced exactly in fp32. hetcomm's
+        AdamW updates its variance on those steps only (a variance from the
+        doublings alone rests on a few dozen samples: 1 point of accuracy on
+        digits, measured in the README); torch's sees every step's compressed
+        difference (noisier, smaller steps). ``exact_every`` must be 0 or None
+        with SGD.
 
         Nothing to retune: keep the optimizer, its learning rate and betas.
         With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
@@ -258,7 +267,14 @@ class HookState(BucketSteps, Negotiation):
             raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
         self._beta = beta
         self._optimizer = weakref.ref(optimizer)
+        if exact_every is not None and (isinstance(exact_every, bool) or not isinstance(exact_every, int)
+                                        or exact_every < 0):
+            raise ValueError(f"exact_every must be an int >= 0 or None, got {exact_every!r}")
+        if exact_every and not adam:
+            raise ValueError(f"exact_every applies to an attached Adam (its variance's exact steps), not to "
+                             f"{type(optimizer).__name__}: leave it None")
         self._exact_steps = adam
+        self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0
         self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
         if isinstance(optimizer, optim.AdamW):
             ref = weakref.ref(self)
@@ -346,10 +362,13 @@ class HookState(BucketSteps, Negotiation):
     # ---- used by the hook ------------------------------------------------------
     def _compressed_at(self, step: int) -> bool:
         """Whether step ``step``'s compressed-mode buckets are compressed: from
-        ``start_iter`` on, except steps ``start_iter + 2**j - 1`` with an
-        Adam attached."""
+        ``start_iter`` on, except, with an Adam attached, steps
+        ``start_iter + 2**j - 1`` and ``start_iter + k * exact_every - 1``."""
         t = step - self.start_iter
-        return t >= 0 and not (self._exact_steps and (t & (t + 1)) == 0)
+        if t < 0:
+            return False
+        every = self._exact_every
+        return not (self._exact_steps and ((t & (t + 1)) == 0 or (every and (t + 1) % every == 0)))
 
     def _last_step_exact(self) -> bool:
         """Whether the last complete step sent no bucket through a lossy codec

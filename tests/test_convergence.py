@@ -177,6 +177,12 @@ def _attach_errors(rank, world):
         state2.attach_optimizer(opt)
     except RuntimeError as e:
         out.append(str(e))
+    third = models.mlp(seed=4)
+    ddp3, state3 = DDP(third), hetcomm.HookState("onebit")
+    adam = hetcomm.optim.AdamW(third.parameters(), lr=1e-3)
+    state3.attach_optimizer(adam, exact_every=16 if rank == 0 else 8)
+    ddp3.register_comm_hook(state3, hetcomm.hook)
+    out.append(models.first_error(ddp3, adam, rank))
     return out
 
 
@@ -185,6 +191,7 @@ def test_attach_optimizer_rejects_what_it_cannot_compress_and_agrees_across_rank
         assert "torch.optim.SGD" in errs[0] and "RMSprop" in errs[0] and "momentum must be in (0, 1)" in errs[1] and "dampening" in errs[2]
         assert "momentum (attach_optimizer) differs" in errs[3]
         assert "before the first step" in errs[4]
+        assert "exact_every (attach_optimizer) differs" in errs[5]
 
 
 def test_fp8_of_the_gradient_reaches_fp32s_loss_with_sgd_momentum_and_adamw(fp32_sgd_momentum, fp32_adamw):

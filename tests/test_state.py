@@ -293,3 +293,29 @@ def test_mode_table_names_its_choices():
         hetcomm.modes.get("torch-powersgd").comm_hook(algorithm="ring")
     with pytest.raises(ValueError, match="pass the optimizer"):
         hetcomm.modes.get("onebit+m").register(None)
+
+
+def test_attach_optimizer_exact_every_validates():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for bad in (-1, True, 2.5, "16"):
+        with pytest.raises(ValueError, match="exact_every must be an int >= 0 or None"):
+            hetcomm.HookState("onebit").attach_optimizer(torch.optim.AdamW(params), exact_every=bad)
+    with pytest.raises(ValueError, match="exact_every applies to an attached Adam"):
+        hetcomm.HookState("onebit").attach_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), exact_every=8)
+    hetcomm.HookState("onebit").attach_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), exact_every=0)
+
+
+@pytest.mark.parametrize("start,every", [(2, None), (2, 0), (5, 16), (3, 12), (2, 1)])
+def test_exact_steps_with_an_adam_are_the_doublings_and_every_exact_every_th(start, every):
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    state = hetcomm.HookState("onebit", start_iter=start).attach_optimizer(
+        hetcomm.optim.AdamW(params), **({} if every is None else dict(exact_every=every)))
+    period = 16 if every is None else every
+    horizon = 300
+    exact = {start + 2 ** j - 1 for j in range(10)}
+    if period:
+        exact |= {start + k * period - 1 for k in range(1, horizon)}
+    got = [s for s in range(horizon) if not state._compressed_at(s)]
+    assert got == [s for s in range(horizon) if s < start or s in exact]
+    sgd = hetcomm.HookState("onebit", start_iter=start).attach_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    assert [s for s in range(horizon) if not sgd._compressed_at(s)] == list(range(start))
