@@ -265,14 +265,14 @@ class HookState(BucketSteps, Negotiation):
         beta = betas.pop()
         if not 0.0 < beta < 1.0:
             raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
-        self._beta = beta
-        self._optimizer = weakref.ref(optimizer)
         if exact_every is not None and (isinstance(exact_every, bool) or not isinstance(exact_every, int)
                                         or exact_every < 0):
             raise ValueError(f"exact_every must be an int >= 0 or None, got {exact_every!r}")
         if exact_every and not adam:
             raise ValueError(f"exact_every applies to an attached Adam (its variance's exact steps), not to "
                              f"{type(optimizer).__name__}: leave it None")
+        self._beta = beta
+        self._optimizer = weakref.ref(optimizer)
         self._exact_steps = adam
         self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0
         self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
