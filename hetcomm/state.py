@@ -181,8 +181,7 @@ class HookState(BucketSteps, Negotiation):
         self._beta: Optional[float] = None  # the momentum hetcomm compresses (attach_optimizer)
         self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
         self._attached: Optional[str] = None  # the kind of optimizer attached (options.ATTACHED)
-        self._exact_steps = False  # Adam attached: steps start_iter + 2**j - 1 are exact
-        self._exact_every = 0  # and every this many steps (0: none more)
+        self._exact_every = 0  # Adam attached: every this many steps is exact, besides start_iter + 2**j - 1
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
         self._scaler: Optional[Any] = None  # a weak reference to this rank's hetcomm.amp.GradScaler
@@ -273,7 +272,6 @@ class HookState(BucketSteps, Negotiation):
                              f"{type(optimizer).__name__}: leave it None")
         self._beta = beta
         self._optimizer = weakref.ref(optimizer)
-        self._exact_steps = adam
         self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0
         self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
         if isinstance(optimizer, optim.AdamW):
@@ -368,7 +366,8 @@ class HookState(BucketSteps, Negotiation):
         if t < 0:
             return False
         every = self._exact_every
-        return not (self._exact_steps and ((t & (t + 1)) == 0 or (every and (t + 1) % every == 0)))
+        adam = self._attached in ("hetcomm-adamw", "adam")
+        return not (adam and ((t & (t + 1)) == 0 or (every and (t + 1) % every == 0)))
 
     def _last_step_exact(self) -> bool:
         """Whether the last complete step sent no bucket through a lossy codec

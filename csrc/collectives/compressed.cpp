@@ -1,7 +1,6 @@
 #include "collectives/compressed.h"
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
 #include <functional>
 #include <vector>
