@@ -79,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& grad, c10::optional<at::Tensor> residual, double divisor, int64_t chunk) {
         return ops::sign_encode(grad, opt(residual), divisor, chunk);
       },
-      py::arg("grad"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("chunk") = 2048,
+      py::arg("grad"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("chunk") = 32,
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "sign_decode",
@@ -87,7 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          c10::optional<at::Tensor> out, bool accumulate) {
         return ops::sign_decode(words, scales, n, chunk, alpha, opt(out), accumulate);
       },
-      py::arg("words"), py::arg("scales"), py::arg("n"), py::arg("chunk") = 2048, py::arg("alpha") = 1.0,
+      py::arg("words"), py::arg("scales"), py::arg("n"), py::arg("chunk") = 32, py::arg("alpha") = 1.0,
       py::arg("out") = py::none(), py::arg("accumulate") = false, py::call_guard<py::gil_scoped_release>());
   m.def(
       "fp8_encode",

@@ -119,7 +119,7 @@ void bind_transports(py::module_& m) {
           "out = this rank's block of the sum over ranks of input (world_size equal blocks).")
       .def("barrier", [](T& t) { blocking(t, [&] { t.barrier(); }); }, nogil)
       .def("allreduce_onebit", two_phase_binding(&collectives::allreduce_onebit), py::arg("x"), py::arg("divisor"),
-           py::arg("chunk") = 2048, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
+           py::arg("chunk") = 32, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
            py::arg("beta") = 0.0, nogil,
            "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately), pipelined in "

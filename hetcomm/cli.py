@@ -8,7 +8,7 @@ import math
 import os
 import re
 import sys
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 
 def _demo(args) -> None:
@@ -195,19 +195,19 @@ def choices_list(allowed, noun: str) -> Callable[[str], List[str]]:
     return parse
 
 
-def mode_list(text: str) -> List[str]:
-    """bench train's modes: any of hetcomm.modes, ranked and chunked forms (lowrank-r16, onebit-c256) included."""
-    from . import modes
-
-    items = [x for x in text.split(",") if x]
-    if not items:
-        raise argparse.ArgumentTypeError("unknown mode (empty list)")
-    for x in items:
-        try:
-            modes.get(x)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return items
+def mode_list(check: Callable[[str], Any]) -> Callable[[str], List[str]]:
+    """Comma-separated modes, each passed by ``check`` (a ValueError names the rule)."""
+    def parse(text: str) -> List[str]:
+        items = [x for x in text.split(",") if x]
+        if not items:
+            raise argparse.ArgumentTypeError("unknown mode (empty list)")
+        for x in items:
+            try:
+                check(x)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        return items
+    return parse
 
 
 def writable_path(text: str) -> str:
@@ -228,7 +228,7 @@ def rate(text: str) -> str:
 
 def main(argv: Optional[List[str]] = None) -> None:
     import hetcomm
-    from . import demo, topology
+    from . import demo, modes, topology
     from .benchmarks import ddp as bench_ddp
     from .benchmarks import links as bench_links
     from .benchmarks import tasks as bench_tasks
@@ -305,8 +305,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     g.add_argument("--layers", type=positive_int, default=2, help="hidden layers of the MLP (more: more buckets)")
     g.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="DDP's bucket_cap_mb for every mode but PowerSGD (which takes one bucket)")
-    g.add_argument("--modes", type=choices_list(bench_ddp.ALL_MODES, "mode"), default=None,
-                   help="comma-separated modes (default: all; +bal = balanced)")
+    g.add_argument("--modes", type=mode_list(bench_ddp.check_mode), default=None,
+                   help="comma-separated modes (default: all; +bal = balanced; onebit-cN, fp8-cN: N elements per "
+                        "scale)")
     g.add_argument("--algorithm", default="native", choices=("auto",) + topology.ALGORITHMS,
                    help="HookState(algorithm=...) of hetcomm's modes")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -328,7 +329,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="comma-separated tasks")
     tr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
                     default=list(bench_train.OPTIMIZERS), help="comma-separated optimizers (SGD momentum 0.9, AdamW)")
-    tr.add_argument("--modes", type=mode_list, default=bench_train.DEFAULT_MODES,
+    tr.add_argument("--modes", type=mode_list(modes.get), default=bench_train.DEFAULT_MODES,
                     help="comma-separated modes (fp32 is always run: it sets the target); lowrank-rN and "
                          "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale")
     tr.add_argument("--scale", type=positive_float, default=1.0, help="multiplies each task's number of steps")

@@ -240,7 +240,7 @@ class BucketSteps:
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
         fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=_CODECS[p.mode],
-                                   chunk=options.chunk_for(self.chunk_size),
+                                   chunk=options.chunk_for(self.chunk_size, p.mode),
                                    topk_ratio=self.topk_ratio, topk_exact=self.topk_exact, residual=residual,
                                    server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
                                    algorithm=_ALGOS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,

@@ -12,9 +12,10 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C
+from .planner import DEFAULT_CHUNK as _CHUNKS
 
-DEFAULT_CHUNK = 2048
-FP8_CHUNK = 256  # fp8's default, HookState's too for both codecs (hetcomm.planner.DEFAULT_CHUNK says why)
+DEFAULT_CHUNK = _CHUNKS["onebit"]  # the sign codec's default, HookState's (hetcomm.planner.DEFAULT_CHUNK says why)
+FP8_CHUNK = _CHUNKS["fp8"]
 
 
 def sign_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0,
@@ -22,10 +23,11 @@ def sign_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, div
     """1-bit sign compression with error feedback.
 
     ``x = grad / divisor + residual``; per chunk of ``chunk`` elements (a multiple
-    of 32) ``scale = mean(|x|)``; sign bits (1 for ``x >= 0``) packed 32 per
-    word. ``residual`` (float32, same numel) becomes ``x - scale * sign(x)`` in
-    place. Returns ``(words, scales)``: int32 words holding uint32 bit patterns
-    (``ceil(n/32)``) and float32 scales (``ceil(n/chunk)``).
+    of 32) ``scale = mean(|x|)`` rounded to bfloat16 (nearest even); sign bits
+    (1 for ``x >= 0``) packed 32 per word. ``residual`` (float32, same numel)
+    becomes ``x - scale * sign(x)`` in place, with the rounded scale. Returns
+    ``(words, scales)``: int32 words holding uint32 bit patterns
+    (``ceil(n/32)``) and bfloat16 scales (``ceil(n/chunk)``).
     """
     return _C.sign_encode(grad, residual, float(divisor), int(chunk))
 

@@ -42,10 +42,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def chunk_for(chunk_size: Optional[int]) -> int:
-    """Elements per scale of the onebit and fp8 codecs: the option, or their
-    default (planner.DEFAULT_CHUNK says why 256)."""
-    return chunk_size if chunk_size is not None else DEFAULT_CHUNK
+def chunk_for(chunk_size: Optional[int], mode: str) -> int:
+    """Elements per scale of the onebit or fp8 codec (``mode``): the option,
+    or the codec's default (planner.DEFAULT_CHUNK says why: 32 for onebit, 256
+    for fp8). Other modes ignore it: their default is fp8's."""
+    return chunk_size if chunk_size is not None else DEFAULT_CHUNK.get(mode, DEFAULT_CHUNK["fp8"])
 
 
 def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size: Optional[int],

@@ -21,15 +21,24 @@ _DEFAULT_FRACTION = {"topk": 0.01, "lowrank": 0.1}
 #: onebit: the mean magnitude), so a long chunk gives its small values few
 #: bits (fp8) or a scale far from their own (onebit). fp8 with 2048: the
 #: 4-rank language model (SGD-momentum) blew up at its loss drop in 2 of 2
-#: seeds, with 256 it reached fp32's perplexity in both. onebit of the
-#: momentum on digits over 5 seeds, 2048 -> 256: SGD-momentum 97.83 -> 97.99 %,
-#: AdamW 97.55 (a miss) -> 97.88 % against fp32's 98.22 / 98.27 (with AdamW
-#: still a miss over 15 runs: 97.1 %), the language model unchanged
-#: (bench/README.md). 256 costs 1/64 byte per element: 12.5 %
-#: more than onebit's signs, 1.6 % more than fp8's codes.
-DEFAULT_CHUNK = 256
-#: Bytes per element on the wire of the two-phase codecs, without the scales.
+#: seeds, with 256 it reached fp32's perplexity in both (4 bytes per 256
+#: values: 1.6 % more than its codes). onebit of SGD's momentum on the
+#: regression task over 15 runs (5 seeds x lr x 1, 1 +- 1e-6): MSE +3.5 % of
+#: fp32's with 256 (a miss; the tolerance is 2 %), +1.2-1.5 % with 64, +0.3-0.5 %
+#: with 32; digits and the language model within tolerance at each
+#: (bench/README.md). onebit's scales travel as bf16 (kernels/codec_math.h),
+#: so 32 costs 1/16 byte per element: half again onebit's signs.
+DEFAULT_CHUNK = {"onebit": 32, "fp8": 256}
+#: Bytes per element on the wire of the two-phase codecs, without the scales,
+#: and bytes per scale.
 _CODE_BYTES = {"onebit": 1 / 8, "fp8": 1.0}
+_SCALE_BYTES = {"onebit": 2, "fp8": 4}
+
+
+def wire_bytes_per_element(kind: str, chunk: Optional[int] = None) -> float:
+    """What one fp32 element of a two-phase codec (onebit, fp8) costs on the
+    wire, its chunk's scale included (``chunk`` None: the codec's default)."""
+    return _CODE_BYTES[kind] + _SCALE_BYTES[kind] / (chunk or DEFAULT_CHUNK[kind])
 
 
 @dataclass(frozen=True)
@@ -171,8 +180,8 @@ def _predict_compressed(topo: Topology, n_elems: float, algorithm: str, wire: Wi
     share = _share(topo)
 
     def compressed_allreduce(ranks: int, elems: float, link: LinkClass) -> float:
-        if wire.kind in _CODE_BYTES:  # all-to-all + all-gather of 1/32 (1/4) of the data, plus a scale per chunk
-            per_elem = _CODE_BYTES[wire.kind] + 4 / DEFAULT_CHUNK
+        if wire.kind in _CODE_BYTES:  # all-to-all + all-gather of 1/32 (1/4) of the data, plus the scales
+            per_elem = wire_bytes_per_element(wire.kind)
             return 2 * (ranks - 1) * link.alpha + share * 2 * (ranks - 1) / ranks * elems * per_elem * link.beta
         return (ranks - 1) * (link.alpha + share * 8 * math.ceil(wire.fraction * elems) * link.beta)
 

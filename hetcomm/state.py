@@ -73,8 +73,9 @@ class HookState(BucketSteps, Negotiation):
             next step's gradient (default True). ``False`` exists to show why
             it matters.
         chunk_size: elements per 1-bit or fp8 scale (a positive multiple of
-            32); ``None`` (default): 256 (a long chunk's scale
-            serves its small values badly: ``planner.DEFAULT_CHUNK``).
+            32); ``None`` (default): 32 for onebit (its scales travel as
+            bf16), 256 for fp8 (a long chunk's scale serves its small values
+            badly: ``planner.DEFAULT_CHUNK``).
         min_compress_numel: buckets with fewer elements go uncompressed (fp32).
         topk_ratio: fraction of entries top-k sends, in (0, 1].
         topk_exact: exact top-k selection (default) or, with ``False``, the
@@ -102,9 +103,8 @@ class HookState(BucketSteps, Negotiation):
             ``"lowrank"``). Default: fp32 and bf16 (fp16 where a device lacks
             bf16); fp8 unless an Adam is attached; onebit, topk and lowrank
             only when listed here (measured to miss fp32's quality at fp32's
-            learning rate: onebit on the regression task with SGD-momentum and
-            at the edge of the tolerance on digits with AdamW, topk and lowrank
-            on the language model).
+            learning rate or to sit at the tolerance's edge: onebit on digits,
+            topk and lowrank on the language model).
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.

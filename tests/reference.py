@@ -13,17 +13,37 @@ def ef_input(grad, residual, divisor):
     return x + residual if residual is not None else x
 
 
-def sign_encode(grad, residual, divisor, chunk):
-    """Returns (words as int64 uint32 values, scales, new residual or None)."""
-    x = ef_input(grad, residual, divisor)
+def chunk_mean_abs(x, chunk):
+    """Per chunk of x, mean(|x|) in float32 summed in the codec's documented
+    order (kernels/codec_math.h): lane l of 32 adds |x[l]|, |x[l + 32]|, ... in
+    turn, then lanes i and i + o are added for o = 16, 8, 4, 2, 1; the sum is
+    divided by the chunk's length."""
     n = x.numel()
     nchunks = math.ceil(n / chunk)
-    scales = torch.stack([x[c * chunk:(c + 1) * chunk].abs().mean() for c in range(nchunks)]) if n else torch.zeros(0)
+    a = torch.zeros(nchunks * chunk, dtype=torch.float32)
+    a[:n] = x.abs()
+    a = a.view(nchunks, chunk // 32, 32)
+    part = torch.zeros(nchunks, 32, dtype=torch.float32)
+    for j in range(chunk // 32):
+        part = part + a[:, j, :]
+    for o in (16, 8, 4, 2, 1):
+        part = torch.cat([part[:, :o] + part[:, o:2 * o], part[:, o:]], dim=1)
+    lens = torch.full((nchunks,), float(chunk))
+    if nchunks:
+        lens[-1] = float(n - (nchunks - 1) * chunk)
+    return part[:, 0] / lens
+
+
+def sign_encode(grad, residual, divisor, chunk):
+    """Returns (words as int64 uint32 values, bf16 scales, new residual or None, decoded)."""
+    x = ef_input(grad, residual, divisor)
+    n = x.numel()
+    scales = chunk_mean_abs(x, chunk).to(torch.bfloat16)  # round to nearest even, as the wire carries it
     bits = (x >= 0).long()
     pad = (-n) % 32
     bits = torch.cat([bits, torch.zeros(pad, dtype=torch.long)]).view(-1, 32)
     words = (bits << torch.arange(32)).sum(1)
-    per_elem = scales.repeat_interleave(chunk)[:n]
+    per_elem = scales.float().repeat_interleave(chunk)[:n]
     decoded = torch.where(x >= 0, per_elem, -per_elem)
     new_res = x - decoded if residual is not None else None
     return words, scales, new_res, decoded

@@ -75,8 +75,9 @@ def fp32_sgd_momentum():
 
 @pytest.mark.parametrize("mode", ["onebit", "topk", "lowrank"])
 def test_compressing_the_momentum_reaches_fp32s_loss_at_fp32s_lr(mode, fp32_sgd_momentum):
-    # Measured (this task): fp32 0.0925; onebit 0.622 compressing the gradient,
-    # 0.0944 compressing the momentum; topk 0.0950 / 0.0915; lowrank 0.0933 / 0.0947.
+    # Measured (this task): fp32 0.0925; onebit 1.04 compressing the gradient,
+    # 0.0920 compressing the momentum (0.622 / 0.0944 with a float32 scale per
+    # 256); topk 0.0950 / 0.0915; lowrank 0.0933 / 0.0947.
     ours = run_ranks(_train, 2, mode, True)
     assert torch.equal(ours[0]["params"], ours[1]["params"])
     assert ours[0]["ratio"] > 3
@@ -123,17 +124,17 @@ def fp32_adamw():
 
 @pytest.mark.parametrize("mode", ["onebit", "topk"])
 def test_hetcomm_adamw_with_compressed_momentum_reaches_fp32s_loss(mode, fp32_adamw):
-    # Measured (AdamW lr 3e-3, final training MSE): fp32 0.0909; onebit 0.1789
-    # compressing the gradient into torch's AdamW, 0.0972 compressing the
-    # momentum into torch's AdamW, 0.0892 into hetcomm's (variance from the
-    # exact steps only, floored); topk 0.095 / 0.0908.
+    # Measured (AdamW lr 3e-3, final training MSE): fp32 0.0909; onebit 0.124
+    # compressing the gradient into torch's AdamW (0.179 with a float32 scale
+    # per 256), 0.0972 compressing the momentum into torch's AdamW, 0.0891
+    # into hetcomm's (variance from the exact steps, floored); topk 0.095 / 0.0908.
     ours = run_ranks(_train, 2, mode, True, 300, ADAMW_LR, None, 0.0, None, hetcomm.optim.AdamW)
     assert torch.equal(ours[0]["params"], ours[1]["params"])
     assert ours[0]["ratio"] > 3
     assert ours[0]["loss"] <= 1.03 * fp32_adamw, (ours[0]["loss"], fp32_adamw)
     if mode == "onebit":  # the naive path is measurably worse: the test can fail
         naive = run_ranks(_train, 2, mode, False, 300, ADAMW_LR, None)
-        assert naive[0]["loss"] >= 1.4 * fp32_adamw, (naive[0]["loss"], fp32_adamw)
+        assert naive[0]["loss"] >= 1.25 * fp32_adamw, (naive[0]["loss"], fp32_adamw)
 
 
 def _frozen_variance_without_floor(rank, world):

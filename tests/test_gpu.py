@@ -24,11 +24,13 @@ from .dist_harness import run_ranks
 def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
     g = torch.randn(n) * 3
     e = torch.randn(n) * 0.1
-    res_cpu, res_gpu = e.clone(), e.cuda()
-    w_cpu, s_cpu = ops.sign_encode(g, res_cpu, 3.0, 2048)
-    w_gpu, s_gpu = ops.sign_encode(g.cuda(), res_gpu, 3.0, 2048)
-    assert torch.equal(w_gpu.cpu(), w_cpu) and torch.equal(s_gpu.cpu(), s_cpu) and torch.equal(res_gpu.cpu(), res_cpu)
-    assert torch.equal(ops.sign_decode(w_gpu, s_gpu, n).cpu(), ops.sign_decode(w_cpu, s_cpu, n))
+    for chunk in (32, 256, 2048):  # onebit's default, fp8's, and the register kernel's
+        res_cpu, res_gpu = e.clone(), e.cuda()
+        w_cpu, s_cpu = ops.sign_encode(g, res_cpu, 3.0, chunk)
+        w_gpu, s_gpu = ops.sign_encode(g.cuda(), res_gpu, 3.0, chunk)
+        assert torch.equal(w_gpu.cpu(), w_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
+        assert torch.equal(res_gpu.cpu(), res_cpu)
+        assert torch.equal(ops.sign_decode(w_gpu, s_gpu, n, chunk).cpu(), ops.sign_decode(w_cpu, s_cpu, n, chunk))
     for wire in ("float16", "bfloat16"):
         assert torch.equal(ops.cast_encode(g.cuda(), 3.0, wire).cpu(), ops.cast_encode(g, 3.0, wire))
     idx_c, val_c = ops.topk_encode(g, None, 1.0, max(1, n // 100), exact=True)

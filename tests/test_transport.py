@@ -202,7 +202,7 @@ def _pieced(rank, world, n, chunk):
     return {"xs": xs, "out": out, "error": error}
 
 
-@pytest.mark.parametrize("world,n,chunk,auto", [(2, 600_011, 256, 2), (3, 9_001, 64, 1)])
+@pytest.mark.parametrize("world,n,chunk,auto", [(2, 600_011, 256, 2), (3, 9_001, 32, 1)])
 def test_two_phase_in_pieces_is_bit_identical_to_one_piece(world, n, chunk, auto):
     """A bucket's exchange pipelined in pieces (encode piece p + 1 while piece
     p is on the wire) sends the same bytes and leaves the same sums and

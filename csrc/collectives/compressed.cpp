@@ -27,9 +27,11 @@ int64_t segment_len(int64_t n, int64_t seg, int r) {
 
 // A chunked codec with error feedback, as the two-phase all-reduce uses it:
 // a segment of len elements travels as [payload (payload_ints(len) int32) |
-// scales (ceil(len/chunk) float32 bits)].
+// scales (ceil(len/chunk) of scale_type: bf16 for onebit, float32 for fp8)].
 struct SegmentCodec {
   std::function<int64_t(int64_t)> payload_ints;
+  at::ScalarType scale_type;
+  int64_t scales_per_int() const { return 4 / static_cast<int64_t>(c10::elementSize(scale_type)); }
   // payload, scales <- x / divisor + residual; the residual keeps what they miss.
   std::function<void(const at::Tensor& x, const at::Tensor& residual, double divisor, int64_t chunk,
                      at::Tensor payload, at::Tensor scales)>
@@ -43,6 +45,7 @@ struct SegmentCodec {
 const SegmentCodec& sign_codec() {
   static const SegmentCodec c{
       [](int64_t len) { return kernels::sign_num_words(len); },
+      at::kBFloat16,
       [](const at::Tensor& x, const at::Tensor& res, double d, int64_t chunk, at::Tensor words, at::Tensor scales) {
         ops::sign_encode_into(x, res, d, chunk, words, scales);
       },
@@ -56,6 +59,7 @@ const SegmentCodec& sign_codec() {
 const SegmentCodec& fp8_codec() {
   static const SegmentCodec c{
       [](int64_t len) { return (len + 3) / 4; },
+      at::kFloat,
       [](const at::Tensor& x, const at::Tensor& res, double d, int64_t chunk, at::Tensor payload, at::Tensor scales) {
         at::Tensor codes = payload.view(at::kByte).narrow(0, 0, x.numel());
         ops::fp8_encode_into(x, res, d, chunk, codes, scales);
@@ -69,11 +73,17 @@ const SegmentCodec& fp8_codec() {
 // One segment's message in a fixed-size block (the longest segment's), so all-to-all and all-gather work.
 struct Block {
   const SegmentCodec& codec;
-  int64_t payload_cap, scales_cap;
+  int64_t payload_cap, scales_cap;  // in int32s
+  Block(const SegmentCodec& c, int64_t cap, int64_t chunk)
+      : codec(c), payload_cap(c.payload_ints(cap)), scales_cap(scale_ints(c, kernels::sign_num_chunks(cap, chunk))) {}
+  static int64_t scale_ints(const SegmentCodec& c, int64_t nchunks) {
+    return (nchunks + c.scales_per_int() - 1) / c.scales_per_int();
+  }
   int64_t ints() const { return payload_cap + scales_cap; }
   at::Tensor payload(at::Tensor& block, int64_t len) const { return block.narrow(0, 0, codec.payload_ints(len)); }
   at::Tensor scales(at::Tensor& block, int64_t len, int64_t chunk) const {
-    return block.narrow(0, payload_cap, kernels::sign_num_chunks(len, chunk)).view(at::kFloat);
+    const int64_t nchunks = kernels::sign_num_chunks(len, chunk);
+    return block.narrow(0, payload_cap, scale_ints(codec, nchunks)).view(codec.scale_type).narrow(0, 0, nchunks);
   }
 };
 
@@ -135,12 +145,14 @@ constexpr int64_t kPieceNumel = 1 << 17;  // least elements of a segment per pie
 constexpr int64_t kMaxPieces = 4;
 
 // Elements of a segment in each piece (the last may be shorter): a multiple of
-// chunk, so a piece's chunks, scales and sign words are the segment's own.
-int64_t piece_stride(int64_t seg, int64_t chunk, int64_t pieces, bool overlaps) {
+// `unit` (the chunk times the scales an int32 holds), so a piece's chunks,
+// scales and sign words are the segment's own and its scales fill whole int32s
+// (the pieces send the bytes one piece sends).
+int64_t piece_stride(int64_t seg, int64_t unit, int64_t pieces, bool overlaps) {
   TORCH_CHECK_VALUE(pieces >= 0, "hetcomm: pieces must be >= 0 (0: chosen by the bucket's size), got ", pieces);
   if (pieces == 0) pieces = overlaps ? std::clamp<int64_t>(seg / kPieceNumel, 1, kMaxPieces) : 1;
   const int64_t per = (seg + pieces - 1) / pieces;
-  return std::max<int64_t>(chunk, (per + chunk - 1) / chunk * chunk);
+  return std::max<int64_t>(unit, (per + unit - 1) / unit * unit);
 }
 
 // Two phases: every rank encodes segment r (worker residual) and sends it to
@@ -170,7 +182,7 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
     ops::check_momentum(x, fold->m, "momentum", fold->add_alpha, fold->beta);
     m = fold->m.view({-1});
   }
-  const int64_t ps = piece_stride(seg, chunk, pieces, t.overlaps());
+  const int64_t ps = piece_stride(seg, chunk * codec.scales_per_int(), pieces, t.overlaps());
   const int np = static_cast<int>((seg + ps - 1) / ps);
   // Piece p of segment r, and the block that carries piece p of any segment
   // (sized by the longest: segment 0's, so the pieces' blocks add up to one
@@ -178,7 +190,7 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   auto piece_len = [&](int r, int p) { return std::clamp<int64_t>(segment_len(n, seg, r) - p * ps, 0, ps); };
   auto block_of = [&](int p) {
     const int64_t cap = std::min(ps, seg - p * ps);
-    return Block{codec, codec.payload_ints(cap), kernels::sign_num_chunks(cap, chunk)};
+    return Block(codec, cap, chunk);
   };
 
   const auto ints = x.options().dtype(at::kInt);  // on the bucket's device

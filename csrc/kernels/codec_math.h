@@ -111,14 +111,13 @@ HC_HD float sign_decode(float prev, uint32_t bit, float scale, float alpha) {
   return mul_add_rn(alpha, sign_value(bit, scale), prev);
 }
 
-// Partial sums p[0..31] -> one float by the fixed xor butterfly a CUDA warp
-// runs with __shfl_xor_sync(16, 8, 4, 2, 1); lane 0's value is the result.
+// Partial sums p[0..31] -> one float in the order a CUDA warp's xor butterfly
+// (__shfl_xor_sync with 16, 8, 4, 2, 1) gives lane 0: at offset o lane i < o
+// adds lane i + o (= i ^ o), so only those sums are formed here (31 additions,
+// not 5 x 32); the result is lane 0's to the bit. Overwrites p.
 HC_HD float butterfly_sum32(float* p) {
-  for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
-    float next[kLanes];
-    for (int i = 0; i < kLanes; ++i) next[i] = add_rn(p[i], p[i ^ offset]);
-    for (int i = 0; i < kLanes; ++i) p[i] = next[i];
-  }
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1)
+    for (int i = 0; i < offset; ++i) p[i] = add_rn(p[i], p[i + offset]);
   return p[0];
 }
 
@@ -130,6 +129,12 @@ HC_HD uint16_t float_to_bf16(float f) {
 }
 
 HC_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+// A 1-bit chunk's scale travels as bf16: the chunk's mean magnitude rounded to
+// nearest even (relative error <= 2^-8, which error feedback keeps), so a
+// scale per 32 values costs 1/16 byte per element. The encoder's residual
+// uses the rounded scale, the one every decoder sees.
+HC_HD uint16_t sign_scale_bits(float sum_abs, float len) { return float_to_bf16(div_rn(sum_abs, len)); }
 
 // Branch-free (selects only) so CPU loops vectorise; same results as the
 // textbook branching version.

@@ -2,7 +2,7 @@
 //
 // For each chunk of `chunk` elements (a multiple of 32):
 //   x = grad / divisor + residual            (residual == nullptr: x = grad / divisor)
-//   scale = mean(|x|) over the chunk         (fixed reduction order, see codec_math.h)
+//   scale = mean(|x|) over the chunk, rounded to bf16 (fixed reduction order, see codec_math.h)
 //   bit_i = x_i >= 0, packed 32 per uint32 word, little-endian bit order
 //   residual = x - scale * (bit ? +1 : -1)   (when residual != nullptr)
 // Words of a partial final chunk are zero-padded.
@@ -20,12 +20,12 @@ struct SignEncodeParams {
   int64_t n;
   int64_t chunk;     // multiple of 32
   uint32_t* words;   // ceil(n / 32)
-  float* scales;     // ceil(n / chunk)
+  uint16_t* scales;  // ceil(n / chunk), bf16 bits
 };
 
 struct SignDecodeParams {
   const uint32_t* words;
-  const float* scales;
+  const uint16_t* scales;  // bf16 bits
   float* out;       // n
   int64_t n;
   int64_t chunk;

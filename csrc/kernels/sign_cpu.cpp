@@ -13,22 +13,24 @@ namespace {
 // One chunk, in simple loops the compiler vectorises:
 //   x = ef_input(g, d, e)                 into a scratch buffer
 //   scale: lane l sums x[l], x[l+32], ... then the xor butterfly (the order a
-//   CUDA warp uses, so scales are bit-identical)
+//   CUDA warp uses, so scales are bit-identical), rounded to bf16
 //   bits packed per word; residual from x, bit and scale
 HC_CPU_CLONES
-void encode_chunk(const float* g, float* e, float divisor, int64_t len, float* x, uint32_t* words, float* scale_out) {
+void encode_chunk(const float* g, float* e, float divisor, int64_t len, float* x, uint32_t* words,
+                  uint16_t* scale_out) {
   if (e) {
     for (int64_t i = 0; i < len; ++i) x[i] = ef_input(g[i], divisor, e[i]);
   } else {
     for (int64_t i = 0; i < len; ++i) x[i] = ef_input(g[i], divisor, 0.0f);
   }
-  const int64_t full = len / kLanes * kLanes;
-  for (int64_t i = len; i < full + kLanes; ++i) x[i] = 0.0f;  // pad the last word with +0 (bit 1, |x| 0)
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  for (int64_t i = len; i < padded; ++i) x[i] = 0.0f;  // pad the last word with +0 (bit 1, |x| 0)
   float part[kLanes] = {0.0f};
-  for (int64_t i = 0; i < full + (len > full ? kLanes : 0); i += kLanes)
+  for (int64_t i = 0; i < padded; i += kLanes)
     for (int l = 0; l < kLanes; ++l) part[l] = add_rn(part[l], magnitude(x[i + l]));
-  const float scale = div_rn(butterfly_sum32(part), static_cast<float>(len));
-  *scale_out = scale;
+  const uint16_t bits = sign_scale_bits(butterfly_sum32(part), static_cast<float>(len));
+  const float scale = bf16_to_float(bits);
+  *scale_out = bits;
   const int64_t nwords = (len + kBitsPerWord - 1) / kBitsPerWord;
   for (int64_t w = 0; w < nwords; ++w) {
     uint32_t word = 0;
@@ -78,8 +80,8 @@ void sign_decode_cpu(const SignDecodeParams& p, int64_t chunk_begin, int64_t chu
   const int64_t words_per_chunk = p.chunk / kBitsPerWord;
   for (int64_t c = chunk_begin; c < chunk_end; ++c) {
     const int64_t begin = c * p.chunk;
-    decode_chunk(p.words + c * words_per_chunk, p.scales[c], p.out + begin, std::min(p.chunk, p.n - begin), p.alpha,
-                 p.accumulate);
+    decode_chunk(p.words + c * words_per_chunk, bf16_to_float(p.scales[c]), p.out + begin,
+                 std::min(p.chunk, p.n - begin), p.alpha, p.accumulate);
   }
 }
 

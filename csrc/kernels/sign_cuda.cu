@@ -1,6 +1,6 @@
 // CUDA twin of sign_cpu.cpp: one warp per chunk, the same per-element math and
 // the same reduction order (lane-strided partial sums, xor butterfly), so the
-// scales, bits and residuals are bit-identical to the CPU's.
+// scales (bf16), bits and residuals are bit-identical to the CPU's.
 #include "kernels/codec_math.h"
 #include "kernels/cuda_check.cuh"
 #include "kernels/sign.h"
@@ -21,8 +21,9 @@ __global__ void sign_encode_kernel(SignEncodeParams p, int64_t nchunks) {
     part = add_rn(part, magnitude(ef_input(g[i], p.divisor, e ? e[i] : 0.0f)));
   for (int offset = kLanes / 2; offset > 0; offset >>= 1)
     part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
-  const float scale = div_rn(part, static_cast<float>(w.len));
-  if (w.lane == 0) p.scales[w.chunk] = scale;
+  const uint16_t bits = sign_scale_bits(part, static_cast<float>(w.len));
+  const float scale = bf16_to_float(bits);
+  if (w.lane == 0) p.scales[w.chunk] = bits;
 
   uint32_t* words = p.words + w.chunk * (p.chunk / kBitsPerWord);
   for (int64_t base = 0; base < w.len; base += kBitsPerWord) {
@@ -81,8 +82,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
     if (w.lane + j * kLanes < len) part = add_rn(part, magnitude(x[j]));
   for (int offset = kLanes / 2; offset > 0; offset >>= 1)
     part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
-  const float scale = div_rn(part, static_cast<float>(len));
-  if (w.lane == 0) p.scales[w.chunk] = scale;
+  const uint16_t bits = sign_scale_bits(part, static_cast<float>(len));
+  const float scale = bf16_to_float(bits);
+  if (w.lane == 0) p.scales[w.chunk] = bits;
 
   uint32_t* words = p.words + w.chunk * (p.chunk / kBitsPerWord);
 #pragma unroll
@@ -107,7 +109,7 @@ __global__ void sign_decode_kernel(SignDecodeParams p, int64_t nchunks) {
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int64_t begin = c * p.chunk;
     const int len = static_cast<int>(min(p.chunk, p.n - begin));
-    const float scale = p.scales[c];
+    const float scale = bf16_to_float(p.scales[c]);
     const uint32_t* words = p.words + begin / kBitsPerWord;
     float* out = p.out + begin;
     int done = 0;

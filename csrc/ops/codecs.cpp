@@ -84,6 +84,9 @@ void check_residual(const at::Tensor& residual, const at::Tensor& grad) {
 
 float* opt_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
+// A bfloat16 tensor's elements as their bits (the kernels are torch-free).
+uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
 // A decode's output: `out` checked (float32, n elements, beside `like`), or a new one when undefined.
 at::Tensor decode_output(at::Tensor out, bool accumulate, const at::Tensor& like, int64_t n) {
   if (!out.defined()) {
@@ -101,19 +104,19 @@ void check_decode_sizes(int64_t n, int64_t chunk) {
 }
 
 // A chunked decode's tensors (sign, fp8), checked: the codes (`type`, at least
-// `code_numel` = `code_rule`), a scale per chunk beside them; the output as
-// decode_output makes it. Contiguous. After check_decode_sizes(n, chunk).
+// `code_numel` = `code_rule`), a scale per chunk (`scale_type`) beside them;
+// the output as decode_output makes it. Contiguous. After check_decode_sizes(n, chunk).
 struct ChunkedDecode {
   at::Tensor codes, scales, out;
 };
 
 ChunkedDecode check_decode(const at::Tensor& codes, const char* name, at::ScalarType type, int64_t code_numel,
-                           const char* code_rule, const at::Tensor& scales, int64_t n, int64_t nchunks,
-                           at::Tensor out, bool accumulate) {
+                           const char* code_rule, const at::Tensor& scales, at::ScalarType scale_type, int64_t n,
+                           int64_t nchunks, at::Tensor out, bool accumulate) {
   TORCH_CHECK_VALUE(codes.defined() && scales.defined(), "hetcomm: ", name, " and scales must be tensors");
   ChunkedDecode d{codes.contiguous(), scales.contiguous(), at::Tensor()};
   check_buffer(d.codes, name, d.codes, type, code_numel, code_rule);
-  check_buffer(d.scales, "scales", d.codes, at::kFloat, nchunks, "ceil(n/chunk)");
+  check_buffer(d.scales, "scales", d.codes, scale_type, nchunks, "ceil(n/chunk)");
   d.out = decode_output(out, accumulate, d.codes, n);
   return d;
 }
@@ -170,9 +173,9 @@ void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double
   const at::Tensor g = check_encode(grad, residual, divisor, chunk);
   const int64_t n = g.numel();
   check_buffer(words, "words", g, at::kInt, k::sign_num_words(n), "ceil(n/32)", true);
-  check_buffer(scales, "scales", g, at::kFloat, k::sign_num_chunks(n, chunk), "ceil(n/chunk)", true);
+  check_buffer(scales, "scales", g, at::kBFloat16, k::sign_num_chunks(n, chunk), "ceil(n/chunk)", true);
   const k::SignEncodeParams p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
-                              reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), scales.data_ptr<float>()};
+                              reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), bf16_bits(scales)};
   HC_RUN(g, "grad", cpu::sign_encode(p), cuda::sign_encode(p, g.device()));
 }
 
@@ -182,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at:
   check_float_vector(grad, "grad");
   const int64_t n = grad.numel();
   at::Tensor words = at::zeros({k::sign_num_words(n)}, grad.options().dtype(at::kInt));
-  at::Tensor scales = at::empty({k::sign_num_chunks(n, chunk)}, grad.options().dtype(at::kFloat));
+  at::Tensor scales = at::empty({k::sign_num_chunks(n, chunk)}, grad.options().dtype(at::kBFloat16));
   sign_encode_into(grad, residual, divisor, chunk, words, scales);
   return {words, scales};
 }
@@ -190,9 +193,9 @@ std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at:
 at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                        at::Tensor out, bool accumulate) {
   check_decode_sizes(n, chunk);  // (sign_num_chunks divides by the chunk)
-  const ChunkedDecode d = check_decode(words, "words", at::kInt, k::sign_num_words(n), "ceil(n/32)", scales, n,
-                                       k::sign_num_chunks(n, chunk), out, accumulate);
-  const k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(d.codes.data_ptr<int32_t>()), d.scales.data_ptr<float>(),
+  const ChunkedDecode d = check_decode(words, "words", at::kInt, k::sign_num_words(n), "ceil(n/32)", scales,
+                                       at::kBFloat16, n, k::sign_num_chunks(n, chunk), out, accumulate);
+  const k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(d.codes.data_ptr<int32_t>()), bf16_bits(d.scales),
                               d.out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
   HC_RUN(d.codes, "words", cpu::sign_decode(p), cuda::sign_decode(p, d.codes.device()));
   return d.out;
@@ -223,8 +226,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_encode(const at::Tensor& grad, const at::
 at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                       at::Tensor out, bool accumulate) {
   check_decode_sizes(n, chunk);  // (fp8_num_chunks divides by the chunk)
-  const ChunkedDecode d = check_decode(codes, "codes", at::kByte, n, "n", scales, n, k::fp8_num_chunks(n, chunk), out,
-                                       accumulate);
+  const ChunkedDecode d = check_decode(codes, "codes", at::kByte, n, "n", scales, at::kFloat, n,
+                                       k::fp8_num_chunks(n, chunk), out, accumulate);
   const k::Fp8DecodeParams p{d.codes.data_ptr<uint8_t>(), d.scales.data_ptr<float>(), d.out.data_ptr<float>(), n, chunk,
                              static_cast<float>(alpha), accumulate};
   HC_RUN(d.codes, "codes", cpu::fp8_decode(p), cuda::fp8_decode(p, d.codes.device()));

@@ -12,7 +12,7 @@
 namespace hetcomm {
 namespace ops {
 
-// Returns (words: int32[ceil(n/32)] holding uint32 bit patterns, scales: float32[ceil(n/chunk)]).
+// Returns (words: int32[ceil(n/32)] holding uint32 bit patterns, scales: bfloat16[ceil(n/chunk)]).
 // residual (float32, numel n) is updated in place when defined.
 std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at::Tensor& residual,
                                                double divisor, int64_t chunk);

@@ -50,14 +50,14 @@ def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topolog
         t.allreduce(x, algo, order=order if algo == "ring" else [], node_of=nodes)
     elif algo == "native":
         if wire == "onebit":
-            t.allreduce_onebit(x, 1.0, options.chunk_for(None), state["w"], state["s"], pieces=pieces)
+            t.allreduce_onebit(x, 1.0, options.chunk_for(None, wire), state["w"], state["s"], pieces=pieces)
         elif wire == "fp8":
-            t.allreduce_fp8(x, 1.0, options.chunk_for(None), state["w"], state["s"], pieces=pieces)
+            t.allreduce_fp8(x, 1.0, options.chunk_for(None, wire), state["w"], state["s"], pieces=pieces)
         else:
             t.allreduce_topk(x, 1.0, topk_ratio, True, state["w"])
     else:  # hierarchical, compressed across nodes
         t.allreduce(x, "hierarchical", node_of=nodes, inter=wire, residual=state["w"], server_residual=state["s"],
-                    chunk=options.chunk_for(None), topk_ratio=topk_ratio, pieces=pieces)
+                    chunk=options.chunk_for(None, wire), topk_ratio=topk_ratio, pieces=pieces)
 
 
 def wire_state(n: int, algo: str, wire: str, topo: topology.Topology, rank: int, device: torch.device) -> Dict:

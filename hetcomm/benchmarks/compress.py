@@ -17,43 +17,46 @@ import torch
 from .. import ops
 from . import common
 
-CHUNK = 2048
+CHUNK = 2048  # every size is a multiple of this
+SIGN_CHUNK, FP8_CHUNK = ops.DEFAULT_CHUNK, ops.FP8_CHUNK  # each codec at HookState's default
 RATIO = 0.01
 # Least bytes read + written per fp32 input element: sign + EF reads g and e,
-# writes e and 1 bit (fp8: 1 byte); top-k + EF the same but no bits (k indices and values are
+# writes e, 1 bit and a 2-byte scale per 32 (fp8: 1 byte and a 4-byte scale
+# per 256, left out); top-k + EF the same but no bits (k indices and values are
 # a rounding error at 1 %); casts read 4 and write 2 (or the reverse); the
 # low-rank rebuild writes the matrix (its factors are small).
-TRAFFIC = {"sign_encode+ef": 12 + 1 / 8, "sign_decode": 4 + 1 / 8, "fp8_encode+ef": 13, "fp8_decode": 5, "topk_exact+ef": 12, "topk_sampled+ef": 12,
-           "cast_fp16": 6, "cast_bf16": 6, "uncast_fp16": 6, "lowrank_outer_r4": 4}
+TRAFFIC = {"sign_encode+ef": 12 + 1 / 8 + 2 / SIGN_CHUNK, "sign_decode": 4 + 1 / 8 + 2 / SIGN_CHUNK, "fp8_encode+ef": 13,
+           "fp8_decode": 5, "topk_exact+ef": 12, "topk_sampled+ef": 12, "cast_fp16": 6, "cast_bf16": 6,
+           "uncast_fp16": 6, "lowrank_outer_r4": 4}
 
 
 # ---- pure-torch implementations of each codec (vectorised, the fair baseline) ----
 def torch_sign_encode(g: torch.Tensor, e: torch.Tensor):
     x = g + e
-    scales = x.view(-1, CHUNK).abs().mean(1)
+    scales = x.view(-1, SIGN_CHUNK).abs().mean(1).bfloat16()
     bits = (x >= 0).view(-1, 32).to(torch.int64)
     words = (bits << torch.arange(32, device=g.device)).sum(1).to(torch.int32)  # wraps to the uint32 bit pattern
-    e.copy_(x - torch.where(x >= 0, 1.0, -1.0) * scales.repeat_interleave(CHUNK))
+    e.copy_(x - torch.where(x >= 0, 1.0, -1.0) * scales.float().repeat_interleave(SIGN_CHUNK))
     return words, scales
 
 
 def torch_sign_decode(words: torch.Tensor, scales: torch.Tensor, n: int):
     bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
-    return torch.where(bits.view(-1)[:n] == 1, 1.0, -1.0) * scales.repeat_interleave(CHUNK)[:n]
+    return torch.where(bits.view(-1)[:n] == 1, 1.0, -1.0) * scales.float().repeat_interleave(SIGN_CHUNK)[:n]
 
 
 def torch_fp8_encode(g: torch.Tensor, e: torch.Tensor):
     x = g + e
-    amax = x.view(-1, CHUNK).abs().amax(1)
+    amax = x.view(-1, FP8_CHUNK).abs().amax(1)
     scales = torch.exp2(torch.ceil(torch.log2(amax / 448))).clamp_min(2.0 ** -126).where(amax > 0, 0.0)
-    s = scales.repeat_interleave(CHUNK)
+    s = scales.repeat_interleave(FP8_CHUNK)
     codes = (x / s.where(s > 0, 1.0)).to(torch.float8_e4m3fn)
     e.copy_(x - codes.float() * s)
     return codes.view(torch.uint8), scales
 
 
 def torch_fp8_decode(codes: torch.Tensor, scales: torch.Tensor, n: int):
-    return codes.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(CHUNK)[:n]
+    return codes.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(FP8_CHUNK)[:n]
 
 
 def torch_topk(g: torch.Tensor, e: torch.Tensor, k: int):
@@ -74,8 +77,8 @@ def _codecs(n: int, device: str = "cpu"):
     g = torch.randn(n, generator=gen).to(device)
     e0 = (torch.randn(n, generator=gen) * 0.1).to(device)
     e_a, e_b = e0.clone(), e0.clone()
-    words, scales = ops.sign_encode(g, e0.clone(), 1.0, CHUNK)
-    codes, fp8_scales = ops.fp8_encode(g, e0.clone(), 1.0, CHUNK)
+    words, scales = ops.sign_encode(g, e0.clone(), 1.0, SIGN_CHUNK)
+    codes, fp8_scales = ops.fp8_encode(g, e0.clone(), 1.0, FP8_CHUNK)
     k = ops.topk_count(n, RATIO)
     h16 = (g / 3).half()
     out = torch.empty(n, device=device)
@@ -86,14 +89,14 @@ def _codecs(n: int, device: str = "cpu"):
         return int((a[0] != b[0]).sum())
 
     return {
-        "sign_encode+ef": (lambda: ops.sign_encode(g, e_a, 1.0, CHUNK), lambda: torch_sign_encode(g, e_b),
+        "sign_encode+ef": (lambda: ops.sign_encode(g, e_a, 1.0, SIGN_CHUNK), lambda: torch_sign_encode(g, e_b),
                            sign_wrong, True),
-        "sign_decode": (lambda: ops.sign_decode(words, scales, n, CHUNK, out=out),
+        "sign_decode": (lambda: ops.sign_decode(words, scales, n, SIGN_CHUNK, out=out),
                         lambda: torch_sign_decode(words, scales, n),
                         lambda a, b: int((~torch.isclose(a, b)).sum()), False),
-        "fp8_encode+ef": (lambda: ops.fp8_encode(g, e_a, 1.0, CHUNK), lambda: torch_fp8_encode(g, e_b),
+        "fp8_encode+ef": (lambda: ops.fp8_encode(g, e_a, 1.0, FP8_CHUNK), lambda: torch_fp8_encode(g, e_b),
                           lambda a, b: int((a[0] != b[0]).sum()), True),
-        "fp8_decode": (lambda: ops.fp8_decode(codes, fp8_scales, n, CHUNK, out=out),
+        "fp8_decode": (lambda: ops.fp8_decode(codes, fp8_scales, n, FP8_CHUNK, out=out),
                        lambda: torch_fp8_decode(codes, fp8_scales, n), lambda a, b: int((a != b).sum()), False),
         "topk_exact+ef": (lambda: ops.topk_encode(g, e_a, 1.0, k, True), lambda: torch_topk(g, e_b, k),
                           None, True),
@@ -143,8 +146,8 @@ def main(sizes: List[int], iters: int = 10, warmup: int = 2, json_path: Optional
         torch.set_num_threads(threads)
     res = run(sizes, iters, warmup, device)
     print(f"# hetcomm bench compress on {device}: {res['threads']} thread(s); memory bandwidth (copy_, read+write) "
-          f"{res['memory_bandwidth_gbps']:.1f} GB/s; chunk {CHUNK}, top-k ratio {RATIO}; #wrong -1 = not checked "
-          "(top-k ties and order may differ from torch.topk)")
+          f"{res['memory_bandwidth_gbps']:.1f} GB/s; chunk {SIGN_CHUNK} (sign), {FP8_CHUNK} (fp8), top-k ratio {RATIO}; "
+          "#wrong -1 = not checked (top-k ties and order may differ from torch.topk)")
     common.print_table(res["rows"], [("bytes", "size(B)", "d"), ("codec", "codec", "s"), ("time_us", "time(us)", ".1f"),
                                      ("gbps", "GB/s", ".2f"), ("torch_gbps", "torch GB/s", ".2f"),
                                      ("speedup", "vs torch", ".2f"), ("of_membw", "of membw", ".2f"),

@@ -40,7 +40,6 @@ from . import common
 
 IN, OUT = 256, 10
 TORCH_MODES, HETCOMM_MODES = mode_table.TORCH, mode_table.HETCOMM
-ALL_MODES = TORCH_MODES + HETCOMM_MODES + tuple(f"{m}+bal" for m in HETCOMM_MODES)
 DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk", "lowrank",
                  "none+bal", "onebit+bal", "topk+bal", "lowrank+bal"]
 
@@ -120,7 +119,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
 
     ddp.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    if base in COMPRESSED + ("auto",):
+    if mode_table.get(base).options.get("compression") in COMPRESSED + ("auto",):
         # momentum compression, as the README asks of SGD-momentum users of
         # onebit and top-k (auto then offers fp8 of the momentum; 1-bit and
         # top-k only when listed in candidates=): every compressed mode pays it
@@ -244,12 +243,25 @@ def backend_for(device: str, ranks: int) -> str:
     return "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
 
 
+def check_mode(mode: str) -> None:
+    """ValueError unless ``mode`` is one of PyTorch's or hetcomm's plain modes
+    (onebit-cN, fp8-cN, lowrank-rN, torch-powersgd-rN forms too), or a
+    hetcomm mode with ``+bal``."""
+    base = mode[:-len("+bal")] if mode.endswith("+bal") else mode
+    try:
+        known = mode_table.get(base) if "+" not in base else None
+    except ValueError:
+        known = None
+    if known is None or (base != mode and known.is_torch):
+        raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(TORCH_MODES + HETCOMM_MODES)} (onebit-cN, "
+                         "fp8-cN, lowrank-rN, torch-powersgd-rN too), +bal for hetcomm's")
+
+
 def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
         rank_cpu: Optional[List[float]] = None, algorithm: str = "native", device: str = "cpu", layers: int = 2,
         bucket_mb: float = 25, rounds: int = 1) -> Dict:
     for m in modes:
-        if m.split("+")[0] not in TORCH_MODES + HETCOMM_MODES or (m.endswith("+bal") and m.split("+")[0] in TORCH_MODES):
-            raise ValueError(f"unknown mode {m!r}: choose from {TORCH_MODES + HETCOMM_MODES}, +bal for hetcomm's")
+        check_mode(m)
     if device == "cuda" and not (torch.cuda.is_available() and hetcomm.build_info()["cuda"]):
         raise SystemExit("hetcomm bench ddp --device cuda: needs a visible GPU and a CUDA build of hetcomm "
                          "(build_info()['cuda'])")
