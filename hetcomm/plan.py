@@ -89,12 +89,10 @@ def safe_modes(attached: Optional[str], bf16_everywhere: bool) -> Tuple[str, ...
         # fp8 of SGD's momentum: every task on 2 ranks (digits and the
         # regression over 15 runs: 5 seeds, lr x {1, 1 +- 1e-6}); the 4-rank LM
         # blew up in 1 of 2 seeds with 2048 values per scale, reached in 2 of 2
-        # with 256 (the default). 1-bit of SGD's momentum (a bf16 scale per 32)
-        # is 0.49 points short on digits over 30 runs (10 seeds x 3 lrs; two
-        # of the three 10-seed sets outside the 0.5 tolerance; the regression
-        # it missed by 3.5 % at 256 per scale is within) and top-k missed the
-        # language model (perplexity 2.35 against 1.62 on the 4-rank testbed):
-        # list them in candidates= to allow them.
+        # with 256 (the default). 1-bit of SGD's momentum is 0.49 points short
+        # on digits over 30 runs (10 seeds x 3 lrs; 2 of 3 sets outside the 0.5
+        # tolerance) and top-k missed the language model (perplexity 2.35
+        # against 1.62 on the 4-rank testbed): list them in candidates=.
         return ("none", half, "fp8")
     if attached == "hetcomm-adamw":
         # Adam's momentum compressed: every codec measured misses digits. top-k
