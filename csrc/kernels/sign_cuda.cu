@@ -10,6 +10,17 @@ namespace kernels {
 
 namespace {
 
+// The warp's chunk scale from each lane's partial sum of |x|: the xor
+// butterfly (the order the CPU's butterfly_sum32 reproduces), the mean rounded
+// to bf16 and stored by lane 0; every lane gets the rounded scale.
+__device__ __forceinline__ float chunk_scale(const SignEncodeParams& p, const WarpChunk& w, float part) {
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1)
+    part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
+  const uint16_t bits = sign_scale_bits(part, static_cast<float>(w.len));
+  if (w.lane == 0) p.scales[w.chunk] = bits;
+  return bf16_to_float(bits);
+}
+
 __global__ void sign_encode_kernel(SignEncodeParams p, int64_t nchunks) {
   const WarpChunk w = warp_chunk(p.grad, p.residual, p.n, p.chunk);
   if (w.chunk >= nchunks) return;
@@ -19,11 +30,7 @@ __global__ void sign_encode_kernel(SignEncodeParams p, int64_t nchunks) {
   float part = 0.0f;
   for (int64_t i = w.lane; i < w.len; i += kLanes)
     part = add_rn(part, magnitude(ef_input(g[i], p.divisor, e ? e[i] : 0.0f)));
-  for (int offset = kLanes / 2; offset > 0; offset >>= 1)
-    part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
-  const uint16_t bits = sign_scale_bits(part, static_cast<float>(w.len));
-  const float scale = bf16_to_float(bits);
-  if (w.lane == 0) p.scales[w.chunk] = bits;
+  const float scale = chunk_scale(p, w, part);
 
   uint32_t* words = p.words + w.chunk * (p.chunk / kBitsPerWord);
   for (int64_t base = 0; base < w.len; base += kBitsPerWord) {
@@ -80,11 +87,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
 #pragma unroll
   for (int j = 0; j < kItems; ++j)
     if (w.lane + j * kLanes < len) part = add_rn(part, magnitude(x[j]));
-  for (int offset = kLanes / 2; offset > 0; offset >>= 1)
-    part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
-  const uint16_t bits = sign_scale_bits(part, static_cast<float>(len));
-  const float scale = bf16_to_float(bits);
-  if (w.lane == 0) p.scales[w.chunk] = bits;
+  const float scale = chunk_scale(p, w, part);
 
   uint32_t* words = p.words + w.chunk * (p.chunk / kBitsPerWord);
 #pragma unroll
