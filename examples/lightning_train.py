@@ -65,6 +65,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         stats = state.stats()
         result = {"hook_steps": state.iter, "global_step": trainer.global_step, "accuracy": acc,
+                  "start_iter": state.start_iter,
                   "bytes_sent": stats["total"]["bytes_sent"], "fp32_bytes": stats["total"]["fp32_bytes"],
                   "replicas_identical": all(torch.equal(flat, f) for f in every)}
         print(json.dumps(result))

@@ -52,7 +52,7 @@ def train_digits(rank: int, world: int, names: List[str], steps: int = 600, batc
         model = make_model(seed)
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-        state = mode_table.get(mode).register(ddp, opt)
+        state = mode_table.get(mode).register(ddp, opt, total_steps=steps)
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
         dist.barrier()
         times, losses = [], []

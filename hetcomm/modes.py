@@ -67,14 +67,15 @@ class Mode:
         return state, hetcomm.hook, state
 
     def register(self, ddp: nn.parallel.DistributedDataParallel, optimizer: Optional[torch.optim.Optimizer] = None,
-                 **overrides):
+                 total_steps: Optional[int] = None, **overrides):
         """Registers the mode's hook on ``ddp`` (attaching ``optimizer`` for
-        ``+m``); returns hetcomm's HookState, or None for PyTorch's hooks."""
+        ``+m``, with the run's ``total_steps`` for the warm-up); returns
+        hetcomm's HookState, or None for PyTorch's hooks."""
         if self.attach and optimizer is None:
             raise ValueError(f"mode {self.name!r} compresses the optimizer's momentum: pass the optimizer")
         hook_state, hook, state = self.comm_hook(**overrides)
         if self.attach:
-            state.attach_optimizer(optimizer)
+            state.attach_optimizer(optimizer, total_steps=total_steps)
         ddp.register_comm_hook(hook_state, hook)
         return state
 

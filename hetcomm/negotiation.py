@@ -119,7 +119,8 @@ class Negotiation:
                 f"{r} {p}" for r, p in enumerate(self.precisions)))
         self._weighted = self._local_batch is not None
         if self.compression == "auto":
-            modes = self.candidates or plan.safe_modes(self._attached, bf16_everywhere)
+            modes = self.candidates or plan.safe_modes(self._attached, bf16_everywhere,
+                                                      self._total_steps is not None)
             if "bf16" in modes and not bf16_everywhere:
                 raise ValueError("hetcomm: candidates include 'bf16' but some rank's device has no native bf16 "
                                  "(CUDA compute capability < 8.0): use 'fp16' there")

@@ -143,6 +143,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("momentum (attach_optimizer)", float_bits(s._beta or 0.0)),
         ("optimizer kind (attach_optimizer)", ATTACHED.index(s._attached)),
         ("exact_every (attach_optimizer)", s._exact_every),
+        ("total_steps (attach_optimizer)", s._total_steps or 0),
         (SCALER_NAME, int(s._scaler is not None)),
         (ENV_NAME, 0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
     ]

@@ -18,6 +18,8 @@ from .negotiation import Negotiation
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
 #: With an Adam attached, every this many compressed steps one is exact (attach_optimizer's default).
 EXACT_EVERY = 16
+#: attach_optimizer(total_steps=N): the first this fraction of the run is reduced exactly (the warm-up; README).
+WARMUP_FRACTION = 0.2
 
 
 class HookState(BucketSteps, Negotiation):
@@ -182,6 +184,7 @@ class HookState(BucketSteps, Negotiation):
         self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
         self._attached: Optional[str] = None  # the kind of optimizer attached (options.ATTACHED)
         self._exact_every = 0  # Adam attached: every this many steps is exact, besides start_iter + 2**j - 1
+        self._total_steps: Optional[int] = None  # attach_optimizer(total_steps=): the run warms up (auto may send 1 bit)
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
         self._scaler: Optional[Any] = None  # a weak reference to this rank's hetcomm.amp.GradScaler
@@ -216,7 +219,7 @@ class HookState(BucketSteps, Negotiation):
         self._local_batch = float(batch_size)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *,
-                         exact_every: Optional[int] = None) -> "HookState":
+                         exact_every: Optional[int] = None, total_steps: Optional[int] = None) -> "HookState":
         """Compress the optimizer's momentum instead of the gradient (call on
         every rank before the first step; returns the state).
 
@@ -240,6 +243,14 @@ class HookState(BucketSteps, Negotiation):
         digits, measured in the README); torch's sees every step's compressed
         difference (noisier, smaller steps). ``exact_every`` must be 0 or None
         with SGD.
+
+        ``total_steps`` (the whole run's optimizer steps, as an LR schedule
+        takes them; the same again when resuming): the first
+        ``WARMUP_FRACTION`` (a fifth) of them are reduced exactly,
+        ``start_iter`` rises to that if it is lower (1-bit Adam's warm-up: the
+        compressed momentum's error costs most while the model moves fast;
+        measured in the README), and ``compression="auto"`` may then choose
+        onebit. None: ``start_iter`` as given.
 
         Nothing to retune: keep the optimizer, its learning rate and betas.
         With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
@@ -270,6 +281,13 @@ class HookState(BucketSteps, Negotiation):
         if exact_every and not adam:
             raise ValueError(f"exact_every applies to an attached Adam (its variance's exact steps), not to "
                              f"{type(optimizer).__name__}: leave it None")
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps < 1):
+            raise ValueError(f"total_steps must be an int >= 1 (the run's optimizer steps) or None, got "
+                             f"{total_steps!r}")
+        if total_steps is not None:
+            self.start_iter = max(self.start_iter, int(WARMUP_FRACTION * total_steps))
+        self._total_steps = total_steps
         self._beta = beta
         self._optimizer = weakref.ref(optimizer)
         self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0

@@ -40,6 +40,11 @@ def test_safe_modes_follow_the_optimizer():
     assert plan.safe_modes("adam", False) == ("none", "fp16")  # torch's Adam attached: dense only
     assert plan.safe_modes("sgd", True) == ("none", "bf16", "fp8")  # onebit missed the regression, top-k the LM
     assert plan.safe_modes("hetcomm-adamw", True) == ("none", "bf16")  # onebit of Adam's momentum missed digits
+    # with attach_optimizer(total_steps=): the first fifth exact, then 1-bit of the momentum reached digits too
+    assert plan.safe_modes("sgd", True, warmed_up=True) == ("none", "bf16", "fp8", "onebit")
+    assert plan.safe_modes("hetcomm-adamw", False, warmed_up=True) == ("none", "fp16", "onebit")
+    assert plan.safe_modes("adam", True, warmed_up=True) == ("none", "bf16")
+    assert plan.safe_modes(None, True, warmed_up=True) == ("none", "bf16", "fp8")
 
 
 def _rank_predict(first):
@@ -65,8 +70,8 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     state = hetcomm.HookState("auto", candidates=candidates, topk_ratio=topk_ratio, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    if attach:
-        state.attach_optimizer(opt)
+    if attach:  # True, or the run's total_steps (a warm-up of a fifth of them)
+        state.attach_optimizer(opt, **({} if attach is True else {"total_steps": attach}))
     probe = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     gap = []  # sum over steps of (exact mean gradient - what the hook delivered)
     total = None
@@ -104,6 +109,16 @@ def test_auto_agrees_on_every_rank_and_keeps_replicas_identical(tmp_path):
     for b in r0["auto"]["buckets"].values():
         cands = [(c["mode"], c["algorithm"]) for c in b["candidates"]]
         assert ("none", "native") in cands and b["chosen"] and all(c["comm_s"] for c in b["candidates"])
+
+
+def test_auto_with_the_warm_up_offers_onebit_after_a_fifth_of_the_run(tmp_path):
+    # total_steps 40: steps 0-7 exact, then auto's trial (onebit predicted first) and its choice
+    res = run_ranks(_auto_run, 2, 30, None, "onebit", 0.01, False, 40, str(tmp_path))
+    r0 = res[0]
+    assert r0["auto"]["modes"] == ["none", "bf16", "fp8", "onebit"]
+    assert max(r0["gap"][:8]) <= 1e-6 * r0["scale"]  # the warm-up delivered the exact mean gradient
+    assert any(c["mode"] == "onebit" for b in r0["auto"]["buckets"].values() for c in b["candidates"])
+    assert torch.equal(res[1]["params"], r0["params"])
 
 
 def test_a_slow_candidate_predicted_first_is_dropped_after_measuring(tmp_path):

@@ -173,7 +173,8 @@ def test_bench_train_time_to_accuracy(tmp_path):
         if r["reached"]:  # the first evaluation within 2 % of fp32's final MSE
             first = next(p for p in r["curve"] if p["mse"] <= 1.02 * fp32["final"])
             assert (r["steps_to_target"], r["time_to_target_s"]) == (first["step"], first["time_s"])
-    assert runs["fp32"]["bytes_per_step"] / runs["onebit+m"]["bytes_per_step"] > 10
+    # the attached optimizer's warm-up: the first 12 of 60 steps at fp32's bytes, then 1 bit + a bf16 per 32 and more
+    assert 0.2 < runs["onebit+m"]["bytes_per_step"] / runs["fp32"]["bytes_per_step"] < 0.2 + 0.8 / 10
     # hetcomm's runs say what each evaluated step sent (auto's choice shows there); PyTorch's hooks have no plans
     assert all("plans" not in p for r in (fp32, runs["torch-powersgd"]) for p in r["curve"])
     last = runs["onebit+m"]["curve"][-1]["plans"]

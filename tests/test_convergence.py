@@ -184,6 +184,13 @@ def _attach_errors(rank, world):
     state3.attach_optimizer(adam, exact_every=16 if rank == 0 else 8)
     ddp3.register_comm_hook(state3, hetcomm.hook)
     out.append(models.first_error(ddp3, adam, rank))
+    # the same start_iter (200) but only rank 0 told the run's length: auto would offer them different modes
+    fourth = models.mlp(seed=5)
+    ddp4, state4 = DDP(fourth), hetcomm.HookState("auto", start_iter=200)
+    sgd = torch.optim.SGD(fourth.parameters(), lr=0.1, momentum=0.9)
+    state4.attach_optimizer(sgd, total_steps=600 if rank == 0 else None)
+    ddp4.register_comm_hook(state4, hetcomm.hook)
+    out.append(models.first_error(ddp4, sgd, rank))
     return out
 
 
@@ -193,6 +200,7 @@ def test_attach_optimizer_rejects_what_it_cannot_compress_and_agrees_across_rank
         assert "momentum (attach_optimizer) differs" in errs[3]
         assert "before the first step" in errs[4]
         assert "exact_every (attach_optimizer) differs" in errs[5]
+        assert "total_steps (attach_optimizer) differs" in errs[6] and "rank 1: 0" in errs[6]
 
 
 def test_fp8_of_the_gradient_reaches_fp32s_loss_with_sgd_momentum_and_adamw(fp32_sgd_momentum, fp32_adamw):

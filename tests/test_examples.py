@@ -61,7 +61,9 @@ def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     first = fit("--epochs", "2")
     # Lightning alone never calls a comm hook on CPU; here every step went through hetcomm.
     assert first["global_step"] >= 40 and first["hook_steps"] == first["global_step"]
-    assert first["replicas_identical"] and first["bytes_sent"] * 10 < first["fp32_bytes"]
+    # the warm-up: the fit's first fifth exact (its length from estimated_stepping_batches), then 1 bit + scales
+    assert first["start_iter"] == first["global_step"] // 5
+    assert first["replicas_identical"] and first["bytes_sent"] < 0.3 * first["fp32_bytes"]
     for rank in (0, 1):
         assert os.path.exists(tmp_path / f"last.ckpt.hetcomm-rank{rank}.pt")
     resumed = fit("--epochs", "3", "--resume")

@@ -305,6 +305,30 @@ def test_attach_optimizer_exact_every_validates():
     hetcomm.HookState("onebit").attach_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), exact_every=0)
 
 
+def test_attach_optimizer_total_steps_warms_up_for_a_fifth_of_the_run():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+
+    def sgd():
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    for bad in (0, -5, True, 10.0, "600"):
+        with pytest.raises(ValueError, match="total_steps must be an int >= 1"):
+            hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=bad)
+    state = hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=600)
+    assert [s for s in range(300) if not state._compressed_at(s)] == list(range(120))
+    # a later start_iter stays; a short run keeps the least warm-up (2)
+    assert hetcomm.HookState("onebit", start_iter=200).attach_optimizer(sgd(), total_steps=600).start_iter == 200
+    assert hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=5).start_iter == 2
+    adam = hetcomm.HookState("onebit").attach_optimizer(hetcomm.optim.AdamW(params), total_steps=100)
+    assert [s for s in range(40) if not adam._compressed_at(s)] == list(range(22)) + [23, 27, 35]  # start 20: 20 + 2**j - 1, 20 + 16k - 1
+    # the mode table passes the run's length through (the bench and the demo use it)
+    model = torch.nn.Linear(3, 1)
+    assert hetcomm.modes.get("onebit").comm_hook()[2].start_iter == 2
+    with pytest.raises(ValueError, match="total_steps must be an int >= 1"):
+        hetcomm.modes.get("onebit+m").register(None, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                               total_steps=0)
+
+
 @pytest.mark.parametrize("start,every", [(2, None), (2, 0), (5, 16), (3, 12), (2, 1)])
 def test_exact_steps_with_an_adam_are_the_doublings_and_every_exact_every_th(start, every):
     params = [torch.nn.Parameter(torch.zeros(3))]

@@ -39,10 +39,11 @@ def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.
     return hetcomm.optim.AdamW(params, lr=lr) if attach else torch.optim.AdamW(params, lr=lr)
 
 
-def _register(ddp, mode: str, opt: torch.optim.Optimizer):
-    """Registers the mode's hook; returns (hetcomm state or None, bytes per step function)."""
+def _register(ddp, mode: str, opt: torch.optim.Optimizer, steps: int):
+    """Registers the mode's hook (an attached optimizer warms up for a fifth
+    of the ``steps``); returns (hetcomm state or None, bytes per step function)."""
     m = mode_table.get(mode)
-    state = m.register(ddp, opt)
+    state = m.register(ddp, opt, total_steps=steps)
     if state is not None:
         return state, lambda steps: state.stats()["total"]["bytes_sent"] / max(steps, 1)
     return None, lambda steps: m.torch_bytes(ddp.module, dist.get_world_size(), steps)
@@ -52,7 +53,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model, **mode_table.get(mode).ddp_options())
     opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
-    state, bytes_per_step = _register(ddp, mode, opt)
+    state, bytes_per_step = _register(ddp, mode, opt, steps)
     curve, train_s = [], 0.0
     for step in range(steps):
         x, y = task.batch_for(step, rank)

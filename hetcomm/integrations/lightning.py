@@ -12,6 +12,7 @@ is written by rank 0 alone).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, Optional
 
@@ -41,7 +42,9 @@ class HetcommDDPStrategy(DDPStrategy):
         compression: :class:`hetcomm.HookState`'s ``compression``.
         attach_optimizer: compress the optimizer's momentum
             (:meth:`HookState.attach_optimizer`; SGD with momentum, Adam or
-            AdamW, one optimizer).
+            AdamW, one optimizer), with the fit's length as ``total_steps``
+            (``trainer.estimated_stepping_batches``, when finite): the first
+            fifth of the fit is reduced exactly (the warm-up).
         hook_options: the other :class:`HookState` arguments (``start_iter``,
             ``algorithm``, ``topk_ratio``, ...).
         **kwargs: ``DDPStrategy``'s own (``process_group_backend``,
@@ -77,7 +80,9 @@ class HetcommDDPStrategy(DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError(f"HetcommDDPStrategy(attach_optimizer=True) needs exactly one optimizer, got "
                                  f"{len(self.optimizers)}")
-            self.hook_state.attach_optimizer(self.optimizers[0])
+            steps = trainer.estimated_stepping_batches  # the whole fit's optimizer steps (inf: no limit set)
+            total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
+            self.hook_state.attach_optimizer(self.optimizers[0], total_steps=total)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
