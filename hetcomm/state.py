@@ -275,14 +275,12 @@ class HookState(BucketSteps, Negotiation):
         beta = betas.pop()
         if not 0.0 < beta < 1.0:
             raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
-        if exact_every is not None and (isinstance(exact_every, bool) or not isinstance(exact_every, int)
-                                        or exact_every < 0):
+        if exact_every is not None and not (options._is_int(exact_every) and exact_every >= 0):
             raise ValueError(f"exact_every must be an int >= 0 or None, got {exact_every!r}")
         if exact_every and not adam:
             raise ValueError(f"exact_every applies to an attached Adam (its variance's exact steps), not to "
                              f"{type(optimizer).__name__}: leave it None")
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                        or total_steps < 1):
+        if total_steps is not None and not (options._is_int(total_steps) and total_steps >= 1):
             raise ValueError(f"total_steps must be an int >= 1 (the run's optimizer steps) or None, got "
                              f"{total_steps!r}")
         if total_steps is not None:

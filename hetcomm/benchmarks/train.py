@@ -45,8 +45,8 @@ def _register(ddp, mode: str, opt: torch.optim.Optimizer, steps: int):
     m = mode_table.get(mode)
     state = m.register(ddp, opt, total_steps=steps)
     if state is not None:
-        return state, lambda steps: state.stats()["total"]["bytes_sent"] / max(steps, 1)
-    return None, lambda steps: m.torch_bytes(ddp.module, dist.get_world_size(), steps)
+        return state, lambda done: state.stats()["total"]["bytes_sent"] / max(done, 1)
+    return None, lambda done: m.torch_bytes(ddp.module, dist.get_world_size(), done)
 
 
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float) -> Optional[Dict]:
