@@ -31,10 +31,32 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
         assert torch.equal(w_gpu.cpu(), w_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
         assert torch.equal(res_gpu.cpu(), res_cpu)
         assert torch.equal(ops.sign_decode(w_gpu, s_gpu, n, chunk).cpu(), ops.sign_decode(w_cpu, s_cpu, n, chunk))
+        c_cpu, f_cpu = ops.fp8_encode(g, e.clone(), 3.0, chunk)
+        c_gpu, f_gpu = ops.fp8_encode(g.cuda(), e.cuda(), 3.0, chunk)
+        assert torch.equal(c_gpu.cpu(), c_cpu) and torch.equal(f_gpu.cpu(), f_cpu)
+        # decodes into a view one element in (misaligned: no 16-byte stores), accumulating
+        base = torch.randn(n + 1)
+        for decode, wire, scales in ((ops.sign_decode, (w_cpu, w_gpu), (s_cpu, s_gpu)),
+                                     (ops.fp8_decode, (c_cpu, c_gpu), (f_cpu, f_gpu))):
+            want = decode(wire[0], scales[0], n, chunk, 0.5, base[1:].clone(), True)
+            got = decode(wire[1], scales[1], n, chunk, 0.5, base.cuda()[1:], True)
+            assert torch.equal(got.cpu(), want), (decode.__name__, chunk)
     for wire in ("float16", "bfloat16"):
-        assert torch.equal(ops.cast_encode(g.cuda(), 3.0, wire).cpu(), ops.cast_encode(g, 3.0, wire))
+        # whole tensors (four a thread) and views one element in (misaligned: one a thread)
+        for lo in (0, 1):
+            src, src_gpu = g[lo:], g.cuda()[lo:]
+            h_cpu, h_gpu = ops.cast_encode(src, 3.0, wire), ops.cast_encode(src_gpu, 3.0, wire)
+            assert torch.equal(h_gpu.cpu(), h_cpu), (wire, lo)
+            out_gpu = torch.zeros(n + 1, device="cuda")[1:1 + src.numel()]  # a misaligned destination
+            for dst in (None, out_gpu):
+                assert torch.equal(ops.cast_decode(h_gpu, 0.5, dst).cpu(), ops.cast_decode(h_cpu, 0.5)), (wire, lo)
     idx_c, val_c = ops.topk_encode(g, None, 1.0, max(1, n // 100), exact=True)
     idx_g, val_g = ops.topk_encode(g.cuda(), None, 1.0, max(1, n // 100), exact=True)
+    assert torch.equal(idx_g.cpu(), idx_c) and torch.equal(val_g.cpu(), val_c)
+    # sampled: the GPU's compaction (blocks race for their slots) returns the CPU's selection, sorted
+    k = max(1, n // 100)
+    idx_c, val_c = ops.topk_encode(g, None, 1.0, k, exact=False)
+    idx_g, val_g = ops.topk_encode(g.cuda(), None, 1.0, k, exact=False)
     assert torch.equal(idx_g.cpu(), idx_c) and torch.equal(val_g.cpu(), val_c)
     p, qt = torch.randn(max(1, n // 1000), 4), torch.randn(4, 777)
     assert torch.equal(ops.lowrank_outer(p.cuda(), qt.cuda()).cpu(), ops.lowrank_outer(p, qt))
@@ -106,6 +128,61 @@ def test_nccl_with_one_rank_equals_the_process_group_transport(mode):
     pg = run_ranks(models.replicas, 1, mode, 10, "cuda", {"transport": "pg"})[0]
     assert torch.equal(nccl["params"], pg["params"])
     assert nccl["stats"]["iter"] == 10
+
+
+def _mixed_precision_on_the_gpu(rank, world, modes, steps, overflow_at):
+    """Rank 0 in bf16 autocast, rank 1 in fp16 autocast with loss scaling
+    (hetcomm.amp.GradScaler on "cuda"), both on GPU 0; rank 1's loss overflows
+    at ``overflow_at``. Per mode: this rank's parameters, skipped steps, losses."""
+    from hetcomm import modes as mode_table
+
+    precision = ("bf16", "fp16")[rank]
+    out = {}
+    for mode in modes:
+        model = models.mlp(hidden=128)
+        net = models.ddp(model, 0, "cuda", bucket_cap_mb=0.02)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        m = mode_table.get(mode)
+        state = m.register(net, opt, total_steps=steps, min_compress_numel=1000)
+        scaler = hetcomm.amp.GradScaler(state, "cuda", precision=precision)
+        taken, skipped, losses = [], [], []
+        opt.register_step_post_hook(lambda *_: taken.append(True))
+        for step in range(steps):
+            x, _ = models.batch(rank, step, 16)
+            y = x[:, :models.OUT].argmax(1)  # a learnable rule (models.batch's labels are noise)
+            opt.zero_grad()
+            with scaler.autocast():
+                loss = torch.nn.functional.cross_entropy(net(x.cuda()), y.cuda())
+            losses.append(loss.item())
+            if step == overflow_at and precision == "fp16":
+                loss = loss * 1e9  # beyond fp16's range once scaled: the gradient overflows
+            before = len(taken)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if len(taken) == before:
+                skipped.append(step)
+        out[mode] = {"params": models.flat_params(model), "skipped": skipped, "losses": losses,
+                     "precisions": state.stats()["precisions"]}
+        state.close()
+    return out
+
+
+@pytest.mark.cuda
+def test_bf16_and_fp16_ranks_on_a_shared_gpu_stay_identical_and_skip_together():
+    """hetcomm.amp on CUDA autocast (#19 ran it on the CPU's): a bf16 rank next to an
+    fp16 + scaler rank, exact, fp8 and onebit of the momentum (its CUDA kernels in
+    DDP): replicas bit-identical, the fp16 rank's overflow skipped on both, training."""
+    modes, steps, overflow_at = ("none", "fp8", "onebit+m"), 60, 7
+    r0, r1 = run_ranks(_mixed_precision_on_the_gpu, 2, modes, steps, overflow_at)
+    for mode in modes:
+        assert torch.equal(r0[mode]["params"], r1[mode]["params"]), mode
+        assert r0[mode]["skipped"] == r1[mode]["skipped"] and overflow_at in r0[mode]["skipped"], mode
+        assert len(r0[mode]["skipped"]) <= 3, (mode, r0[mode]["skipped"])  # the overflow, not a stuck scale
+        assert r0[mode]["precisions"] == ["bf16", "fp16"]
+        for r in (r0, r1):
+            first, last = sum(r[mode]["losses"][:5]) / 5, sum(r[mode]["losses"][-5:]) / 5
+            assert last < 0.7 * first, (mode, first, last)
 
 
 def _gpus(k):

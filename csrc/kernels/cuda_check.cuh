@@ -14,16 +14,12 @@ inline unsigned int grid_for(int64_t n, int threads) {
   return static_cast<unsigned int>(blocks < 65535 * 32 ? (blocks > 0 ? blocks : 1) : 65535 * 32);
 }
 
-// The chunked codecs (sign, fp8) encode with one warp per chunk and decode
-// with one block per chunk (grid-stride).
+// The chunked codecs (sign, fp8) encode with one warp per chunk (their
+// decodes: four elements a thread, grid-stride).
 constexpr int kWarpsPerBlock = 8;
 
 inline unsigned int warp_per_chunk_blocks(int64_t nchunks) {
   return static_cast<unsigned int>((nchunks + kWarpsPerBlock - 1) / kWarpsPerBlock);
-}
-
-inline unsigned int block_per_chunk_blocks(int64_t nchunks) {
-  return static_cast<unsigned int>(nchunks < (1 << 20) ? nchunks : (1 << 20));
 }
 
 // This thread's place in a warp-per-chunk encode: its lane, its warp's chunk

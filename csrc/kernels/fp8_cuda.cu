@@ -33,16 +33,27 @@ __global__ void fp8_encode_kernel(Fp8EncodeParams p, int64_t nchunks) {
   }
 }
 
-// One block per chunk (grid-stride): the chunk's scale is read once.
-__global__ void fp8_decode_kernel(Fp8DecodeParams p, int64_t nchunks) {
-  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int64_t begin = c * p.chunk;
-    const int len = static_cast<int>(min(p.chunk, p.n - begin));
-    const float scale = p.scales[c];
-    const uint8_t* codes = p.codes + begin;
-    float* out = p.out + begin;
-    for (int i = threadIdx.x; i < len; i += blockDim.x)
-      out[i] = fp8_decode(p.accumulate ? out[i] : 0.0f, codes[i], scale, p.alpha);
+// Four consecutive codes a thread (grid-stride): the four share a chunk (a
+// multiple of 32), so one 4-byte load of codes, one scale load and, where the
+// pointers allow, one 16-byte store (a block per chunk, one code a thread,
+// reached 0.48 of a copy's bandwidth on an H100).
+template <bool kVec>
+__global__ void fp8_decode_kernel(Fp8DecodeParams p, int64_t nquads) {
+  for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < nquads;
+       q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * q;
+    const float scale = p.scales[i / p.chunk];
+    float* out = p.out + i;
+    if (kVec && i + 4 <= p.n) {
+      const uchar4 c = *reinterpret_cast<const uchar4*>(p.codes + i);
+      const float4 prev = p.accumulate ? *reinterpret_cast<const float4*>(out) : make_float4(0.f, 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(out) =
+          make_float4(fp8_decode(prev.x, c.x, scale, p.alpha), fp8_decode(prev.y, c.y, scale, p.alpha),
+                      fp8_decode(prev.z, c.z, scale, p.alpha), fp8_decode(prev.w, c.w, scale, p.alpha));
+    } else {
+      const int len = static_cast<int>(min(static_cast<int64_t>(4), p.n - i));
+      for (int j = 0; j < len; ++j) out[j] = fp8_decode(p.accumulate ? out[j] : 0.0f, p.codes[i + j], scale, p.alpha);
+    }
   }
 }
 
@@ -57,10 +68,13 @@ void fp8_encode_cuda(const Fp8EncodeParams& p, void* stream) {
 }
 
 void fp8_decode_cuda(const Fp8DecodeParams& p, void* stream) {
-  const int64_t nchunks = fp8_num_chunks(p.n, p.chunk);
-  if (nchunks == 0) return;
-  const unsigned int blocks = block_per_chunk_blocks(nchunks);
-  fp8_decode_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(p, nchunks);
+  if (p.n == 0) return;
+  const int64_t nquads = (p.n + 3) / 4;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && reinterpret_cast<uintptr_t>(p.codes) % 4 == 0)
+    fp8_decode_kernel<true><<<grid_for(nquads, 256), 256, 0, s>>>(p, nquads);
+  else
+    fp8_decode_kernel<false><<<grid_for(nquads, 256), 256, 0, s>>>(p, nquads);
   HC_CUDA_LAUNCH_CHECK("fp8_decode");
 }
 

@@ -1,4 +1,4 @@
-// CUDA twin of sign_cpu.cpp: one warp per chunk, the same per-element math and
+// CUDA twin of sign_cpu.cpp: one warp per chunk (at chunk 32, per 8 chunks), the same per-element math and
 // the same reduction order (lane-strided partial sums, xor butterfly), so the
 // scales (bf16), bits and residuals are bit-identical to the CPU's.
 #include "kernels/codec_math.h"
@@ -13,9 +13,14 @@ namespace {
 // The warp's chunk scale from each lane's partial sum of |x|: the xor
 // butterfly (the order the CPU's butterfly_sum32 reproduces), the mean rounded
 // to bf16 and stored by lane 0; every lane gets the rounded scale.
-__device__ __forceinline__ float chunk_scale(const SignEncodeParams& p, const WarpChunk& w, float part) {
+__device__ __forceinline__ float butterfly_sum(float part) {
   for (int offset = kLanes / 2; offset > 0; offset >>= 1)
     part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
+  return part;
+}
+
+__device__ __forceinline__ float chunk_scale(const SignEncodeParams& p, const WarpChunk& w, float part) {
+  part = butterfly_sum(part);
   const uint16_t bits = sign_scale_bits(part, static_cast<float>(w.len));
   if (w.lane == 0) p.scales[w.chunk] = bits;
   return bf16_to_float(bits);
@@ -46,7 +51,7 @@ __global__ void sign_encode_kernel(SignEncodeParams p, int64_t nchunks) {
   }
 }
 
-// The default chunk (kItems * 32 elements): one warp per chunk as above, but
+// Chunks of kItems * 32 elements (256, 2048): one warp per chunk as above, but
 // each lane keeps its elements in registers between the two passes, so g and
 // e are read once (12 bytes per element moved, not 20). Same order of sums.
 // A full chunk with a residual (the common case) loads in batches of kBatch
@@ -63,18 +68,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
   const float* g = w.grad;
   float* e = w.residual;
 
+  constexpr int kB = kItems < kBatch ? kItems : kBatch;
+  static_assert(kItems % kB == 0, "a chunk's items in whole batches");
   float x[kItems];
   if (e && len == kItems * kLanes) {
 #pragma unroll
-    for (int jb = 0; jb < kItems; jb += kBatch) {
-      float gv[kBatch], ev[kBatch];
+    for (int jb = 0; jb < kItems; jb += kB) {
+      float gv[kB], ev[kB];
 #pragma unroll
-      for (int t = 0; t < kBatch; ++t) {
+      for (int t = 0; t < kB; ++t) {
         gv[t] = __ldg(g + w.lane + (jb + t) * kLanes);
         ev[t] = e[w.lane + (jb + t) * kLanes];
       }
 #pragma unroll
-      for (int t = 0; t < kBatch; ++t) x[jb + t] = ef_input(gv[t], p.divisor, ev[t]);
+      for (int t = 0; t < kB; ++t) x[jb + t] = ef_input(gv[t], p.divisor, ev[t]);
     }
   } else {
 #pragma unroll
@@ -104,34 +111,79 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
   }
 }
 
-// One block per chunk (grid-stride): the chunk's scale is read once and no
-// element needs a 64-bit division to find its chunk. Where out is 16-byte
-// aligned each thread writes 4 consecutive elements with one store.
-template <bool kVec>
-__global__ void sign_decode_kernel(SignDecodeParams p, int64_t nchunks) {
-  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int64_t begin = c * p.chunk;
-    const int len = static_cast<int>(min(p.chunk, p.n - begin));
-    const float scale = bf16_to_float(p.scales[c]);
-    const uint32_t* words = p.words + begin / kBitsPerWord;
-    float* out = p.out + begin;
-    int done = 0;
-    if (kVec) {
-      done = len / 4 * 4;
-      for (int i = 4 * threadIdx.x; i < done; i += 4 * blockDim.x) {
-        const uint32_t bits = words[i / kBitsPerWord] >> (i % kBitsPerWord);  // i % 4 == 0: 4 bits in one word
-        float4 prev = p.accumulate ? *reinterpret_cast<const float4*>(out + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        float4 v;
-        v.x = sign_decode(prev.x, bits & 1u, scale, p.alpha);
-        v.y = sign_decode(prev.y, (bits >> 1) & 1u, scale, p.alpha);
-        v.z = sign_decode(prev.z, (bits >> 2) & 1u, scale, p.alpha);
-        v.w = sign_decode(prev.w, (bits >> 3) & 1u, scale, p.alpha);
-        *reinterpret_cast<float4*>(out + i) = v;
-      }
+// onebit's chunk (one value per lane): a warp takes kSmallChunks chunks, so
+// each lane has that many loads of g and e in flight and the butterflies
+// interleave (a warp per chunk: 0.6 of a copy's bandwidth, latency-bound).
+// Lane j stores chunk j's scale and word. Same sums in the same order.
+constexpr int kSmallChunks = 8;
+
+__global__ void __launch_bounds__(kWarpsPerBlock * kLanes) sign_encode_c32_kernel(SignEncodeParams p, int64_t nchunks) {
+  const int lane = threadIdx.x % kLanes;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kLanes) * kSmallChunks;
+  if (first >= nchunks) return;
+  const int count = static_cast<int>(min(static_cast<int64_t>(kSmallChunks), nchunks - first));
+  float x[kSmallChunks], part[kSmallChunks];
+#pragma unroll
+  for (int j = 0; j < kSmallChunks; ++j) {
+    const int64_t i = (first + j) * kLanes + lane;  // >= n past the last chunk
+    x[j] = i < p.n ? ef_input(__ldg(p.grad + i), p.divisor, p.residual ? p.residual[i] : 0.0f) : 0.0f;
+    part[j] = i < p.n ? add_rn(0.0f, magnitude(x[j])) : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kSmallChunks; ++j) part[j] = butterfly_sum(part[j]);
+  uint16_t my_scale = 0;
+  uint32_t my_word = 0;
+#pragma unroll
+  for (int j = 0; j < kSmallChunks; ++j) {
+    if (j >= count) break;  // the same for the whole warp
+    const int64_t begin = (first + j) * kLanes;
+    const uint16_t bits = sign_scale_bits(part[j], static_cast<float>(min(static_cast<int64_t>(kLanes), p.n - begin)));
+    const float scale = bf16_to_float(bits);
+    const int64_t i = begin + lane;
+    uint32_t bit = 0;
+    if (i < p.n) {
+      bit = sign_bit(x[j]);
+      if (p.residual) p.residual[i] = sign_residual(x[j], bit, scale);
     }
-    for (int i = done + threadIdx.x; i < len; i += blockDim.x) {
-      const uint32_t bit = (words[i / kBitsPerWord] >> (i % kBitsPerWord)) & 1u;
-      out[i] = sign_decode(p.accumulate ? out[i] : 0.0f, bit, scale, p.alpha);
+    const uint32_t word = __ballot_sync(0xffffffffu, bit);
+    if (lane == j) {
+      my_scale = bits;
+      my_word = word;
+    }
+  }
+  if (lane < count) {
+    p.scales[first + lane] = my_scale;
+    p.words[first + lane] = my_word;  // chunk 32: one word per chunk
+  }
+}
+
+// Four consecutive elements a thread (grid-stride), whatever the chunk: the
+// four share a word and a chunk (both multiples of 4), so one word load, one
+// scale load and, where out is 16-byte aligned, one 16-byte store. The first
+// version ran a block per chunk: at onebit's chunk of 32, 8 of 256 threads
+// worked (0.06-0.13 of a copy's bandwidth on an H100).
+template <bool kVec>
+__global__ void sign_decode_kernel(SignDecodeParams p, int64_t nquads) {
+  const uint32_t words_per_chunk = static_cast<uint32_t>(p.chunk / kBitsPerWord);
+  for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < nquads;
+       q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * q;
+    const uint32_t word = static_cast<uint32_t>(i / kBitsPerWord);  // < 2^32: n < 2^37
+    const uint32_t c = words_per_chunk == 1 ? word : word / words_per_chunk;
+    const float scale = bf16_to_float(p.scales[c]);
+    const uint32_t bits = p.words[word] >> (i % kBitsPerWord);
+    float* out = p.out + i;
+    if (kVec && i + 4 <= p.n) {
+      const float4 prev = p.accumulate ? *reinterpret_cast<const float4*>(out) : make_float4(0.f, 0.f, 0.f, 0.f);
+      float4 v;
+      v.x = sign_decode(prev.x, bits & 1u, scale, p.alpha);
+      v.y = sign_decode(prev.y, (bits >> 1) & 1u, scale, p.alpha);
+      v.z = sign_decode(prev.z, (bits >> 2) & 1u, scale, p.alpha);
+      v.w = sign_decode(prev.w, (bits >> 3) & 1u, scale, p.alpha);
+      *reinterpret_cast<float4*>(out) = v;
+    } else {
+      const int len = static_cast<int>(min(static_cast<int64_t>(4), p.n - i));
+      for (int j = 0; j < len; ++j) out[j] = sign_decode(p.accumulate ? out[j] : 0.0f, (bits >> j) & 1u, scale, p.alpha);
     }
   }
 }
@@ -143,7 +195,14 @@ void sign_encode_cuda(const SignEncodeParams& p, void* stream) {
   if (nchunks == 0) return;
   const unsigned int blocks = warp_per_chunk_blocks(nchunks);
   auto s = static_cast<cudaStream_t>(stream);
-  if (p.chunk == 64 * kLanes)
+  // onebit's chunk (32), 256 and 2048: each lane's values held between the two
+  // passes; other chunks read g and e twice.
+  if (p.chunk == kLanes)
+    sign_encode_c32_kernel<<<warp_per_chunk_blocks((nchunks + kSmallChunks - 1) / kSmallChunks),
+                             kWarpsPerBlock * kLanes, 0, s>>>(p, nchunks);
+  else if (p.chunk == 8 * kLanes)
+    sign_encode_regs_kernel<8><<<blocks, kWarpsPerBlock * kLanes, 0, s>>>(p, nchunks);
+  else if (p.chunk == 64 * kLanes)
     sign_encode_regs_kernel<64><<<blocks, kWarpsPerBlock * kLanes, 0, s>>>(p, nchunks);
   else
     sign_encode_kernel<<<blocks, kWarpsPerBlock * kLanes, 0, s>>>(p, nchunks);
@@ -151,15 +210,13 @@ void sign_encode_cuda(const SignEncodeParams& p, void* stream) {
 }
 
 void sign_decode_cuda(const SignDecodeParams& p, void* stream) {
-  const int64_t nchunks = sign_num_chunks(p.n, p.chunk);
-  if (nchunks == 0) return;
-  const unsigned int blocks = block_per_chunk_blocks(nchunks);
+  if (p.n == 0) return;
+  const int64_t nquads = (p.n + 3) / 4;
   auto s = static_cast<cudaStream_t>(stream);
-  // chunk is a multiple of 32: every chunk of an aligned out starts aligned
   if (reinterpret_cast<uintptr_t>(p.out) % 16 == 0)
-    sign_decode_kernel<true><<<blocks, 256, 0, s>>>(p, nchunks);
+    sign_decode_kernel<true><<<grid_for(nquads, 256), 256, 0, s>>>(p, nquads);
   else
-    sign_decode_kernel<false><<<blocks, 256, 0, s>>>(p, nchunks);
+    sign_decode_kernel<false><<<grid_for(nquads, 256), 256, 0, s>>>(p, nquads);
   HC_CUDA_LAUNCH_CHECK("sign_decode");
 }
 

@@ -1,5 +1,7 @@
 // CUDA twin of topk_cpu.cpp's elementwise parts, plus the threshold
 // compaction used by the sampled selection on the GPU.
+#include <cub/block/block_scan.cuh>
+
 #include "kernels/codec_math.h"
 #include "kernels/cuda_check.cuh"
 #include "kernels/topk.h"
@@ -35,18 +37,51 @@ __global__ void sample_kernel(const float* x, int64_t n, int64_t m, float* out) 
     out[j] = magnitude(x[sample_position(j, m, n)]);
 }
 
-__global__ void threshold_select_kernel(const float* x, int64_t n, const float* threshold_ptr, int64_t capacity,
-                                        int32_t* idx, float* val, unsigned long long* count) {
+// Everything at or above the threshold, compacted: each block takes tiles of
+// kSelectItems x 256 elements (coalesced loads, kept in registers), counts its
+// hits with one block-wide scan and reserves their slots with ONE atomic per
+// tile. One atomic per hit (the first version: 167K on one counter at 64 MiB,
+// 16 % of DRAM bandwidth under ncu) serialised at L2. The order within the
+// list is not the index order (blocks race for their slots): the caller sorts.
+constexpr int kSelectThreads = 256;
+constexpr int kSelectItems = 16;
+
+__global__ void __launch_bounds__(kSelectThreads)
+    threshold_select_kernel(const float* x, int64_t n, const float* threshold_ptr, int64_t capacity, int32_t* idx,
+                            float* val, unsigned long long* count) {
+  using Scan = cub::BlockScan<int, kSelectThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ unsigned long long tile_base;
   const float threshold = *threshold_ptr;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (magnitude(x[i]) >= threshold) {
-      const unsigned long long slot = atomicAdd(count, 1ull);
-      if (slot < static_cast<unsigned long long>(capacity)) {
-        idx[slot] = static_cast<int32_t>(i);
-        val[slot] = x[i];
+  constexpr int64_t kTile = static_cast<int64_t>(kSelectThreads) * kSelectItems;
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kTile; tile < n; tile += static_cast<int64_t>(gridDim.x) * kTile) {
+    float v[kSelectItems];
+    int hits = 0;
+#pragma unroll
+    for (int j = 0; j < kSelectItems; ++j) {
+      const int64_t i = tile + static_cast<int64_t>(j) * kSelectThreads + threadIdx.x;
+      v[j] = i < n ? x[i] : 0.0f;
+      hits += (i < n && magnitude(v[j]) >= threshold) ? 1 : 0;
+    }
+    int offset = 0, total = 0;
+    Scan(scan_storage).ExclusiveSum(hits, offset, total);
+    if (threadIdx.x == 0) tile_base = total > 0 ? atomicAdd(count, static_cast<unsigned long long>(total)) : 0ull;
+    __syncthreads();
+    unsigned long long slot = tile_base + static_cast<unsigned long long>(offset);
+    if (hits > 0) {
+#pragma unroll
+      for (int j = 0; j < kSelectItems; ++j) {
+        const int64_t i = tile + static_cast<int64_t>(j) * kSelectThreads + threadIdx.x;
+        if (i < n && magnitude(v[j]) >= threshold) {
+          if (slot < static_cast<unsigned long long>(capacity)) {
+            idx[slot] = static_cast<int32_t>(i);
+            val[slot] = v[j];
+          }
+          ++slot;
+        }
       }
     }
+    __syncthreads();  // scan_storage and tile_base are reused by the next tile
   }
 }
 
@@ -81,7 +116,7 @@ void topk_threshold_select_cuda(const float* x, int64_t n, const float* threshol
   auto s = static_cast<cudaStream_t>(stream);
   HC_CUDA_CHECK(cudaMemsetAsync(count_out, 0, sizeof(unsigned long long), s));
   if (n == 0) return;
-  threshold_select_kernel<<<grid_for(n, 256), 256, 0, s>>>(x, n, threshold, capacity, idx, val, count_out);
+  threshold_select_kernel<<<grid_for(n, kSelectThreads * kSelectItems), kSelectThreads, 0, s>>>(x, n, threshold, capacity, idx, val, count_out);
   HC_CUDA_LAUNCH_CHECK("topk_threshold_select");
 }
 
