@@ -1,4 +1,4 @@
-// CUDA twin of sign_cpu.cpp: one warp per chunk (at chunk 32, per 8 chunks), the same per-element math and
+// CUDA twin of sign_cpu.cpp: one warp per chunk (at chunk 32, per 4 chunks), the same per-element math and
 // the same reduction order (lane-strided partial sums, xor butterfly), so the
 // scales (bf16), bits and residuals are bit-identical to the CPU's.
 #include "kernels/codec_math.h"
@@ -114,8 +114,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
 // onebit's chunk (one value per lane): a warp takes kSmallChunks chunks, so
 // each lane has that many loads of g and e in flight and the butterflies
 // interleave (a warp per chunk: 0.6 of a copy's bandwidth, latency-bound).
-// Lane j stores chunk j's scale and word. Same sums in the same order.
-constexpr int kSmallChunks = 8;
+// Lane j stores chunk j's scale and word. Same sums in the same order. On an
+// H100 4 chunks beat 8 by 8-10 % and 16 by 25 %, and reach an elementwise
+// kernel moving the same 12 bytes per element (read g and e, write e).
+constexpr int kSmallChunks = 4;
 
 __global__ void __launch_bounds__(kWarpsPerBlock * kLanes) sign_encode_c32_kernel(SignEncodeParams p, int64_t nchunks) {
   const int lane = threadIdx.x % kLanes;
