@@ -185,7 +185,8 @@ __global__ void sign_decode_kernel(SignDecodeParams p, int64_t nquads) {
       *reinterpret_cast<float4*>(out) = v;
     } else {
       const int len = static_cast<int>(min(static_cast<int64_t>(4), p.n - i));
-      for (int j = 0; j < len; ++j) out[j] = sign_decode(p.accumulate ? out[j] : 0.0f, (bits >> j) & 1u, scale, p.alpha);
+      for (int j = 0; j < len; ++j)
+        out[j] = sign_decode(p.accumulate ? out[j] : 0.0f, (bits >> j) & 1u, scale, p.alpha);
     }
   }
 }

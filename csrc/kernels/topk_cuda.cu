@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(kSelectThreads)
   __shared__ unsigned long long tile_base;
   const float threshold = *threshold_ptr;
   constexpr int64_t kTile = static_cast<int64_t>(kSelectThreads) * kSelectItems;
-  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kTile; tile < n; tile += static_cast<int64_t>(gridDim.x) * kTile) {
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kTile; tile < n;
+       tile += static_cast<int64_t>(gridDim.x) * kTile) {
     float v[kSelectItems];
     int hits = 0;
 #pragma unroll
@@ -116,7 +117,8 @@ void topk_threshold_select_cuda(const float* x, int64_t n, const float* threshol
   auto s = static_cast<cudaStream_t>(stream);
   HC_CUDA_CHECK(cudaMemsetAsync(count_out, 0, sizeof(unsigned long long), s));
   if (n == 0) return;
-  threshold_select_kernel<<<grid_for(n, kSelectThreads * kSelectItems), kSelectThreads, 0, s>>>(x, n, threshold, capacity, idx, val, count_out);
+  threshold_select_kernel<<<grid_for(n, kSelectThreads * kSelectItems), kSelectThreads, 0, s>>>(
+      x, n, threshold, capacity, idx, val, count_out);
   HC_CUDA_LAUNCH_CHECK("topk_threshold_select");
 }
 
