@@ -10,15 +10,16 @@ namespace kernels {
 
 namespace {
 
-// The warp's chunk scale from each lane's partial sum of |x|: the xor
-// butterfly (the order the CPU's butterfly_sum32 reproduces), the mean rounded
-// to bf16 and stored by lane 0; every lane gets the rounded scale.
+// The warp's sum of each lane's partial sum, by the xor butterfly (the order
+// the CPU's butterfly_sum32 reproduces); every lane gets it.
 __device__ __forceinline__ float butterfly_sum(float part) {
   for (int offset = kLanes / 2; offset > 0; offset >>= 1)
     part = add_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
   return part;
 }
 
+// The warp's chunk scale from each lane's partial sum of |x|: the mean rounded
+// to bf16 and stored by lane 0; every lane gets the rounded scale.
 __device__ __forceinline__ float chunk_scale(const SignEncodeParams& p, const WarpChunk& w, float part) {
   part = butterfly_sum(part);
   const uint16_t bits = sign_scale_bits(part, static_cast<float>(w.len));
