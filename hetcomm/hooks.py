@@ -229,9 +229,10 @@ class BucketSteps:
         momentum = None
         if self._beta is not None and self.compression in COMPRESSED + ("auto",) and numel >= self.min_compress_numel:
             store, sgd = self._buckets.momentum, self._attached == "sgd"
-            if sgd and self.compression == "auto" and not p.compressed:
+            if (sgd and self.compression == "auto" and not p.compressed) or p.warmup:
                 # auto, a dense plan: no copy of the momentum (following the optimizer's buffer costs passes
-                # over the bucket every step); the next compressed plan starts from the optimizer's buffer
+                # over the bucket every step); the warm-up's compressed gradient: the optimizer makes the
+                # momentum of it. The next compressed plan starts from the optimizer's buffer
                 store.pop(key, None)
             else:
                 if key not in store:

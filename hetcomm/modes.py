@@ -5,7 +5,8 @@ A mode is one of PyTorch's own comm hooks (``torch-allreduce``, alias
 start, compressed from step 2, as hetcomm's lowrank) or a hetcomm
 :class:`~hetcomm.HookState` with its defaults. Suffixes: ``+m`` compresses
 the optimizer's momentum (:meth:`HookState.attach_optimizer`), ``-no-ef``
-turns error feedback off (to show what it buys); ``-rN`` after ``lowrank``
+turns error feedback off (to show what it buys), ``-w8`` after ``+m`` sends
+the warm-up's gradient in fp8 (``attach_optimizer(warmup_compression="fp8")``); ``-rN`` after ``lowrank``
 or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 ``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``).
 """
@@ -29,6 +30,7 @@ class Mode:
     hook: str  # PyTorch's "allreduce", "fp16", "powersgd", or "hetcomm"
     options: Mapping[str, Any] = field(default_factory=dict)  # HookState keyword arguments
     attach: bool = False  # compress the optimizer's momentum
+    warmup: str = "none"  # attach_optimizer's warmup_compression (suffix -w8: "fp8")
     rank: int = POWERSGD_RANK  # torch-powersgd's matrix_approximation_rank (lowrank's is in options)
 
     @property
@@ -75,7 +77,7 @@ class Mode:
             raise ValueError(f"mode {self.name!r} compresses the optimizer's momentum: pass the optimizer")
         hook_state, hook, state = self.comm_hook(**overrides)
         if self.attach:
-            state.attach_optimizer(optimizer, total_steps=total_steps)
+            state.attach_optimizer(optimizer, total_steps=total_steps, warmup_compression=self.warmup)
         ddp.register_comm_hook(hook_state, hook)
         return state
 
@@ -120,6 +122,8 @@ def _table() -> Dict[str, Mode]:
         table[c] = Mode(c, "hetcomm", {"compression": c})
     for c in ("fp8", "onebit", "topk", "lowrank", "auto"):
         table[f"{c}+m"] = Mode(f"{c}+m", "hetcomm", {"compression": c}, attach=True)
+    for c in ("onebit", "auto"):
+        table[f"{c}+m-w8"] = Mode(f"{c}+m-w8", "hetcomm", {"compression": c}, attach=True, warmup="fp8")
     for c in ("onebit", "topk"):
         table[f"{c}-no-ef"] = Mode(f"{c}-no-ef", "hetcomm", {"compression": c, "error_feedback": False})
     return table

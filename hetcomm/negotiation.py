@@ -10,7 +10,7 @@ import atexit
 import logging
 import weakref
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,16 +19,17 @@ from . import _C, options, plan, topology
 
 log = logging.getLogger("hetcomm")
 
-_live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_live_states: "weakref.WeakSet[Any]" = weakref.WeakSet()  # HookStates with an engine or a group of their own
 _nccl_count = 0  # NCCL communicators made by this process (the same sequence on every rank)
 
 
 @atexit.register
-def _close_engines() -> None:
+def _close_states() -> None:
     # Stop comm threads before the interpreter goes away (they take the GIL
-    # to complete futures).
-    for engine in list(_live_engines):
-        engine.close()
+    # to complete futures), and let go of process groups while Python can
+    # still free them: a gloo group freed during finalization aborts.
+    for state in list(_live_states):
+        state.close()
 
 
 def _default_group_timeout() -> Optional[timedelta]:
@@ -62,16 +63,25 @@ class Negotiation:
     attributes are HookState's)."""
 
     def _rank(self) -> int:
-        return dist.get_rank(self._group()) if dist.is_initialized() else 0
+        return self._rank_and_world()[0]
 
     def _world(self) -> int:
-        return dist.get_world_size(self._group()) if dist.is_initialized() else 1
+        return self._rank_and_world()[1]
+
+    def _rank_and_world(self) -> Tuple[int, int]:
+        if self._placement is None:
+            group = self._group()
+            self._placement = (dist.get_rank(group), dist.get_world_size(group))
+        return self._placement
 
     def _group(self) -> dist.ProcessGroup:
+        if self._closed:
+            raise RuntimeError("hetcomm: this HookState was closed (HookState.close() was called): make a new one")
         if self._process_group is None:
             if not dist.is_initialized():
                 raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
             self._process_group = dist.new_group(timeout=self._timeout or _default_group_timeout())
+            _live_states.add(self)
         return self._process_group
 
     def _drain(self) -> None:
@@ -89,7 +99,7 @@ class Negotiation:
                 self._engine = _C.Engine.with_nccl(self._nccl_transport(device))
             else:
                 self._engine = _C.Engine(self._group(), topology.group_device(self._group(), device))
-            _live_engines.add(self._engine)
+            _live_states.add(self)
         return self._engine
 
     def _nccl_transport(self, device: torch.device):

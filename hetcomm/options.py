@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import topology
-from .plan import AUTO_MODES, COMPRESSED  # COMPRESSED: modes with per-bucket state, compressed after start_iter
+from .plan import AUTO_MODES, COMPRESSED, MIN_START_ITER  # COMPRESSED: modes with per-bucket state, compressed after start_iter
 from .planner import DEFAULT_CHUNK
 from .topology import ALGORITHMS
 
@@ -22,6 +22,7 @@ Compression = Literal["none", "fp16", "bf16", "auto-precision", "fp8", "onebit",
 Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 # What attach_optimizer saw (the auto mode's safe set depends on it).
 ATTACHED = (None, "sgd", "adam", "hetcomm-adamw")
+WARMUP_WIRES = ("none", "fp8")  # attach_optimizer(warmup_compression=...)
 #: A rank's compute precision as gathered at the first step (None: no hetcomm.amp.GradScaler).
 _PRECISIONS = (None, "bf16", "fp16", "fp32")
 SCALER_NAME = "hetcomm.amp.GradScaler (created before the first step)"
@@ -65,7 +66,7 @@ def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if not _is_int(start_iter) or start_iter < 0:
         raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
-    if error_feedback and compression in COMPRESSED + ("auto",) and start_iter < 2:
+    if error_feedback and compression in COMPRESSED + ("auto",) and start_iter < MIN_START_ITER:
         raise ValueError(
             f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
             "after the first iteration, and residuals are kept per bucket layout")
@@ -144,6 +145,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("optimizer kind (attach_optimizer)", ATTACHED.index(s._attached)),
         ("exact_every (attach_optimizer)", s._exact_every),
         ("total_steps (attach_optimizer)", s._total_steps or 0),
+        ("warmup_compression (attach_optimizer)", WARMUP_WIRES.index(s._warmup_compression)),
         (SCALER_NAME, int(s._scaler is not None)),
         (ENV_NAME, 0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
     ]
@@ -154,6 +156,7 @@ _SHOW = {"compression": lambda v: COMPRESSIONS[v],
          "topk_ratio": bits_float,
          "momentum (attach_optimizer)": bits_float,
          "optimizer kind (attach_optimizer)": lambda v: ATTACHED[v] or "none",
+         "warmup_compression (attach_optimizer)": lambda v: WARMUP_WIRES[v],
          SCALER_NAME: lambda v: "yes" if v else "no",
          "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
          ENV_NAME: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}

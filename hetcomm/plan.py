@@ -60,6 +60,9 @@ AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower
 AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
 
 
+MIN_START_ITER = 2  # DDP rebuilds its buckets after step 0: error feedback starts at step 2 at the earliest
+
+
 @dataclass(frozen=True)
 class BucketPlan:
     """One bucket's reduction in one step."""
@@ -72,6 +75,12 @@ class BucketPlan:
     @property
     def compressed(self) -> bool:
         return self.mode in COMPRESSED
+
+    @property
+    def warmup(self) -> bool:
+        """A warm-up step through attach_optimizer's warmup_compression: the
+        gradient compressed, not the momentum."""
+        return self.why == "warm-up" and self.compressed
 
     @property
     def state_class(self) -> Optional[Tuple[str, bool]]:
@@ -195,6 +204,10 @@ class Planner:
         if numel < s.min_compress_numel:
             return self._dense(numel, "none", "small bucket")
         if not s._compressed_at(step):
+            wire = s._warmup_compression
+            if MIN_START_ITER <= step < s.start_iter and wire != "none":  # DDP's buckets are final from step 2
+                algo, _, predicted = self.algorithm(numel, self._wire(wire, numel, layout_of))
+                return BucketPlan(wire, algo, "warm-up", predicted_s=predicted)
             return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
         if mode == "auto":
             return self._auto(numel, key, index, layout_of)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import weakref
 from datetime import timedelta
-from typing import Any, Dict, Literal, Optional, Sequence
+from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -176,6 +176,8 @@ class HookState(BucketSteps, Negotiation):
         self.resolved_compression: Optional[str] = None if compression == "auto-precision" else compression
 
         self._process_group = process_group
+        self._placement: Optional[Tuple[int, int]] = None  # (rank, world size) in the group, kept past close()
+        self._closed = False
         self._timeout = timeout
         self._engine: Optional[Any] = None
         self._buckets = buckets.BucketStates()
@@ -185,6 +187,7 @@ class HookState(BucketSteps, Negotiation):
         self._attached: Optional[str] = None  # the kind of optimizer attached (options.ATTACHED)
         self._exact_every = 0  # Adam attached: every this many steps is exact, besides start_iter + 2**j - 1
         self._total_steps: Optional[int] = None  # attach_optimizer(total_steps=): the run warms up (auto may send 1 bit)
+        self._warmup_compression = "none"  # attach_optimizer(warmup_compression=): the warm-up's wire
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
         self._scaler: Optional[Any] = None  # a weak reference to this rank's hetcomm.amp.GradScaler
@@ -201,8 +204,7 @@ class HookState(BucketSteps, Negotiation):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("hetcomm: HookState needs torch.distributed to be initialized first: call "
                                "torch.distributed.init_process_group(...) (or run under torchrun), then HookState(...)")
-        if process_group is None:
-            self._group()
+        self._rank_and_world()  # makes the group of its own (process_group None); close() keeps these
 
     # ---- public API ----------------------------------------------------------
     def set_local_batch_size(self, batch_size: int) -> None:
@@ -219,7 +221,8 @@ class HookState(BucketSteps, Negotiation):
         self._local_batch = float(batch_size)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *,
-                         exact_every: Optional[int] = None, total_steps: Optional[int] = None) -> "HookState":
+                         exact_every: Optional[int] = None, total_steps: Optional[int] = None,
+                         warmup_compression: str = "none") -> "HookState":
         """Compress the optimizer's momentum instead of the gradient (call on
         every rank before the first step; returns the state).
 
@@ -252,6 +255,13 @@ class HookState(BucketSteps, Negotiation):
         measured in the README), and ``compression="auto"`` may then choose
         onebit. None: ``start_iter`` as given.
 
+        ``warmup_compression``: how the warm-up's steps from step 2 up to
+        ``start_iter`` reduce the gradient: ``"none"`` (exact fp32) or
+        ``"fp8"`` (the gradient, not the momentum, in 8 bits with error
+        feedback: a quarter of the bytes; the optimizer's momentum and an
+        attached hetcomm AdamW's variance take it as exact). The momentum
+        compression starts from the optimizer's buffer at ``start_iter``.
+
         Nothing to retune: keep the optimizer, its learning rate and betas.
         With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
         the hook scaled gradients: the momentum would mix scales).
@@ -283,8 +293,12 @@ class HookState(BucketSteps, Negotiation):
         if total_steps is not None and not (options._is_int(total_steps) and total_steps >= 1):
             raise ValueError(f"total_steps must be an int >= 1 (the run's optimizer steps) or None, got "
                              f"{total_steps!r}")
+        if warmup_compression not in options.WARMUP_WIRES:
+            raise ValueError(f"warmup_compression must be one of {', '.join(options.WARMUP_WIRES)}, got "
+                             f"{warmup_compression!r}")
         if total_steps is not None:
             self.start_iter = max(self.start_iter, int(WARMUP_FRACTION * total_steps))
+        self._warmup_compression = warmup_compression
         self._total_steps = total_steps
         self._beta = beta
         self._optimizer = weakref.ref(optimizer)
@@ -363,9 +377,14 @@ class HookState(BucketSteps, Negotiation):
         return out
 
     def close(self) -> None:
-        """Finish queued work and stop the comm thread."""
+        """Finish queued work, stop the comm thread and let go of the process
+        group, so that ``destroy_process_group()`` frees it now (a group that
+        lives on to interpreter exit can abort the process there). The state's
+        ``stats()`` and ``state_dict()`` still work; reducing does not."""
         if self._engine is not None:
             self._engine.close()
+        self._closed = True
+        self._process_group = None
 
     def __del__(self) -> None:
         try:
@@ -387,5 +406,6 @@ class HookState(BucketSteps, Negotiation):
 
     def _last_step_exact(self) -> bool:
         """Whether the last complete step sent no bucket through a lossy codec
-        (onebit, topk, lowrank): what an attached hetcomm.optim.AdamW is applying."""
-        return not any(p.compressed for p in self.last_plans.values())
+        (onebit, topk, lowrank; fp8 outside the warm-up): what an attached
+        hetcomm.optim.AdamW is applying."""
+        return not any(p.compressed and not p.warmup for p in self.last_plans.values())

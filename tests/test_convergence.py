@@ -191,6 +191,16 @@ def _attach_errors(rank, world):
     state4.attach_optimizer(sgd, total_steps=600 if rank == 0 else None)
     ddp4.register_comm_hook(state4, hetcomm.hook)
     out.append(models.first_error(ddp4, sgd, rank))
+    fifth = models.mlp(seed=6)
+    ddp5, state5 = DDP(fifth), hetcomm.HookState("onebit")
+    sgd5 = torch.optim.SGD(fifth.parameters(), lr=0.1, momentum=0.9)
+    try:
+        state5.attach_optimizer(sgd5, warmup_compression="fp16")
+    except ValueError as e:
+        out.append(str(e))
+    state5.attach_optimizer(sgd5, total_steps=600, warmup_compression="fp8" if rank == 0 else "none")
+    ddp5.register_comm_hook(state5, hetcomm.hook)
+    out.append(models.first_error(ddp5, sgd5, rank))
     return out
 
 
@@ -201,6 +211,8 @@ def test_attach_optimizer_rejects_what_it_cannot_compress_and_agrees_across_rank
         assert "before the first step" in errs[4]
         assert "exact_every (attach_optimizer) differs" in errs[5]
         assert "total_steps (attach_optimizer) differs" in errs[6] and "rank 1: 0" in errs[6]
+        assert "warmup_compression must be one of none, fp8" in errs[7] and "'fp16'" in errs[7]
+        assert "warmup_compression (attach_optimizer) differs" in errs[8] and "rank 1: 'none'" in errs[8]
 
 
 def test_fp8_of_the_gradient_reaches_fp32s_loss_with_sgd_momentum_and_adamw(fp32_sgd_momentum, fp32_adamw):
@@ -213,3 +225,51 @@ def test_fp8_of_the_gradient_reaches_fp32s_loss_with_sgd_momentum_and_adamw(fp32
         assert torch.equal(ours[0]["params"], ours[1]["params"])
         assert ours[0]["ratio"] > 3.9  # 8 bits (and a scale per 2048) in place of 32: it really ran compressed
         assert ours[0]["loss"] <= 1.02 * fp32, (ours[0]["loss"], fp32)
+
+
+def _warmup_wires(rank, world):
+    """Ten steps of three runs from the same start: compression="fp8"; onebit
+    with SGD's momentum attached, total_steps=40 (start_iter 8) and the
+    warm-up in fp8; the same with the exact warm-up. And hetcomm's AdamW with
+    the fp8 warm-up: which steps its variance takes."""
+    out = {}
+    for case in ("fp8", "onebit+m-w8", "onebit+m", "adamw-w8"):
+        model = models.mlp(hidden=128)
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        adam = case == "adamw-w8"
+        opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3) if adam else \
+            torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        state = hetcomm.HookState("fp8" if case == "fp8" else "onebit", min_compress_numel=1000)
+        if case != "fp8":
+            state.attach_optimizer(opt, total_steps=40, warmup_compression="none" if case == "onebit+m" else "fp8")
+        ddp.register_comm_hook(state, hetcomm.hook)
+        params, sent, exact = [], [], []
+        for step in range(11):
+            models.train_step(ddp, opt, rank, step, 16, state)
+            params.append(models.flat_params(model))
+            sent.append(state.stats()["last_step"]["bytes_sent"])
+            exact.append(state._last_step_exact())
+        out[case] = {"params": params, "sent": sent, "exact": exact, "start_iter": state.start_iter}
+        state.close()
+    return out
+
+
+def test_an_fp8_warm_up_sends_the_gradient_as_compression_fp8_does_then_the_momentum():
+    runs = run_ranks(_warmup_wires, 2)
+    for case in runs[0]:
+        assert torch.equal(runs[0][case]["params"][-1], runs[1][case]["params"][-1]), case  # replicas identical
+    for r in runs:
+        fp8, w8, exact = r["fp8"], r["onebit+m-w8"], r["onebit+m"]
+        assert w8["start_iter"] == exact["start_iter"] == 8  # a fifth of total_steps=40
+        for step in range(8):  # the warm-up: the gradient through fp8 and error feedback, bit for bit
+            assert torch.equal(w8["params"][step], fp8["params"][step]), step
+            assert w8["sent"][step] == fp8["sent"][step], step
+        for step in (2, 7):  # ... a quarter of the exact warm-up's bytes (and other bits)
+            assert w8["sent"][step] < 0.3 * exact["sent"][step]
+            assert not torch.equal(w8["params"][step], exact["params"][step])
+        for step in (8, 9, 10):  # then onebit of the momentum (started from the optimizer's buffer)
+            assert not torch.equal(w8["params"][step], fp8["params"][step]), step
+            assert w8["sent"][step] < 0.3 * fp8["sent"][step]
+        # hetcomm's AdamW takes the warm-up's fp8 steps as exact (its variance updates), then the
+        # doubling schedule: start_iter + 2**j - 1 exact (steps 8, 9), step 10 compressed
+        assert r["adamw-w8"]["exact"] == [True] * 10 + [False]

@@ -2,6 +2,10 @@
 
 Run on its own with ``pytest -m reliability tests``."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -12,6 +16,8 @@ from hetcomm import topology
 
 from . import models
 from .dist_harness import each_mode, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.reliability
 
@@ -480,3 +486,78 @@ def test_memory_stays_flat_over_500_steps(mode):
     for rss in run_ranks(_rss, 2, mode, 500, timeout=300):
         # after warm-up (step 100) it may not grow by more than 8 MiB over 400 steps
         assert rss[-1] - rss[0] < 8 << 20, [r >> 20 for r in rss]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _let_go_of_the_group(rank, world):
+    """A HookState kept alive (as one in a reference cycle is until the garbage
+    collector runs, or never at exit): the threads of this rank before a gloo
+    group exists, while it trains, and after close() and destroy_process_group."""
+    import torch.distributed as dist
+
+    before = _threads()
+    group = dist.new_group([0, 1])
+    model = models.mlp()
+    ddp = DDP(model, process_group=group)
+    state = hetcomm.HookState("onebit", process_group=group)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(3):
+        models.train_step(ddp, opt, rank, step, 8, state)
+    during = _threads()
+    state.close()
+    dist.destroy_process_group(group)
+    del ddp, opt, group  # DDP's reducer holds the group too, and so did this frame
+    after = _threads()
+    with pytest.raises(RuntimeError, match="closed"):
+        state._engine.submit_batch_size(1.0)
+    return before, during, after, state.iter
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+def test_close_lets_go_of_the_process_group_so_destroying_it_ends_gloos_threads():
+    # A gloo group kept alive past destroy_process_group() is freed at interpreter exit,
+    # where its threads abort the process ("terminate called without an active exception").
+    for before, during, after, steps in run_ranks(_let_go_of_the_group, 2):
+        assert steps == 3 and during > before  # gloo's threads and the comm thread ran
+        assert after <= before, (before, during, after)
+
+
+_EXIT_SCRIPT = """
+import atexit, os, sys
+threads = lambda: len(os.listdir("/proc/self/task"))
+atexit.register(lambda: print("AT_EXIT", threads(), flush=True))  # registered first: runs after hetcomm's
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import hetcomm
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+ddp = DDP(torch.nn.Linear(8, 2))
+if sys.argv[2] == "hook":
+    state = hetcomm.HookState("onebit")  # never closed; a reference cycle keeps it past the script's end
+    ddp.register_comm_hook(state, hetcomm.hook)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    ddp(torch.randn(4, 8)).sum().backward()
+    opt.step()
+dist.destroy_process_group()
+del ddp, opt
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+def test_an_unclosed_state_lets_go_of_its_group_at_exit_as_plain_ddp_does(tmp_path):
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    left = {}
+    for variant in ("plain", "hook"):
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / f"store_{variant}"), variant],
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+        assert out.returncode == 0, out.stderr[-2000:]
+        left[variant] = int(out.stdout.split("AT_EXIT")[-1].split()[0])
+    # hetcomm's atexit handler closed the state: its group's gloo threads and the comm thread are gone
+    assert left["hook"] <= left["plain"], left

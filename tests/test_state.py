@@ -227,7 +227,8 @@ def test_every_mode_of_the_table_registers_and_trains_a_step(name):
     assert isinstance(state, hetcomm.HookState) and state.iter == 3
     assert state.compression == name.split("+")[0].replace("-no-ef", "")
     assert state.error_feedback == (not name.endswith("-no-ef"))
-    assert (state._attached == "sgd") == name.endswith("+m")
+    assert (state._attached == "sgd") == ("+m" in name)
+    assert state._warmup_compression == ("fp8" if name.endswith("-w8") else "none")
     state.close()
 
 

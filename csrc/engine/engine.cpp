@@ -29,10 +29,14 @@ Engine::Engine(std::shared_ptr<Transport> t) : transport_(std::move(t)), reducer
 Engine::~Engine() {
   if (PyGILState_Check()) {
     py::gil_scoped_release nogil;
-    worker_.close();
+    close();
   } else {
-    worker_.close();
+    close();
   }
+}
+
+void Engine::close() {
+  if (worker_.close()) transport_->release();
 }
 
 FuturePtr Engine::run(std::function<at::Tensor()> fn, const at::Tensor& bucket) {

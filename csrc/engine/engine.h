@@ -60,7 +60,10 @@ class Engine {
   void set_topology(std::vector<int> order, std::vector<int> node_of);
 
   void drain() { worker_.drain(); }
-  void close() { worker_.close(); }
+  // Stops the comm thread after its queued jobs, then lets go of the process
+  // group: destroy_process_group() then frees it while Python is alive, not
+  // at interpreter exit (where gloo's threads abort the process).
+  void close();
   int64_t nonfinite_steps() const { return reducer_.nonfinite_steps(); }
   int64_t carry_holds() const { return reducer_.carry_holds(); }
   std::vector<std::pair<int64_t, double>> last_step_buckets() const { return reducer_.last_step_buckets(); }

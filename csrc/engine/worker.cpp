@@ -24,13 +24,14 @@ void Worker::drain() {
   idle_cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
 }
 
-void Worker::close() {
+bool Worker::close() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_one();
   if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
+  return !thread_.joinable();
 }
 
 bool Worker::closed() const {

@@ -22,8 +22,9 @@ class Worker {
   void post(std::function<void()> job);
   // Blocks until every job posted so far has run.
   void drain();
-  // Runs what is queued, then stops the thread. Idempotent.
-  void close();
+  // Runs what is queued, then stops the thread. Idempotent. Returns whether
+  // the thread has ended (false when called from the thread itself).
+  bool close();
   bool closed() const;
 
  private:

@@ -34,11 +34,19 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   TORCH_CHECK_VALUE(device_.is_cpu() || (device_.is_cuda() && device_.has_index()),
                     "hetcomm: device must be cpu or cuda:<index>, got ", device_);
   stage_cuda_ = device_.is_cuda() && gloo_for_cuda(pg_);
+  rank_ = group().getRank();
+  size_ = group().getSize();
+  name_ = "pg:" + group().getBackendName();
+}
+
+void ProcessGroupTransport::release() { pg_.reset(); }
+
+c10d::ProcessGroup& ProcessGroupTransport::group() const {
+  TORCH_CHECK(pg_, "hetcomm: the transport let go of its process group (HookState.close() was called)");
+  return *pg_;
 }
 
 bool ProcessGroupTransport::staged(const at::Tensor& t) const { return stage_cuda_ && t.defined() && t.is_cuda(); }
-
-std::string ProcessGroupTransport::name() const { return "pg:" + pg_->getBackendName(); }
 
 void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what,
                                  std::chrono::steady_clock::time_point start) {
@@ -56,7 +64,7 @@ void ProcessGroupTransport::do_send(const at::Tensor& t, int dst, int tag) {
   if (staged(t)) return do_send(on_host(t), dst, tag);
   const auto start = std::chrono::steady_clock::now();
   std::vector<at::Tensor> v{t};
-  wait(pg_->send(v, dst, tag), "send", start);
+  wait(group().send(v, dst, tag), "send", start);
 }
 
 void ProcessGroupTransport::do_recv(at::Tensor& t, int src, int tag) {
@@ -68,7 +76,7 @@ void ProcessGroupTransport::do_recv(at::Tensor& t, int src, int tag) {
   }
   const auto start = std::chrono::steady_clock::now();
   std::vector<at::Tensor> v{t};
-  wait(pg_->recv(v, src, tag), "recv", start);
+  wait(group().recv(v, src, tag), "recv", start);
 }
 
 void ProcessGroupTransport::do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
@@ -93,8 +101,8 @@ Pending ProcessGroupTransport::do_start_send_recv(const at::Tensor& out, int dst
   // the flow. Measured on the testbed (2 x 2 ranks, 100 Mbit, two 4 MiB
   // exchange steps between nodes, two flows per link): receive first 1.48 s
   // median, steady; send first 1.7-2.4 s median, 1.44-2.77 s per call.
-  if (src >= 0) wr = pg_->recv(vr, src, tag);
-  if (dst >= 0) ws = pg_->send(vs, dst, tag);
+  if (src >= 0) wr = group().recv(vr, src, tag);
+  if (dst >= 0) ws = group().send(vs, dst, tag);
   return Pending([this, wr = std::move(wr), ws = std::move(ws)] {
     const auto start = std::chrono::steady_clock::now();
     if (wr) wait(wr, "recv", start);
@@ -107,7 +115,7 @@ void ProcessGroupTransport::do_all_reduce_sum(at::Tensor& t) {
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  wait(pg_->allreduce(v, opts), "all_reduce", start);
+  wait(group().allreduce(v, opts), "all_reduce", start);
 }
 
 Pending ProcessGroupTransport::pending(c10::intrusive_ptr<c10d::Work> work, const char* what) {
@@ -120,7 +128,7 @@ Pending ProcessGroupTransport::do_start_all_gather(at::Tensor& out, const at::Te
   std::vector<std::vector<at::Tensor>> outs(1);
   for (int r = 0; r < size(); ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
   std::vector<at::Tensor> ins{in};
-  return pending(pg_->allgather(outs, ins), "all_gather");
+  return pending(group().allgather(outs, ins), "all_gather");
 }
 
 void ProcessGroupTransport::do_all_to_all(at::Tensor& out, const at::Tensor& in) {
@@ -141,9 +149,9 @@ Pending ProcessGroupTransport::do_start_all_to_all(at::Tensor& out, const at::Te
   std::vector<int64_t> splits;  // empty: equal splits
   at::Tensor in_mut = in;
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-  return pending(pg_->all_to_all_single(out, in_mut, splits, splits), "all_to_all");
+  return pending(group().all_to_all_single(out, in_mut, splits, splits), "all_to_all");
 #else  // the same op under its older name
-  return pending(pg_->alltoall_base(out, in_mut, splits, splits), "all_to_all");
+  return pending(group().alltoall_base(out, in_mut, splits, splits), "all_to_all");
 #endif
 }
 
@@ -159,15 +167,15 @@ void ProcessGroupTransport::do_reduce_scatter_sum(at::Tensor& out, const at::Ten
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-  wait(pg_->reduce_scatter_single(out, in_mut, opts), "reduce_scatter", start);
+  wait(group().reduce_scatter_single(out, in_mut, opts), "reduce_scatter", start);
 #else
-  wait(pg_->_reduce_scatter_base(out, in_mut, opts), "reduce_scatter", start);
+  wait(group()._reduce_scatter_base(out, in_mut, opts), "reduce_scatter", start);
 #endif
 }
 
 void ProcessGroupTransport::do_barrier() {
   const auto start = std::chrono::steady_clock::now();
-  wait(pg_->barrier(), "barrier", start);
+  wait(group().barrier(), "barrier", start);
 }
 
 }  // namespace hetcomm

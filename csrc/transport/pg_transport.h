@@ -15,9 +15,10 @@ class ProcessGroupTransport : public Transport {
   // gloo; the rank's GPU for a process group with only NCCL).
   explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device = at::Device(at::kCPU));
 
-  int rank() const override { return pg_->getRank(); }
-  int size() const override { return pg_->getSize(); }
-  std::string name() const override;
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return name_; }
+  void release() override;
 
   at::Device device() const override { return device_; }
   // Host tensors: the process group's threads move them while the caller
@@ -47,8 +48,13 @@ class ProcessGroupTransport : public Transport {
   // only on the host: the op runs on pinned host copies.
   bool staged(const at::Tensor& t) const;
 
+  // The group, or a clear error once release() has let go of it.
+  c10d::ProcessGroup& group() const;
+
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   at::Device device_;
+  int rank_ = 0, size_ = 1;
+  std::string name_;
   bool stage_cuda_ = false;
 };
 

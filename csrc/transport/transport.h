@@ -49,6 +49,9 @@ class Transport {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string name() const = 0;
+  // Lets go of what it holds of the outside world (a process group) once no
+  // call will come: the engine calls it after its comm thread has ended.
+  virtual void release() {}
 
   void send(const at::Tensor& t, int dst, int tag);
   void recv(at::Tensor& t, int src, int tag);

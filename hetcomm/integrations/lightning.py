@@ -84,6 +84,13 @@ class HetcommDDPStrategy(DDPStrategy):
             total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
             self.hook_state.attach_optimizer(self.optimizers[0], total_steps=total)
 
+    def teardown(self) -> None:
+        # End of fit: stop the comm thread and let go of the state's group (its
+        # stats and state_dict still work; a later fit makes a new state).
+        if self.hook_state is not None:
+            self.hook_state.close()
+        super().teardown()
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if self.hook_state is not None:  # every rank its own state
