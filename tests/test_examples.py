@@ -51,6 +51,17 @@ def _lightning_available() -> bool:
 
 
 @pytest.mark.skipif(not _lightning_available(), reason="PyTorch Lightning is not installed")
+def test_lightning_strategy_rejects_what_attach_optimizer_does_not_take():
+    from hetcomm.integrations.lightning import HetcommDDPStrategy
+
+    with pytest.raises(ValueError, match=r"attach_optimizer: unknown keyword\(s\) \['warmup'\]; .*warmup_compression"):
+        HetcommDDPStrategy("onebit", attach_optimizer={"warmup": "fp8"})
+    with pytest.raises(ValueError, match="attach_optimizer must be True, False or a dict"):
+        HetcommDDPStrategy("onebit", attach_optimizer="yes")
+    assert HetcommDDPStrategy("onebit", attach_optimizer={"exact_every": 0})._attach
+
+
+@pytest.mark.skipif(not _lightning_available(), reason="PyTorch Lightning is not installed")
 def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     script = os.path.join(ROOT, "examples", "lightning_train.py")
 
@@ -63,7 +74,15 @@ def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     assert first["global_step"] >= 40 and first["hook_steps"] == first["global_step"]
     # the warm-up: the fit's first fifth exact (its length from estimated_stepping_batches), then 1 bit + scales
     assert first["start_iter"] == first["global_step"] // 5
-    assert first["replicas_identical"] and first["bytes_sent"] < 0.3 * first["fp32_bytes"]
+    exact_warmup = first["start_iter"] / first["global_step"] * first["fp32_bytes"]  # what its steps send alone
+    assert first["replicas_identical"] and exact_warmup <= first["bytes_sent"] < 0.3 * first["fp32_bytes"]
+    # attach_optimizer={"warmup_compression": "fp8"} reaches attach_optimizer: the warm-up in 8 bits, so the
+    # whole fit sends less than an exact warm-up's steps alone
+    (tmp_path / "w8").mkdir()
+    w8 = fit("--epochs", "2", "--warmup-compression", "fp8", "--out", str(tmp_path / "w8"))
+    assert w8["global_step"] == first["global_step"] and w8["start_iter"] == first["start_iter"]
+    assert w8["replicas_identical"] and w8["bytes_sent"] < exact_warmup
+    assert abs(w8["accuracy"] - first["accuracy"]) < 0.05, (w8["accuracy"], first["accuracy"])
     for rank in (0, 1):
         assert os.path.exists(tmp_path / f"last.ckpt.hetcomm-rank{rank}.pt")
     resumed = fit("--epochs", "3", "--resume")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, Optional
+import inspect
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 
@@ -31,6 +32,11 @@ except ImportError:  # the standalone package
             from e
 
 
+#: HookState.attach_optimizer's keyword arguments (what attach_optimizer={...} may hold)
+_ATTACH_KEYWORDS = tuple(n for n, p in inspect.signature(HookState.attach_optimizer).parameters.items()
+                         if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 def _rank_file(filepath: str, rank: int) -> str:
     return f"{filepath}.hetcomm-rank{rank}.pt"
 
@@ -44,7 +50,10 @@ class HetcommDDPStrategy(DDPStrategy):
             (:meth:`HookState.attach_optimizer`; SGD with momentum, Adam or
             AdamW, one optimizer), with the fit's length as ``total_steps``
             (``trainer.estimated_stepping_batches``, when finite): the first
-            fifth of the fit is reduced exactly (the warm-up).
+            fifth of the fit is the warm-up. True, or a dict of
+            ``attach_optimizer``'s keyword arguments
+            (``{"warmup_compression": "fp8"}``, ``{"exact_every": 0}``; a
+            ``total_steps`` given there is used instead of Lightning's).
         hook_options: the other :class:`HookState` arguments (``start_iter``,
             ``algorithm``, ``topk_ratio``, ...).
         **kwargs: ``DDPStrategy``'s own (``process_group_backend``,
@@ -53,14 +62,22 @@ class HetcommDDPStrategy(DDPStrategy):
 
     strategy_name = "hetcomm_ddp"
 
-    def __init__(self, compression: str = "onebit", *, attach_optimizer: bool = False,
+    def __init__(self, compression: str = "onebit", *, attach_optimizer: Union[bool, Mapping[str, Any]] = False,
                  hook_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
         if "ddp_comm_hook" in kwargs or "ddp_comm_state" in kwargs or "ddp_comm_wrapper" in kwargs:
             raise ValueError("HetcommDDPStrategy registers hetcomm's hook itself: do not pass ddp_comm_hook, "
                              "ddp_comm_state or ddp_comm_wrapper")
+        if not isinstance(attach_optimizer, (bool, Mapping)):
+            raise ValueError(f"attach_optimizer must be True, False or a dict of HookState.attach_optimizer's "
+                             f"keyword arguments, got {attach_optimizer!r}")
+        unknown = set(attach_optimizer) - set(_ATTACH_KEYWORDS) if isinstance(attach_optimizer, Mapping) else set()
+        if unknown:
+            raise ValueError(f"attach_optimizer: unknown keyword(s) {sorted(unknown)}; HookState.attach_optimizer "
+                             f"takes {', '.join(_ATTACH_KEYWORDS)}")
         super().__init__(**kwargs)
         self._compression = compression
-        self._attach = attach_optimizer
+        self._attach = bool(attach_optimizer) or isinstance(attach_optimizer, Mapping)
+        self._attach_options = dict(attach_optimizer) if isinstance(attach_optimizer, Mapping) else {}
         self._hook_options = dict(hook_options or {})
         self._pending: Optional[Dict[str, Any]] = None
         #: The HookState, once fit has set up DDP (None before).
@@ -82,7 +99,7 @@ class HetcommDDPStrategy(DDPStrategy):
                                  f"{len(self.optimizers)}")
             steps = trainer.estimated_stepping_batches  # the whole fit's optimizer steps (inf: no limit set)
             total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
-            self.hook_state.attach_optimizer(self.optimizers[0], total_steps=total)
+            self.hook_state.attach_optimizer(self.optimizers[0], **{"total_steps": total, **self._attach_options})
 
     def teardown(self) -> None:
         # End of fit: stop the comm thread and let go of the state's group (its
