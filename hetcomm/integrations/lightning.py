@@ -12,9 +12,9 @@ is written by rank 0 alone).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
-import inspect
 from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
