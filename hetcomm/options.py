@@ -68,7 +68,7 @@ def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size
         raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
     if error_feedback and compression in COMPRESSED + ("auto",) and start_iter < MIN_START_ITER:
         raise ValueError(
-            f"start_iter must be >= 2 when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
+            f"start_iter must be >= {MIN_START_ITER} when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
             "after the first iteration, and residuals are kept per bucket layout")
     if chunk_size is not None and (not _is_int(chunk_size) or not 0 < chunk_size <= 2**30 or chunk_size % 32):
         raise ValueError(f"chunk_size must be None or a positive multiple of 32 up to 2**30, got {chunk_size!r}")
