@@ -43,15 +43,17 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--out", required=True, help="folder for the checkpoint and the result")
     p.add_argument("--resume", action="store_true", help="continue from <out>/last.ckpt")
-    p.add_argument("--warmup-compression", default="none", choices=("none", "fp8"),
-                   help="the warm-up's wire (attach_optimizer's warmup_compression)")
+    p.add_argument("--warmup-compression", choices=("none", "fp8"),
+                   help="the warm-up's wire (attach_optimizer's warmup_compression; default: its default, fp8 "
+                        "since the strategy passes the fit's length)")
     args = p.parse_args()
 
     x, y, x_test, y_test = load_digits()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     strategy = HetcommDDPStrategy(args.compression, process_group_backend="gloo",
-                                  attach_optimizer={"warmup_compression": args.warmup_compression})
+                                  attach_optimizer={} if args.warmup_compression is None
+                                  else {"warmup_compression": args.warmup_compression})
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.out)

@@ -5,8 +5,10 @@ A mode is one of PyTorch's own comm hooks (``torch-allreduce``, alias
 start, compressed from step 2, as hetcomm's lowrank) or a hetcomm
 :class:`~hetcomm.HookState` with its defaults. Suffixes: ``+m`` compresses
 the optimizer's momentum (:meth:`HookState.attach_optimizer`), ``-no-ef``
-turns error feedback off (to show what it buys), ``-w8`` after ``+m`` sends
-the warm-up's gradient in fp8 (``attach_optimizer(warmup_compression="fp8")``); ``-rN`` after ``lowrank``
+turns error feedback off (to show what it buys), ``-w8`` / ``-w32`` after ``+m``
+send the warm-up's gradient in fp8 / fp32 (``attach_optimizer(warmup_compression=
+"fp8" / "none")``; plain ``+m`` takes its default, fp8 since the runs are given
+their ``total_steps``); ``-rN`` after ``lowrank``
 or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 ``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``).
 """
@@ -30,7 +32,7 @@ class Mode:
     hook: str  # PyTorch's "allreduce", "fp16", "powersgd", or "hetcomm"
     options: Mapping[str, Any] = field(default_factory=dict)  # HookState keyword arguments
     attach: bool = False  # compress the optimizer's momentum
-    warmup: str = "none"  # attach_optimizer's warmup_compression (suffix -w8: "fp8")
+    warmup: Optional[str] = None  # attach_optimizer's warmup_compression (None: its default; -w8 "fp8", -w32 "none")
     rank: int = POWERSGD_RANK  # torch-powersgd's matrix_approximation_rank (lowrank's is in options)
 
     @property
@@ -122,8 +124,10 @@ def _table() -> Dict[str, Mode]:
         table[c] = Mode(c, "hetcomm", {"compression": c})
     for c in ("fp8", "onebit", "topk", "lowrank", "auto"):
         table[f"{c}+m"] = Mode(f"{c}+m", "hetcomm", {"compression": c}, attach=True)
-    for c in ("onebit", "auto"):
-        table[f"{c}+m-w8"] = Mode(f"{c}+m-w8", "hetcomm", {"compression": c}, attach=True, warmup="fp8")
+    for c in ("onebit", "topk", "lowrank", "auto"):
+        for suffix, wire in (("w8", "fp8"), ("w32", "none")):
+            table[f"{c}+m-{suffix}"] = Mode(f"{c}+m-{suffix}", "hetcomm", {"compression": c}, attach=True,
+                                            warmup=wire)
     for c in ("onebit", "topk"):
         table[f"{c}-no-ef"] = Mode(f"{c}-no-ef", "hetcomm", {"compression": c, "error_feedback": False})
     return table
@@ -161,4 +165,4 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     return MODES[name]
 
 
-_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8)-([rc])(\d+)(\+m)?$")
+_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8)-([rc])(\d+)(\+m(?:-w8|-w32)?)?$")

@@ -93,7 +93,8 @@ def safe_modes(attached: Optional[str], bf16_everywhere: bool, warmed_up: bool =
     those measured to reach fp32's quality at fp32's learning rate with this
     optimizer (README "Time to accuracy"). ``attached``: None, "sgd" (momentum
     compression of SGD), "hetcomm-adamw", or "adam" (torch's Adam/AdamW);
-    ``warmed_up``: attach_optimizer(total_steps=) made the run's first fifth exact."""
+    ``warmed_up``: attach_optimizer(total_steps=) made the run's first fifth a warm-up
+    (its gradient exact or in fp8: onebit was measured after both)."""
     half = "bf16" if bf16_everywhere else "fp16"
     # 1-bit of the momentum, over 30 digits runs (10 seeds x lr x {1, 1 +- 1e-6}): from step 2 0.49 points short
     # with SGD-momentum and 0.26 with hetcomm's AdamW, 2 and 1 of the 3 10-seed sets outside the 0.5 tolerance;

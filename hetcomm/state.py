@@ -222,7 +222,7 @@ class HookState(BucketSteps, Negotiation):
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *,
                          exact_every: Optional[int] = None, total_steps: Optional[int] = None,
-                         warmup_compression: str = "none") -> "HookState":
+                         warmup_compression: Optional[str] = None) -> "HookState":
         """Compress the optimizer's momentum instead of the gradient (call on
         every rank before the first step; returns the state).
 
@@ -249,7 +249,8 @@ class HookState(BucketSteps, Negotiation):
 
         ``total_steps`` (the whole run's optimizer steps, as an LR schedule
         takes them; the same again when resuming): the first
-        ``WARMUP_FRACTION`` (a fifth) of them are reduced exactly,
+        ``WARMUP_FRACTION`` (a fifth) of them are the warm-up, the gradient
+        reduced without momentum compression (``warmup_compression``),
         ``start_iter`` rises to that if it is lower (1-bit Adam's warm-up: the
         compressed momentum's error costs most while the model moves fast;
         measured in the README), and ``compression="auto"`` may then choose
@@ -261,6 +262,11 @@ class HookState(BucketSteps, Negotiation):
         feedback: a quarter of the bytes; the optimizer's momentum and an
         attached hetcomm AdamW's variance take it as exact). The momentum
         compression starts from the optimizer's buffer at ``start_iter``.
+        None (the default): ``"fp8"`` when ``total_steps`` is given (the
+        warm-up is then hetcomm's: as close to fp32 as the exact one,
+        measured, at 40-60 % fewer bytes over the run), except under
+        ``compression="auto"`` with ``candidates`` that leave fp8 out;
+        otherwise ``"none"`` (a ``start_iter`` of your own stays exact).
 
         Nothing to retune: keep the optimizer, its learning rate and betas.
         With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
@@ -293,6 +299,9 @@ class HookState(BucketSteps, Negotiation):
         if total_steps is not None and not (options._is_int(total_steps) and total_steps >= 1):
             raise ValueError(f"total_steps must be an int >= 1 (the run's optimizer steps) or None, got "
                              f"{total_steps!r}")
+        if warmup_compression is None:
+            fp8_allowed = self.candidates is None or "fp8" in self.candidates
+            warmup_compression = "fp8" if total_steps is not None and fp8_allowed else "none"
         if warmup_compression not in options.WARMUP_WIRES:
             raise ValueError(f"warmup_compression must be one of {', '.join(options.WARMUP_WIRES)}, got "
                              f"{warmup_compression!r}")

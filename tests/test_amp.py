@@ -25,11 +25,12 @@ def _mixed_runs(rank, world):
     what users try first (torch's GradScaler + allreduce_hook)."""
     runs = [("fp32", "none"), ("mixed", "none"), ("fp16", "none"), ("mixed", "fp16"), ("fp32", "topk+m"),
             ("mixed", "topk+m"), ("fp32", "lowrank"), ("mixed", "lowrank"), ("fp32", "onebit+m"), ("mixed", "onebit+m"),
-            ("naive", "-")]
+            ("fp32", "onebit+m-w8"), ("mixed", "onebit+m-w8"), ("naive", "-")]
     out = {}
     for config, mode in runs:
+        # -w8: a warm-up to step 60 with its gradient in fp8, so the overflow at step 40 falls inside it
         r = bench.train(rank, world, config, mode, steps=STEPS, overflow_at=OVERFLOW, eval_every=STEPS,
-                        options={"topk_ratio": 0.05})
+                        options={"topk_ratio": 0.05, **({"start_iter": 60} if mode.endswith("-w8") else {})})
         out[(config, mode.replace("+m", ""))] = r
     # the hierarchical algorithm (2 nodes of one rank): onebit compressed across nodes
     os.environ[topology.ENV_NODE] = f"node{rank}"
@@ -53,6 +54,9 @@ def test_mixed_bf16_fp16_ranks_stay_identical_and_skip_overflows_together(mixed_
         assert r["skipped_per_rank"][0] == r["skipped_per_rank"][1], (config, mode)
         if "fp16" in r["precisions"]:
             assert OVERFLOW in r["skipped"], (config, mode)  # the fp16 rank's overflow skipped both ranks
+            # ... whatever the bucket's wire at that step: the compressed one, or the fp8 warm-up's
+            wire = {"onebit": "onebit", "onebit-w8": "fp8", "onebit-hierarchical": "onebit"}.get(mode)
+            assert wire is None or wire in r["overflow_wires"], (config, mode, r["overflow_wires"])
         else:
             assert r["skipped"] == []
         assert r["stats_precisions"] == r["precisions"]
@@ -65,7 +69,7 @@ def test_mixed_precision_trains_like_fp32(mixed_runs):
     for mode in ("none", "fp16"):
         assert mixed_runs[("mixed", mode)]["final_loss"] <= 1.05 * fp32, losses
     assert mixed_runs[("fp16", "none")]["final_loss"] <= 1.05 * fp32, losses
-    for mode in ("topk", "lowrank", "onebit", "onebit-hierarchical"):
+    for mode in ("topk", "lowrank", "onebit", "onebit-w8", "onebit-hierarchical"):
         assert mixed_runs[("mixed", mode)]["final_loss"] <= 1.05 * mixed_runs[("fp32", mode)]["final_loss"], str(losses)
 
 

@@ -173,8 +173,10 @@ def test_bench_train_time_to_accuracy(tmp_path):
         if r["reached"]:  # the first evaluation within 2 % of fp32's final MSE
             first = next(p for p in r["curve"] if p["mse"] <= 1.02 * fp32["final"])
             assert (r["steps_to_target"], r["time_to_target_s"]) == (first["step"], first["time_s"])
-    # the attached optimizer's warm-up: the first 12 of 60 steps at fp32's bytes, then 1 bit + a bf16 per 32 and more
-    assert 0.2 < runs["onebit+m"]["bytes_per_step"] / runs["fp32"]["bytes_per_step"] < 0.2 + 0.8 / 10
+    # the attached optimizer's warm-up: the first 12 of 60 steps, steps 0 and 1 at fp32's bytes and 2-11 in fp8 (a
+    # quarter of them and scales; the default), then 1 bit + a bf16 per 32 and more: less than the 12 steps in fp32
+    ratio = runs["onebit+m"]["bytes_per_step"] / runs["fp32"]["bytes_per_step"]
+    assert (2 + 10 / 4) / 60 < ratio < 0.2, ratio
     # hetcomm's runs say what each evaluated step sent (auto's choice shows there); PyTorch's hooks have no plans
     assert all("plans" not in p for r in (fp32, runs["torch-powersgd"]) for p in r["curve"])
     last = runs["onebit+m"]["curve"][-1]["plans"]

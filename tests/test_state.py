@@ -211,7 +211,7 @@ def test_every_mode_of_the_table_registers_and_trains_a_step(name):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    state = mode.register(ddp, opt)
+    state = mode.register(ddp, opt, total_steps=100)
     before = [p.detach().clone() for p in model.parameters()]
     for _ in range(3):
         opt.zero_grad()
@@ -228,7 +228,8 @@ def test_every_mode_of_the_table_registers_and_trains_a_step(name):
     assert state.compression == name.split("+")[0].replace("-no-ef", "")
     assert state.error_feedback == (not name.endswith("-no-ef"))
     assert (state._attached == "sgd") == ("+m" in name)
-    assert state._warmup_compression == ("fp8" if name.endswith("-w8") else "none")
+    # -w32 sends the warm-up exact; plain +m takes attach_optimizer's default, fp8 once total_steps is given
+    assert state._warmup_compression == ("none" if name.endswith("-w32") or "+m" not in name else "fp8")
     state.close()
 
 
@@ -317,6 +318,18 @@ def test_attach_optimizer_total_steps_warms_up_for_a_fifth_of_the_run():
             hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=bad)
     state = hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=600)
     assert [s for s in range(300) if not state._compressed_at(s)] == list(range(120))
+    # that warm-up goes in fp8 unless asked otherwise; a start_iter of the user's own (no total_steps) stays exact,
+    # and so does auto's warm-up when its candidates leave fp8 out
+    assert state._warmup_compression == "fp8"
+    assert hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=600,
+                                                        warmup_compression="none")._warmup_compression == "none"
+    assert hetcomm.HookState("onebit", start_iter=50).attach_optimizer(sgd())._warmup_compression == "none"
+    dense_auto = hetcomm.HookState("auto", candidates=("none", "bf16")).attach_optimizer(sgd(), total_steps=600)
+    assert dense_auto._warmup_compression == "none"
+    assert hetcomm.HookState("auto", candidates=("none", "fp8")).attach_optimizer(
+        sgd(), total_steps=600)._warmup_compression == "fp8"
+    assert hetcomm.HookState("auto", candidates=("none", "bf16")).attach_optimizer(
+        sgd(), total_steps=600, warmup_compression="fp8")._warmup_compression == "fp8"  # asked for: kept
     # a later start_iter stays; a short run keeps the least warm-up (2)
     assert hetcomm.HookState("onebit", start_iter=200).attach_optimizer(sgd(), total_steps=600).start_iter == 200
     assert hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=5).start_iter == 2

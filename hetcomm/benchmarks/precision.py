@@ -73,7 +73,7 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
     taken = []
     opt.register_step_post_hook(lambda *_: taken.append(True))
     overflow_rank = precisions.index("fp16") if "fp16" in precisions else None
-    curve, skipped, scales, train_s = [], [], [], 0.0
+    curve, skipped, scales, train_s, overflow_wires = [], [], [], 0.0, None
     for step in range(steps):
         x, y = t.batch_for(step, rank)
         if batch is not None:
@@ -92,6 +92,8 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
         train_s += time.perf_counter() - t0
         if len(taken) == before:
             skipped.append(step)
+        if step == overflow_at and state is not None:  # what the overflow's buckets were sent as
+            overflow_wires = sorted({p.mode for p in state.last_plans.values()})
         scales.append(scaler.get_scale())
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             curve.append({"step": step + 1, "loss": t.evaluate(model)["loss"]})  # evaluate: no_grad
@@ -108,7 +110,7 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
             "replica_max_diff": max((every[0] - e).abs().max().item() for e in every),
             "skipped": skipped, "skipped_per_rank": skipped_per_rank,
             "skips_agree": all(k == skipped_per_rank[0] for k in skipped_per_rank), "scales": scales,
-            "s_per_step": train_s / steps,
+            "s_per_step": train_s / steps, "overflow_wires": overflow_wires,
             "stats_precisions": state.stats()["precisions"] if state is not None else None}
 
 

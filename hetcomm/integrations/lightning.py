@@ -50,9 +50,10 @@ class HetcommDDPStrategy(DDPStrategy):
             (:meth:`HookState.attach_optimizer`; SGD with momentum, Adam or
             AdamW, one optimizer), with the fit's length as ``total_steps``
             (``trainer.estimated_stepping_batches``, when finite): the first
-            fifth of the fit is the warm-up. True, or a dict of
-            ``attach_optimizer``'s keyword arguments
-            (``{"warmup_compression": "fp8"}``, ``{"exact_every": 0}``; a
+            fifth of the fit is the warm-up (its gradient in fp8, the
+            default). True, or a dict of ``attach_optimizer``'s keyword
+            arguments (``{"warmup_compression": "none"}`` for an exact
+            warm-up, ``{"exact_every": 0}``; a
             ``total_steps`` given there is used instead of Lightning's).
         hook_options: the other :class:`HookState` arguments (``start_iter``,
             ``algorithm``, ``topk_ratio``, ...).
