@@ -226,29 +226,37 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         if opt_name == "sgd-attach":  # momentum compression: the per-bucket momentum is resumed too
             state.attach_optimizer(opt)
+    elif opt_name == "hetcomm-adamw-warmup":
+        opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         if opt_name == "adamw-attach":  # Adam's first moment compressed, exact steps 2, 3, 5, 9, 17, ...
             state.attach_optimizer(opt)
+    if opt_name.endswith("-warmup"):
+        # the default warm-up (total_steps=60: steps 2-11 fp8 of the gradient), saved inside it at step 8 and
+        # resumed across its end (step 12: fp8's residuals fold into the momentum's carry)
+        state.attach_optimizer(opt, total_steps=60)
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
     if start > 0:
         ck = torch.load(path, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         state.load_state_dict(ck["hetcomm"])
-    layouts = []
+    layouts, wires = [], []
     for step in range(start, stop):
         models.train_step(ddp, opt, rank, step, 16)
         layouts.append(list(state._buckets.step_layout))
+        wires.append(sorted({p.mode for p in state.last_plans.values()}))
         if step + 1 == save_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()}, path)
     return {"params": models.flat_params(model), "residual_keys": sorted(state.state_dict()["residuals"]),
-            "layouts": layouts}
+            "layouts": layouts, "wires": wires}
 
 
 RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"),
                 ("small", "lowrank", "sgd"), ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"),
-                ("default", "onebit", "sgd-attach"), ("small", "onebit", "adamw-attach"), ("small", "fp8", "sgd-attach")]
+                ("default", "onebit", "sgd-attach"), ("small", "onebit", "adamw-attach"), ("small", "fp8", "sgd-attach"),
+                ("small", "onebit", "sgd-warmup"), ("small", "onebit", "hetcomm-adamw-warmup")]
 
 
 def _resume_cases(rank, world, ckpt_dir):
@@ -283,6 +291,11 @@ def test_resume_from_state_dict_continues_bit_for_bit(resumed_runs, kind, mode, 
     if kind != "one":  # the case that needs the regrouping really happened
         assert straight["layouts"][0] != straight["layouts"][1]
         assert resumed["layouts"][0] == straight["layouts"][8]  # step 8 was reduced in the saved layout
+    if opt_name.endswith("-warmup"):  # saved and resumed inside the fp8 warm-up, continued past its end
+        assert all(straight["wires"][step] == ["fp8"] for step in range(2, 12)), straight["wires"]
+        after = ["onebit" in w for w in straight["wires"][12:]]  # (an Adam's exact steps 12, 13, 15 go in fp32)
+        assert (any(after) if "adamw" in opt_name else all(after)), straight["wires"]
+        assert resumed["wires"][:4] == [["fp8"]] * 4
 
 
 def _train_no_resume_state(rank, world, ckpt_dir):
