@@ -51,9 +51,8 @@ def main() -> None:
     x, y, x_test, y_test = load_digits()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
-    strategy = HetcommDDPStrategy(args.compression, process_group_backend="gloo",
-                                  attach_optimizer={} if args.warmup_compression is None
-                                  else {"warmup_compression": args.warmup_compression})
+    strategy = HetcommDDPStrategy(args.compression, process_group_backend="gloo",  # None: attach_optimizer's default
+                                  attach_optimizer={"warmup_compression": args.warmup_compression})
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.out)
