@@ -106,11 +106,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("out") = py::none(), py::arg("accumulate") = false, py::call_guard<py::gil_scoped_release>());
   m.def(
       "topk_encode",
-      [](const at::Tensor& grad, c10::optional<at::Tensor> residual, double divisor, int64_t k, bool exact) {
-        return ops::topk_encode(grad, opt(residual), divisor, k, exact);
+      [](const at::Tensor& grad, c10::optional<at::Tensor> residual, double divisor, int64_t k, bool exact,
+         c10::optional<at::Tensor> denominator) {
+        return ops::topk_encode(grad, opt(residual), divisor, k, exact, opt(denominator));
       },
       py::arg("grad"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("k") = 1,
-      py::arg("exact") = true, py::call_guard<py::gil_scoped_release>());
+      py::arg("exact") = true, py::arg("denominator") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("topk_count", &ops::topk_count, py::arg("n"), py::arg("ratio"));
   m.def("scatter_add", &ops::scatter_add, py::arg("idx"), py::arg("val"), py::arg("out"), py::arg("alpha") = 1.0,
         py::call_guard<py::gil_scoped_release>());
@@ -168,7 +169,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](Engine& e, int64_t index, at::Tensor buffer, Codec codec, int64_t chunk, double ratio, bool exact,
              c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
              c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, Algo algo,
-             c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry) {
+             c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry,
+             c10::optional<at::Tensor> update_denominator) {
             BucketJob job;
             job.index = index;
             job.buffer = buffer;
@@ -185,12 +187,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             job.momentum = opt(momentum);
             job.beta = beta;
             job.carry = opt(carry);
+            job.update_denominator = opt(update_denominator);
             return wrap_future(e.submit_bucket(std::move(job)));
           },
           py::arg("index"), py::arg("buffer"), py::arg("codec"), py::arg("chunk"), py::arg("topk_ratio"),
           py::arg("topk_exact"), py::arg("residual"), py::arg("server_residual"), py::arg("last"),
           py::arg("layout") = py::none(), py::arg("q_state") = py::none(), py::arg("algorithm") = Algo::kNative,
-          py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none())
+          py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none(),
+          py::arg("update_denominator") = py::none())
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("set_loss_scale", &Engine::set_loss_scale, py::arg("scale"))
       .def(

@@ -132,12 +132,16 @@ void bind_transports(py::module_& m) {
            "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`.")
       .def(
           "allreduce_topk",
-          [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res) {
+          [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res,
+             c10::optional<at::Tensor> denominator) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
-            blocking(t, [&] { collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer); });
+            blocking(t, [&] {
+              collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer, opt(denominator));
+            });
           },
           py::arg("x"), py::arg("divisor"), py::arg("ratio"), py::arg("exact") = true, py::arg("residual") = py::none(),
+          py::arg("denominator") = py::none(),
           nogil, "Top-k all-gather all-reduce of x in place.")
       .def(
           "allreduce_lowrank",

@@ -209,6 +209,38 @@ class BucketSteps:
                     part.mul_(scale)
         return m
 
+    def _update_denominator(self, bucket: buckets.Bucket, buf: torch.Tensor, key: str):
+        """An attached Adam's per-element denominator (``sqrt(v) + eps``, as
+        its step computes it) laid out as the bucket: top-k of its momentum
+        ranks the entries by the update each would make, ``|m| / denominator``,
+        not by ``|m|``: Adam moves every coordinate at about the learning
+        rate, so ranking by ``|m|`` keeps the coordinates with small gradients
+        waiting whatever their update. (lowrank approximating ``m /
+        denominator`` instead of ``m`` was measured and left out: no better.)
+        Rebuilt when the variance changes (hetcomm's AdamW: on its exact
+        steps); None while a parameter of the bucket has no optimizer state."""
+        from . import optim
+
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is None:
+            return None
+        params = [self._buckets.params.param(n) for n in bucket.sig]
+        if any(p is None for p in params):
+            return None
+        version = tuple(optim.variance_version(opt, p) for p in params)
+        cached = self._buckets.denominators.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        denominators = optim.update_denominators(opt, params)
+        if any(d is None for d in denominators):
+            return None
+        out = torch.ones(buf.numel(), dtype=torch.float32, device=buf.device)  # (1 where the bucket has padding)
+        for g, d in zip(bucket.grads, denominators):
+            off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+            out.narrow(0, off, g.numel()).copy_(d.detach().reshape(-1))
+        self._buckets.denominators[key] = (version, out)
+        return out
+
     def _reduce(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
         buf = bucket.buffer
         numel = buf.numel()
@@ -240,12 +272,15 @@ class BucketSteps:
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
+        denominator = None
+        if momentum is not None and p.mode == "topk" and self._attached in ("hetcomm-adamw", "adam"):
+            denominator = self._update_denominator(bucket, buf, key)
         fut = engine.submit_bucket(index=bucket.index, buffer=buf, codec=_CODECS[p.mode],
                                    chunk=options.chunk_for(self.chunk_size, p.mode),
                                    topk_ratio=self.topk_ratio, topk_exact=self.topk_exact, residual=residual,
                                    server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
                                    algorithm=_ALGOS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
-                                   carry=carry)
+                                   carry=carry, update_denominator=denominator)
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event

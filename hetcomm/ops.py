@@ -66,13 +66,14 @@ def topk_count(n: int, ratio: float) -> int:
 
 
 def topk_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0, k: int = 1,
-                exact: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                exact: bool = True, denominator: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-k with error feedback: ``x = grad / divisor + residual``; returns
     ``(idx int32, val float32)`` of the k largest ``|x|`` in ascending index order
     (ties go to the lowest index). ``residual`` keeps everything not sent.
     ``exact=False`` estimates the threshold from a sample (as DGC does) and
-    returns about k, never more."""
-    return _C.topk_encode(grad, residual, float(divisor), int(k), bool(exact))
+    returns about k, never more. ``denominator`` (float32, one per element,
+    > 0): the k largest ``|x| / denominator`` instead, their values still ``x``'s."""
+    return _C.topk_encode(grad, residual, float(divisor), int(k), bool(exact), denominator)
 
 
 def scatter_add(idx: torch.Tensor, val: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:

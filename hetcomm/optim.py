@@ -62,7 +62,7 @@ class AdamW(torch.optim.Optimizer):
         attached = self._exact is not None
         exact = not attached or self._exact()
         for group in self.param_groups:
-            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            lr, (beta1, beta2) = group["lr"], group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -84,15 +84,53 @@ class AdamW(torch.optim.Optimizer):
                     decay = beta2 ** (t - last)
                     exp_avg_sq.mul_(decay).addcmul_(grad, grad, value=1.0 - decay)
                     st["variance_step"].fill_(t)
-                    last = t
-                bias1 = 1.0 - beta1 ** t
-                bias2_sqrt = math.sqrt(1.0 - beta2 ** last)
-                root = exp_avg_sq.sqrt()
-                if attached and group["variance_floor"] > 0.0:
-                    root.clamp_(min=math.sqrt(group["variance_floor"]) * exp_avg_sq.mean().sqrt().item())
-                denom = (root / bias2_sqrt).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+                p.addcdiv_(exp_avg, self._denominator(st, group, attached), value=-lr / (1.0 - beta1 ** t))
         return loss
+
+    @staticmethod
+    def _denominator(st, group, attached: bool) -> torch.Tensor:
+        """What a step divides the (bias-corrected) first moment by: the
+        square root of the bias-corrected variance, floored when attached,
+        plus eps."""
+        exp_avg_sq = st["exp_avg_sq"]
+        root = exp_avg_sq.sqrt()
+        if attached and group["variance_floor"] > 0.0:
+            root.clamp_(min=math.sqrt(group["variance_floor"]) * exp_avg_sq.mean().sqrt().item())
+        bias2_sqrt = math.sqrt(1.0 - group["betas"][1] ** int(st["variance_step"].item()))
+        return (root / bias2_sqrt).add_(group["eps"])
+
+
+def variance_version(optimizer: torch.optim.Optimizer, param: torch.Tensor):
+    """Changes whenever the variance an Adam divides ``param``'s update by
+    may have changed (hetcomm's AdamW: on its exact steps; torch's Adam: every
+    step; a loaded state_dict: new tensors); None before its first step."""
+    st = optimizer.state.get(param)
+    if not st or "exp_avg_sq" not in st:
+        return None
+    sq = st["exp_avg_sq"]
+    return id(sq), sq._version, int(st["variance_step" if "variance_step" in st else "step"].item())
+
+
+def update_denominators(optimizer: torch.optim.Optimizer, params) -> list:
+    """For each of ``params``: the tensor that ``optimizer``'s next step
+    divides its bias-corrected first moment by (hetcomm's :class:`AdamW`, as
+    its step computes it; ``torch.optim.Adam`` / ``AdamW``: the square root of
+    the bias-corrected variance, amsgrad's maximum where on, plus eps); None
+    for a parameter without state yet. An attached HookState's top-k ranks the
+    momentum's entries by the update they make, ``|m| / denominator``."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for p in params:
+        st, group = optimizer.state.get(p), groups.get(id(p))
+        if not st or "exp_avg_sq" not in st or group is None:
+            out.append(None)
+        elif isinstance(optimizer, AdamW):
+            out.append(AdamW._denominator(st, group, optimizer._exact is not None))
+        else:
+            sq = st["max_exp_avg_sq"] if group.get("amsgrad") else st["exp_avg_sq"]
+            bias2_sqrt = math.sqrt(1.0 - group["betas"][1] ** float(st["step"]))
+            out.append((sq.sqrt() / bias2_sqrt).add_(group["eps"]))
+    return out
 
 
 __all__ = ["AdamW"]

@@ -67,9 +67,9 @@ def fuzz_sign_decode(w, s, n, c, a, out, acc):
 
 
 @common
-@given(tensors(), opt_tensors, floats, ints, st.booleans())
-def fuzz_topk_encode(g, r, d, k, exact):
-    call("topk_encode", ops.topk_encode, g, r, d, k, exact)
+@given(tensors(), opt_tensors, floats, ints, st.booleans(), opt_tensors)
+def fuzz_topk_encode(g, r, d, k, exact, denominator):
+    call("topk_encode", ops.topk_encode, g, r, d, k, exact, denominator)
 
 
 @common
@@ -136,7 +136,7 @@ def fuzz_transport_allreduce(x, algo, order, nodes, inter, res, sres, chunk, rat
        st.lists(st.lists(ints, min_size=4, max_size=4), max_size=3), tensors(torch.float32))
 def fuzz_transport_compressed(x, d, chunk, ratio, r1, r2, exact, layout, q):
     call("allreduce_onebit", TRANSPORT.allreduce_onebit, x, d, chunk, r1, r2)
-    call("allreduce_topk", TRANSPORT.allreduce_topk, x, d, ratio, exact, r1)
+    call("allreduce_topk", TRANSPORT.allreduce_topk, x, d, ratio, exact, r1, r2)
     call("allreduce_lowrank", TRANSPORT.allreduce_lowrank, x, d,
          torch.tensor(layout, dtype=torch.int64).reshape(-1, 4), q, r1)
 
@@ -155,10 +155,11 @@ def fuzz_transport_p2p(a, b, peer, tag):
 @given(ints, tensors(), st.one_of(st.sampled_from(list(_C.Codec.__members__.values())), st.integers(-2, 8)), ints,
        floats, st.booleans(), opt_tensors, opt_tensors, st.booleans(),
        st.one_of(st.sampled_from(list(_C.Algo.__members__.values())), st.integers(-1, 6)), node_lists, node_lists,
-       floats)
-def fuzz_engine(index, buf, codec, chunk, ratio, exact, res, sres, last, algo, order, nodes, batch):
+       floats, opt_tensors)
+def fuzz_engine(index, buf, codec, chunk, ratio, exact, res, sres, last, algo, order, nodes, batch, denominator):
     def submit():
-        ENGINE.submit_bucket(index, buf, codec, chunk, ratio, exact, res, sres, last, None, None, algo).wait()
+        ENGINE.submit_bucket(index, buf, codec, chunk, ratio, exact, res, sres, last, None, None, algo,
+                             update_denominator=denominator).wait()
     call("Engine.submit_bucket", submit)
     call("Engine.set_topology", ENGINE.set_topology, order, nodes)
     call("Engine.submit_batch_size", lambda: ENGINE.submit_batch_size(batch).wait())

@@ -53,10 +53,12 @@ def words_as_uint32(words_int32: torch.Tensor) -> torch.Tensor:
     return words_int32.long() & 0xFFFFFFFF
 
 
-def topk(grad, residual, divisor, k):
-    """Exact top-k by |x|, ties to the lowest index; returns (idx ascending, val, new residual)."""
+def topk(grad, residual, divisor, k, denominator=None):
+    """Exact top-k by |x| (by |x| / denominator where given), ties to the lowest index; returns (idx ascending,
+    val, new residual)."""
     x = ef_input(grad, residual, divisor)
-    order = torch.sort(x.abs(), descending=True, stable=True).indices[:k]
+    rank_by = x.abs() if denominator is None else x.abs() / denominator
+    order = torch.sort(rank_by, descending=True, stable=True).indices[:k]
     idx = torch.sort(order).values
     new_res = None
     if residual is not None:

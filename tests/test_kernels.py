@@ -110,6 +110,43 @@ def test_topk_exact_matches_reference(device, n, ratio):
         assert val.abs().min() >= res.abs().max()
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_topk_by_the_update_ranks_by_magnitude_over_denominator_and_sends_the_values(device, n, with_residual):
+    g = _data(n, device=device)
+    e = _data(n, seed=3, device=device) * 0.5 if with_residual else None
+    d = (torch.rand(n, generator=torch.Generator().manual_seed(5)) + 0.05).to(device)
+    k = ops.topk_count(n, 0.05)
+    want_idx, want_val, want_res = ref.topk(g.cpu(), None if e is None else e.cpu(), 2.0, k, denominator=d.cpu())
+    res = None if e is None else e.clone()
+    idx, val = ops.topk_encode(g, res, 2.0, k, exact=True, denominator=d)
+    assert torch.equal(idx.cpu().long(), want_idx)
+    assert torch.equal(val.cpu(), want_val)
+    if e is not None:
+        assert torch.equal(res.cpu(), want_res)
+    # the denominator changes the choice (not only |x|'s largest), and a uniform one does not
+    plain = ref.topk(g.cpu(), None if e is None else e.cpu(), 2.0, k)[0]
+    if k < n:
+        assert not torch.equal(idx.cpu().long(), plain)
+    idx1, _ = ops.topk_encode(g, None if e is None else e.clone(), 2.0, k, exact=True,
+                              denominator=torch.full((n,), 3.0, device=device))
+    assert torch.equal(idx1.cpu().long(), plain)
+    # sampled: a top set by |x| / d, about k
+    res = torch.zeros(n, device=device)
+    idx, val = ops.topk_encode(g, res, 1.0, k, exact=False, denominator=d)
+    assert 0.8 * k <= idx.numel() <= k
+    assert (val.abs() / d[idx.long()]).min() >= (res.abs() / d).max()
+
+
+def test_topk_denominator_is_checked():
+    with pytest.raises(ValueError, match="denominator must hold grad's numel = 10 elements, got 9"):
+        ops.topk_encode(torch.randn(10), None, k=2, denominator=torch.ones(9))
+    with pytest.raises(TypeError, match="denominator must be float32"):
+        ops.topk_encode(torch.randn(10), None, k=2, denominator=torch.ones(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="denominator must be contiguous"):
+        ops.topk_encode(torch.randn(10), None, k=2, denominator=torch.ones(20)[::2])
+
+
 def test_topk_ties_go_to_lowest_index(device):
     g = torch.tensor([1.0, -2.0, 2.0, 0.5, -2.0, 2.0], device=device)
     idx, val = ops.topk_encode(g, None, 1.0, 3, exact=True)

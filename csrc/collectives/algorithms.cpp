@@ -329,7 +329,10 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
         allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces);
         break;
       case Codec::kTopK:
-        allreduce_topk(across, shard, 1.0, inter.topk_ratio, inter.topk_exact, inter.residual, timer);
+        allreduce_topk(across, shard, 1.0, inter.topk_ratio, inter.topk_exact, inter.residual, timer,
+                       inter.update_denominator.defined()
+                           ? inter.update_denominator.narrow(0, b[l.local_index], shard.numel())
+                                                   : at::Tensor());
         break;
       default:
         TORCH_CHECK_VALUE(false, "hetcomm: the hierarchical all-reduce carries none, onebit, fp8 or topk across "

@@ -102,6 +102,7 @@ struct InterOptions {
   bool topk_exact = true;
   int64_t pieces = 0;  // of the onebit / fp8 exchange (0: by its size, see allreduce_onebit)
   at::Tensor residual, server_residual;
+  at::Tensor update_denominator;  // top-k's, the whole bucket's (undefined: none); each rank's shard takes its part
   CodecTimer* timer = nullptr;  // where the inter-node codec's time is added (the reducer's, for stats())
 };
 void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of,

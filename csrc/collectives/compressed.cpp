@@ -273,7 +273,7 @@ void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, c
 }
 
 void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,
-                    CodecTimer& timer) {
+                    CodecTimer& timer, const at::Tensor& denominator) {
   const int w = t.size();
   const int64_t n = x.numel();
   const int64_t k = ops::topk_count(n, ratio);
@@ -282,7 +282,7 @@ void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, b
   at::Tensor msg = at::zeros({ints}, x.options().dtype(at::kInt));
   {
     Timed _(timer);
-    auto [idx, val] = ops::topk_encode(x, residual, divisor, k, exact);
+    auto [idx, val] = ops::topk_encode(x, residual, divisor, k, exact, denominator);
     const int64_t count = idx.numel();
     msg.narrow(0, 0, 1).fill_(static_cast<int32_t>(count));
     msg.narrow(0, 1, count).copy_(idx);

@@ -74,9 +74,10 @@ int64_t onebit_segment_numel(int64_t n, int world, int rank);
 // Where that segment starts in x.
 int64_t onebit_segment_offset(int64_t n, int world, int rank);
 
-// Top-k all-gather all-reduce (x float32, contiguous). residual may be undefined.
+// Top-k all-gather all-reduce (x float32, contiguous). residual may be undefined; denominator
+// (undefined, or one float32 per element of x) ranks the entries by |x| / denominator (ops::topk_encode).
 void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,
-                    CodecTimer& timer);
+                    CodecTimer& timer, const at::Tensor& denominator = at::Tensor());
 
 }  // namespace collectives
 }  // namespace hetcomm

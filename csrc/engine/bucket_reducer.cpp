@@ -153,6 +153,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         inter.chunk = job.chunk;
         inter.topk_ratio = job.topk_ratio;
         inter.topk_exact = job.topk_exact;
+        inter.update_denominator = job.update_denominator;
         inter.residual = job.residual;
         inter.server_residual = job.server_residual;
         inter.timer = &codec_;
@@ -169,7 +170,8 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         // error feedback keeps what this rank's share of the sum (its batch weight, not the loss scale) missed
         collectives::allreduce_lowrank(t, x, divisor, job.layout, job.q_state, job.residual, codec_, 1.0 / divisor_);
       else
-        collectives::allreduce_topk(t, x, divisor, job.topk_ratio, job.topk_exact, job.residual, codec_);
+        collectives::allreduce_topk(t, x, divisor, job.topk_ratio, job.topk_exact, job.residual, codec_,
+                                    job.update_denominator);
       if (job.momentum.defined() && folded == nullptr) ops::momentum_handoff(x, job.momentum, job.beta);
       if (!x.is_same(buf)) buf.copy_(x);
       break;

@@ -28,6 +28,9 @@ struct BucketJob {
   int64_t chunk = 2048;
   double topk_ratio = 0.01;
   bool topk_exact = true;
+  // An attached Adam's per-element sqrt(v) + eps (float32, the bucket's numel; may be undefined):
+  // top-k ranks the entries by |x| / it (the update each would make, not the momentum).
+  at::Tensor update_denominator;
   at::Tensor residual;         // worker / top-k residual, float32, may be undefined
   at::Tensor server_residual;  // onebit and fp8 only, may be undefined
   at::Tensor layout;           // lowrank only: int64 [k, 4]

@@ -135,6 +135,13 @@ FuturePtr Engine::submit_bucket(BucketJob job) {
   const int64_t n = job.buffer.numel();
   TORCH_CHECK_VALUE(!job.momentum.defined() || job.momentum.numel() == n, "hetcomm: momentum must have the bucket's ",
                     n, " elements");
+  TORCH_CHECK_VALUE(!job.update_denominator.defined() ||
+                        (job.update_denominator.numel() == n && job.update_denominator.scalar_type() == at::kFloat &&
+                         job.update_denominator.is_contiguous() && job.update_denominator.device() == job.buffer.device()),
+                    "hetcomm: update_denominator must be contiguous float32 with the bucket's ", n,
+                    " elements, on the bucket's device");
+  TORCH_CHECK_VALUE(!job.update_denominator.defined() || job.codec == Codec::kTopK,
+                    "hetcomm: update_denominator ranks top-k's entries; it is for codec topk only");
   TORCH_CHECK_VALUE(!job.carry.defined() || job.carry.numel() == n, "hetcomm: carry must have the bucket's ", n,
                     " elements");
   for (const at::Tensor* s : {&job.residual, &job.server_residual, &job.q_state, &job.momentum, &job.carry}) {

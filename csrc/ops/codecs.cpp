@@ -235,14 +235,32 @@ at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
-                                               int64_t kk, bool exact) {
+                                               int64_t kk, bool exact, const at::Tensor& denominator) {
   check_divisor(divisor);
   TORCH_CHECK_VALUE(kk >= 0 && kk <= grad.numel(), "hetcomm: k must be in [0, grad.numel() = ", grad.numel(),
                     "], got ", kk);
   const at::Tensor g = as_float32(grad, "grad");
   check_residual(residual, g);
-  HC_RUN(g, "grad", return cpu::topk_encode(g, residual, divisor, kk, exact),
-         return cuda::topk_encode(g, residual, divisor, kk, exact));
+  if (!denominator.defined()) {
+    HC_RUN(g, "grad", return cpu::topk_encode(g, residual, divisor, kk, exact),
+           return cuda::topk_encode(g, residual, divisor, kk, exact));
+  }
+  check_buffer(denominator, "denominator", g, at::kFloat, g.numel(), "grad's numel", true);
+  // x as the plain encoder makes it (k = 0: the accumulation alone), ranked by |x| / denominator
+  at::Tensor x = residual;
+  if (residual.defined()) {
+    HC_RUN(g, "grad", cpu::topk_encode(g, residual, divisor, 0, exact), cuda::topk_encode(g, residual, divisor, 0, exact));
+  } else {
+    x = g / divisor;
+  }
+  const at::Tensor rank_by = x.abs().div_(denominator.view({-1}));
+  at::Tensor idx;
+  HC_RUN(g, "grad", idx = std::get<0>(cpu::topk_encode(rank_by, at::Tensor(), 1.0, kk, exact)),
+         idx = std::get<0>(cuda::topk_encode(rank_by, at::Tensor(), 1.0, kk, exact)));
+  const at::Tensor where = idx.to(at::kLong);
+  at::Tensor val = x.index_select(0, where);
+  if (residual.defined()) residual.index_fill_(0, where, 0.0);
+  return {idx, val};
 }
 
 at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha) {

@@ -36,8 +36,12 @@ at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t
 
 // x = grad / divisor + residual; the k largest |x| -> (idx int32, val float32), ascending index.
 // The residual keeps the rest. exact=false uses the sampled threshold (about k, at most k).
+// denominator (optional, float32 > 0, one per element): the k largest |x| / denominator are
+// chosen instead (values still x's): an attached Adam's sqrt(v) + eps, so that the entries
+// whose update is largest go first, not those whose momentum is.
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual,
-                                               double divisor, int64_t k, bool exact);
+                                               double divisor, int64_t k, bool exact,
+                                               const at::Tensor& denominator = at::Tensor());
 // out[idx] += alpha * val, sequentially. Returns out.
 at::Tensor scatter_add(const at::Tensor& idx, const at::Tensor& val, at::Tensor out, double alpha);
 
