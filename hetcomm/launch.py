@@ -13,6 +13,7 @@ watches processes.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import time
@@ -42,7 +43,12 @@ def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo"):
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(tmp, f"result_{rank}.pt"))
-        # Without a barrier before destroy, gloo sometimes aborts at exit.
+        del result
+        # What fn built and a reference cycle keeps (DDP and a comm hook's state hold the group) is freed
+        # now, while the group lives: freed at interpreter exit, gloo's threads abort the process
+        # ("terminate called without an active exception"). And without a barrier before destroy, gloo
+        # sometimes aborts at exit.
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
