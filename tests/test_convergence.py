@@ -235,6 +235,37 @@ def test_the_engine_checks_the_update_denominator():
     assert buf.tolist() == [0.0, -1.0, 0.0, 2.0]
 
 
+def _hierarchical_topk_by_the_update(rank, world):
+    engine = hetcomm._C.Engine(torch.distributed.group.WORLD)
+    engine.set_topology([0, 1, 2, 3], [0, 0, 1, 1])  # 2 nodes x 2 ranks
+    x = torch.randn(40, generator=torch.Generator().manual_seed(rank))
+    d = torch.rand(40, generator=torch.Generator().manual_seed(99)) * 10 + 0.1  # the same on every rank
+    out = x.clone()
+    engine.submit_bucket(0, out, hetcomm._C.Codec.topk, 2048, 0.25, True, None, None, True,
+                         algorithm=hetcomm._C.Algo.hierarchical, update_denominator=d).wait()
+    engine.close()
+    return x, d, out
+
+
+def test_hierarchical_top_k_ranks_each_shard_by_its_part_of_the_denominator():
+    # Inside a node exact (reduce-scatter into 2 shards of 20), across nodes top-k of each shard of the
+    # node's sum by |x| / d, d's entries those of the shard; the mean over the 4 ranks.
+    runs = run_ranks(_hierarchical_topk_by_the_update, 4)
+    d = runs[0][1]
+    want, by_magnitude = torch.zeros(40), torch.zeros(40)
+    for node in ((0, 1), (2, 3)):
+        s = (runs[node[0]][0] + runs[node[1]][0]) / 4
+        for lo, hi in ((0, 20), (20, 40)):
+            k = hetcomm.ops.topk_count(hi - lo, 0.25)
+            idx, val, _ = ref.topk(s[lo:hi], None, 1.0, k, denominator=d[lo:hi])
+            want[lo + idx] += val
+            idx, val, _ = ref.topk(s[lo:hi], None, 1.0, k)
+            by_magnitude[lo + idx] += val
+    for _, _, out in runs:
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(want, by_magnitude)  # the denominator changed what was sent: the test can fail
+
+
 def _frozen_variance_without_floor(rank, world):
     # A ReLU network's dead units have zero variance at the exact steps while
     # onebit's momentum is not zero there: without the floor, the first step

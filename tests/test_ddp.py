@@ -256,6 +256,7 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
 RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"),
                 ("small", "lowrank", "sgd"), ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"),
                 ("default", "onebit", "sgd-attach"), ("small", "onebit", "adamw-attach"), ("small", "fp8", "sgd-attach"),
+                ("small", "topk", "adamw-attach"),  # top-k by the update: its denominator from the resumed optimizer
                 ("small", "onebit", "sgd-warmup"), ("small", "onebit", "hetcomm-adamw-warmup")]
 
 
