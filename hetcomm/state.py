@@ -245,7 +245,9 @@ class HookState(BucketSteps, Negotiation):
         doublings alone rests on a few dozen samples: 1 point of accuracy on
         digits, measured in the README); torch's sees every step's compressed
         difference (noisier, smaller steps). ``exact_every`` must be 0 or None
-        with SGD.
+        with SGD. With an Adam, top-k sends the momentum's entries with the
+        largest update, ``|m| / (sqrt(v) + eps)`` as the optimizer's next
+        step divides, not the largest ``|m|``.
 
         ``total_steps`` (the whole run's optimizer steps, as an LR schedule
         takes them; the same again when resuming): the first
