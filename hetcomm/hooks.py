@@ -68,6 +68,18 @@ def _owning_ddp(param: torch.Tensor, depth: int = 4):
     return None
 
 
+def _as_bucket(bucket: buckets.Bucket, buf: torch.Tensor, parts, fill: float) -> torch.Tensor:
+    """Per-parameter tensors (optimizer state, one per gradient of the
+    bucket, None where there is none) laid out as their gradients are in the
+    bucket's buffer: float32, ``fill`` elsewhere."""
+    out = torch.full((buf.numel(),), fill, dtype=torch.float32, device=buf.device)
+    for g, part in zip(bucket.grads, parts):
+        if part is not None:
+            off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+            out.narrow(0, off, g.numel()).copy_(part.detach().reshape(-1))
+    return out
+
+
 class BucketSteps:
     """The per-bucket half of :class:`hetcomm.HookState` (which holds the
     options, the engine, the planner and the per-bucket state it uses)."""
@@ -197,16 +209,13 @@ class BucketSteps:
         opt = self._optimizer() if self._optimizer is not None else None
         sgd = self._attached == "sgd"
         name, scale = ("momentum_buffer", 1.0) if sgd else ("exp_avg", 1.0 / (1.0 - self._beta))
-        m = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
-        for n, g in zip(bucket.sig, bucket.grads):
+        parts = []
+        for n in bucket.sig:
             param = self._buckets.params.param(n)
-            mb = opt.state.get(param, {}).get(name) if opt is not None and param is not None else None
-            if mb is not None:
-                off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
-                part = m.narrow(0, off, g.numel())
-                part.copy_(mb.detach().reshape(-1))
-                if scale != 1.0:
-                    part.mul_(scale)
+            parts.append(opt.state.get(param, {}).get(name) if opt is not None and param is not None else None)
+        m = _as_bucket(bucket, buf, parts, 0.0)
+        if scale != 1.0:
+            m.mul_(scale)
         return m
 
     def _update_denominator(self, bucket: buckets.Bucket, buf: torch.Tensor, key: str):
@@ -234,10 +243,7 @@ class BucketSteps:
         denominators = optim.update_denominators(opt, params)
         if any(d is None for d in denominators):
             return None
-        out = torch.ones(buf.numel(), dtype=torch.float32, device=buf.device)  # (1 where the bucket has padding)
-        for g, d in zip(bucket.grads, denominators):
-            off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
-            out.narrow(0, off, g.numel()).copy_(d.detach().reshape(-1))
+        out = _as_bucket(bucket, buf, denominators, 1.0)  # (1 where the bucket has padding)
         self._buckets.denominators[key] = (version, out)
         return out
 
