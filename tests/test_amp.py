@@ -27,11 +27,16 @@ def _mixed_runs(rank, world):
             ("mixed", "topk+m"), ("fp32", "lowrank"), ("mixed", "lowrank"), ("fp32", "onebit+m"), ("mixed", "onebit+m"),
             ("fp32", "onebit+m-w8"), ("mixed", "onebit+m-w8"), ("naive", "-")]
     out = {}
-    for config, mode in runs:
+    # top-k of an attached hetcomm AdamW's momentum, ranked by the update (the optimizer's
+    # denominator): the overflow at step 40 falls on a top-k step (exact ones: 2 + 2**j - 1, every 16th)
+    runs += [("fp32", "topk+m/adamw"), ("mixed", "topk+m/adamw")]
+    for config, spec in runs:
+        mode, _, optim = spec.partition("/")
         # -w8: a warm-up to step 60 with its gradient in fp8, so the overflow at step 40 falls inside it
-        r = bench.train(rank, world, config, mode, steps=STEPS, overflow_at=OVERFLOW, eval_every=STEPS,
+        r = bench.train(rank, world, config, mode, optim=optim or "sgd", steps=STEPS, overflow_at=OVERFLOW,
+                        eval_every=STEPS,
                         options={"topk_ratio": 0.05, **({"start_iter": 60} if mode.endswith("-w8") else {})})
-        out[(config, mode.replace("+m", ""))] = r
+        out[(config, spec.replace("+m", "").replace("/", "-"))] = r
     # the hierarchical algorithm (2 nodes of one rank): onebit compressed across nodes
     os.environ[topology.ENV_NODE] = f"node{rank}"
     for config in ("fp32", "mixed"):
@@ -55,7 +60,8 @@ def test_mixed_bf16_fp16_ranks_stay_identical_and_skip_overflows_together(mixed_
         if "fp16" in r["precisions"]:
             assert OVERFLOW in r["skipped"], (config, mode)  # the fp16 rank's overflow skipped both ranks
             # ... whatever the bucket's wire at that step: the compressed one, or the fp8 warm-up's
-            wire = {"onebit": "onebit", "onebit-w8": "fp8", "onebit-hierarchical": "onebit"}.get(mode)
+            wire = {"onebit": "onebit", "onebit-w8": "fp8", "onebit-hierarchical": "onebit",
+                    "topk-adamw": "topk"}.get(mode)
             assert wire is None or wire in r["overflow_wires"], (config, mode, r["overflow_wires"])
         else:
             assert r["skipped"] == []
@@ -69,7 +75,7 @@ def test_mixed_precision_trains_like_fp32(mixed_runs):
     for mode in ("none", "fp16"):
         assert mixed_runs[("mixed", mode)]["final_loss"] <= 1.05 * fp32, losses
     assert mixed_runs[("fp16", "none")]["final_loss"] <= 1.05 * fp32, losses
-    for mode in ("topk", "lowrank", "onebit", "onebit-w8", "onebit-hierarchical"):
+    for mode in ("topk", "lowrank", "onebit", "onebit-w8", "onebit-hierarchical", "topk-adamw"):
         assert mixed_runs[("mixed", mode)]["final_loss"] <= 1.05 * mixed_runs[("fp32", mode)]["final_loss"], str(losses)
 
 
