@@ -203,6 +203,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "submit_config", [](Engine& e, at::Tensor config) { return wrap_future(e.submit_config(config)); },
           py::arg("config"))
+      .def(
+          "submit_sum", [](Engine& e, at::Tensor x) { return wrap_future(e.submit_sum(x)); }, py::arg("x"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)

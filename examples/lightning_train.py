@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--warmup-compression", choices=("none", "fp8"),
                    help="the warm-up's wire (attach_optimizer's warmup_compression; default: its default, fp8 "
                         "since the strategy passes the fit's length)")
+    p.add_argument("--clip", type=float, default=None,
+                   help="Trainer(gradient_clip_val=...): clipped by the reduced gradient's norm through hetcomm")
     args = p.parse_args()
 
     x, y, x_test, y_test = load_digits()
@@ -55,7 +57,7 @@ def main() -> None:
                                   attach_optimizer={"warmup_compression": args.warmup_compression})
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=args.out)
+                         enable_model_summary=False, default_root_dir=args.out, gradient_clip_val=args.clip)
     model = Digits(args.lr)
     ckpt = os.path.join(args.out, "last.ckpt")
     trainer.fit(model, loader, ckpt_path=ckpt if args.resume else None)
@@ -69,7 +71,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         stats = state.stats()
         result = {"hook_steps": state.iter, "global_step": trainer.global_step, "accuracy": acc,
-                  "start_iter": state.start_iter,
+                  "start_iter": state.start_iter, "clip": stats.get("clip"),
                   "bytes_sent": stats["total"]["bytes_sent"], "fp32_bytes": stats["total"]["fp32_bytes"],
                   "replicas_identical": all(torch.equal(flat, f) for f in every)}
         print(json.dumps(result))

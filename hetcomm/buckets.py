@@ -100,6 +100,8 @@ class BucketStates:
         self.layouts: Dict[str, torch.Tensor] = {}
         #: top-k under an attached Adam: (variance versions, its update's denominator), derived (not saved)
         self.denominators: Dict[str, Tuple[tuple, torch.Tensor]] = {}
+        #: HookState.clip_grad_norm_'s sketch: each bucket's random signs (+-1.0), derived from its key (not saved)
+        self.sketch_signs: Dict[str, torch.Tensor] = {}
         #: signatures of the buckets of the last complete step, in order
         self.step_layout: List[Signature] = []
         self._current: List[Signature] = []
@@ -137,7 +139,7 @@ class BucketStates:
         self.momentum = restore(sd.get("momentum", {}))
         self.carry, self._carry_sent = restore(sd.get("carry", {})), {}
         self.plan_of = {str(k): (str(m), bool(h)) for k, (m, h) in sd.get("plans", {}).items()}
-        self.layouts, self.denominators = {}, {}
+        self.layouts, self.denominators, self.sketch_signs = {}, {}, {}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
         self.step_layout = layout
         self.replay_layout = layout if layout and (self.has_state() or keyed_elsewhere) else None
@@ -289,7 +291,7 @@ class BucketStates:
         keep = self.touched | self.prev_touched
         if self.touched:
             for store in (self.residuals, self.server_residuals, self.lowrank_q, self.momentum, self.carry,
-                          self.plan_of, self.denominators):
+                          self.plan_of, self.denominators, self.sketch_signs):
                 for key in [k for k in store if k not in keep]:
                     del store[key]
         self.prev_touched, self.touched = self.touched, set()

@@ -41,7 +41,7 @@ def _bench(args) -> None:
 
         train.main(ranks=args.ranks, tasks=args.tasks, optims=args.optims, modes=args.modes, scale=args.scale,
                    eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale,
-                   seeds=args.seeds)
+                   seeds=args.seeds, clip=args.clip_grad_norm, clip_handed=args.clip_handed)
     elif args.what == "precision":
         from .benchmarks import precision
 
@@ -338,6 +338,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--eval-every", type=positive_int, default=20, help="steps between quality measurements")
     tr.add_argument("--seeds", type=positive_int, default=1,
                     help="runs per mode with different initialisation and data order; >1 adds a table of means")
+    tr.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="C",
+                    help="clip every step's gradients at norm C (hetcomm's modes by the reduced gradient's norm: "
+                         "HookState.clip_grad_norm_)")
+    tr.add_argument("--clip-handed", action="store_true",
+                    help="with --clip-grad-norm: hetcomm's modes clip with torch.nn.utils.clip_grad_norm_ too, by "
+                         "the handed gradient's norm (what a loop written for plain DDP does)")
     tr.add_argument("--json", type=writable_path, default=None, metavar="PATH")
     tr.add_argument("--plot", "--png", dest="png", type=writable_path, default=None, metavar="PATH",
                     help="quality against time per mode, as a PNG (needs matplotlib)")

@@ -11,7 +11,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from . import _C, buckets, options
+from . import _C, buckets, clip, options
 from .options import COMPRESSED
 
 log = logging.getLogger("hetcomm")
@@ -139,6 +139,8 @@ class BucketSteps:
             if scale != self._loss_scale:
                 self._loss_scale = scale
                 engine.set_loss_scale(scale)
+        weight = self._local_batch if self._weighted and self._local_batch is not None else 1.0
+        self._sketch.begin_step(self.iter, weight, self._loss_scale)
         if self._weighted:
             if self._local_batch is None:
                 raise RuntimeError(
@@ -278,6 +280,12 @@ class BucketSteps:
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
+        if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
+            if self._sketch.on:
+                self._sketch.add(key, buf, [self._buckets.params.param(n) for n in bucket.sig],
+                                 self._buckets.sketch_signs)
+            else:
+                self._sketch.unsketched = True
         denominator = None
         if momentum is not None and p.mode == "topk" and self._attached in ("hetcomm-adamw", "adam"):
             denominator = self._update_denominator(bucket, buf, key)

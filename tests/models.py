@@ -44,13 +44,27 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()]).cpu()
 
 
-def train_step(ddp, opt, rank, step, size, state=None):
+def full_batch_grad(params: torch.Tensor, batches, hidden: int = 64) -> torch.Tensor:
+    """The single-process reference: the gradient of the mean loss over all
+    ``batches`` ((x, y) pairs: every rank's) of ``mlp(hidden=hidden)`` at the
+    flat ``params``."""
+    model = mlp(hidden=hidden)
+    torch.nn.utils.vector_to_parameters(params, model.parameters())
+    xs, ys = zip(*batches)
+    nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+    return flat_grads(model)
+
+
+def train_step(ddp, opt, rank, step, size, state=None, before_step=None):
+    """One step; ``before_step()`` runs between backward and the optimizer's step (clipping)."""
     x, y = batch(rank, step, size)
     dev = next(ddp.parameters()).device
     if state is not None:
         state.set_local_batch_size(size)
     opt.zero_grad(set_to_none=False)
     nn.functional.cross_entropy(ddp(x.to(dev)), y.to(dev)).backward()
+    if before_step is not None:
+        before_step()
     opt.step()
 
 

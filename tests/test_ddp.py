@@ -75,11 +75,7 @@ def _weighted_grads(rank, world, mode, device="cpu"):
 
 
 def _full_batch_grad(params, step, world):
-    model = models.mlp()
-    torch.nn.utils.vector_to_parameters(params, model.parameters())
-    xs, ys = zip(*[models.batch(r, step, SIZES[(r + step) % world]) for r in range(world)])
-    torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
-    return models.flat_grads(model)
+    return models.full_batch_grad(params, [models.batch(r, step, SIZES[(r + step) % world]) for r in range(world)])
 
 
 def check_weighted(results, mode, exact_tol=1e-6):
@@ -133,6 +129,73 @@ def test_unequal_batches_give_the_full_batch_gradient_and_identical_replicas(pla
         pytest.skip("bf16 needs compute capability >= 8.0")
     # GPU matmuls differ from the CPU reference by more than the CPU's 1e-6
     check_weighted([r[mode] for r in weighted_runs], mode, 1e-6 if place.device == "cpu" else 1e-5)
+
+
+ACCUMULATE = [(2, 3, 1), (4, 1, 2), (1, 1, 5)]  # each rank's micro-batches of one optimizer step
+ACCUMULATE_STEPS = 4
+
+
+def _accumulate(rank, world, mode, attach):
+    """Gradient accumulation as users write it: ``ddp.no_sync()`` around
+    every micro-batch but the last of a step, each micro-batch's loss weighted
+    by its share of the rank's samples, ``set_local_batch_size`` the rank's
+    total (unequal across ranks). ``attach``: SGD-momentum attached."""
+    from contextlib import nullcontext
+
+    model = models.mlp()
+    ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
+    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=2)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9 if attach else 0.0)
+    if attach:
+        state.attach_optimizer(opt)
+    sizes = ACCUMULATE[rank]
+    out = {"grads": [], "params": []}
+    for step in range(ACCUMULATE_STEPS):
+        out["params"].append(models.flat_params(model))
+        opt.zero_grad()
+        state.set_local_batch_size(sum(sizes))
+        for i, n in enumerate(sizes):
+            x, y = models.batch(rank, 10 * step + i, n)
+            with ddp.no_sync() if i + 1 < len(sizes) else nullcontext():
+                (torch.nn.functional.cross_entropy(ddp(x), y) * (n / sum(sizes))).backward()
+        out["grads"].append(models.flat_grads(model))
+        opt.step()
+    out["stats"] = state.stats()
+    return out
+
+
+def _accumulated_full_batch_grad(params, step, world):
+    return models.full_batch_grad(params, [models.batch(r, 10 * step + i, n) for r in range(world)
+                                           for i, n in enumerate(ACCUMULATE[r])])
+
+
+ACCUMULATE_CASES = [("none", False), ("onebit", False), ("topk", False), ("onebit", True), ("topk", True)]
+
+
+@pytest.fixture(scope="module")
+def accumulated_runs():
+    return {case: run_ranks(_accumulate, 3, *case) for case in ACCUMULATE_CASES}
+
+
+@pytest.mark.parametrize("mode,attach", ACCUMULATE_CASES)
+def test_gradient_accumulation_with_no_sync_reduces_once_per_step(accumulated_runs, mode, attach):
+    """The hook runs once per optimizer step (not per micro-batch): the
+    uncompressed steps give the full-batch gradient of every rank's
+    micro-batches, weighted by the ranks' totals; replicas stay identical."""
+    results = accumulated_runs[(mode, attach)]
+    for step in range(ACCUMULATE_STEPS):
+        for r in results[1:]:
+            assert torch.equal(r["grads"][step], results[0]["grads"][step]), (mode, attach, step)
+            assert torch.equal(r["params"][step], results[0]["params"][step]), (mode, attach, step)
+    stats = results[0]["stats"]
+    assert stats["iter"] == ACCUMULATE_STEPS
+    for step in range(ACCUMULATE_STEPS if mode == "none" else 2):  # start_iter=2
+        want = _accumulated_full_batch_grad(results[0]["params"][step], step, len(results))
+        rel = (results[0]["grads"][step] - want).norm() / want.norm()
+        assert rel <= 1e-6, (mode, attach, step, rel.item())
+    if mode != "none":
+        assert stats["last_step"]["compression_ratio"] > 3
 
 
 @pytest.mark.parametrize("mode", ["onebit", "topk"])
@@ -224,7 +287,7 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
     ddp.register_comm_hook(state, hetcomm.hook)
     if opt_name.startswith("sgd"):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        if opt_name == "sgd-attach":  # momentum compression: the per-bucket momentum is resumed too
+        if opt_name.startswith("sgd-attach"):  # momentum compression: the per-bucket momentum is resumed too
             state.attach_optimizer(opt)
     elif opt_name == "hetcomm-adamw-warmup":
         opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -243,21 +306,27 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
         opt.load_state_dict(ck["opt"])
         state.load_state_dict(ck["hetcomm"])
     layouts, wires = [], []
+    norms = []
+
+    def clip():  # clipped by the reduced gradient's norm: sketched from the resumed step on
+        norms.append(state.clip_grad_norm_(model.parameters(), 0.3).item())
+
     for step in range(start, stop):
-        models.train_step(ddp, opt, rank, step, 16)
+        models.train_step(ddp, opt, rank, step, 16, before_step=clip if opt_name.endswith("-clip") else None)
         layouts.append(list(state._buckets.step_layout))
         wires.append(sorted({p.mode for p in state.last_plans.values()}))
         if step + 1 == save_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()}, path)
     return {"params": models.flat_params(model), "residual_keys": sorted(state.state_dict()["residuals"]),
-            "layouts": layouts, "wires": wires}
+            "layouts": layouts, "wires": wires, "norms": norms, "clip": state.stats().get("clip")}
 
 
 RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"),
                 ("small", "lowrank", "sgd"), ("default", "onebit", "adamw"), ("default", "lowrank", "sgd"),
                 ("default", "onebit", "sgd-attach"), ("small", "onebit", "adamw-attach"), ("small", "fp8", "sgd-attach"),
                 ("small", "topk", "adamw-attach"),  # top-k by the update: its denominator from the resumed optimizer
-                ("small", "onebit", "sgd-warmup"), ("small", "onebit", "hetcomm-adamw-warmup")]
+                ("small", "onebit", "sgd-warmup"), ("small", "onebit", "hetcomm-adamw-warmup"),
+                ("small", "onebit", "sgd-attach-clip")]
 
 
 def _resume_cases(rank, world, ckpt_dir):
@@ -297,6 +366,9 @@ def test_resume_from_state_dict_continues_bit_for_bit(resumed_runs, kind, mode, 
         after = ["onebit" in w for w in straight["wires"][12:]]  # (an Adam's exact steps 12, 13, 15 go in fp32)
         assert (any(after) if "adamw" in opt_name else all(after)), straight["wires"]
         assert resumed["wires"][:4] == [["fp8"]] * 4
+    if opt_name.endswith("-clip"):  # every resumed step clipped by the estimate (the state_dict says to sketch)
+        assert resumed["clip"] == {"calls": 8, "estimated_steps": 8}
+        assert resumed["norms"] == straight["norms"][8:] and min(straight["norms"][8:]) > 0.3
 
 
 def _train_no_resume_state(rank, world, ckpt_dir):

@@ -85,6 +85,12 @@ def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     assert abs(w32["accuracy"] - first["accuracy"]) < 0.05, (w32["accuracy"], first["accuracy"])
     for rank in (0, 1):
         assert os.path.exists(tmp_path / f"last.ckpt.hetcomm-rank{rank}.pt")
+    # Trainer(gradient_clip_val=...) clips through hetcomm: every step, the compressed ones by the sketch
+    (tmp_path / "clip").mkdir()
+    clipped = fit("--epochs", "1", "--clip", "0.5", "--out", str(tmp_path / "clip"))
+    assert clipped["replicas_identical"]
+    assert clipped["clip"] == {"calls": clipped["global_step"],
+                               "estimated_steps": clipped["global_step"] - clipped["start_iter"]}, clipped
     resumed = fit("--epochs", "3", "--resume")
     # The restored state continues the count (iter is saved per rank) and the replicas stay identical.
     assert resumed["global_step"] == first["global_step"] * 3 // 2

@@ -35,6 +35,19 @@ at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
   return all.view({transport_->size(), c.numel()}).cpu();
 }
 
+at::Tensor BucketReducer::sum(const at::Tensor& x) {
+  Transport& t = *transport_;
+  WireCounters& wc = t.counters();
+  const int64_t s0 = wc.bytes_sent, r0 = wc.bytes_recv, c0 = wc.comm_ns;
+  at::Tensor v = x.to(t.device()).contiguous().clone();
+  t.all_reduce_sum(v);
+  t.synchronize();
+  sent_ += wc.bytes_sent - s0;
+  recv_ += wc.bytes_recv - r0;
+  comm_ns_ += wc.comm_ns - c0;
+  return v.cpu();
+}
+
 void BucketReducer::check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int w) {
   TORCH_CHECK_VALUE(ring_order.empty() || static_cast<int>(ring_order.size()) == w, "hetcomm: ring order needs ", w,
                     " ranks");

@@ -63,6 +63,9 @@ class BucketReducer {
   at::Tensor reduce(BucketJob& job);
   // All-gathers an int64 vector: returns [world, numel].
   at::Tensor gather_config(const at::Tensor& config);
+  // Sums a small floating-point vector over the ranks (exact, in its dtype;
+  // counted in the totals): returns the sum on the CPU.
+  at::Tensor sum(const at::Tensor& x);
   // Ring order and node of each rank (from the topology), used by kRing and kHierarchical.
   void set_topology(std::vector<int> ring_order, std::vector<int> node_of);
   static void check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int world);

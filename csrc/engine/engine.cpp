@@ -178,6 +178,14 @@ FuturePtr Engine::submit_config(at::Tensor config) {
   return run([this, config] { return reducer_.gather_config(config); });
 }
 
+FuturePtr Engine::submit_sum(at::Tensor x) {
+  TORCH_CHECK_VALUE(x.dim() == 1 && at::isFloatingType(x.scalar_type()),
+                    "hetcomm: submit_sum takes a 1-D floating-point tensor, got ", x.dim(), "-D ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.numel() <= (int64_t{1} << 20), "hetcomm: submit_sum is for small vectors (<= 2**20 elements), got ",
+                    x.numel());
+  return run([this, x] { return reducer_.sum(x); });
+}
+
 void Engine::set_topology(std::vector<int> order, std::vector<int> node_of) {
   BucketReducer::check_topology(order, node_of, transport_->size());  // here, not on the comm thread
   run([this, order, node_of] {

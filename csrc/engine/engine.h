@@ -56,6 +56,9 @@ class Engine {
   void set_loss_scale(double s);
   // All-gathers an int64 vector: the Future's value is [world, numel].
   FuturePtr submit_config(at::Tensor config);
+  // Sums a small 1-D floating-point vector over the ranks, in order with the
+  // buckets (the gradient-norm sketch of HookState.clip_grad_norm_).
+  FuturePtr submit_sum(at::Tensor x);
   // Applies to buckets submitted after this call (FIFO on the comm thread).
   void set_topology(std::vector<int> order, std::vector<int> node_of);
 

@@ -49,17 +49,32 @@ def _register(ddp, mode: str, opt: torch.optim.Optimizer, steps: int):
     return None, lambda done: m.torch_bytes(ddp.module, dist.get_world_size(), done)
 
 
-def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float) -> Optional[Dict]:
+def _clip(state, model: nn.Module, clip: Optional[float], handed: bool) -> bool:
+    """Clips the step's gradients at norm ``clip`` (None: not at all): by the
+    reduced gradient's norm (hetcomm's HookState.clip_grad_norm_), or with
+    ``handed`` / a PyTorch hook by torch's, of the handed gradient. Whether it clipped."""
+    if clip is None:
+        return False
+    if state is not None and not handed:
+        norm = state.clip_grad_norm_(model.parameters(), clip)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    return bool(norm > clip)
+
+
+def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float,
+         clip: Optional[float] = None, clip_handed: bool = False) -> Optional[Dict]:
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model, **mode_table.get(mode).ddp_options())
     opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
     state, bytes_per_step = _register(ddp, mode, opt, steps)
-    curve, train_s = [], 0.0
+    curve, train_s, clipped = [], 0.0, 0
     for step in range(steps):
         x, y = task.batch_for(step, rank)
         t0 = time.perf_counter()
         opt.zero_grad()
         task.loss(ddp(x), y).backward()
+        clipped += _clip(state, model, clip, clip_handed)
         opt.step()
         train_s += time.perf_counter() - t0
         if (step + 1) % eval_every == 0 or step + 1 == steps:
@@ -81,11 +96,14 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
             "world_size": dist.get_world_size(),
             "curve": curve, "final": final[task.metric], "final_loss": final["loss"],
             "s_per_step": train_s / steps, "bytes_per_step": sent,
+            "clip": None if clip is None else {"max_norm": clip, "by": "handed" if clip_handed or state is None
+                                               else "reduced", "clipped_steps": clipped},
             "finite": math.isfinite(final["loss"])}
 
 
 def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: List[str], scale: float,
-            eval_every: int, lr_scale: float, partial_path: Optional[str] = None, seeds: int = 1) -> List[Dict]:
+            eval_every: int, lr_scale: float, partial_path: Optional[str] = None, seeds: int = 1,
+            clip: Optional[float] = None, clip_handed: bool = False) -> List[Dict]:
     out = []
     for name in tasks:
         task = TASKS[name]()
@@ -94,7 +112,8 @@ def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: L
             for seed in range(seeds):
                 task.seed = seed
                 for mode in modes:
-                    r = _run(rank, task, optim, mode, steps, eval_every, task.lr[optim] * lr_scale)
+                    r = _run(rank, task, optim, mode, steps, eval_every, task.lr[optim] * lr_scale, clip,
+                             clip_handed)
                     if r is not None:
                         plans = r["curve"][-1].get("plans")
                         print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
@@ -181,9 +200,15 @@ def plot(runs: List[Dict], path: str) -> bool:
 
 def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float = 1.0,
         eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None,
-        seeds: int = 1) -> List[Dict]:
+        seeds: int = 1, clip: Optional[float] = None, clip_handed: bool = False) -> List[Dict]:
+    """``clip``: every run clips its gradients at that norm after backward
+    (hetcomm's modes by the reduced gradient's norm, HookState.clip_grad_norm_;
+    with ``clip_handed`` by the handed one's, torch's clip_grad_norm_, as a
+    loop written for plain DDP does)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip must be a finite number > 0 or None, got {clip!r}")
     for name in tasks:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}: choose from {list(TASKS)}")
@@ -194,7 +219,8 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
         mode_table.get(m)
     if REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
-    runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds)
+    runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds,
+                           clip, clip_handed)
     return summarise(runs) if runs is not None else []
 
 
@@ -203,9 +229,10 @@ def _fmt(v, f):
 
 
 def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
-         json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0, seeds: int = 1) -> None:
+         json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0, seeds: int = 1,
+         clip: Optional[float] = None, clip_handed: bool = False) -> None:
     t0 = time.time()
-    runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds)
+    runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds, clip, clip_handed)
     if not runs:  # a rank other than 0 under torchrun / the testbed
         return
     world = runs[0]["world_size"]
@@ -221,7 +248,7 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         row = dict(r, s_per_step=1000 * r["s_per_step"], bytes_per_step=r["bytes_per_step"] / 1000)
         print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
     meta = common.metadata(world, wall_s=time.time() - t0, scale=scale, eval_every=eval_every, lr_scale=lr_scale,
-                           seeds=seeds)
+                           seeds=seeds, clip=clip, clip_handed=clip_handed)
     summary = aggregate(runs)
     if seeds > 1:
         print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean")

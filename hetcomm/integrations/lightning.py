@@ -94,6 +94,7 @@ class HetcommDDPStrategy(DDPStrategy):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
+        self._clip_through_hetcomm()
         if self._attach and self.hook_state is not None:
             if len(self.optimizers) != 1:
                 raise ValueError(f"HetcommDDPStrategy(attach_optimizer=True) needs exactly one optimizer, got "
@@ -101,6 +102,25 @@ class HetcommDDPStrategy(DDPStrategy):
             steps = trainer.estimated_stepping_batches  # the whole fit's optimizer steps (inf: no limit set)
             total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
             self.hook_state.attach_optimizer(self.optimizers[0], **{"total_steps": total, **self._attach_options})
+
+    def _clip_through_hetcomm(self) -> None:
+        """``Trainer(gradient_clip_val=C)`` (by norm) clips by the reduced
+        gradient's norm (:meth:`HookState.clip_grad_norm_`), not by the norm
+        of what a lossy codec handed back: Lightning's precision plugin calls
+        ``torch.nn.utils.clip_grad_norm_``, so its ``clip_grad_by_norm`` is
+        replaced on this strategy's plugin."""
+        plugin = self.precision_plugin
+        if getattr(plugin, "_hetcomm_clip", False):
+            return
+        by_handed = plugin.clip_grad_by_norm
+
+        def clip_grad_by_norm(optimizer, clip_val) -> None:
+            if self.hook_state is None:
+                return by_handed(optimizer, clip_val)
+            self.hook_state.clip_grad_norm_(list(plugin.main_params(optimizer)), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        plugin._hetcomm_clip = True
 
     def teardown(self) -> None:
         # End of fit: stop the comm thread and let go of the state's group (its

@@ -1,0 +1,110 @@
+"""HookState.clip_grad_norm_: clipping by the norm of the gradient the ranks
+reduced (what fp32's all-reduce hands over), not of what a lossy codec
+handed back, checked against a single-process full-batch gradient."""
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
+from hetcomm import clip
+
+from . import models
+from .dist_harness import run_ranks
+
+SIZES = [6, 10, 8]  # samples per rank (batch-size weighting on)
+STEPS, START = 8, 2
+MAX_NORM = 0.5  # below the gradient's norm on most steps: clipping acts
+
+
+def _batch(rank, step):
+    return models.batch(rank, step, SIZES[(rank + step) % len(SIZES)])
+
+
+def _clipped(rank, world, mode, attach):
+    model = models.mlp(hidden=96)
+    ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets
+    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=START, topk_ratio=0.05)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if attach:
+        state.attach_optimizer(opt)
+    out = {"params": [], "handed": [], "norm": [], "clipped": []}
+    for step in range(STEPS):
+        out["params"].append(models.flat_params(model))
+        x, y = _batch(rank, step)
+        state.set_local_batch_size(len(x))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        out["handed"].append(models.flat_grads(model))
+        norm = state.clip_grad_norm_(model.parameters(), MAX_NORM)
+        again = state.clip_grad_norm_(model.parameters(), MAX_NORM)  # the clipped gradient's norm now
+        out["norm"].append((norm.item(), again.item()))
+        out["clipped"].append(models.flat_grads(model))
+        opt.step()
+    errors = out["errors"] = {}
+    for name, call in (("norm_type", lambda: state.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)),
+                       ("max_norm", lambda: state.clip_grad_norm_(model.parameters(), 0.0)),
+                       ("parameters", lambda: state.clip_grad_norm_(list(model.parameters())[:1], 1.0)),
+                       ("type", lambda: state.clip_grad_norm_(3, 1.0))):
+        try:
+            call()
+        except ValueError as e:
+            errors[name] = str(e)
+    out["stats"] = state.stats()
+    state.close()
+    return out
+
+
+def _full_batch_grad(params, step, world):
+    return models.full_batch_grad(params, [_batch(r, step) for r in range(world)], hidden=96)
+
+
+CASES = [("onebit", True), ("topk", True), ("onebit", False), ("lowrank", False), ("fp8", False)]
+
+
+@pytest.fixture(scope="module")
+def clipped_runs():
+    return {case: run_ranks(_clipped, 3, *case) for case in CASES}
+
+
+@pytest.mark.parametrize("mode,attach", CASES)
+def test_clips_by_the_reduced_gradients_norm(clipped_runs, mode, attach):
+    results = clipped_runs[(mode, attach)]
+    r0 = results[0]
+    for r in results[1:]:  # every rank clips alike: replicas stay identical
+        for step in range(STEPS):
+            assert torch.equal(r["clipped"][step], r0["clipped"][step])
+            assert torch.equal(r["params"][step], r0["params"][step])
+    est_err, handed_err = [], []
+    for step in range(STEPS):
+        true = _full_batch_grad(r0["params"][step], step, len(results)).norm().item()
+        handed = r0["handed"][step].norm().item()
+        norm, again = r0["norm"][step]
+        if step < START:  # exact steps: the handed gradient is the reduced one, as torch measures it
+            assert norm == pytest.approx(handed, rel=1e-6)
+            assert norm == pytest.approx(true, rel=1e-5)
+        else:
+            est_err.append(abs(norm - true) / true)
+            handed_err.append(abs(handed - true) / true)
+        coef = min(1.0, MAX_NORM / (norm + 1e-6))
+        torch.testing.assert_close(r0["clipped"][step], r0["handed"][step] * coef, rtol=1e-5, atol=1e-8)
+        assert again == pytest.approx(min(norm, MAX_NORM), rel=1e-4)  # a second call: the clipped norm
+    assert max(est_err) < 0.08, (mode, attach, est_err)
+    if clip.NormSketch.lossy(_plan(mode), attach or None):
+        # the handed gradient's norm is off by more: the estimate is what makes the difference
+        assert sum(handed_err) > 2 * sum(est_err), (mode, attach, handed_err, est_err)
+    assert r0["stats"]["last_step"]["compression_ratio"] > 3
+
+
+def _plan(mode):
+    from hetcomm.plan import BucketPlan
+    return BucketPlan(mode, "native", "fixed")
+
+
+def test_bad_arguments_are_clear_errors(clipped_runs):
+    errors = clipped_runs[("onebit", True)][0]["errors"]
+    assert "norm_type must be 2.0" in errors["norm_type"]
+    assert "max_norm must be a finite number > 0" in errors["max_norm"]
+    assert "parameters must hold every parameter of the compressed buckets" in errors["parameters"]
+    assert "parameters must be a tensor or an iterable of tensors" in errors["type"]
