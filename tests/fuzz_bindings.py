@@ -164,6 +164,7 @@ def fuzz_engine(index, buf, codec, chunk, ratio, exact, res, sres, last, algo, o
     call("Engine.set_topology", ENGINE.set_topology, order, nodes)
     call("Engine.submit_batch_size", lambda: ENGINE.submit_batch_size(batch).wait())
     call("Engine.submit_config", lambda: ENGINE.submit_config(buf.long() if buf.is_floating_point() else buf).wait())
+    call("Engine.submit_sum", lambda: ENGINE.submit_sum(buf).wait())
 
 
 def main():
