@@ -21,7 +21,11 @@ def _batch(rank, step):
     return models.batch(rank, step, SIZES[(rank + step) % len(SIZES)])
 
 
-def _clipped(rank, world, mode, attach):
+def _clipped(rank, world, mode, attach, scaled=False):
+    """``scaled``: loss scaling as a mixed cluster runs it, rank 0 in fp16
+    (hetcomm's GradScaler, scale 2**10; fp32 compute, so the reduced gradient
+    is the reference's), the others at scale 1: the sketch of rank 0's
+    buckets (s g) must count as g."""
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets
     state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=START, topk_ratio=0.05)
@@ -29,19 +33,31 @@ def _clipped(rank, world, mode, attach):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if attach:
         state.attach_optimizer(opt)
+    scaler = None
+    if scaled:
+        scaler = hetcomm.amp.GradScaler(state, "cpu", precision="fp16" if rank == 0 else "fp32", init_scale=2.0 ** 10)
     out = {"params": [], "handed": [], "norm": [], "clipped": []}
     for step in range(STEPS):
         out["params"].append(models.flat_params(model))
         x, y = _batch(rank, step)
         state.set_local_batch_size(len(x))
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
         out["handed"].append(models.flat_grads(model))
         norm = state.clip_grad_norm_(model.parameters(), MAX_NORM)
         again = state.clip_grad_norm_(model.parameters(), MAX_NORM)  # the clipped gradient's norm now
         out["norm"].append((norm.item(), again.item()))
         out["clipped"].append(models.flat_grads(model))
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     errors = out["errors"] = {}
     for name, call in (("norm_type", lambda: state.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)),
                        ("max_norm", lambda: state.clip_grad_norm_(model.parameters(), 0.0)),
@@ -60,7 +76,8 @@ def _full_batch_grad(params, step, world):
     return models.full_batch_grad(params, [_batch(r, step) for r in range(world)], hidden=96)
 
 
-CASES = [("onebit", True), ("topk", True), ("onebit", False), ("lowrank", False), ("fp8", False)]
+CASES = [("onebit", True), ("topk", True), ("onebit", False), ("lowrank", False), ("fp8", False),
+         ("onebit", True, True)]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +85,10 @@ def clipped_runs():
     return {case: run_ranks(_clipped, 3, *case) for case in CASES}
 
 
-@pytest.mark.parametrize("mode,attach", CASES)
-def test_clips_by_the_reduced_gradients_norm(clipped_runs, mode, attach):
-    results = clipped_runs[(mode, attach)]
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_clips_by_the_reduced_gradients_norm(clipped_runs, case):
+    mode, attach = case[:2]
+    results = clipped_runs[case]
     r0 = results[0]
     for r in results[1:]:  # every rank clips alike: replicas stay identical
         for step in range(STEPS):
