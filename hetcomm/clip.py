@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 import zlib
-from typing import Dict, Iterable, List, Optional, Set, Union
+from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -57,10 +58,77 @@ class NormSketch:
         self.warned = False
         self.calls = 0  # clip_grad_norm_ calls so far
         self.estimated_steps = 0  # steps whose norm took the sketch's estimate
+        self.clipped_step = -1  # the step clip_grad_norm_ last ran for
+        #: per lossy bucket of the step: (a parameter, its gradient's view in the bucket's buffer)
+        self.probes: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.warned_rescaled = False
+        self._watch = None  # the handle of the optimizer step pre-hook that looks for a rescaled gradient
 
     def begin_step(self, step: int, weight: float, scale: float) -> None:
         self.step, self.vec, self.params, self.unsketched = step, None, set(), False
-        self.weight, self.scale, self.reduced_sq = weight, scale, None
+        self.weight, self.scale, self.reduced_sq, self.probes = weight, scale, None, []
+
+    def probe(self, param: Optional[torch.Tensor], view: torch.Tensor) -> None:
+        """Remembers where a lossy bucket's handed gradient lies, so that a
+        rescaling of it before ``optimizer.step()`` (torch's clip_grad_norm_
+        on the handed norm) can be told (:meth:`check_rescaled`)."""
+        if param is None or self.warned_rescaled:
+            return
+        self.probes.append((param, view))
+        if self._watch is None:
+            ref = weakref.ref(self)
+
+            def pre_step(optimizer, args, kwargs) -> None:
+                sk = ref()
+                if sk is not None:
+                    try:
+                        sk.check_rescaled()
+                    except Exception:  # a check must never break the user's step
+                        log.debug("hetcomm: the rescaled-gradient check failed", exc_info=True)
+
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._watch = register_optimizer_step_pre_hook(pre_step)
+
+    def check_rescaled(self) -> None:
+        """Before any optimizer's step: warns once if the gradient handed for
+        a lossy bucket was multiplied by a factor below 1 since (by anything
+        but clip_grad_norm_ here). DDP copies the bucket into ``.grad``, so
+        the bucket still holds what was handed; with
+        ``gradient_as_bucket_view=True`` they are one tensor and nothing can be told."""
+        if self.warned_rescaled or not self.probes or self.clipped_step == self.step:
+            return
+        for param, view in self.probes:
+            g = param.grad
+            if g is None or g.data_ptr() == view.data_ptr() or g.shape != view.shape:
+                continue
+            a, b = view.detach().reshape(-1)[:64].double(), g.detach().reshape(-1)[:64].double()
+            aa = float(a.dot(a))
+            if aa == 0.0 or not math.isfinite(aa):
+                continue
+            c = float(a.dot(b)) / aa
+            if 0.0 < c < 1.0 - 1e-6 and float((b - c * a).abs().max()) <= 1e-5 * float(a.abs().max()):
+                self.warned_rescaled = True
+                log.warning(
+                    "hetcomm: after step %d, whose buckets went through a lossy codec, the handed gradients were "
+                    "multiplied by %.4g before optimizer.step(). If that was torch.nn.utils.clip_grad_norm_, it "
+                    "measured the handed gradient (the gradient plus the error feedback being repaid), not the "
+                    "reduced one, and clips more and harder than fp32 would: use state.clip_grad_norm_(...) "
+                    "(same arguments). If it was torch.amp.GradScaler.unscale_, use hetcomm.amp.GradScaler. "
+                    "(Warned once.)", self.step, c)
+            return
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+        self.probes = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     @staticmethod
     def lossy(plan, momentum) -> bool:
@@ -149,6 +217,7 @@ def clip_grad_norm_(state, parameters, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(f"The total norm of the reduced gradient is non-finite ({total_norm.item()}), so it "
                            "cannot be clipped; to clip anyway pass error_if_nonfinite=False")
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=foreach)
+    sk.clipped_step = last
     if sketched and sk.reduced_sq is not None:  # a second call in the same step sees the clipped gradient
         coef = min(1.0, max_norm / (total_norm.item() + 1e-6))
         sk.reduced_sq *= coef * coef

@@ -281,6 +281,7 @@ class BucketSteps:
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
+            self._sketch.probe(self._buckets.params.param(bucket.sig[0]), bucket.grads[0])
             if self._sketch.on:
                 self._sketch.add(key, buf, [self._buckets.params.param(n) for n in bucket.sig],
                                  self._buckets.sketch_signs)

@@ -423,6 +423,7 @@ class HookState(BucketSteps, Negotiation):
         ``stats()`` and ``state_dict()`` still work; reducing does not."""
         if self._engine is not None:
             self._engine.close()
+        self._sketch.close()
         self._closed = True
         self._process_group = None
 

@@ -126,3 +126,53 @@ def test_bad_arguments_are_clear_errors(clipped_runs):
     assert "max_norm must be a finite number > 0" in errors["max_norm"]
     assert "parameters must hold every parameter of the compressed buckets" in errors["parameters"]
     assert "parameters must be a tensor or an iterable of tensors" in errors["type"]
+
+
+def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True):
+    """A loop that clips after every step with torch's clip_grad_norm_ (the
+    handed gradient's norm), with hetcomm's, or scales the gradients up."""
+    import logging
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "were multiplied by" in record.getMessage():
+                seen.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("hetcomm").addHandler(handler)
+    try:
+        model = models.mlp(hidden=96)
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=START)
+        ddp.register_comm_hook(state, hetcomm.hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if attach:
+            state.attach_optimizer(opt)
+        for step in range(6):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            if clip_with == "torch":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            elif clip_with == "hetcomm":
+                state.clip_grad_norm_(model.parameters(), 0.05)
+            else:  # "up": multiplied by 2, not a clip
+                for p in model.parameters():
+                    p.grad.mul_(2.0)
+            opt.step()
+        state.close()
+    finally:
+        logging.getLogger("hetcomm").removeHandler(handler)
+    return seen
+
+
+def test_torchs_clip_after_a_lossy_step_is_a_warning_once():
+    # torch's clip of the handed gradient: warned once, naming the fix; hetcomm's clip, a scale-up,
+    # and torch's clip where nothing is lossy (fp8 of the gradient): not warned
+    warned = run_ranks(_rescaled_warnings, 2, "torch")[0]
+    assert len(warned) == 1 and "use state.clip_grad_norm_" in warned[0], warned
+    assert "after step 2," in warned[0]  # the first compressed step (start_iter=2)
+    for clip_with, mode, attach in (("hetcomm", "onebit", True), ("up", "onebit", True), ("torch", "fp8", False)):
+        assert run_ranks(_rescaled_warnings, 2, clip_with, mode, attach)[0] == [], (clip_with, mode, attach)
