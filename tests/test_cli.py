@@ -185,6 +185,17 @@ def test_bench_train_time_to_accuracy(tmp_path):
     assert "vs PowerSGD" in out.stdout and data["meta"]["world_size"] == 2
 
 
+def test_bench_train_clips_hetcomm_modes_by_the_reduced_norm(tmp_path):
+    _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "onebit+m", "--scale", "0.1",
+          "--eval-every", "10", "--clip-grad-norm", "0.2", "--json", "c.json"], tmp_path)
+    data = json.load(open(tmp_path / "c.json"))
+    clip = {r["mode"]: r["clip"] for r in data["runs"]}
+    # PyTorch's hook: torch's clip; hetcomm's mode: HookState.clip_grad_norm_; both clipped (0.2 is below the norm)
+    assert clip["fp32"]["by"] == "handed" and clip["onebit+m"]["by"] == "reduced", clip
+    assert all(c["max_norm"] == 0.2 and c["clipped_steps"] > 0 for c in clip.values()), clip
+    assert data["meta"]["clip"] == 0.2 and data["meta"]["clip_handed"] is False
+
+
 def test_bench_train_seeds_compare_means(tmp_path):
     out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "onebit+m", "--scale", "0.1",
                 "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)
@@ -248,7 +259,7 @@ MALFORMED = [
     ["bench", "train", "--modes", "fp16+bal"], ["bench", "train", "--modes", "lowrank-r0"],
     ["bench", "train", "--modes", "torch-powersgd-r4+m"], ["bench", "train", "--modes", ""], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
     ["bench", "train", "--eval-every", "0"], ["bench", "train", "--png", "/no/such/dir/x.png"],
-    ["bench", "train", "--seeds", "0"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
+    ["bench", "train", "--seeds", "0"], ["bench", "train", "--clip-grad-norm", "0"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
     ["bench", "ddp", "--grid", "--networks", "fast"], ["bench", "ddp", "--grid", "--grid-params", ""],
     ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],
     ["testbed", "--inter-node-rate", "fast", "--", "true"], ["testbed", "--rank-cpu", "0,0,0,0", "--", "true"],
