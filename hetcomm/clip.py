@@ -202,8 +202,8 @@ def clip_grad_norm_(state, parameters, max_norm: float, norm_type: float = 2.0,
                          f"hetcomm estimates the norm of whole buckets, and {missing} of them are missing")
     exact = [p.grad for p in params if id(p) not in sketched]
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    if exact:
-        sq = sq + torch.stack([torch.linalg.vector_norm(g.detach().double()) for g in exact]).square().sum()
+    if exact:  # torch's own norm (a step with nothing sketched gets torch's total norm to the bit)
+        sq = sq + torch.nn.utils.get_total_norm(exact, 2.0, foreach=foreach).double().square()
     if sketched:
         if sk.reduced_sq is None:
             v = torch.cat([sk.vec.double() * (sk.weight / sk.scale),
