@@ -192,14 +192,14 @@ def clip_grad_norm_(state, parameters, max_norm: float, norm_type: float = 2.0,
         log.warning("hetcomm: clip_grad_norm_ was first called after step %d, whose compressed buckets were not "
                     "sketched: that step is clipped by the handed gradient's norm; the steps from the next on by "
                     "the reduced gradient's", last)
-    if not params:
-        return torch.tensor(0.0)
-    device = params[0].grad.device
     ids = {id(p) for p in params}
     missing = len(sketched - ids)
     if missing:
         raise ValueError(f"parameters must hold every parameter of the compressed buckets (model.parameters()): "
                          f"hetcomm estimates the norm of whole buckets, and {missing} of them are missing")
+    if not params:
+        return torch.tensor(0.0)
+    device = params[0].grad.device
     exact = [p.grad for p in params if id(p) not in sketched]
     sq = torch.zeros((), dtype=torch.float64, device=device)
     if exact:  # torch's own norm (a step with nothing sketched gets torch's total norm to the bit)

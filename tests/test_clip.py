@@ -137,7 +137,7 @@ def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True):
 
     class Catch(logging.Handler):
         def emit(self, record):
-            if "were multiplied by" in record.getMessage():
+            if "were multiplied by" in record.getMessage() or "was first called" in record.getMessage():
                 seen.append(record.getMessage())
 
     handler = Catch()
@@ -156,7 +156,7 @@ def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True):
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             if clip_with == "torch":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            elif clip_with == "hetcomm":
+            elif clip_with == "hetcomm" or (clip_with == "late" and step >= 3):
                 state.clip_grad_norm_(model.parameters(), 0.05)
             else:  # "up": multiplied by 2, not a clip
                 for p in model.parameters():
@@ -176,3 +176,6 @@ def test_torchs_clip_after_a_lossy_step_is_a_warning_once():
     assert "after step 2," in warned[0]  # the first compressed step (start_iter=2)
     for clip_with, mode, attach in (("hetcomm", "onebit", True), ("up", "onebit", True), ("torch", "fp8", False)):
         assert run_ranks(_rescaled_warnings, 2, clip_with, mode, attach)[0] == [], (clip_with, mode, attach)
+    # hetcomm's first called after a lossy step it could not sketch (step 3): said once, that step by the handed norm
+    late = run_ranks(_rescaled_warnings, 2, "late")[0]
+    assert len(late) == 1 and "first called after step 3" in late[0], late
