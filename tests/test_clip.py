@@ -2,12 +2,14 @@
 reduced (what fp32's all-reduce hands over), not of what a lossy codec
 handed back, checked against a single-process full-batch gradient."""
 
+import os
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import clip
+from hetcomm import clip, topology
 
 from . import models
 from .dist_harness import run_ranks
@@ -21,14 +23,17 @@ def _batch(rank, step):
     return models.batch(rank, step, SIZES[(rank + step) % len(SIZES)])
 
 
-def _clipped(rank, world, mode, attach, scaled=False):
+def _clipped(rank, world, mode, attach, scaled=False, algorithm="native"):
     """``scaled``: loss scaling as a mixed cluster runs it, rank 0 in fp16
     (hetcomm's GradScaler, scale 2**10; fp32 compute, so the reduced gradient
     is the reference's), the others at scale 1: the sketch of rank 0's
-    buckets (s g) must count as g."""
+    buckets (s g) must count as g. ``algorithm="hierarchical"`` (4 ranks):
+    ranks 0, 1 on one node, 2, 3 on another (compressed across nodes only)."""
+    if algorithm == "hierarchical":
+        os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets
-    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=START, topk_ratio=0.05)
+    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=START, topk_ratio=0.05, algorithm=algorithm)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if attach:
@@ -77,12 +82,12 @@ def _full_batch_grad(params, step, world):
 
 
 CASES = [("onebit", True), ("topk", True), ("onebit", False), ("lowrank", False), ("fp8", False),
-         ("onebit", True, True)]
+         ("onebit", True, True), ("onebit", True, False, "hierarchical")]
 
 
 @pytest.fixture(scope="module")
 def clipped_runs():
-    return {case: run_ranks(_clipped, 3, *case) for case in CASES}
+    return {case: run_ranks(_clipped, 4 if "hierarchical" in case else 3, *case) for case in CASES}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -112,7 +117,10 @@ def test_clips_by_the_reduced_gradients_norm(clipped_runs, case):
     if clip.NormSketch.lossy(_plan(mode), attach or None):
         # the handed gradient's norm is off by more: the estimate is what makes the difference
         assert sum(handed_err) > 2 * sum(est_err), (mode, attach, handed_err, est_err)
-    assert r0["stats"]["last_step"]["compression_ratio"] > 3
+    if "hierarchical" in case:  # onebit across the nodes only (the bytes inside them stay fp32's)
+        assert {(p["mode"], p["algorithm"]) for p in r0["stats"]["plans"].values()} == {("onebit", "hierarchical")}
+    else:
+        assert r0["stats"]["last_step"]["compression_ratio"] > 3
 
 
 def _plan(mode):
