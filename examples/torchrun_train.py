@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint folder")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--clip", type=float, default=None,
+                   help="clip the gradient at this norm (by the reduced gradient's: state.clip_grad_norm_)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")  # torchrun's env:// variables
@@ -55,6 +57,8 @@ def main() -> None:
         idx = torch.randint(0, len(y), (args.batch,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        if args.clip is not None:
+            state.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         if (step + 1) % args.save_every == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict(),
