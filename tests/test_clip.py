@@ -187,3 +187,21 @@ def test_torchs_clip_after_a_lossy_step_is_a_warning_once():
     # hetcomm's first called after a lossy step it could not sketch (step 3): said once, that step by the handed norm
     late = run_ranks(_rescaled_warnings, 2, "late")[0]
     assert len(late) == 1 and "first called after step 3" in late[0], late
+
+
+def test_the_sketch_estimates_a_matrix_with_one_large_column():
+    """Single process: the squared norm of the sketch against the exact one,
+    over 20 buckets' signs, for a gradient whose norm is mostly one column of
+    a 2048- or 1024-wide matrix (with 2048 sums, a power of two, that column
+    lands in one sum: a standard deviation of 100 %)."""
+    torch.manual_seed(0)
+    for rows, cols in ((256, 2048), (512, 1024)):
+        x = torch.randn(rows, cols) * torch.where(torch.arange(cols) == 7, 100.0, 1.0)
+        ratios = []
+        for b in range(20):
+            sk = clip.NormSketch()
+            sk.begin_step(0, 1.0, 1.0)
+            sk.add(f"{b},{b + 1}", x.reshape(-1), [], {})
+            ratios.append((sk.vec.double().square().sum() / x.double().square().sum()).item())
+        t = torch.tensor(ratios)
+        assert abs(t.mean().item() - 1) < 0.05 and t.std().item() < 0.1, (cols, ratios)
