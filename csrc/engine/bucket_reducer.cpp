@@ -35,16 +35,25 @@ at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
   return all.view({transport_->size(), c.numel()}).cpu();
 }
 
+BucketReducer::WireMark BucketReducer::wire_mark() const {
+  const WireCounters& wc = transport_->counters();
+  return {wc.bytes_sent, wc.bytes_recv, wc.comm_ns};
+}
+
+void BucketReducer::add_wire_since(const WireMark& m) {
+  const WireMark now = wire_mark();
+  sent_ += now.sent - m.sent;
+  recv_ += now.recv - m.recv;
+  comm_ns_ += now.comm_ns - m.comm_ns;
+}
+
 at::Tensor BucketReducer::sum(const at::Tensor& x) {
   Transport& t = *transport_;
-  WireCounters& wc = t.counters();
-  const int64_t s0 = wc.bytes_sent, r0 = wc.bytes_recv, c0 = wc.comm_ns;
+  const WireMark mark = wire_mark();
   at::Tensor v = x.to(t.device()).contiguous().clone();
   t.all_reduce_sum(v);
   t.synchronize();
-  sent_ += wc.bytes_sent - s0;
-  recv_ += wc.bytes_recv - r0;
-  comm_ns_ += wc.comm_ns - c0;
+  add_wire_since(mark);
   return v.cpu();
 }
 
@@ -90,8 +99,7 @@ bool any_rank_nonfinite(Transport& t, const at::Tensor& x) {
 at::Tensor BucketReducer::reduce(BucketJob& job) {
   const auto started = std::chrono::steady_clock::now();
   Transport& t = *transport_;
-  WireCounters& wc = t.counters();
-  const int64_t s0 = wc.bytes_sent, r0 = wc.bytes_recv, c0 = wc.comm_ns;
+  const WireMark mark = wire_mark();
   at::Tensor& buf = job.buffer;
   const int w = t.size();
   // sum_i b_i / b (batch-size weighting) times this rank's loss scale: the
@@ -191,9 +199,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
     }
   }
   t.synchronize();  // a stream transport (NCCL): the job's GPU time counts as comm time of this bucket
-  sent_ += wc.bytes_sent - s0;
-  recv_ += wc.bytes_recv - r0;
-  comm_ns_ += wc.comm_ns - c0;
+  add_wire_since(mark);
   numel_ += buf.numel();
   buckets_ += 1;
   fp32_bytes_ += w > 1 ? 2 * (w - 1) * buf.numel() * 4 / w : 0;

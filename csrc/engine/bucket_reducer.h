@@ -82,6 +82,13 @@ class BucketReducer {
   std::vector<std::pair<int64_t, double>> last_step_buckets() const;
 
  private:
+  // The transport's counters now, and adding what they grew by since to this reducer's totals.
+  struct WireMark {
+    int64_t sent, recv, comm_ns;
+  };
+  WireMark wire_mark() const;
+  void add_wire_since(const WireMark& m);
+
   std::shared_ptr<Transport> transport_;
   double divisor_;
   double loss_scale_ = 1.0;
