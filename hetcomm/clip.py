@@ -67,6 +67,7 @@ class NormSketch:
         self.probes: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.warned_rescaled = False
         self._watch = None  # the handle of the optimizer step pre-hook that looks for a rescaled gradient
+        self._pending: Optional[tuple] = None  # (handed and .grad values, their copy's CUDA event or None, step)
 
     def begin_step(self, step: int, weight: float, scale: float) -> None:
         self.step, self.vec, self.params, self.unsketched = step, None, set(), False
@@ -99,34 +100,57 @@ class NormSketch:
         a lossy bucket was multiplied by a factor below 1 since (by anything
         but clip_grad_norm_ here). DDP copies the bucket into ``.grad``, so
         the bucket still holds what was handed; with
-        ``gradient_as_bucket_view=True`` they are one tensor and nothing can be told."""
-        if self.warned_rescaled or not self.probes or self.clipped_step == self.step:
+        ``gradient_as_bucket_view=True`` they are one tensor and nothing can be
+        told. 64 values of each are compared; on a GPU they are copied
+        without waiting and judged at a later step, once the copy is done (no
+        synchronisation on the step's path)."""
+        self._judge_pending()
+        if self.warned_rescaled or self._pending is not None or not self.probes or self.clipped_step == self.step:
             return
         for param, view in self.probes:
             g = param.grad
             if g is None or g.data_ptr() == view.data_ptr() or g.shape != view.shape:
                 continue
-            a, b = view.detach().reshape(-1)[:64].double(), g.detach().reshape(-1)[:64].double()
-            aa = float(a.dot(a))
-            if aa == 0.0 or not math.isfinite(aa):
-                continue
-            c = float(a.dot(b)) / aa
-            if 0.0 < c < 1.0 - 1e-6 and float((b - c * a).abs().max()) <= 1e-5 * float(a.abs().max()):
-                self.warned_rescaled = True
-                log.warning(
-                    "hetcomm: after step %d, whose buckets went through a lossy codec, the handed gradients were "
-                    "multiplied by %.4g before optimizer.step(). If that was torch.nn.utils.clip_grad_norm_, it "
-                    "measured the handed gradient (the gradient plus the error feedback being repaid), not the "
-                    "reduced one, and clips more and harder than fp32 would: use state.clip_grad_norm_(...) "
-                    "(same arguments). If it was torch.amp.GradScaler.unscale_, use hetcomm.amp.GradScaler. "
-                    "(Warned once.)", self.step, c)
+            pair = torch.stack([view.detach().reshape(-1)[:64], g.detach().reshape(-1)[:64]]).double()
+            event = None
+            if pair.is_cuda:
+                host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
+                host.copy_(pair, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                pair = host
+            self._pending = (pair, event, self.step)
+            self._judge_pending()
             return
+
+    def _judge_pending(self) -> None:
+        """Judges the last copied (handed, .grad) pair once it is on the host."""
+        if self._pending is None:
+            return
+        pair, event, step = self._pending
+        if event is not None and not event.query():
+            return
+        self._pending = None
+        a, b = pair[0], pair[1]
+        aa = float(a.dot(a))
+        if self.warned_rescaled or aa == 0.0 or not math.isfinite(aa):
+            return
+        c = float(a.dot(b)) / aa
+        if 0.0 < c < 1.0 - 1e-6 and float((b - c * a).abs().max()) <= 1e-5 * float(a.abs().max()):
+            self.warned_rescaled = True
+            log.warning(
+                "hetcomm: after step %d, whose buckets went through a lossy codec, the handed gradients were "
+                "multiplied by %.4g before optimizer.step(). If that was torch.nn.utils.clip_grad_norm_, it "
+                "measured the handed gradient (the gradient plus the error feedback being repaid), not the "
+                "reduced one, and clips more and harder than fp32 would: use state.clip_grad_norm_(...) "
+                "(same arguments). If it was torch.amp.GradScaler.unscale_, use hetcomm.amp.GradScaler. "
+                "(Warned once.)", step, c)
 
     def close(self) -> None:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
-        self.probes = []
+        self.probes, self._pending = [], None
 
     def __del__(self) -> None:
         try:
