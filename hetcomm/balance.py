@@ -28,8 +28,9 @@ from .topology import group_device
 def split_batch(global_batch: int, throughputs: Sequence[float], caps: Optional[Sequence[int]] = None) -> List[int]:
     """Integer local batch sizes, proportional to ``throughputs``, summing to
     ``global_batch``, every rank >= 1 and <= its cap. Rounded to minimise the
-    predicted step time, the largest ``size / throughput`` (ties to the lower
-    rank, so the result is deterministic)."""
+    predicted step time, the largest ``size / throughput`` (a tie, which float
+    rounding makes of speeds one ulp apart, goes to the faster rank, then the
+    lower, so the result is deterministic and a faster rank never gets less)."""
     n = len(throughputs)
     if n == 0:
         raise ValueError("throughputs must name at least one rank")
@@ -72,13 +73,13 @@ def split_batch(global_batch: int, throughputs: Sequence[float], caps: Optional[
         room = [i for i in free if sizes[i] < limit[i]]
         if not room:  # pragma: no cover - excluded by the caps check above
             raise ValueError("caps leave no room for the batch")
-        i = min(room, key=lambda i: ((sizes[i] + 1) / speeds[i], i))
+        i = min(room, key=lambda i: ((sizes[i] + 1) / speeds[i], -speeds[i], i))
         sizes[i] += 1
         left -= 1
     # The floor of one sample per rank can overshoot: take samples back, one
     # at a time, from the rank that finishes last.
     while left < 0:
-        i = max((i for i in range(n) if sizes[i] > 1), key=lambda i: (sizes[i] / speeds[i], -i))
+        i = max((i for i in range(n) if sizes[i] > 1), key=lambda i: (sizes[i] / speeds[i], -speeds[i], -i))
         sizes[i] -= 1
         left += 1
     return sizes

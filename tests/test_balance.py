@@ -80,6 +80,8 @@ def test_split_example():
     # the floor of one sample per rank overshoots; the pinned rank gives one back
     assert split_batch(3, [1000, 1, 1], caps=[2, 5, 5]) == [1, 1, 1]
     assert split_batch(8, [1, 1, 1, 8, 1, 9], caps=[1, 1, 1, 4, 1, 2]) == [1, 1, 1, 2, 1, 2]
+    # speeds one ulp apart: 2 / 999.9999999999999 rounds to 2 / 1000, a tie the faster rank wins (hypothesis found it)
+    assert split_batch(3, [999.9999999999999, 1000.0]) == [1, 2]
 
 
 def test_meter_smooths():
