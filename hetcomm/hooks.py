@@ -5,6 +5,7 @@ first step after a restore, regroup the buckets as the saved run had them."""
 
 import gc
 import logging
+import sys
 import time
 import types
 
@@ -42,6 +43,30 @@ def _every_group_spans_the_world() -> bool:
         return False
     world = dist.get_world_size()
     return all(len(ranks) == world for ranks in groups.values())
+
+
+#: A joined rank's batch size when DDP's join divides by the ranks still training
+#: (``divide_by_initial_world_size=False``): its zero gradient then weighs nothing, and the others' divisor is
+#: their own samples (engine divisors must be finite and > 0: total / 1e-20 is, in float32, for any total <= 2**40).
+_NO_SAMPLES = 1e-20
+
+
+def _join_shadowing():
+    """The DistributedDataParallel whose join hook runs this call of the comm
+    hook, or None: inside ``model.join()`` (torch's ``Join``) a rank whose
+    inputs ran out shadows the others' backward by running the hook over
+    zero buckets (``_DDPJoinHook.main_hook``, found on this thread's stack)."""
+    try:
+        from torch.nn.parallel.distributed import _DDPJoinHook
+        code = _DDPJoinHook.main_hook.__code__
+    except (ImportError, AttributeError):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return getattr(frame.f_locals.get("self"), "ddp", None)
+        frame = frame.f_back
+    return None
 
 
 def _owning_ddp(param: torch.Tensor, depth: int = 4):
@@ -118,6 +143,7 @@ class BucketSteps:
     def _open_step(self, engine, device: torch.device) -> None:
         if not self._negotiated:
             self._negotiate(device)
+        self._joined = self._shadow_join()  # a walk up this thread's stack: microseconds, once a step
         self._step_open = True
         self._planner.begin_step(engine)
         self._buckets.begin_step(engine.carry_holds())
@@ -149,6 +175,25 @@ class BucketSteps:
                     "one step only)")
             engine.submit_batch_size(self._local_batch)
             self._local_batch = None
+
+    def _shadow_join(self) -> bool:
+        """Whether this step is DDP's join shadowing the others' backward for
+        this rank (its inputs ran out: zero buckets, no batch size set). Its
+        batch-size weight is then what DDP divides by: with
+        ``divide_by_initial_world_size=True`` (the default) the latest batch
+        size this rank set (its zero gradient counts as that many samples, as
+        DDP counts it as a rank), with False none (the step's gradient is the
+        mean over the samples of the ranks still training). Without batch
+        sizes the divisor stays the world size either way, as with PyTorch's
+        own hooks."""
+        ddp = _join_shadowing()
+        if ddp is None:
+            return False
+        self._join_steps += 1
+        if self._weighted and self._local_batch is None:
+            even = getattr(ddp, "_divide_by_initial_world_size", True)
+            self._local_batch = self._last_batch if even and self._last_batch is not None else _NO_SAMPLES
+        return True
 
     def _collect(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
         """The first step after load_state_dict: hold DDP's buckets until the
@@ -281,6 +326,12 @@ class BucketSteps:
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
+            if self._joined and self._sketch.on:
+                raise RuntimeError(
+                    "hetcomm: this rank's inputs ran out inside DDP's join while clip_grad_norm_ estimates the "
+                    "norm of compressed buckets: that estimate is a collective of the ranks still training, which "
+                    "a joined rank cannot shadow; use model.join(throw_on_early_termination=True) (every rank "
+                    "stops at the first one out of inputs), give every rank as many steps, or clip with torch")
             self._sketch.probe(self._buckets.params.param(bucket.sig[0]), bucket.grads[0])
             if self._sketch.on:
                 self._sketch.add(key, buf, [self._buckets.params.param(n) for n in bucket.sig],

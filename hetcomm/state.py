@@ -199,6 +199,9 @@ class HookState(BucketSteps, Negotiation):
         #: Every rank's precision, gathered at the first step.
         self.precisions: Optional[list] = None
         self._local_batch: Optional[float] = None
+        self._last_batch: Optional[float] = None  # the latest batch size set (a joined rank's weight, see hooks)
+        self._join_steps = 0  # steps this rank shadowed inside DDP's join (its inputs ran out)
+        self._joined = False  # the open step is one of them
         self._weighted: Optional[bool] = None  # decided at the first step
         self._step_open = False
         self._negotiated = False
@@ -210,7 +213,9 @@ class HookState(BucketSteps, Negotiation):
     # ---- public API ----------------------------------------------------------
     def set_local_batch_size(self, batch_size: int) -> None:
         """This rank's number of samples in the coming step (> 0). Call it on
-        every rank before every step, starting before the first one."""
+        every rank before every step, starting before the first one. (Inside
+        ``ddp.join()`` a rank whose inputs ran out calls nothing: the steps DDP
+        shadows for it are weighed as DDP divides, see the README.)"""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)) or not (
                 math.isfinite(batch_size) and 0 < batch_size <= 2**40):
             raise ValueError(f"batch_size must be a number in (0, 2**40] (samples in this rank's step), got "
@@ -219,7 +224,7 @@ class HookState(BucketSteps, Negotiation):
             raise RuntimeError(
                 "set_local_batch_size was first called after the first step; call it on every rank before the "
                 "first backward so all ranks agree on batch-size weighting")
-        self._local_batch = float(batch_size)
+        self._local_batch = self._last_batch = float(batch_size)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *,
                          exact_every: Optional[int] = None, total_steps: Optional[int] = None,
@@ -401,13 +406,16 @@ class HookState(BucketSteps, Negotiation):
         of each collective), ``fp32_bytes`` (what an fp32 ring all-reduce of the
         same buckets sends), ``compression_ratio``, ``comm_s`` (inside
         collectives), ``codec_s`` (compressing and decompressing), ``numel``,
-        ``buckets``; plus ``iter`` and the ``compression`` in use."""
+        ``buckets``; plus ``iter`` and the ``compression`` in use; ``join_steps``
+        once this rank has shadowed steps inside DDP's join (its inputs ran out)."""
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:
             out.update(self._engine.stats())
         out["precisions"] = self.precisions
         out["plans"] = {k: {"mode": p.mode, "algorithm": p.algorithm, "why": p.why, "predicted_s": p.predicted_s}
                         for k, p in self.last_plans.items()}
+        if self._join_steps:
+            out["join_steps"] = self._join_steps
         if self._sketch.calls:
             out["clip"] = {"calls": self._sketch.calls, "estimated_steps": self._sketch.estimated_steps}
         if self.compression == "auto":

@@ -1,0 +1,198 @@
+"""DDP's options for irregular training with hetcomm's hook: uneven inputs
+(``model.join()``, torch's Join), ``find_unused_parameters`` and ``static_graph``.
+
+Join: a rank whose inputs run out shadows the others' backward by running the hook
+over zero buckets, without a ``set_local_batch_size``; the reduced gradient of
+those steps is checked against a single-process gradient of the samples the
+ranks still training had, scaled as DDP's ``divide_by_initial_world_size``
+says."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
+
+from . import models
+from .dist_harness import each_mode, run_ranks
+
+STEPS = (3, 5, 7)  # each rank's number of batches: rank 0 joins first, rank 2 trains alone at the end
+EQUAL = (16, 16, 16)
+UNEQUAL = (8, 16, 24)
+
+
+def _uneven(rank, world, how, sizes, even, mode="none", attach=False, clip=False):
+    """Rank r trains STEPS[r] batches of sizes[r] inside ``ddp.join(even)``.
+    ``how``: "torch" (DDP's own all-reduce), "weighted" (hetcomm,
+    set_local_batch_size every step) or "unweighted" (hetcomm without it).
+    Returns the parameters before and the gradient after each of this rank's
+    steps, and the state's stats."""
+    model = models.mlp(hidden=128)
+    ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets
+    state = None
+    if how != "torch":
+        state = hetcomm.HookState(mode, min_compress_numel=1000, topk_ratio=0.05)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if attach:
+        state.attach_optimizer(opt)
+    out = {"params": [], "grads": [], "error": None}
+    try:
+        with ddp.join(divide_by_initial_world_size=even):
+            for step in range(STEPS[rank]):
+                x, y = models.batch(rank, step, sizes[rank])
+                if how == "weighted":
+                    state.set_local_batch_size(sizes[rank])
+                out["params"].append(models.flat_params(model))
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                out["grads"].append(models.flat_grads(model))
+                if clip:
+                    state.clip_grad_norm_(ddp.parameters(), 1.0)
+                opt.step()
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["final"] = models.flat_params(model)
+    out["stats"] = state.stats() if state is not None else None
+    return out
+
+
+def _reference(params, step, sizes, even):
+    """The gradient DDP's join gives at ``step``: the full-batch gradient of
+    the batches of the ranks still training, times their share of every rank's
+    samples if ``even`` (divide_by_initial_world_size=True: a joined rank
+    counts with zero gradient)."""
+    active = [r for r in range(len(STEPS)) if step < STEPS[r]]
+    g = models.full_batch_grad(params, [models.batch(r, step, sizes[r]) for r in active], hidden=128)
+    return g * (sum(sizes[r] for r in active) / sum(sizes)) if even else g
+
+
+EXACT_CASES = [("torch", EQUAL, True),  # checks the reference: DDP's own semantics
+               ("weighted", EQUAL, True), ("weighted", UNEQUAL, True), ("weighted", UNEQUAL, False),
+               ("unweighted", EQUAL, True)]
+
+
+@pytest.fixture(scope="module")
+def exact_runs():
+    return {case: run_ranks(_uneven, 3, *case) for case in EXACT_CASES}
+
+
+@pytest.mark.parametrize("how,sizes,even", EXACT_CASES)
+def test_joined_ranks_leave_the_mean_over_the_remaining_samples(exact_runs, how, sizes, even):
+    results = exact_runs[(how, sizes, even)]
+    for rank, r in enumerate(results):
+        assert r["error"] is None, r["error"]
+        assert len(r["grads"]) == STEPS[rank]
+        for step, (params, grad) in enumerate(zip(r["params"], r["grads"])):
+            want = _reference(params, step, sizes, even)
+            rel = ((grad - want).norm() / want.norm()).item()
+            assert rel <= 1e-6, (how, sizes, even, rank, step, rel)
+        if how != "torch":
+            assert r["stats"].get("join_steps", 0) == STEPS[-1] - STEPS[rank]  # the steps it shadowed
+    for r in results[1:]:  # DDP hands the last rank's model to the joined ones at the end
+        assert torch.equal(r["final"], results[0]["final"])
+
+
+COMPRESSED_CASES = [("onebit", False), ("topk", False), ("lowrank", False), ("fp8", False),
+                    ("onebit", True), ("topk", True)]
+
+
+@pytest.fixture(scope="module")
+def compressed_runs():
+    return {case: run_ranks(_uneven, 3, "weighted", UNEQUAL, True, *case) for case in COMPRESSED_CASES}
+
+
+@pytest.mark.parametrize("mode,attach", COMPRESSED_CASES)
+def test_compressed_modes_train_on_through_the_join(compressed_runs, mode, attach):
+    """The ranks still training get the same gradient on every step (so
+    identical replicas), compressed, while the joined ones shadow them."""
+    results = compressed_runs[(mode, attach)]
+    for rank, r in enumerate(results):
+        assert r["error"] is None, r["error"]
+        assert r["stats"].get("join_steps", 0) == STEPS[-1] - STEPS[rank]
+        assert r["stats"]["last_step"]["compression_ratio"] > 3, r["stats"]["last_step"]
+    for step in range(STEPS[-1]):
+        active = [r for rank, r in enumerate(results) if step < STEPS[rank]]
+        for r in active[1:]:
+            assert torch.equal(r["grads"][step], active[0]["grads"][step]), (mode, attach, step)
+            assert torch.equal(r["params"][step], active[0]["params"][step]), (mode, attach, step)
+        assert torch.isfinite(active[0]["grads"][step]).all()
+
+
+def test_clipping_compressed_buckets_inside_a_join_is_a_clear_error():
+    """clip_grad_norm_'s estimate is a collective of the ranks still training
+    that a joined rank cannot shadow: the joined rank says so (the others then
+    fail at the engine's timeout instead of hanging)."""
+    results = run_ranks(_uneven, 2, "weighted", EQUAL, True, "onebit", False, True, check=False, pg_timeout=6,
+                        timeout=120)
+    r0 = results[0]
+    assert r0 is not None and r0["error"] is not None, r0
+    assert "throw_on_early_termination" in r0["error"] and "clip_grad_norm_" in r0["error"]
+    assert len(r0["grads"]) == STEPS[0]
+    assert results[1] is None or results[1]["error"] is not None
+
+
+class _Branchy(nn.Module):
+    """A model whose head depends on the step (and rank): some parameters get
+    no gradient on some ranks, one never does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head_a, self.head_b = nn.Linear(32, 64), nn.Linear(64, 10), nn.Linear(64, 10)
+        self.never = nn.Linear(64, 10)
+
+    def forward(self, x, use_b):
+        h = torch.relu(self.body(x))
+        return self.head_b(h) if use_b else self.head_a(h)
+
+
+UNUSED_STEPS = 8
+
+
+def _unused(rank, world, how, option):
+    """``find_unused_parameters=True`` with the head switching per step and
+    rank, or ``static_graph=True`` with one head always unused; DDP's own
+    all-reduce (``how`` "torch") or hetcomm's hook in mode ``how``
+    (SGD-momentum attached for onebit). Each step's gradients by name."""
+    net = DDP(_Branchy(), bucket_cap_mb=0.001, **{option: True})  # a bucket or two per layer
+    state = None
+    if how != "torch":
+        state = hetcomm.HookState(how, min_compress_numel=100)
+        net.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    if how == "onebit":
+        state.attach_optimizer(opt)
+    grads = []
+    for step in range(UNUSED_STEPS):
+        x, y = models.batch(rank, step, 16)
+        if state is not None:
+            state.set_local_batch_size(16)
+        opt.zero_grad(set_to_none=True)
+        use_b = (step + rank) % 2 == 0 if option == "find_unused_parameters" else True
+        nn.functional.cross_entropy(net(x, use_b), y).backward()
+        grads.append({n: None if p.grad is None else p.grad.clone() for n, p in net.module.named_parameters()})
+        opt.step()
+    return {"grads": grads, "final": models.flat_params(net.module)}
+
+
+@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph"])
+def test_unused_parameters_reduce_as_ddp_does(option):
+    """Mode none gives DDP's own gradients to the bit, None where DDP leaves
+    one None (a parameter no rank used); compressed momentum keeps the
+    replicas identical."""
+    results = run_ranks(each_mode, 2, _unused, ["torch", "none", "onebit"], option)
+    for r in results:
+        for step in range(UNUSED_STEPS):
+            theirs, ours = r["torch"]["grads"][step], r["none"]["grads"][step]
+            assert theirs.keys() == ours.keys()
+            for name, g in theirs.items():
+                if g is None:
+                    assert ours[name] is None and r["onebit"]["grads"][step][name] is None, (option, step, name)
+                else:
+                    assert torch.equal(g, ours[name]), (option, step, name)
+        assert theirs["never.weight"] is None
+    for how in ("none", "onebit"):
+        assert torch.equal(results[0][how]["final"], results[1][how]["final"]), how
+    assert not torch.equal(results[0]["onebit"]["final"], results[0]["none"]["final"])  # it compressed
