@@ -63,23 +63,44 @@ class NormSketch:
         self.calls = 0  # clip_grad_norm_ calls so far
         self.estimated_steps = 0  # steps whose norm took the sketch's estimate
         self.clipped_step = -1  # the step clip_grad_norm_ last ran for
-        #: per lossy bucket of the step: (a parameter, its gradient's view in the bucket's buffer)
-        self.probes: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        #: per lossy bucket of the step: a parameter of it, and once backward is over (see probe) the first
+        #: 64 values DDP left in its .grad: what the hook handed
+        self.probes: List[torch.Tensor] = []
+        self.handed: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.warned_rescaled = False
         self._watch = None  # the handle of the optimizer step pre-hook that looks for a rescaled gradient
         self._pending: Optional[tuple] = None  # (handed and .grad values, their copy's CUDA event or None, step)
 
     def begin_step(self, step: int, weight: float, scale: float) -> None:
         self.step, self.vec, self.params, self.unsketched = step, None, set(), False
-        self.weight, self.scale, self.reduced_sq, self.probes = weight, scale, None, []
+        self.weight, self.scale, self.reduced_sq, self.probes, self.handed = weight, scale, None, [], []
 
-    def probe(self, param: Optional[torch.Tensor], view: torch.Tensor) -> None:
-        """Remembers where a lossy bucket's handed gradient lies, so that a
-        rescaling of it before ``optimizer.step()`` (torch's clip_grad_norm_
-        on the handed norm) can be told (:meth:`check_rescaled`)."""
+    def probe(self, param: Optional[torch.Tensor]) -> None:
+        """Remembers a parameter of a lossy bucket, so that a rescaling of its
+        handed gradient before ``optimizer.step()`` (torch's clip_grad_norm_
+        on the handed norm) can be told (:meth:`check_rescaled`). At the
+        step's first one a callback is queued on the autograd engine that
+        queues another: it runs after DDP's end-of-backward callback (queued
+        after this hook's call), once DDP has written the handed gradients
+        into ``.grad``, and keeps 64 values of each (a copy, so that
+        ``gradient_as_bucket_view=True`` is covered too). A hook call outside
+        backward (DDP's join shadowing a step) probes nothing."""
         if param is None or self.warned_rescaled:
             return
-        self.probes.append((param, view))
+        if not self.probes:
+            ref = weakref.ref(self)
+
+            def after_ddp() -> None:
+                sk = ref()
+                if sk is not None:
+                    sk.snapshot()
+
+            try:
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                queue(lambda: queue(after_ddp))
+            except RuntimeError:  # not inside a backward pass
+                return
+        self.probes.append(param)
         if self._watch is None:
             ref = weakref.ref(self)
 
@@ -95,23 +116,30 @@ class NormSketch:
 
             self._watch = register_optimizer_step_pre_hook(pre_step)
 
-    def check_rescaled(self) -> None:
-        """Before any optimizer's step: warns once if the gradient handed for
-        a lossy bucket was multiplied by a factor below 1 since (by anything
-        but clip_grad_norm_ here). DDP copies the bucket into ``.grad``, so
-        the bucket still holds what was handed; with
-        ``gradient_as_bucket_view=True`` they are one tensor and nothing can be
-        told. 64 values of each are compared; on a GPU they are copied
-        without waiting and judged at a later step, once the copy is done (no
-        synchronisation on the step's path)."""
-        self._judge_pending()
-        if self.warned_rescaled or self._pending is not None or not self.probes or self.clipped_step == self.step:
-            return
-        for param, view in self.probes:
+    def snapshot(self) -> None:
+        """At the end of backward: 64 handed values of the probed gradients
+        (one is enough; a copy on the gradient's device, no synchronisation)."""
+        for param in self.probes:
             g = param.grad
-            if g is None or g.data_ptr() == view.data_ptr() or g.shape != view.shape:
+            if g is not None and g.numel():
+                self.handed = [(param, g.detach().reshape(-1)[:64].clone())]
+                return
+
+    def check_rescaled(self) -> None:
+        """Before any optimizer's step: warns once if a handed gradient of a
+        lossy bucket was multiplied by a factor below 1 since backward (by
+        anything but clip_grad_norm_ here). 64 values are compared with those
+        kept at the end of backward; on a GPU they are copied without waiting
+        and judged at a later step, once the copy is done (no synchronisation
+        on the step's path)."""
+        self._judge_pending()
+        if self.warned_rescaled or self._pending is not None or not self.handed or self.clipped_step == self.step:
+            return
+        for param, kept in self.handed:
+            g = param.grad
+            if g is None or g.numel() < kept.numel() or g.device != kept.device:
                 continue
-            pair = torch.stack([view.detach().reshape(-1)[:64], g.detach().reshape(-1)[:64]]).double()
+            pair = torch.stack([kept, g.detach().reshape(-1)[:kept.numel()]]).double()
             event = None
             if pair.is_cuda:
                 host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
@@ -150,7 +178,7 @@ class NormSketch:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
-        self.probes, self._pending = [], None
+        self.probes, self.handed, self._pending = [], [], None
 
     def __del__(self) -> None:
         try:

@@ -332,7 +332,7 @@ class BucketSteps:
                     "norm of compressed buckets: that estimate is a collective of the ranks still training, which "
                     "a joined rank cannot shadow; use model.join(throw_on_early_termination=True) (every rank "
                     "stops at the first one out of inputs), give every rank as many steps, or clip with torch")
-            self._sketch.probe(self._buckets.params.param(bucket.sig[0]), bucket.grads[0])
+            self._sketch.probe(self._buckets.params.param(bucket.sig[0]))
             if self._sketch.on:
                 self._sketch.add(key, buf, [self._buckets.params.param(n) for n in bucket.sig],
                                  self._buckets.sketch_signs)

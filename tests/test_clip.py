@@ -136,9 +136,10 @@ def test_bad_arguments_are_clear_errors(clipped_runs):
     assert "parameters must be a tensor or an iterable of tensors" in errors["type"]
 
 
-def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True):
+def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True, view=False):
     """A loop that clips after every step with torch's clip_grad_norm_ (the
-    handed gradient's norm), with hetcomm's, or scales the gradients up."""
+    handed gradient's norm), with hetcomm's, or scales the gradients up
+    (``view``: DDP's gradient_as_bucket_view=True)."""
     import logging
 
     seen = []
@@ -152,7 +153,7 @@ def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True):
     logging.getLogger("hetcomm").addHandler(handler)
     try:
         model = models.mlp(hidden=96)
-        ddp = DDP(model, bucket_cap_mb=0.02)
+        ddp = DDP(model, bucket_cap_mb=0.02, gradient_as_bucket_view=view)
         state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=START)
         ddp.register_comm_hook(state, hetcomm.hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -179,11 +180,14 @@ def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True):
 def test_torchs_clip_after_a_lossy_step_is_a_warning_once():
     # torch's clip of the handed gradient: warned once, naming the fix; hetcomm's clip, a scale-up,
     # and torch's clip where nothing is lossy (fp8 of the gradient): not warned
-    warned = run_ranks(_rescaled_warnings, 2, "torch")[0]
-    assert len(warned) == 1 and "use state.clip_grad_norm_" in warned[0], warned
-    assert "after step 2," in warned[0]  # the first compressed step (start_iter=2)
-    for clip_with, mode, attach in (("hetcomm", "onebit", True), ("up", "onebit", True), ("torch", "fp8", False)):
-        assert run_ranks(_rescaled_warnings, 2, clip_with, mode, attach)[0] == [], (clip_with, mode, attach)
+    # (gradient_as_bucket_view=True: .grad is the bucket, told from a copy kept at the end of backward)
+    for view in (False, True):
+        warned = run_ranks(_rescaled_warnings, 2, "torch", "onebit", True, view)[0]
+        assert len(warned) == 1 and "use state.clip_grad_norm_" in warned[0], (view, warned)
+        assert "after step 2," in warned[0]  # the first compressed step (start_iter=2)
+    for clip_with, mode, attach, view in (("hetcomm", "onebit", True, True), ("up", "onebit", True, False),
+                                          ("up", "topk", False, True), ("torch", "fp8", False, True)):
+        assert run_ranks(_rescaled_warnings, 2, clip_with, mode, attach, view)[0] == [], (clip_with, mode, attach)
     # hetcomm's first called after a lossy step it could not sketch (step 3): said once, that step by the handed norm
     late = run_ranks(_rescaled_warnings, 2, "late")[0]
     assert len(late) == 1 and "first called after step 3" in late[0], late
