@@ -328,7 +328,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--tasks", type=choices_list(list(bench_tasks.TASKS), "task"), default=list(bench_tasks.TASKS),
                     help="comma-separated tasks")
     tr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
-                    default=list(bench_train.OPTIMIZERS), help="comma-separated optimizers (SGD momentum 0.9, AdamW)")
+                    default=bench_train.DEFAULT_OPTIMIZERS,
+                    help="comma-separated optimizers: sgd (momentum 0.9), adamw (default both), nesterov (SGD, "
+                         "Nesterov momentum 0.9, at sgd's lr)")
     tr.add_argument("--modes", type=mode_list(modes.get), default=bench_train.DEFAULT_MODES,
                     help="comma-separated modes (fp32 is always run: it sets the target); lowrank-rN and "
                          "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale")
@@ -361,7 +363,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                     "optimizer's momentum compressed, attach_optimizer)")
     pr.add_argument("--task", choices=list(bench_tasks.TASKS), default="regress")
     pr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
-                    default=list(bench_train.OPTIMIZERS), help="comma-separated optimizers (SGD momentum 0.9, AdamW)")
+                    default=bench_train.DEFAULT_OPTIMIZERS,
+                    help="comma-separated optimizers: sgd (momentum 0.9), adamw (default both), nesterov (SGD, "
+                         "Nesterov momentum 0.9, at sgd's lr)")
     pr.add_argument("--steps", type=positive_int, default=200)
     pr.add_argument("--overflow-at", type=nonneg_int, default=100,
                     help="step at which the first fp16 rank's loss overflows (every rank must skip it)")

@@ -23,17 +23,20 @@ def _batch(rank, step):
     return models.batch(rank, step, SIZES[(rank + step) % len(SIZES)])
 
 
-def _clipped(rank, world, mode, attach, scaled=False, algorithm="native"):
+def _clipped(rank, world, mode, attach, scaled=False, algorithm="native", min_numel=0):
     """``scaled``: loss scaling as a mixed cluster runs it, rank 0 in fp16
     (hetcomm's GradScaler, scale 2**10; fp32 compute, so the reduced gradient
     is the reference's), the others at scale 1: the sketch of rank 0's
     buckets (s g) must count as g. ``algorithm="hierarchical"`` (4 ranks):
-    ranks 0, 1 on one node, 2, 3 on another (compressed across nodes only)."""
+    ranks 0, 1 on one node, 2, 3 on another (compressed across nodes only).
+    ``min_numel``: buckets smaller go exact (a step's norm then has an exact
+    part and a sketched one, as under ``compression="auto"``)."""
     if algorithm == "hierarchical":
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets
-    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=START, topk_ratio=0.05, algorithm=algorithm)
+    state = hetcomm.HookState(mode, min_compress_numel=min_numel, start_iter=START, topk_ratio=0.05,
+                              algorithm=algorithm)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if attach:
@@ -82,7 +85,8 @@ def _full_batch_grad(params, step, world):
 
 
 CASES = [("onebit", True), ("topk", True), ("onebit", False), ("lowrank", False), ("fp8", False),
-         ("onebit", True, True), ("onebit", True, False, "hierarchical")]
+         ("onebit", True, True), ("onebit", True, False, "hierarchical"),
+         ("onebit", True, False, "native", 5000)]  # DDP's buckets of 10282 and 3168 elements: one goes exact
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +123,8 @@ def test_clips_by_the_reduced_gradients_norm(clipped_runs, case):
         assert sum(handed_err) > 2 * sum(est_err), (mode, attach, handed_err, est_err)
     if "hierarchical" in case:  # onebit across the nodes only (the bytes inside them stay fp32's)
         assert {(p["mode"], p["algorithm"]) for p in r0["stats"]["plans"].values()} == {("onebit", "hierarchical")}
+    elif 5000 in case:  # one bucket onebit, one exact
+        assert sorted(p["mode"] for p in r0["stats"]["plans"].values()) == ["none", "onebit"], r0["stats"]["plans"]
     else:
         assert r0["stats"]["last_step"]["compression_ratio"] > 3
 

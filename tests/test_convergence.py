@@ -32,7 +32,7 @@ def regression_data():
 
 
 def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_decay=0.0, options=None,
-           adamw=torch.optim.AdamW, total_steps=None):
+           adamw=torch.optim.AdamW, total_steps=None, nesterov=False):
     task = Regress()
     x, y = task.x, task.y
     model = task.model()
@@ -40,7 +40,8 @@ def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_d
     if momentum is None:  # AdamW at lr
         opt = adamw(ddp.parameters(), lr=lr, weight_decay=weight_decay or 0.01)
     else:
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay,
+                              nesterov=nesterov)
     state = None
     if mode == "allreduce_hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -61,13 +62,18 @@ def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_d
             "run_ratio": state.stats()["total"]["compression_ratio"] if state else 1.0}
 
 
-def test_momentum_compression_with_a_lossless_codec_is_sgd_momentum():
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_compression_with_a_lossless_codec_is_sgd_momentum(nesterov):
     # top-k with ratio 1 sends everything: compressing the momentum must then
-    # be plain SGD with momentum (and weight decay), up to float rounding.
-    ref = run_ranks(_train, 2, "allreduce_hook", False, 30, 0.02, 0.9, 1e-3)
-    ours = run_ranks(_train, 2, "topk", True, 30, 0.02, 0.9, 1e-3, {"topk_ratio": 1.0})
+    # be plain SGD with momentum (Nesterov's too) and weight decay, up to float rounding.
+    args = (30, 0.02, 0.9, 1e-3)
+    ref = run_ranks(_train, 2, "allreduce_hook", False, *args, None, torch.optim.AdamW, None, nesterov)
+    ours = run_ranks(_train, 2, "topk", True, *args, {"topk_ratio": 1.0}, torch.optim.AdamW, None, nesterov)
     assert torch.equal(ours[0]["params"], ours[1]["params"])
     assert torch.allclose(ours[0]["params"], ref[0]["params"], rtol=1e-4, atol=1e-6)
+    if nesterov:  # and Nesterov's steps are not plain momentum's: the test can fail
+        plain = run_ranks(_train, 2, "allreduce_hook", False, *args)
+        assert not torch.allclose(plain[0]["params"], ref[0]["params"], rtol=1e-3, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

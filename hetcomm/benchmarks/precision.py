@@ -27,7 +27,7 @@ from ..amp import DTYPES, PRECISIONS
 from ..launch import run_distributed
 from . import common
 from .tasks import TASKS
-from .train import make_optimizer
+from .train import make_optimizer, task_lr
 
 # config -> the precision of rank r (cycled over the ranks)
 CONFIGS = {"fp32": ("fp32",), "fp16": ("fp16",), "mixed": ("bf16", "fp16"), "mixed3": ("bf16", "fp16", "fp32"),
@@ -62,7 +62,7 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
     model = t.model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
     m = mode_table.get(mode if config != "naive" else "torch-allreduce")
-    opt = make_optimizer(optim, ddp.parameters(), t.lr[optim], m.attach)
+    opt = make_optimizer(optim, ddp.parameters(), task_lr(t, optim), m.attach)
     state = m.register(ddp, opt, **({} if m.is_torch else {"min_compress_numel": 1024, **(options or {})}))
     if config == "naive":
         scaler = torch.amp.GradScaler("cpu", enabled=prec == "fp16")

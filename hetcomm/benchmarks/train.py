@@ -29,14 +29,21 @@ from .tasks import TASKS, Task
 
 REFERENCE = "fp32"
 DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "nesterov")
+DEFAULT_OPTIMIZERS = ["sgd", "adamw"]
 
 
 def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.optim.Optimizer:
-    """SGD momentum 0.9, or AdamW (hetcomm's where its momentum is compressed: the recommended pairing)."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    """SGD momentum 0.9 (``nesterov``: Nesterov's), or AdamW (hetcomm's where
+    its momentum is compressed: the recommended pairing)."""
+    if name in ("sgd", "nesterov"):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=name == "nesterov")
     return hetcomm.optim.AdamW(params, lr=lr) if attach else torch.optim.AdamW(params, lr=lr)
+
+
+def task_lr(task: Task, optim: str) -> float:
+    """fp32's learning rate of ``task`` for ``optim`` (Nesterov runs at SGD-momentum's)."""
+    return task.lr["sgd" if optim == "nesterov" else optim]
 
 
 def _register(ddp, mode: str, opt: torch.optim.Optimizer, steps: int):
@@ -112,7 +119,7 @@ def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: L
             for seed in range(seeds):
                 task.seed = seed
                 for mode in modes:
-                    r = _run(rank, task, optim, mode, steps, eval_every, task.lr[optim] * lr_scale, clip,
+                    r = _run(rank, task, optim, mode, steps, eval_every, task_lr(task, optim) * lr_scale, clip,
                              clip_handed)
                     if r is not None:
                         plans = r["curve"][-1].get("plans")
