@@ -95,6 +95,20 @@ def test_compressing_the_momentum_reaches_fp32s_loss_at_fp32s_lr(mode, fp32_sgd_
         assert naive[0]["loss"] >= 2 * fp32_sgd_momentum, (naive[0]["loss"], fp32_sgd_momentum)
 
 
+def test_compressing_nesterovs_momentum_reaches_fp32s_loss_at_fp32s_lr():
+    # SGD with Nesterov momentum at SGD-momentum's lr. Measured (this task, `hetcomm bench train --tasks regress
+    # --optims nesterov`, 3 seeds): fp32 0.0915, onebit+m 0.0893, topk+m 0.0904, fp8 0.0918;
+    # this test's seed: fp32 0.0908, onebit+m 0.0922.
+    fp32 = run_ranks(_train, 2, "allreduce_hook", False, 300, 0.02, 0.9, 0.0, None, torch.optim.AdamW, None,
+                     True)[0]["loss"]
+    ours = run_ranks(_train, 2, "onebit", True, 300, 0.02, 0.9, 0.0, None, torch.optim.AdamW, None, True)
+    assert torch.equal(ours[0]["params"], ours[1]["params"])
+    assert ours[0]["ratio"] > 3
+    assert ours[0]["loss"] <= 1.05 * fp32, (ours[0]["loss"], fp32)
+    # (Compressing the gradient instead reached 0.0922 here too, where with plain momentum it ends at 1.04: the
+    # lossless test above is what tells a wrong hand-over of Nesterov's momentum.)
+
+
 def test_compressing_adams_momentum_with_a_lossless_codec_is_adamw():
     # Adam's first moment goes through the codec (top-k ratio 1: lossless) and
     # the exact steps' schedule changes nothing: torch's AdamW, weight decay
