@@ -1,5 +1,6 @@
 """DDP's options for irregular training with hetcomm's hook: uneven inputs
-(``model.join()``, torch's Join), ``find_unused_parameters`` and ``static_graph``.
+(``model.join()``, torch's Join), ``find_unused_parameters`` and ``static_graph``;
+and a ``torch.compile``d DDP model.
 
 Join: a rank whose inputs run out shadows the others' backward by running the hook
 over zero buckets, without a ``set_local_batch_size``; the reduced gradient of
@@ -193,6 +194,46 @@ def test_unused_parameters_reduce_as_ddp_does(option):
                 else:
                     assert torch.equal(g, ours[name]), (option, step, name)
         assert theirs["never.weight"] is None
+    for how in ("none", "onebit"):
+        assert torch.equal(results[0][how]["final"], results[1][how]["final"]), how
+    assert not torch.equal(results[0]["onebit"]["final"], results[0]["none"]["final"])  # it compressed
+
+
+COMPILE_STEPS = 5
+
+
+def _compiled(rank, world, how):
+    """``torch.compile`` of the DDP model (Dynamo's DDP optimizer splits the
+    graph at the buckets; backend aot_eager: no C++ compile in the test),
+    DDP's own all-reduce (``how`` "torch") or hetcomm's hook."""
+    model = models.mlp(hidden=128)
+    ddp = DDP(model)
+    state = None
+    if how != "torch":
+        state = hetcomm.HookState(how, min_compress_numel=1000)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if how == "onebit":
+        state.attach_optimizer(opt)
+    net = torch.compile(ddp, backend="aot_eager")
+    grads = []
+    for step in range(COMPILE_STEPS):
+        x, y = models.batch(rank, step, 16)
+        if state is not None:
+            state.set_local_batch_size(16)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        grads.append(models.flat_grads(model))
+        opt.step()
+    return {"grads": grads, "final": models.flat_params(model), "iter": state.iter if state else None}
+
+
+def test_a_compiled_ddp_model_reduces_through_the_hook():
+    results = run_ranks(each_mode, 2, _compiled, ["torch", "none", "onebit"])
+    for r in results:
+        for step in range(COMPILE_STEPS):
+            assert torch.equal(r["none"]["grads"][step], r["torch"]["grads"][step]), step
+        assert r["none"]["iter"] == r["onebit"]["iter"] == COMPILE_STEPS  # the hook ran once a step
     for how in ("none", "onebit"):
         assert torch.equal(results[0][how]["final"], results[1][how]["final"]), how
     assert not torch.equal(results[0]["onebit"]["final"], results[0]["none"]["final"])  # it compressed
