@@ -134,6 +134,20 @@ def test_clipping_compressed_buckets_inside_a_join_is_a_clear_error():
     assert results[1] is None or results[1]["error"] is not None
 
 
+def _hooked(ddp, how, min_numel):
+    """SGD-momentum on ``ddp`` with DDP's own all-reduce (``how`` "torch") or
+    hetcomm's hook in mode ``how`` (the momentum attached for onebit):
+    (HookState or None, optimizer)."""
+    state = None
+    if how != "torch":
+        state = hetcomm.HookState(how, min_compress_numel=min_numel)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if how == "onebit":
+        state.attach_optimizer(opt)
+    return state, opt
+
+
 class _Branchy(nn.Module):
     """A model whose head depends on the step (and rank): some parameters get
     no gradient on some ranks, one never does."""
@@ -158,13 +172,7 @@ def _unused(rank, world, how, option):
     all-reduce (``how`` "torch") or hetcomm's hook in mode ``how``
     (SGD-momentum attached for onebit). Each step's gradients by name."""
     net = DDP(_Branchy(), bucket_cap_mb=0.001, **{option: True})  # a bucket or two per layer
-    state = None
-    if how != "torch":
-        state = hetcomm.HookState(how, min_compress_numel=100)
-        net.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    if how == "onebit":
-        state.attach_optimizer(opt)
+    state, opt = _hooked(net, how, 100)
     grads = []
     for step in range(UNUSED_STEPS):
         x, y = models.batch(rank, step, 16)
@@ -208,13 +216,7 @@ def _compiled(rank, world, how):
     DDP's own all-reduce (``how`` "torch") or hetcomm's hook."""
     model = models.mlp(hidden=128)
     ddp = DDP(model)
-    state = None
-    if how != "torch":
-        state = hetcomm.HookState(how, min_compress_numel=1000)
-        ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    if how == "onebit":
-        state.attach_optimizer(opt)
+    state, opt = _hooked(ddp, how, 1000)
     net = torch.compile(ddp, backend="aot_eager")
     grads = []
     for step in range(COMPILE_STEPS):
