@@ -63,17 +63,17 @@ class NormSketch:
         self.calls = 0  # clip_grad_norm_ calls so far
         self.estimated_steps = 0  # steps whose norm took the sketch's estimate
         self.clipped_step = -1  # the step clip_grad_norm_ last ran for
-        #: per lossy bucket of the step: a parameter of it, and once backward is over (see probe) the first
-        #: 64 values DDP left in its .grad: what the hook handed
+        #: per lossy bucket of the step: a parameter of it; and once backward is over (see probe) one of them
+        #: with the first 64 values DDP left in its .grad: what the hook handed
         self.probes: List[torch.Tensor] = []
-        self.handed: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.handed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.warned_rescaled = False
         self._watch = None  # the handle of the optimizer step pre-hook that looks for a rescaled gradient
         self._pending: Optional[tuple] = None  # (handed and .grad values, their copy's CUDA event or None, step)
 
     def begin_step(self, step: int, weight: float, scale: float) -> None:
         self.step, self.vec, self.params, self.unsketched = step, None, set(), False
-        self.weight, self.scale, self.reduced_sq, self.probes, self.handed = weight, scale, None, [], []
+        self.weight, self.scale, self.reduced_sq, self.probes, self.handed = weight, scale, None, [], None
 
     def probe(self, param: Optional[torch.Tensor]) -> None:
         """Remembers a parameter of a lossy bucket, so that a rescaling of its
@@ -82,13 +82,13 @@ class NormSketch:
         step's first one a callback is queued on the autograd engine that
         queues another: it runs after DDP's end-of-backward callback (queued
         after this hook's call), once DDP has written the handed gradients
-        into ``.grad``, and keeps 64 values of each (a copy, so that
+        into ``.grad``, and keeps 64 values of one (a copy, so that
         ``gradient_as_bucket_view=True`` is covered too). A hook call outside
         backward (DDP's join shadowing a step) probes nothing."""
         if param is None or self.warned_rescaled:
             return
+        ref = weakref.ref(self)  # the callbacks must not keep the sketch alive
         if not self.probes:
-            ref = weakref.ref(self)
 
             def after_ddp() -> None:
                 sk = ref()
@@ -102,7 +102,6 @@ class NormSketch:
                 return
         self.probes.append(param)
         if self._watch is None:
-            ref = weakref.ref(self)
 
             def pre_step(optimizer, args, kwargs) -> None:
                 sk = ref()
@@ -117,12 +116,12 @@ class NormSketch:
             self._watch = register_optimizer_step_pre_hook(pre_step)
 
     def snapshot(self) -> None:
-        """At the end of backward: 64 handed values of the probed gradients
-        (one is enough; a copy on the gradient's device, no synchronisation)."""
+        """At the end of backward: 64 handed values of the first probed
+        gradient there is (a copy on the gradient's device, no synchronisation)."""
         for param in self.probes:
             g = param.grad
             if g is not None and g.numel():
-                self.handed = [(param, g.detach().reshape(-1)[:64].clone())]
+                self.handed = (param, g.detach().reshape(-1)[:64].clone())
                 return
 
     def check_rescaled(self) -> None:
@@ -133,23 +132,22 @@ class NormSketch:
         and judged at a later step, once the copy is done (no synchronisation
         on the step's path)."""
         self._judge_pending()
-        if self.warned_rescaled or self._pending is not None or not self.handed or self.clipped_step == self.step:
+        if self.warned_rescaled or self._pending is not None or self.handed is None or self.clipped_step == self.step:
             return
-        for param, kept in self.handed:
-            g = param.grad
-            if g is None or g.numel() < kept.numel() or g.device != kept.device:
-                continue
-            pair = torch.stack([kept, g.detach().reshape(-1)[:kept.numel()]]).double()
-            event = None
-            if pair.is_cuda:
-                host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
-                host.copy_(pair, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                pair = host
-            self._pending = (pair, event, self.step)
-            self._judge_pending()
+        param, kept = self.handed
+        g = param.grad
+        if g is None or g.numel() < kept.numel() or g.device != kept.device:
             return
+        pair = torch.stack([kept, g.detach().reshape(-1)[:kept.numel()]]).double()
+        event = None
+        if pair.is_cuda:
+            host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
+            host.copy_(pair, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            pair = host
+        self._pending = (pair, event, self.step)
+        self._judge_pending()
 
     def _judge_pending(self) -> None:
         """Judges the last copied (handed, .grad) pair once it is on the host."""
@@ -178,7 +176,7 @@ class NormSketch:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
-        self.probes, self.handed, self._pending = [], [], None
+        self.probes, self.handed, self._pending = [], None, None
 
     def __del__(self) -> None:
         try:

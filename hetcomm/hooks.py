@@ -51,15 +51,26 @@ def _every_group_spans_the_world() -> bool:
 _NO_SAMPLES = 1e-20
 
 
+def _join_hook_code():
+    """The code of DDP's join hook (``_DDPJoinHook.main_hook``), or None where
+    torch has no such private class."""
+    try:
+        from torch.nn.parallel.distributed import _DDPJoinHook
+        return _DDPJoinHook.main_hook.__code__
+    except (ImportError, AttributeError):
+        return None
+
+
+_JOIN_HOOK_CODE = _join_hook_code()  # looked up once, not at every step
+
+
 def _join_shadowing():
     """The DistributedDataParallel whose join hook runs this call of the comm
     hook, or None: inside ``model.join()`` (torch's ``Join``) a rank whose
     inputs ran out shadows the others' backward by running the hook over
     zero buckets (``_DDPJoinHook.main_hook``, found on this thread's stack)."""
-    try:
-        from torch.nn.parallel.distributed import _DDPJoinHook
-        code = _DDPJoinHook.main_hook.__code__
-    except (ImportError, AttributeError):
+    code = _JOIN_HOOK_CODE
+    if code is None:
         return None
     frame = sys._getframe(1)
     while frame is not None:
