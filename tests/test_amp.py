@@ -28,7 +28,8 @@ def _mixed_runs(rank, world):
             ("fp32", "onebit+m-w8"), ("mixed", "onebit+m-w8"), ("naive", "-")]
     out = {}
     # top-k of an attached hetcomm AdamW's momentum, ranked by the update (the optimizer's
-    # denominator): the overflow at step 40 falls on a top-k step (exact ones: 2 + 2**j - 1, every 16th)
+    # denominator): the overflow at step 40 falls on a top-k step (the bench passes total_steps=100:
+    # the warm-up ends at step 20, then exact ones are 20 + 2**j - 1 and 20 + 16 k - 1)
     runs += [("fp32", "topk+m/adamw"), ("mixed", "topk+m/adamw")]
     for config, spec in runs:
         mode, _, optim = spec.partition("/")

@@ -50,10 +50,12 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
           steps: int = 200, overflow_at: Optional[int] = None, eval_every: int = 10,
           options: Optional[Dict] = None, batch: Optional[Sequence[int]] = None) -> Dict:
     """One run on this rank of a hetcomm mode of :mod:`hetcomm.modes` (with
-    HookState ``options``), or with ``config="naive"`` PyTorch's allreduce_hook
-    and GradScaler. ``overflow_at``: the first fp16 rank's loss is
-    multiplied by 1e9 at that step (an fp16 overflow). ``batch``: samples of
-    each rank (batch-size weighting; default the task's on every rank).
+    HookState ``options``; ``+m`` modes attach the optimizer with the run's
+    ``total_steps``, as ``bench train``: its first fifth is the warm-up), or
+    with ``config="naive"`` PyTorch's allreduce_hook and GradScaler.
+    ``overflow_at``: the first fp16 rank's loss is multiplied by 1e9 at that
+    step (an fp16 overflow). ``batch``: samples of each rank (batch-size
+    weighting; default the task's on every rank).
     Returns the run's record (every rank: its own skipped steps and every
     rank's; the curve and the replica check are the same on every rank)."""
     t = TASKS[task]()
@@ -63,7 +65,8 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
     m = mode_table.get(mode if config != "naive" else "torch-allreduce")
     opt = make_optimizer(optim, ddp.parameters(), task_lr(t, optim), m.attach)
-    state = m.register(ddp, opt, **({} if m.is_torch else {"min_compress_numel": 1024, **(options or {})}))
+    options = {} if m.is_torch else {"min_compress_numel": 1024, **(options or {})}
+    state = m.register(ddp, opt, total_steps=steps, **options)
     if config == "naive":
         scaler = torch.amp.GradScaler("cpu", enabled=prec == "fp16")
         autocast = torch.autocast("cpu", dtype=DTYPES[prec], enabled=prec != "fp32")
