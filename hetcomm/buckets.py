@@ -214,6 +214,14 @@ class BucketStates:
         self.carry[key] = carry
         self._carry_sent.pop(key, None)
 
+    def scale_error_feedback(self, factor: float) -> None:
+        """Multiplies what error feedback holds back (worker and server
+        residuals, carries) by ``factor``; the compressed momentum and
+        lowrank's Q are not error feedback and stay."""
+        for store in (self.residuals, self.server_residuals, self.carry):
+            for t in store.values():
+                t.mul_(factor)
+
     def begin_step(self, carry_holds: int) -> None:
         """Before the step's first bucket (the last step's reductions are done):
         the engine's count of reductions that held a carry back."""

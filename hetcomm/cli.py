@@ -41,7 +41,8 @@ def _bench(args) -> None:
 
         train.main(ranks=args.ranks, tasks=args.tasks, optims=args.optims, modes=args.modes, scale=args.scale,
                    eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale,
-                   seeds=args.seeds, clip=args.clip_grad_norm, clip_handed=args.clip_handed)
+                   seeds=args.seeds, clip=args.clip_grad_norm, clip_handed=args.clip_handed,
+                   schedule=args.schedule)
     elif args.what == "precision":
         from .benchmarks import precision
 
@@ -337,6 +338,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--scale", type=positive_float, default=1.0, help="multiplies each task's number of steps")
     tr.add_argument("--lr-scale", type=positive_float, default=1.0,
                     help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")
+    tr.add_argument("--schedule", choices=bench_train.SCHEDULES, default="constant",
+                    help="the learning rate over each run: constant, or cosine (a linear warm-up over the first 5 %% "
+                         "of the steps, then a cosine decay to 0; the task's lr is the peak)")
     tr.add_argument("--eval-every", type=positive_int, default=20, help="steps between quality measurements")
     tr.add_argument("--seeds", type=positive_int, default=1,
                     help="runs per mode with different initialisation and data order; >1 adds a table of means")

@@ -158,6 +158,8 @@ class BucketSteps:
         self._step_open = True
         self._planner.begin_step(engine)
         self._buckets.begin_step(engine.carry_holds())
+        if self._optimizer is not None and self.error_feedback:
+            self._follow_lr()
         nonfinite = engine.nonfinite_steps()
         if nonfinite > self._nonfinite_seen:
             # Once per power of two: a diverged run has a NaN every step, and
@@ -186,6 +188,36 @@ class BucketSteps:
                     "one step only)")
             engine.submit_batch_size(self._local_batch)
             self._local_batch = None
+
+    def _follow_lr(self) -> None:
+        """Keeps error feedback's state in update units under a learning-rate
+        schedule: when the attached optimizer's rate moved from ``a`` to ``b``
+        since the last step, what the residuals hold back is multiplied by
+        ``a / b``, so once sent it moves the parameters as far as it would
+        have when it was held back (a decaying rate otherwise shrinks it;
+        measured under a cosine schedule, README "Limits"). A rate of 0 leaves
+        the state as it is until the next nonzero one. Groups whose rates moved
+        by different factors leave it as it is too (said once): a residual
+        spans the groups of its bucket."""
+        opt = self._optimizer()
+        if opt is None:
+            return
+        lrs = [float(g["lr"]) for g in opt.param_groups]
+        last = self._lrs
+        if any(b <= 0.0 for b in lrs):  # this step moves nothing there: the state keeps its units
+            return
+        self._lrs = lrs
+        if last is None or len(last) != len(lrs) or last == lrs or any(a <= 0.0 for a in last):
+            return
+        factor = last[0] / lrs[0]
+        if any(abs(a / b - factor) > 1e-6 * factor for a, b in zip(last, lrs)):
+            if not self._lr_warned:
+                self._lr_warned = True
+                log.warning("hetcomm: the attached optimizer's parameter groups changed their learning rates by "
+                            "different factors (%s -> %s); error feedback's residuals are not rescaled when they "
+                            "do (a residual spans a bucket's groups)", last, lrs)
+            return
+        self._buckets.scale_error_feedback(factor)
 
     def _shadow_join(self) -> bool:
         """Whether this step is DDP's join shadowing the others' backward for

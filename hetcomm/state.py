@@ -184,6 +184,9 @@ class HookState(BucketSteps, Negotiation):
         self._forced_algo: Optional[str] = None  # HETCOMM_ALGO, as agreed at the first step
         self._beta: Optional[float] = None  # the momentum hetcomm compresses (attach_optimizer)
         self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
+        #: The attached optimizer's learning rates (per group) that error feedback's state is in units of
+        self._lrs: Optional[list] = None
+        self._lr_warned = False  # groups whose rates moved by different factors: said once
         self._attached: Optional[str] = None  # the kind of optimizer attached (options.ATTACHED)
         self._exact_every = 0  # Adam attached: every this many steps is exact, besides start_iter + 2**j - 1
         self._total_steps: Optional[int] = None  # attach_optimizer(total_steps=): the run warms up (auto may send 1 bit)
@@ -275,6 +278,13 @@ class HookState(BucketSteps, Negotiation):
         measured, at 40-60 % fewer bytes over the run), except under
         ``compression="auto"`` with ``candidates`` that leave fp8 out;
         otherwise ``"none"`` (a ``start_iter`` of your own stays exact).
+
+        Learning-rate schedules: error feedback's residuals follow the
+        optimizer's rate (when a scheduler moves it from ``a`` to ``b``, what
+        they hold back is multiplied by ``a / b``), so what was held back
+        moves the parameters as far when sent as it would have when held
+        (README "Limits": onebit+m under a cosine schedule); parameter groups
+        moved by different factors are not followed (logged once).
 
         Nothing to retune: keep the optimizer, its learning rate and betas.
         With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
@@ -380,6 +390,7 @@ class HookState(BucketSteps, Negotiation):
             **self._buckets.state_dict(),
             "auto": self._planner.state_dict(),
             "clip_sketch": self._sketch.on,
+            "lrs": self._lrs,
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -399,6 +410,7 @@ class HookState(BucketSteps, Negotiation):
         self._buckets.load_state_dict(sd, keyed_elsewhere=bool(sd.get("auto", {}).get("decided")))
         self._planner.load_state_dict(sd.get("auto", {}))
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
+        self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
 
     def stats(self) -> Dict[str, Any]:
         """Bytes and time of the last complete step and of the whole run:

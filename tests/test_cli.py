@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hetcomm.planner
+from hetcomm.benchmarks import train
 
 HETCOMM = [sys.executable, "-m", "hetcomm.cli"]
 
@@ -196,6 +197,33 @@ def test_bench_train_clips_hetcomm_modes_by_the_reduced_norm(tmp_path):
     assert data["meta"]["clip"] == 0.2 and data["meta"]["clip_handed"] is False
 
 
+def test_bench_train_cosine_schedule_applies_to_every_run(tmp_path):
+    _run(["bench", "train", "--tasks", "regress", "--optims", "adamw", "--modes", "onebit+m", "--scale", "0.1",
+          "--eval-every", "10", "--schedule", "cosine", "--json", "c.json"], tmp_path)
+    data = json.load(open(tmp_path / "c.json"))
+    assert [(r["mode"], r["schedule"]) for r in data["runs"]] == [("fp32", "cosine"), ("onebit+m", "cosine")]
+    assert data["meta"]["schedule"] == "cosine"
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw+m"])
+def test_cosine_schedule_is_a_linear_warm_up_then_a_cosine_decay(optim):
+    name, _, attach = optim.partition("+")
+    opt = train.make_optimizer(name, [torch.nn.Parameter(torch.zeros(3))], 0.2, attach=bool(attach))
+    assert train.make_schedule(opt, "constant", 100) is None
+    sched = train.make_schedule(opt, "cosine", 100)  # a warm-up of 5 steps, then 95 of decay
+    lrs = []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])  # the lr the next optimizer step takes
+        opt.step()
+        sched.step()
+    expected = [0.2 * (s + 1) / 5 for s in range(5)] + [0.1 * (1 + math.cos(math.pi * (s - 5) / 95))
+                                                       for s in range(5, 100)]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    assert max(lrs) == pytest.approx(0.2) and 0 < lrs[-1] < 1e-3
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        train.make_schedule(opt, "linear", 100)
+
+
 def test_bench_train_seeds_compare_means(tmp_path):
     out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "onebit+m", "--scale", "0.1",
                 "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)
@@ -259,7 +287,8 @@ MALFORMED = [
     ["bench", "train", "--modes", "fp16+bal"], ["bench", "train", "--modes", "lowrank-r0"],
     ["bench", "train", "--modes", "torch-powersgd-r4+m"], ["bench", "train", "--modes", ""], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
     ["bench", "train", "--eval-every", "0"], ["bench", "train", "--png", "/no/such/dir/x.png"],
-    ["bench", "train", "--seeds", "0"], ["bench", "train", "--clip-grad-norm", "0"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
+    ["bench", "train", "--seeds", "0"], ["bench", "train", "--clip-grad-norm", "0"],
+    ["bench", "train", "--schedule", "step"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
     ["bench", "ddp", "--grid", "--networks", "fast"], ["bench", "ddp", "--grid", "--grid-params", ""],
     ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],
     ["testbed", "--inter-node-rate", "fast", "--", "true"], ["testbed", "--rank-cpu", "0,0,0,0", "--", "true"],

@@ -422,3 +422,69 @@ def test_an_fp8_warm_up_sends_the_gradient_as_compression_fp8_does_then_the_mome
         # hetcomm's AdamW takes the warm-up's fp8 steps as exact (its variance updates), then the
         # doubling schedule: start_iter + 2**j - 1 exact (steps 8, 9), step 10 compressed
         assert r["adamw-w8"]["exact"] == [True] * 10 + [False]
+
+
+def _residuals(state):
+    b = state._buckets
+    return {(name, k): t.clone() for name, store in (("worker", b.residuals), ("server", b.server_residuals),
+                                                      ("carry", b.carry)) for k, t in store.items()}
+
+
+def _lr_schedule_units(rank, world):
+    """An attached optimizer's rate moved between steps: the residuals
+    (worker and server, onebit's two phases) are multiplied by old / new
+    before the next step's reduction, the compressed momentum is not; no move,
+    a move to 0, or groups moved by different factors leave them as they are."""
+    import logging
+
+    torch.manual_seed(0)
+    model = models.mlp()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    opt = torch.optim.SGD([{"params": first}, {"params": rest, "lr": 0.05}], lr=0.1, momentum=0.9)
+    state.attach_optimizer(opt)
+    for step in range(4):
+        models.train_step(ddp, opt, rank, step, 16)
+    out, seen = {}, []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("hetcomm").addHandler(handler)
+    try:
+        def move(lrs):
+            before, momentum = _residuals(state), {k: t.clone() for k, t in state._buckets.momentum.items()}
+            for g, lr in zip(opt.param_groups, lrs):
+                g["lr"] = lr
+            state._follow_lr()  # what the next step's first bucket does before any reduction
+            after = _residuals(state)
+            same_momentum = all(torch.equal(t, momentum[k]) for k, t in state._buckets.momentum.items())
+            return before, after, same_momentum
+
+        out["scaled"] = move([0.025, 0.0125])  # both groups / 4
+        out["unchanged"] = move([0.025, 0.0125])
+        out["zero"] = move([0.0, 0.0])
+        out["after_zero"] = move([0.05, 0.025])  # from the last nonzero rates (0.025, 0.0125): x 0.5
+        out["different"] = move([0.1, 0.025])  # x 0.5 and x 1
+        out["different_again"] = move([0.05, 0.05])
+    finally:
+        logging.getLogger("hetcomm").removeHandler(handler)
+    out["warnings"] = [m for m in seen if "different factors" in m]
+    out["lrs"] = state.state_dict()["lrs"]
+    fresh = hetcomm.HookState("onebit", min_compress_numel=0)
+    fresh.load_state_dict(state.state_dict())
+    out["loaded_lrs"] = fresh._lrs
+    return out
+
+
+def test_an_lr_schedule_rescales_what_error_feedback_holds_back():
+    out = run_ranks(_lr_schedule_units, 2)[0]
+    before, after, same_momentum = out["scaled"]
+    assert {k[0] for k in before} == {"worker", "server"} and same_momentum
+    assert all(t.abs().sum() > 0 and torch.equal(after[k], t * 4.0) for k, t in before.items())
+    for case, factor in (("unchanged", 1.0), ("zero", 1.0), ("after_zero", 0.5), ("different", 1.0),
+                         ("different_again", 1.0)):
+        before, after, same_momentum = out[case]
+        assert same_momentum and all(torch.equal(after[k], t * factor) for k, t in before.items()), case
+    assert len(out["warnings"]) == 1 and "[0.05, 0.025] -> [0.1, 0.025]" in out["warnings"][0]
+    assert out["lrs"] == out["loaded_lrs"] == [0.05, 0.05]

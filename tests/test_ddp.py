@@ -312,6 +312,9 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
         norms.append(state.clip_grad_norm_(model.parameters(), 0.3).item())
 
     for step in range(start, stop):
+        if opt_name.endswith("-sched"):  # a schedule (a function of the step, as a resumed scheduler restores it)
+            for g in opt.param_groups:
+                g["lr"] = 0.05 * 0.8 ** step
         models.train_step(ddp, opt, rank, step, 16, before_step=clip if opt_name.endswith("-clip") else None)
         layouts.append(list(state._buckets.step_layout))
         wires.append(sorted({p.mode for p in state.last_plans.values()}))
@@ -326,7 +329,8 @@ RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "t
                 ("default", "onebit", "sgd-attach"), ("small", "onebit", "adamw-attach"), ("small", "fp8", "sgd-attach"),
                 ("small", "topk", "adamw-attach"),  # top-k by the update: its denominator from the resumed optimizer
                 ("small", "onebit", "sgd-warmup"), ("small", "onebit", "hetcomm-adamw-warmup"),
-                ("small", "onebit", "sgd-attach-clip")]
+                ("small", "onebit", "sgd-attach-clip"),
+                ("small", "onebit", "sgd-attach-sched")]  # an lr moved every step: the residuals' units resume
 
 
 def _resume_cases(rank, world, ckpt_dir):

@@ -31,6 +31,9 @@ REFERENCE = "fp32"
 DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
 OPTIMIZERS = ("sgd", "adamw", "nesterov")
 DEFAULT_OPTIMIZERS = ["sgd", "adamw"]
+SCHEDULES = ("constant", "cosine")
+#: the cosine schedule's linear warm-up, as a fraction of the run's steps
+LR_WARMUP_FRACTION = 0.05
 
 
 def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.optim.Optimizer:
@@ -39,6 +42,26 @@ def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.
     if name in ("sgd", "nesterov"):
         return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=name == "nesterov")
     return hetcomm.optim.AdamW(params, lr=lr) if attach else torch.optim.AdamW(params, lr=lr)
+
+
+def make_schedule(optimizer: torch.optim.Optimizer, name: str, steps: int):
+    """The learning-rate schedule ``name`` over a run of ``steps`` optimizer
+    steps, stepped once after each: None for ``constant``; ``cosine``, what
+    transformer recipes use, a linear warm-up over the first
+    ``LR_WARMUP_FRACTION`` of the steps (step s at (s + 1) / w of the lr) and
+    then a cosine decay towards 0 at the end."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    if name == "constant":
+        return None
+    warm = max(1, int(LR_WARMUP_FRACTION * steps))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def task_lr(task: Task, optim: str) -> float:
@@ -70,11 +93,12 @@ def _clip(state, model: nn.Module, clip: Optional[float], handed: bool) -> bool:
 
 
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float,
-         clip: Optional[float] = None, clip_handed: bool = False) -> Optional[Dict]:
+         clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant") -> Optional[Dict]:
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model, **mode_table.get(mode).ddp_options())
     opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
     state, bytes_per_step = _register(ddp, mode, opt, steps)
+    sched = make_schedule(opt, schedule, steps)
     curve, train_s, clipped = [], 0.0, 0
     for step in range(steps):
         x, y = task.batch_for(step, rank)
@@ -83,6 +107,8 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
         task.loss(ddp(x), y).backward()
         clipped += _clip(state, model, clip, clip_handed)
         opt.step()
+        if sched is not None:
+            sched.step()
         train_s += time.perf_counter() - t0
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             if rank == 0:
@@ -99,7 +125,8 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
         return None
     final = curve[-1]
     extra = {"auto": {k: auto[k] for k in ("modes", "round_step_s", "rechecks", "buckets")}} if auto else {}
-    return {**extra, "task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr, "steps": steps,
+    return {**extra, "task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr,
+            "schedule": schedule, "steps": steps,
             "world_size": dist.get_world_size(),
             "curve": curve, "final": final[task.metric], "final_loss": final["loss"],
             "s_per_step": train_s / steps, "bytes_per_step": sent,
@@ -110,7 +137,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
 
 def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: List[str], scale: float,
             eval_every: int, lr_scale: float, partial_path: Optional[str] = None, seeds: int = 1,
-            clip: Optional[float] = None, clip_handed: bool = False) -> List[Dict]:
+            clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant") -> List[Dict]:
     out = []
     for name in tasks:
         task = TASKS[name]()
@@ -120,7 +147,7 @@ def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: L
                 task.seed = seed
                 for mode in modes:
                     r = _run(rank, task, optim, mode, steps, eval_every, task_lr(task, optim) * lr_scale, clip,
-                             clip_handed)
+                             clip_handed, schedule)
                     if r is not None:
                         plans = r["curve"][-1].get("plans")
                         print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
@@ -201,19 +228,24 @@ def plot(runs: List[Dict], path: str) -> bool:
             elif ref:
                 ax.set_yscale("log")
                 ax.set_ylim(0.8 * min(ref), 1.5 * max(ref))
-            common.finish_axis(ax, f"{task} / {optim} (lr {panel[0]['lr']:g})", "training time (s)", metric)
+            sched = "" if panel[0].get("schedule", "constant") == "constant" else f", {panel[0]['schedule']}"
+            common.finish_axis(ax, f"{task} / {optim} (lr {panel[0]['lr']:g}{sched})", "training time (s)", metric)
     return common.save_figure(plt, fig, path)
 
 
 def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float = 1.0,
         eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None,
-        seeds: int = 1, clip: Optional[float] = None, clip_handed: bool = False) -> List[Dict]:
+        seeds: int = 1, clip: Optional[float] = None, clip_handed: bool = False,
+        schedule: str = "constant") -> List[Dict]:
     """``clip``: every run clips its gradients at that norm after backward
     (hetcomm's modes by the reduced gradient's norm, HookState.clip_grad_norm_;
     with ``clip_handed`` by the handed one's, torch's clip_grad_norm_, as a
-    loop written for plain DDP does)."""
+    loop written for plain DDP does). ``schedule``: the learning rate's over
+    each run (:func:`make_schedule`; the task's lr is its peak)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"clip must be a finite number > 0 or None, got {clip!r}")
     for name in tasks:
@@ -227,7 +259,7 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
     if REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
     runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds,
-                           clip, clip_handed)
+                           clip, clip_handed, schedule)
     return summarise(runs) if runs is not None else []
 
 
@@ -237,9 +269,10 @@ def _fmt(v, f):
 
 def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
          json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0, seeds: int = 1,
-         clip: Optional[float] = None, clip_handed: bool = False) -> None:
+         clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant") -> None:
     t0 = time.time()
-    runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds, clip, clip_handed)
+    runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds, clip, clip_handed,
+               schedule)
     if not runs:  # a rank other than 0 under torchrun / the testbed
         return
     world = runs[0]["world_size"]
@@ -255,7 +288,7 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         row = dict(r, s_per_step=1000 * r["s_per_step"], bytes_per_step=r["bytes_per_step"] / 1000)
         print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
     meta = common.metadata(world, wall_s=time.time() - t0, scale=scale, eval_every=eval_every, lr_scale=lr_scale,
-                           seeds=seeds, clip=clip, clip_handed=clip_handed)
+                           seeds=seeds, clip=clip, clip_handed=clip_handed, schedule=schedule)
     summary = aggregate(runs)
     if seeds > 1:
         print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean")
