@@ -24,16 +24,21 @@ from hetcomm.integrations.lightning import HetcommDDPStrategy
 
 
 class Digits(pl.LightningModule):
-    def __init__(self, lr: float) -> None:
+    def __init__(self, lr: float, cosine: bool = False) -> None:
         super().__init__()
-        self.net, self.lr = make_model(seed=0), lr
+        self.net, self.lr, self.cosine = make_model(seed=0), lr, cosine
 
     def training_step(self, batch, _):
         x, y = batch
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if not self.cosine:
+            return opt
+        # stepped after every optimizer step; hetcomm's error feedback follows the rate it sets
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.trainer.estimated_stepping_batches)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def main() -> None:
@@ -46,6 +51,7 @@ def main() -> None:
     p.add_argument("--warmup-compression", choices=("none", "fp8"),
                    help="the warm-up's wire (attach_optimizer's warmup_compression; default: its default, fp8 "
                         "since the strategy passes the fit's length)")
+    p.add_argument("--cosine", action="store_true", help="a cosine learning-rate schedule over the fit, every step")
     p.add_argument("--clip", type=float, default=None,
                    help="Trainer(gradient_clip_val=...): clipped by the reduced gradient's norm through hetcomm")
     args = p.parse_args()
@@ -58,7 +64,7 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.out, gradient_clip_val=args.clip)
-    model = Digits(args.lr)
+    model = Digits(args.lr, args.cosine)
     ckpt = os.path.join(args.out, "last.ckpt")
     trainer.fit(model, loader, ckpt_path=ckpt if args.resume else None)
     trainer.save_checkpoint(ckpt)
@@ -72,6 +78,7 @@ def main() -> None:
         stats = state.stats()
         result = {"hook_steps": state.iter, "global_step": trainer.global_step, "accuracy": acc,
                   "start_iter": state.start_iter, "clip": stats.get("clip"),
+                  "followed_lrs": state.state_dict()["lrs"],  # the rate error feedback is in units of
                   "bytes_sent": stats["total"]["bytes_sent"], "fp32_bytes": stats["total"]["fp32_bytes"],
                   "replicas_identical": all(torch.equal(flat, f) for f in every)}
         print(json.dumps(result))

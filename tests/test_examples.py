@@ -4,6 +4,7 @@ processes."""
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -91,6 +92,13 @@ def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     assert clipped["replicas_identical"]
     assert clipped["clip"] == {"calls": clipped["global_step"],
                                "estimated_steps": clipped["global_step"] - clipped["start_iter"]}, clipped
+    # a cosine schedule stepped every step (Lightning's lr_scheduler, interval "step"): error feedback followed
+    # the rate of the fit's last step, 0.05 (1 + cos(pi (N - 1) / N)) / 2, and the replicas stay identical
+    (tmp_path / "cosine").mkdir()
+    cos = fit("--epochs", "1", "--cosine", "--out", str(tmp_path / "cosine"))
+    n = cos["global_step"]
+    assert cos["replicas_identical"] and cos["hook_steps"] == n
+    assert cos["followed_lrs"] == [pytest.approx(0.025 * (1 + math.cos(math.pi * (n - 1) / n)), rel=1e-9)]
     resumed = fit("--epochs", "3", "--resume")
     # The restored state continues the count (iter is saved per rank) and the replicas stay identical.
     assert resumed["global_step"] == first["global_step"] * 3 // 2
