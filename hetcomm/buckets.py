@@ -16,7 +16,7 @@ original run would have (see ``HookState._replay``).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -214,13 +214,19 @@ class BucketStates:
         self.carry[key] = carry
         self._carry_sent.pop(key, None)
 
-    def scale_error_feedback(self, factor: float) -> None:
-        """Multiplies what error feedback holds back (worker and server
-        residuals, carries) by ``factor``; the compressed momentum and
-        lowrank's Q are not error feedback and stay."""
+    def scale_error_feedback(self, factor_of: Callable[[Sequence[torch.Tensor]], Optional[float]]) -> int:
+        """Multiplies what error feedback holds back for each bucket (worker
+        and server residuals, carries) by ``factor_of(its parameters)``; None
+        leaves the bucket's as it is. The compressed momentum and lowrank's Q
+        are not error feedback and stay. Returns the buckets left as they were."""
+        factors: Dict[str, Optional[float]] = {}
         for store in (self.residuals, self.server_residuals, self.carry):
-            for t in store.values():
-                t.mul_(factor)
+            for key, t in store.items():
+                if key not in factors:
+                    factors[key] = factor_of([self.params.param(int(n)) for n in key.split(",")])
+                if factors[key] is not None:
+                    t.mul_(factors[key])
+        return sum(f is None for f in factors.values())
 
     def begin_step(self, carry_holds: int) -> None:
         """Before the step's first bucket (the last step's reductions are done):

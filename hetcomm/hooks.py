@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 import types
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -192,13 +193,14 @@ class BucketSteps:
     def _follow_lr(self) -> None:
         """Keeps error feedback's state in update units under a learning-rate
         schedule: when the attached optimizer's rate moved from ``a`` to ``b``
-        since the last step, what the residuals hold back is multiplied by
-        ``a / b``, so once sent it moves the parameters as far as it would
+        since the last step, what a bucket's residuals hold back is multiplied
+        by ``a / b``, so once sent it moves the parameters as far as it would
         have when it was held back (a decaying rate otherwise shrinks it;
         measured under a cosine schedule, README "Limits"). A rate of 0 leaves
-        the state as it is until the next nonzero one. Groups whose rates moved
-        by different factors leave it as it is too (said once): a residual
-        spans the groups of its bucket."""
+        the state as it is until the next nonzero one. Parameter groups moved
+        by different factors: each bucket by its groups' factor; a bucket
+        whose parameters' groups moved by different factors stays as it is
+        (said once)."""
         opt = self._optimizer()
         if opt is None:
             return
@@ -209,15 +211,24 @@ class BucketSteps:
         self._lrs = lrs
         if last is None or len(last) != len(lrs) or last == lrs or any(a <= 0.0 for a in last):
             return
-        factor = last[0] / lrs[0]
-        if any(abs(a / b - factor) > 1e-6 * factor for a, b in zip(last, lrs)):
-            if not self._lr_warned:
-                self._lr_warned = True
-                log.warning("hetcomm: the attached optimizer's parameter groups changed their learning rates by "
-                            "different factors (%s -> %s); error feedback's residuals are not rescaled when they "
-                            "do (a residual spans a bucket's groups)", last, lrs)
+        factors = [a / b for a, b in zip(last, lrs)]
+
+        def one(fs: List[float]) -> Optional[float]:  # the factor they share (to float rounding), or None
+            return fs[0] if fs and max(fs) - min(fs) <= 1e-6 * max(fs) else None
+
+        shared = one(factors)
+        if shared is not None:
+            self._buckets.scale_error_feedback(lambda params: shared)
             return
-        self._buckets.scale_error_feedback(factor)
+        group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        left = self._buckets.scale_error_feedback(
+            lambda params: one([factors[group_of[id(p)]] for p in params if p is not None and id(p) in group_of]))
+        if left and not self._lr_warned:
+            self._lr_warned = True
+            log.warning("hetcomm: the attached optimizer's parameter groups changed their learning rates by "
+                        "different factors (%s -> %s) and %d bucket(s) hold parameters of groups that moved "
+                        "differently: their error-feedback residuals are not rescaled when that happens", last,
+                        lrs, left)
 
     def _shadow_join(self) -> bool:
         """Whether this step is DDP's join shadowing the others' backward for

@@ -284,7 +284,9 @@ class HookState(BucketSteps, Negotiation):
         they hold back is multiplied by ``a / b``), so what was held back
         moves the parameters as far when sent as it would have when held
         (README "Limits": onebit+m under a cosine schedule); parameter groups
-        moved by different factors are not followed (logged once).
+        moved by different factors: each bucket by its groups' factor, a
+        bucket holding groups that moved differently is left as it is (logged
+        once).
 
         Nothing to retune: keep the optimizer, its learning rate and betas.
         With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands

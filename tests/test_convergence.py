@@ -433,17 +433,20 @@ def _residuals(state):
 def _lr_schedule_units(rank, world):
     """An attached optimizer's rate moved between steps: the residuals
     (worker and server, onebit's two phases) are multiplied by old / new
-    before the next step's reduction, the compressed momentum is not; no move,
-    a move to 0, or groups moved by different factors leave them as they are."""
+    before the next step's reduction, the compressed momentum is not; no move
+    or a move to 0 leaves them as they are; groups moved by different factors:
+    each bucket by its groups' factor, a bucket of both groups as it is."""
     import logging
 
     torch.manual_seed(0)
     model = models.mlp()
-    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp = DDP(model, bucket_cap_mb=0.001)  # a bucket per layer (after the first step's rebuild)
     state = hetcomm.HookState("onebit", min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
-    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
-    opt = torch.optim.SGD([{"params": first}, {"params": rest, "lr": 0.05}], lr=0.1, momentum=0.9)
+    params = list(model.parameters())  # group 0: the first layer and the second's weight; group 1: the rest
+    first = params[:3]
+    opt = torch.optim.SGD([{"params": first}, {"params": [p for p in params if all(p is not q for q in first)],
+                                               "lr": 0.05}], lr=0.1, momentum=0.9)
     state.attach_optimizer(opt)
     for step in range(4):
         models.train_step(ddp, opt, rank, step, 16)
@@ -465,11 +468,14 @@ def _lr_schedule_units(rank, world):
         out["unchanged"] = move([0.025, 0.0125])
         out["zero"] = move([0.0, 0.0])
         out["after_zero"] = move([0.05, 0.025])  # from the last nonzero rates (0.025, 0.0125): x 0.5
-        out["different"] = move([0.1, 0.025])  # x 0.5 and x 1
-        out["different_again"] = move([0.05, 0.05])
+        out["different"] = move([0.1, 0.025])  # group 0 x 0.5, group 1 x 1
+        out["different_again"] = move([0.05, 0.1])  # group 0 x 2, group 1 x 0.25
     finally:
         logging.getLogger("hetcomm").removeHandler(handler)
     out["warnings"] = [m for m in seen if "different factors" in m]
+    group = {id(p): 0 for p in first}
+    out["groups"] = {k: {group.get(id(state._buckets.params.param(int(n))), 1) for n in k.split(",")}
+                     for k in state._buckets.residuals}
     out["lrs"] = state.state_dict()["lrs"]
     fresh = hetcomm.HookState("onebit", min_compress_numel=0)
     fresh.load_state_dict(state.state_dict())
@@ -479,12 +485,19 @@ def _lr_schedule_units(rank, world):
 
 def test_an_lr_schedule_rescales_what_error_feedback_holds_back():
     out = run_ranks(_lr_schedule_units, 2)[0]
+    groups = out["groups"]
+    # the buckets: one of group 0 alone, one of group 1 alone, one of both
+    assert sorted(map(sorted, groups.values())) == [[0], [0, 1], [1]], groups
     before, after, same_momentum = out["scaled"]
     assert {k[0] for k in before} == {"worker", "server"} and same_momentum
     assert all(t.abs().sum() > 0 and torch.equal(after[k], t * 4.0) for k, t in before.items())
-    for case, factor in (("unchanged", 1.0), ("zero", 1.0), ("after_zero", 0.5), ("different", 1.0),
-                         ("different_again", 1.0)):
+    for case, factors in (("unchanged", (1.0, 1.0)), ("zero", (1.0, 1.0)), ("after_zero", (0.5, 0.5)),
+                          ("different", (0.5, 1.0)), ("different_again", (2.0, 0.25))):
         before, after, same_momentum = out[case]
-        assert same_momentum and all(torch.equal(after[k], t * factor) for k, t in before.items()), case
+        for (kind, key), t in before.items():
+            moved = {factors[g] for g in groups[key]}  # a bucket whose groups moved differently stays
+            factor = moved.pop() if len(moved) == 1 else 1.0
+            assert torch.equal(after[(kind, key)], t * factor), (case, kind, key, groups[key])
+        assert same_momentum, case
     assert len(out["warnings"]) == 1 and "[0.05, 0.025] -> [0.1, 0.025]" in out["warnings"][0]
-    assert out["lrs"] == out["loaded_lrs"] == [0.05, 0.05]
+    assert out["lrs"] == out["loaded_lrs"] == [0.05, 0.1]
