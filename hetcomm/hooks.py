@@ -196,22 +196,25 @@ class BucketSteps:
         since the last step, what a bucket's residuals hold back is multiplied
         by ``a / b``, so once sent it moves the parameters as far as it would
         have when it was held back (a decaying rate otherwise shrinks it;
-        measured under a cosine schedule, README "Limits"). A rate of 0 leaves
-        the state as it is until the next nonzero one. Parameter groups moved
-        by different factors: each bucket by its groups' factor; a bucket
-        whose parameters' groups moved by different factors stays as it is
-        (said once)."""
+        measured under a cosine schedule, README "Limits"). A group at rate 0
+        keeps its state as it is until its next nonzero rate. Groups moved by
+        different factors: each bucket by its groups' factor; a bucket whose
+        parameters' groups moved by different factors stays as it is (said
+        once)."""
         opt = self._optimizer()
         if opt is None:
             return
         lrs = [float(g["lr"]) for g in opt.param_groups]
         last = self._lrs
-        if any(b <= 0.0 for b in lrs):  # this step moves nothing there: the state keeps its units
+        if last is None or len(last) != len(lrs):
+            self._lrs = lrs
             return
+        # a group at rate 0 moves nothing this step: its state keeps the units of its last nonzero rate
+        lrs = [b if b > 0.0 else a for a, b in zip(last, lrs)]
         self._lrs = lrs
-        if last is None or len(last) != len(lrs) or last == lrs or any(a <= 0.0 for a in last):
+        if lrs == last:
             return
-        factors = [a / b for a, b in zip(last, lrs)]
+        factors = [a / b if a > 0.0 else 1.0 for a, b in zip(last, lrs)]
 
         def one(fs: List[float]) -> Optional[float]:  # the factor they share (to float rounding), or None
             return fs[0] if fs and max(fs) - min(fs) <= 1e-6 * max(fs) else None

@@ -434,7 +434,7 @@ def _lr_schedule_units(rank, world):
     """An attached optimizer's rate moved between steps: the residuals
     (worker and server, onebit's two phases) are multiplied by old / new
     before the next step's reduction, the compressed momentum is not; no move
-    or a move to 0 leaves them as they are; groups moved by different factors:
+    or a move to 0 leaves them as they are (a group at 0: its buckets); groups moved by different factors:
     each bucket by its groups' factor, a bucket of both groups as it is."""
     import logging
 
@@ -470,6 +470,8 @@ def _lr_schedule_units(rank, world):
         out["after_zero"] = move([0.05, 0.025])  # from the last nonzero rates (0.025, 0.0125): x 0.5
         out["different"] = move([0.1, 0.025])  # group 0 x 0.5, group 1 x 1
         out["different_again"] = move([0.05, 0.1])  # group 0 x 2, group 1 x 0.25
+        out["one_frozen"] = move([0.0, 0.05])  # group 0 stays (rate 0), group 1 x 2
+        out["unfrozen"] = move([0.025, 0.05])  # group 0 from its last nonzero rate 0.05: x 2
     finally:
         logging.getLogger("hetcomm").removeHandler(handler)
     out["warnings"] = [m for m in seen if "different factors" in m]
@@ -492,7 +494,8 @@ def test_an_lr_schedule_rescales_what_error_feedback_holds_back():
     assert {k[0] for k in before} == {"worker", "server"} and same_momentum
     assert all(t.abs().sum() > 0 and torch.equal(after[k], t * 4.0) for k, t in before.items())
     for case, factors in (("unchanged", (1.0, 1.0)), ("zero", (1.0, 1.0)), ("after_zero", (0.5, 0.5)),
-                          ("different", (0.5, 1.0)), ("different_again", (2.0, 0.25))):
+                          ("different", (0.5, 1.0)), ("different_again", (2.0, 0.25)),
+                          ("one_frozen", (1.0, 2.0)), ("unfrozen", (2.0, 1.0))):
         before, after, same_momentum = out[case]
         for (kind, key), t in before.items():
             moved = {factors[g] for g in groups[key]}  # a bucket whose groups moved differently stays
@@ -500,4 +503,4 @@ def test_an_lr_schedule_rescales_what_error_feedback_holds_back():
             assert torch.equal(after[(kind, key)], t * factor), (case, kind, key, groups[key])
         assert same_momentum, case
     assert len(out["warnings"]) == 1 and "[0.05, 0.025] -> [0.1, 0.025]" in out["warnings"][0]
-    assert out["lrs"] == out["loaded_lrs"] == [0.05, 0.1]
+    assert out["lrs"] == out["loaded_lrs"] == [0.025, 0.05]
