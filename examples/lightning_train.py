@@ -84,6 +84,10 @@ def main() -> None:
         print(json.dumps(result))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
+    # stop hetcomm's comm thread and free the gloo group now, not while the interpreter exits (as the torchrun
+    # examples do: a group freed during finalization can abort the process)
+    state.close()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
