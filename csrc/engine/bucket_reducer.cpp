@@ -26,13 +26,26 @@ void BucketReducer::set_loss_scale(double s) {
   loss_scale_ = s;
 }
 
+namespace {
+
+// x on the CPU, sharing no storage with `sent`, the tensor a collective
+// wrote: the process group's own threads may let go of `sent` only a moment
+// after the wait, and the result becomes a Python object (a future's value)
+// whose last release, were it theirs, would take the GIL on their thread.
+at::Tensor own_copy(const at::Tensor& x, const at::Tensor& sent) {
+  at::Tensor out = x.cpu();
+  return out.is_alias_of(sent) ? out.clone() : out;
+}
+
+}  // namespace
+
 at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
   const auto opts = at::TensorOptions().dtype(at::kLong).device(transport_->device());
   at::Tensor c = config.to(opts).contiguous();
   at::Tensor all = at::empty({transport_->size() * c.numel()}, opts);
   transport_->all_gather(all, c);
   transport_->synchronize();
-  return all.view({transport_->size(), c.numel()}).cpu();
+  return own_copy(all.view({transport_->size(), c.numel()}), all);
 }
 
 BucketReducer::WireMark BucketReducer::wire_mark() const {
@@ -54,7 +67,7 @@ at::Tensor BucketReducer::sum(const at::Tensor& x) {
   t.all_reduce_sum(v);
   t.synchronize();
   add_wire_since(mark);
-  return v.cpu();
+  return own_copy(v, v);
 }
 
 void BucketReducer::check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int w) {

@@ -48,7 +48,7 @@ FuturePtr Engine::run(std::function<at::Tensor()> fn, const at::Tensor& bucket) 
   if (device.is_cuda()) return run_cuda(std::move(fn), bucket);
 #endif
   auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
-  worker_.post([this, fut, fn = std::move(fn)] { execute(fut, fn); });
+  worker_.post([this, fut, fn = std::move(fn)]() mutable { execute(fut, fn, nullptr, [&fn] { fn = nullptr; }); });
   return fut;
 }
 
@@ -69,7 +69,7 @@ FuturePtr Engine::run_cuda(std::function<at::Tensor()> fn, const at::Tensor& buc
     HC_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     HC_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()));
   }
-  worker_.post([this, fut, fn = std::move(fn), bucket, ready, stream] {
+  worker_.post([this, fut, fn = std::move(fn), bucket = bucket, ready, stream]() mutable {
     c10::cuda::CUDAStreamGuard guard(stream);
     // Inside the job's error handling: a failure here fails its future.
     auto waited = [&fn, &stream, ready] {
@@ -77,11 +77,17 @@ FuturePtr Engine::run_cuda(std::function<at::Tensor()> fn, const at::Tensor& buc
       HC_CUDA_CHECK(cudaEventDestroy(ready));
       return fn();
     };
-    execute(fut, waited, [&] {
-      transport_->synchronize();  // NCCL: bounded by the timeout, aborts the communicator
-      stream.synchronize();       // a process group: its own watchdog bounds this
-      if (bucket.defined()) c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), stream);
-    });  // markCompleted records the future's events on the comm stream
+    execute(
+        fut, waited,
+        [&] {
+          transport_->synchronize();  // NCCL: bounded by the timeout, aborts the communicator
+          stream.synchronize();       // a process group: its own watchdog bounds this
+          if (bucket.defined()) c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), stream);
+        },
+        [&] {
+          fn = nullptr;
+          bucket.reset();
+        });  // markCompleted records the future's events on the comm stream
   });
   return fut;
 }
@@ -95,32 +101,44 @@ c10::cuda::CUDAStream Engine::comm_stream() {
 }
 #endif
 
-void Engine::execute(const FuturePtr& fut, const std::function<at::Tensor()>& fn,
-                     const std::function<void()>& after) {
+void Engine::execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, const std::function<void()>& after,
+                     const std::function<void()>& release) {
   std::string earlier;
   {
     std::lock_guard<std::mutex> lock(mu_);
     earlier = failure_;
   }
-  if (!earlier.empty()) {
-    fut->setError(std::make_exception_ptr(
-        std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier)));
-    return;
-  }
   at::Tensor result;
-  try {
-    result = fn();
-    if (after) after();
-  } catch (const std::exception& e) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      failure_ = e.what();
+  std::exception_ptr error;
+  if (!earlier.empty()) {
+    error = std::make_exception_ptr(
+        std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier));
+  } else {
+    try {
+      result = fn();
+      if (after) after();
+    } catch (const std::exception& e) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        failure_ = e.what();
+      }
+      error = std::current_exception();
     }
-    fut->setError(std::current_exception());
-    return;
   }
   py::gil_scoped_acquire gil;
-  fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));
+  // What the job captured goes first, before anyone can see the future done:
+  // a tensor whose Python object the caller let go of is freed with it, and
+  // freeing one may let the GIL go for a moment.
+  if (release) release();
+  if (error) {
+    fut->setError(error);
+  } else {
+    fut->markCompleted(torch::jit::toIValue(py::cast(result), c10::PyObjectType::get()));
+  }
+  // The value's Python object holds the result too, so dropping ours frees
+  // nothing; nor does dropping fut while its caller holds it.
+  result = at::Tensor();
+  fut.reset();
 }
 
 FuturePtr Engine::submit_bucket(BucketJob job) {

@@ -79,9 +79,16 @@ class Engine {
   // engine serves one device: its transport's.
   FuturePtr run(std::function<at::Tensor()> fn, const at::Tensor& bucket = at::Tensor());
   // On the comm thread: runs fn (then `after`, inside the same error
-  // handling) and completes fut with its result or its error.
-  void execute(const FuturePtr& fut, const std::function<at::Tensor()>& fn,
-               const std::function<void()>& after = nullptr);
+  // handling), takes the GIL, runs `release` (which drops what the job
+  // captured), completes fut with fn's result or its error and lets go of
+  // fut. Once the caller sees the future done it may exit Python, and a
+  // thread that takes the GIL after finalization began is ended by CPython
+  // inside a destructor (std::terminate: "terminate called without an
+  // active exception"); the job's tensors and the future's value may hold
+  // the last references to Python objects, whose release takes the GIL. So
+  // nothing of the job outlives the GIL hold that completes its future.
+  void execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, const std::function<void()>& after,
+               const std::function<void()>& release);
 #ifdef HETCOMM_WITH_CUDA
   FuturePtr run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket);
   c10::cuda::CUDAStream comm_stream();
