@@ -228,6 +228,11 @@ class BucketStates:
                     t.mul_(factors[key])
         return sum(f is None for f in factors.values())
 
+    def scale_momentum(self, factor: float) -> None:
+        """Multiplies every bucket's compressed momentum by ``factor``."""
+        for t in self.momentum.values():
+            t.mul_(factor)
+
     def begin_step(self, carry_holds: int) -> None:
         """Before the step's first bucket (the last step's reductions are done):
         the engine's count of reductions that held a carry back."""

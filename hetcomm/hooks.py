@@ -159,8 +159,10 @@ class BucketSteps:
         self._step_open = True
         self._planner.begin_step(engine)
         self._buckets.begin_step(engine.carry_holds())
-        if self._optimizer is not None and self.error_feedback:
-            self._follow_lr()
+        if self._optimizer is not None:
+            self._follow_momentum()
+            if self.error_feedback:
+                self._follow_lr()
         nonfinite = engine.nonfinite_steps()
         if nonfinite > self._nonfinite_seen:
             # Once per power of two: a diverged run has a NaN every step, and
@@ -189,6 +191,34 @@ class BucketSteps:
                     "one step only)")
             engine.submit_batch_size(self._local_batch)
             self._local_batch = None
+
+    def _follow_momentum(self) -> None:
+        """Follows a momentum that a schedule moves (``OneCycleLR``'s
+        ``cycle_momentum``, the default: SGD's ``momentum`` or Adam's
+        ``betas[0]``, every step). The step's momentum is sent and handed over
+        with the optimizer's beta of this step, and for an Adam, whose first
+        moment is ``(1 - beta1) m``, the compressed momentum kept is multiplied
+        by ``(1 - old) / (1 - new)``: the optimizer's buffer stays the
+        compressed momentum (tested after every step of a ``OneCycleLR`` run,
+        and across a resume: ``state_dict`` keeps the beta)."""
+        opt = self._optimizer()
+        if opt is None:
+            return
+        adam = self._attached != "sgd"
+        what = "betas[0]" if adam else "momentum"
+        betas = {float(g["betas"][0]) if adam else float(g.get("momentum", 0.0)) for g in opt.param_groups}
+        if len(betas) != 1:
+            raise ValueError(f"hetcomm: the attached optimizer's parameter groups now have different {what} "
+                             f"({sorted(betas)}); momentum compression needs one {what} for all groups")
+        beta = betas.pop()
+        if beta == self._beta:
+            return
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"hetcomm: the attached optimizer's {what} moved to {beta}; momentum compression needs "
+                             f"it in [0, 1)")
+        if adam:
+            self._buckets.scale_momentum((1.0 - self._beta) / (1.0 - beta))
+        self._beta = beta
 
     def _follow_lr(self) -> None:
         """Keeps error feedback's state in update units under a learning-rate

@@ -183,6 +183,7 @@ class HookState(BucketSteps, Negotiation):
         self._buckets = buckets.BucketStates()
         self._forced_algo: Optional[str] = None  # HETCOMM_ALGO, as agreed at the first step
         self._beta: Optional[float] = None  # the momentum hetcomm compresses (attach_optimizer)
+        self._saved_beta: Optional[float] = None  # the beta of a loaded state_dict's momentum
         self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
         #: The attached optimizer's learning rates (per group) that error feedback's state is in units of
         self._lrs: Optional[list] = None
@@ -286,7 +287,11 @@ class HookState(BucketSteps, Negotiation):
         (README "Limits": onebit+m under a cosine schedule); parameter groups
         moved by different factors: each bucket by its groups' factor, a
         bucket holding groups that moved differently is left as it is (logged
-        once).
+        once). A scheduled momentum (``OneCycleLR``'s ``cycle_momentum``, its
+        default: SGD's ``momentum`` or Adam's ``betas[0]`` every step) is
+        followed too: each step's momentum is sent and handed over with the
+        optimizer's beta of that step, so its buffer stays the compressed
+        momentum (all groups must share one beta at every step).
 
         Nothing to retune: keep the optimizer, its learning rate and betas.
         With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
@@ -329,7 +334,7 @@ class HookState(BucketSteps, Negotiation):
             self.start_iter = max(self.start_iter, int(WARMUP_FRACTION * total_steps))
         self._warmup_compression = warmup_compression
         self._total_steps = total_steps
-        self._beta = beta
+        self._beta = beta if self._saved_beta is None else self._saved_beta
         self._optimizer = weakref.ref(optimizer)
         self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0
         self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
@@ -393,6 +398,7 @@ class HookState(BucketSteps, Negotiation):
             "auto": self._planner.state_dict(),
             "clip_sketch": self._sketch.on,
             "lrs": self._lrs,
+            "momentum_beta": self._beta,
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -413,6 +419,10 @@ class HookState(BucketSteps, Negotiation):
         self._planner.load_state_dict(sd.get("auto", {}))
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
+        # the beta the saved momentum was kept with (a scheduled momentum moves it); attach_optimizer takes it too
+        self._saved_beta = float(sd["momentum_beta"]) if sd.get("momentum_beta") is not None else None
+        if self._beta is not None and self._saved_beta is not None:
+            self._beta = self._saved_beta
 
     def stats(self) -> Dict[str, Any]:
         """Bytes and time of the last complete step and of the whole run:

@@ -224,6 +224,24 @@ def test_cosine_schedule_is_a_linear_warm_up_then_a_cosine_decay(optim):
         train.make_schedule(opt, "linear", 100)
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adamw+m"])
+def test_onecycle_schedule_is_torchs_one_cycle_at_the_tasks_lr(optim):
+    name, _, attach = optim.partition("+")
+    opt = train.make_optimizer(name, [torch.nn.Parameter(torch.zeros(3))], 0.2, attach=bool(attach))
+    sched = train.make_schedule(opt, "onecycle", 100)
+    lrs, betas = [], []
+    for _ in range(100):
+        g = opt.param_groups[0]
+        lrs.append(g["lr"])
+        betas.append(g["betas"][0] if "betas" in g else g["momentum"])
+        opt.step()
+        sched.step()
+    # OneCycleLR's defaults: from 0.2 / 25 up to 0.2 at step 29 (30 %), then down; the momentum the other way
+    assert lrs[0] == pytest.approx(0.2 / 25) and max(lrs) == pytest.approx(0.2) and lrs.index(max(lrs)) == 29
+    assert lrs[-1] < 1e-5 and betas[0] == pytest.approx(0.95) and min(betas) == pytest.approx(0.85)
+    assert betas.index(min(betas)) == 29 and betas[-1] == pytest.approx(0.95)
+
+
 def test_bench_train_seeds_compare_means(tmp_path):
     out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "onebit+m", "--scale", "0.1",
                 "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)

@@ -293,7 +293,7 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
         opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        if opt_name == "adamw-attach":  # Adam's first moment compressed, exact steps 2, 3, 5, 9, 17, ...
+        if opt_name.startswith("adamw-attach"):  # Adam's first moment compressed, exact steps 2, 3, 5, 9, 17, ...
             state.attach_optimizer(opt)
     if opt_name.endswith("-warmup"):
         # the default warm-up (total_steps=60: steps 2-11 fp8 of the gradient), saved inside it at step 8 and
@@ -315,6 +315,9 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
         if opt_name.endswith("-sched"):  # a schedule (a function of the step, as a resumed scheduler restores it)
             for g in opt.param_groups:
                 g["lr"] = 0.05 * 0.8 ** step
+        if opt_name.endswith("-beta"):  # a momentum moved every step (OneCycleLR's cycle_momentum), the same way
+            for g in opt.param_groups:
+                g["betas"] = (0.85 + 0.01 * (step % 7), g["betas"][1])
         models.train_step(ddp, opt, rank, step, 16, before_step=clip if opt_name.endswith("-clip") else None)
         layouts.append(list(state._buckets.step_layout))
         wires.append(sorted({p.mode for p in state.last_plans.values()}))
@@ -330,7 +333,8 @@ RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "t
                 ("small", "topk", "adamw-attach"),  # top-k by the update: its denominator from the resumed optimizer
                 ("small", "onebit", "sgd-warmup"), ("small", "onebit", "hetcomm-adamw-warmup"),
                 ("small", "onebit", "sgd-attach-clip"),
-                ("small", "onebit", "sgd-attach-sched")]  # an lr moved every step: the residuals' units resume
+                ("small", "onebit", "sgd-attach-sched"),  # an lr moved every step: the residuals' units resume
+                ("small", "onebit", "adamw-attach-beta")]  # Adam's beta1 moved every step: the momentum's units too
 
 
 def _resume_cases(rank, world, ckpt_dir):

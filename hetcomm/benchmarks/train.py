@@ -31,7 +31,7 @@ REFERENCE = "fp32"
 DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
 OPTIMIZERS = ("sgd", "adamw", "nesterov")
 DEFAULT_OPTIMIZERS = ["sgd", "adamw"]
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "onecycle")
 #: the cosine schedule's linear warm-up, as a fraction of the run's steps
 LR_WARMUP_FRACTION = 0.05
 
@@ -49,11 +49,18 @@ def make_schedule(optimizer: torch.optim.Optimizer, name: str, steps: int):
     steps, stepped once after each: None for ``constant``; ``cosine``, what
     transformer recipes use, a linear warm-up over the first
     ``LR_WARMUP_FRACTION`` of the steps (step s at (s + 1) / w of the lr) and
-    then a cosine decay towards 0 at the end."""
+    then a cosine decay towards 0 at the end; ``onecycle``, torch's
+    ``OneCycleLR`` with its defaults and the optimizer's lr as ``max_lr``
+    (the lr up from max_lr / 25 over 30 % of the steps, then down to max_lr /
+    25e4, and the momentum, SGD's or Adam's beta1, cycled from 0.95 to 0.85
+    and back)."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
     if name == "constant":
         return None
+    if name == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=optimizer.param_groups[0]["lr"],
+                                                   total_steps=steps)
     warm = max(1, int(LR_WARMUP_FRACTION * steps))
 
     def factor(step: int) -> float:
