@@ -63,7 +63,8 @@ def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_d
             sched.step()
     with torch.no_grad():
         loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y).item()
-    return {"loss": loss, "params": models.flat_params(model), "momentum_gap": gap if one_cycle else _momentum_gap(state, opt),
+    return {"loss": loss, "params": models.flat_params(model),
+            "momentum_gap": gap if one_cycle else _momentum_gap(state, opt),
             "ratio": state.stats()["last_step"]["compression_ratio"] if state else 1.0,
             "run_ratio": state.stats()["total"]["compression_ratio"] if state else 1.0}
 
