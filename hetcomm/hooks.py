@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 import types
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,17 @@ def _as_bucket(bucket: buckets.Bucket, buf: torch.Tensor, parts, fill: float) ->
     return out
 
 
+def optimizer_beta(optimizer: torch.optim.Optimizer, adam: bool, who: str) -> Tuple[float, str]:
+    """The momentum ``optimizer`` runs with, Adam's ``betas[0]`` or SGD's
+    ``momentum``, and its name; a ValueError starting with ``who`` when its
+    parameter groups differ (momentum compression keeps one for all)."""
+    what = "betas[0]" if adam else "momentum"
+    betas = {float(g["betas"][0]) if adam else float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
+    if len(betas) != 1:
+        raise ValueError(f"{who}: every parameter group must have the same {what}, got {sorted(betas)}")
+    return betas.pop(), what
+
+
 class BucketSteps:
     """The per-bucket half of :class:`hetcomm.HookState` (which holds the
     options, the engine, the planner and the per-bucket state it uses)."""
@@ -205,12 +216,7 @@ class BucketSteps:
         if opt is None:
             return
         adam = self._attached != "sgd"
-        what = "betas[0]" if adam else "momentum"
-        betas = {float(g["betas"][0]) if adam else float(g.get("momentum", 0.0)) for g in opt.param_groups}
-        if len(betas) != 1:
-            raise ValueError(f"hetcomm: the attached optimizer's parameter groups now have different {what} "
-                             f"({sorted(betas)}); momentum compression needs one {what} for all groups")
-        beta = betas.pop()
+        beta, what = optimizer_beta(opt, adam, "hetcomm: the attached optimizer (at this step)")
         if beta == self._beta:
             return
         if not 0.0 <= beta < 1.0:

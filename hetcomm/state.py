@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import buckets, clip, options, plan
 from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
-from .hooks import BucketSteps
+from .hooks import BucketSteps, optimizer_beta
 from .negotiation import Negotiation
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
@@ -302,18 +302,13 @@ class HookState(BucketSteps, Negotiation):
         from . import optim
 
         adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, optim.AdamW))
-        if adam:
-            betas, what = {float(g["betas"][0]) for g in optimizer.param_groups}, "betas[0]"
-        elif isinstance(optimizer, torch.optim.SGD):
-            betas, what = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}, "momentum"
+        if isinstance(optimizer, torch.optim.SGD):
             if any(float(g.get("dampening", 0.0)) != 0.0 for g in optimizer.param_groups):
                 raise ValueError("optimizer: dampening must be 0 for momentum compression")
-        else:
+        elif not adam:
             raise ValueError(f"optimizer must be a torch.optim.SGD with momentum, hetcomm.optim.AdamW, "
                              f"torch.optim.Adam or torch.optim.AdamW, got {type(optimizer).__name__}")
-        if len(betas) != 1:
-            raise ValueError(f"optimizer: every parameter group must have the same {what}, got {sorted(betas)}")
-        beta = betas.pop()
+        beta, what = optimizer_beta(optimizer, adam, "optimizer")
         if not 0.0 < beta < 1.0:
             raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
         if exact_every is not None and not (options._is_int(exact_every) and exact_every >= 0):
