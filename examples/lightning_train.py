@@ -52,6 +52,8 @@ def main() -> None:
                    help="the warm-up's wire (attach_optimizer's warmup_compression; default: its default, fp8 "
                         "since the strategy passes the fit's length)")
     p.add_argument("--cosine", action="store_true", help="a cosine learning-rate schedule over the fit, every step")
+    p.add_argument("--no-attach", action="store_true",
+                   help="compress the gradient (the strategy's error feedback then follows the optimizer's rate)")
     p.add_argument("--clip", type=float, default=None,
                    help="Trainer(gradient_clip_val=...): clipped by the reduced gradient's norm through hetcomm")
     args = p.parse_args()
@@ -60,7 +62,8 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     strategy = HetcommDDPStrategy(args.compression, process_group_backend="gloo",  # None: attach_optimizer's default
-                                  attach_optimizer={"warmup_compression": args.warmup_compression})
+                                  attach_optimizer=False if args.no_attach else
+                                  {"warmup_compression": args.warmup_compression})
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.out, gradient_clip_val=args.clip)

@@ -172,8 +172,8 @@ class BucketSteps:
         self._buckets.begin_step(engine.carry_holds())
         if self._optimizer is not None:
             self._follow_momentum()
-            if self.error_feedback:
-                self._follow_lr()
+        if self._lr_source is not None and self.error_feedback:
+            self._follow_lr()
         nonfinite = engine.nonfinite_steps()
         if nonfinite > self._nonfinite_seen:
             # Once per power of two: a diverged run has a NaN every step, and
@@ -236,8 +236,8 @@ class BucketSteps:
         keeps its state as it is until its next nonzero rate. Groups moved by
         different factors: each bucket by its groups' factor; a bucket whose
         parameters' groups moved by different factors stays as it is (said
-        once)."""
-        opt = self._optimizer()
+        once). The optimizer is ``attach_optimizer``'s or ``follow_lr``'s."""
+        opt = self._lr_source()
         if opt is None:
             return
         lrs = [float(g["lr"]) for g in opt.param_groups]
@@ -264,7 +264,7 @@ class BucketSteps:
             lambda params: one([factors[group_of[id(p)]] for p in params if p is not None and id(p) in group_of]))
         if left and not self._lr_warned:
             self._lr_warned = True
-            log.warning("hetcomm: the attached optimizer's parameter groups changed their learning rates by "
+            log.warning("hetcomm: the followed optimizer's parameter groups changed their learning rates by "
                         "different factors (%s -> %s) and %d bucket(s) hold parameters of groups that moved "
                         "differently: their error-feedback residuals are not rescaled when that happens", last,
                         lrs, left)

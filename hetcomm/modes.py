@@ -4,7 +4,9 @@ A mode is one of PyTorch's own comm hooks (``torch-allreduce``, alias
 ``fp32``; ``torch-fp16``; ``torch-powersgd``: rank 4, error feedback and warm
 start, compressed from step 2, as hetcomm's lowrank) or a hetcomm
 :class:`~hetcomm.HookState` with its defaults. Suffixes: ``+m`` compresses
-the optimizer's momentum (:meth:`HookState.attach_optimizer`), ``-no-ef``
+the optimizer's momentum (:meth:`HookState.attach_optimizer`), ``+lr``
+compresses the gradient with error feedback in the units of the optimizer's
+learning rate (:meth:`HookState.follow_lr`), ``-no-ef``
 turns error feedback off (to show what it buys), ``-w8`` / ``-w32`` after ``+m``
 send the warm-up's gradient in fp8 / fp32 (``attach_optimizer(warmup_compression=
 "fp8" / "none")``; plain ``+m`` takes its default, fp8 since the runs are given
@@ -32,6 +34,7 @@ class Mode:
     hook: str  # PyTorch's "allreduce", "fp16", "powersgd", or "hetcomm"
     options: Mapping[str, Any] = field(default_factory=dict)  # HookState keyword arguments
     attach: bool = False  # compress the optimizer's momentum
+    follow: bool = False  # error feedback follows the optimizer's learning rate (HookState.follow_lr)
     warmup: Optional[str] = None  # attach_optimizer's warmup_compression (None: its default; -w8 "fp8", -w32 "none")
     rank: int = POWERSGD_RANK  # torch-powersgd's matrix_approximation_rank (lowrank's is in options)
 
@@ -77,16 +80,21 @@ class Mode:
         hetcomm's HookState, or None for PyTorch's hooks."""
         if self.attach and optimizer is None:
             raise ValueError(f"mode {self.name!r} compresses the optimizer's momentum: pass the optimizer")
+        if self.follow and optimizer is None:
+            raise ValueError(f"mode {self.name!r} follows the optimizer's learning rate: pass the optimizer")
         hook_state, hook, state = self.comm_hook(**overrides)
         if self.attach:
             state.attach_optimizer(optimizer, total_steps=total_steps, warmup_compression=self.warmup)
+        if self.follow:
+            state.follow_lr(optimizer)
         ddp.register_comm_hook(hook_state, hook)
         return state
 
     @property
     def plain(self) -> bool:
         """hetcomm's HookState with its defaults: no ``+m``, no ``-no-ef``."""
-        return self.hook == "hetcomm" and not self.attach and self.options.get("error_feedback", True)
+        return (self.hook == "hetcomm" and not self.attach and not self.follow
+                and self.options.get("error_feedback", True))
 
     def torch_bytes(self, model: nn.Module, world: int, steps: Optional[int] = None) -> float:
         """Bytes a PyTorch hook sends per step and rank once compressing (the
@@ -124,6 +132,8 @@ def _table() -> Dict[str, Mode]:
         table[c] = Mode(c, "hetcomm", {"compression": c})
     for c in ("fp8", "onebit", "topk", "lowrank", "auto"):
         table[f"{c}+m"] = Mode(f"{c}+m", "hetcomm", {"compression": c}, attach=True)
+    for c in ("fp8", "onebit", "topk", "lowrank", "auto"):
+        table[f"{c}+lr"] = Mode(f"{c}+lr", "hetcomm", {"compression": c}, follow=True)
     for c in ("onebit", "topk", "lowrank", "auto"):
         for suffix, wire in (("w8", "fp8"), ("w32", "none")):
             table[f"{c}+m-{suffix}"] = Mode(f"{c}+m-{suffix}", "hetcomm", {"compression": c}, attach=True,
@@ -165,4 +175,4 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     return MODES[name]
 
 
-_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8)-([rc])(\d+)(\+m(?:-w8|-w32)?)?$")
+_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8)-([rc])(\d+)(\+m(?:-w8|-w32)?|\+lr)?$")

@@ -26,6 +26,7 @@ WARMUP_WIRES = ("none", "fp8")  # attach_optimizer(warmup_compression=...)
 #: A rank's compute precision as gathered at the first step (None: no hetcomm.amp.GradScaler).
 _PRECISIONS = (None, "bf16", "fp16", "fp32")
 SCALER_NAME = "hetcomm.amp.GradScaler (created before the first step)"
+FOLLOW_NAME = "learning rate followed (follow_lr, or attach_optimizer)"
 
 
 def precision_code(p: Optional[str]) -> int:
@@ -146,6 +147,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("exact_every (attach_optimizer)", s._exact_every),
         ("total_steps (attach_optimizer)", s._total_steps or 0),
         ("warmup_compression (attach_optimizer)", WARMUP_WIRES.index(s._warmup_compression)),
+        (FOLLOW_NAME, int(s._lr_source is not None)),
         (SCALER_NAME, int(s._scaler is not None)),
         (ENV_NAME, 0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
     ]
@@ -157,6 +159,7 @@ _SHOW = {"compression": lambda v: COMPRESSIONS[v],
          "momentum (attach_optimizer)": bits_float,
          "optimizer kind (attach_optimizer)": lambda v: ATTACHED[v] or "none",
          "warmup_compression (attach_optimizer)": lambda v: WARMUP_WIRES[v],
+         FOLLOW_NAME: lambda v: "yes" if v else "no",
          SCALER_NAME: lambda v: "yes" if v else "no",
          "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
          ENV_NAME: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}

@@ -185,7 +185,8 @@ class HookState(BucketSteps, Negotiation):
         self._beta: Optional[float] = None  # the momentum hetcomm compresses (attach_optimizer)
         self._saved_beta: Optional[float] = None  # the beta of a loaded state_dict's momentum
         self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
-        #: The attached optimizer's learning rates (per group) that error feedback's state is in units of
+        self._lr_source: Optional[Any] = None  # a weak reference to the optimizer whose rate is followed
+        #: The followed optimizer's learning rates (per group) that error feedback's state is in units of
         self._lrs: Optional[list] = None
         self._lr_warned = False  # groups whose rates moved by different factors: said once
         self._attached: Optional[str] = None  # the kind of optimizer attached (options.ATTACHED)
@@ -281,10 +282,11 @@ class HookState(BucketSteps, Negotiation):
         otherwise ``"none"`` (a ``start_iter`` of your own stays exact).
 
         Learning-rate schedules: error feedback's residuals follow the
-        optimizer's rate (when a scheduler moves it from ``a`` to ``b``, what
-        they hold back is multiplied by ``a / b``), so what was held back
-        moves the parameters as far when sent as it would have when held
-        (README "Limits": onebit+m under a cosine schedule); parameter groups
+        optimizer's rate, as :meth:`follow_lr` has them do without attaching
+        (when a scheduler moves it from ``a`` to ``b``, what they hold back is
+        multiplied by ``a / b``), so what was held back moves the parameters
+        as far when sent as it would have when held (README "Limits":
+        onebit+m under a cosine schedule); parameter groups
         moved by different factors: each bucket by its groups' factor, a
         bucket holding groups that moved differently is left as it is (logged
         once). A scheduled momentum (``OneCycleLR``'s ``cycle_momentum``, its
@@ -299,6 +301,7 @@ class HookState(BucketSteps, Negotiation):
         """
         if self._negotiated:
             raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
+        self._check_lr_source(optimizer, "attach_optimizer")
         from . import optim
 
         adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, optim.AdamW))
@@ -330,13 +333,50 @@ class HookState(BucketSteps, Negotiation):
         self._warmup_compression = warmup_compression
         self._total_steps = total_steps
         self._beta = beta if self._saved_beta is None else self._saved_beta
-        self._optimizer = weakref.ref(optimizer)
+        self._optimizer = self._lr_source = weakref.ref(optimizer)
         self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0
         self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
         if isinstance(optimizer, optim.AdamW):
             ref = weakref.ref(self)
             optimizer._exact = lambda: (lambda s: s is None or s._last_step_exact())(ref())
         return self
+
+    def follow_lr(self, optimizer: torch.optim.Optimizer) -> "HookState":
+        """Keep error feedback in the units of ``optimizer``'s learning rate
+        when the gradient itself is compressed (no :meth:`attach_optimizer`,
+        which does this for the optimizer it attaches). Call on every rank
+        before the first step; returns the state. Any optimizer with
+        ``param_groups`` works (SGD, Adam, one of your own): only each group's
+        ``lr`` is read, at the start of every step.
+
+        Why: the residuals hold back gradient that the optimizer multiplies by
+        a *later* step's rate. When a scheduler moves a group's rate from
+        ``a`` to ``b``, what a bucket's residuals hold is multiplied by
+        ``a / b``, so once sent it moves the parameters as far as it would
+        have when it was held back (EF-SGD's residual is in update units); a
+        decaying rate otherwise shrinks what was held back, a warm-up inflates
+        it. The rules are ``attach_optimizer``'s: a group at rate 0 keeps its
+        state until its next nonzero rate; groups moved by different factors:
+        each bucket by its groups' factor, a bucket holding groups that moved
+        differently is left as it is (logged once). ``state_dict()`` keeps the
+        rates followed. A run at a constant rate is unchanged to the bit.
+        """
+        if self._negotiated:
+            raise RuntimeError("follow_lr must be called before the first step, on every rank")
+        self._check_lr_source(optimizer, "follow_lr")
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, list) or not groups or not all(
+                isinstance(g, dict) and isinstance(g.get("lr"), (int, float, torch.Tensor)) for g in groups):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer whose param_groups each have an 'lr', got "
+                             f"{type(optimizer).__name__}")
+        self._lr_source = weakref.ref(optimizer)
+        return self
+
+    def _check_lr_source(self, optimizer, who: str) -> None:
+        followed = self._lr_source() if self._lr_source is not None else None
+        if followed is not None and followed is not optimizer:
+            raise ValueError(f"{who}: optimizer is not the one whose learning rate this state already follows "
+                             f"({type(followed).__name__}); one HookState follows one optimizer")
 
     def _attach_scaler(self, scaler) -> None:
         """Called by :class:`hetcomm.amp.GradScaler`: the hook reduces this

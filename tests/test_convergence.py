@@ -542,3 +542,105 @@ def test_an_lr_schedule_rescales_what_error_feedback_holds_back():
         assert same_momentum, case
     assert len(out["warnings"]) == 1 and "[0.05, 0.025] -> [0.1, 0.025]" in out["warnings"][0]
     assert out["lrs"] == out["loaded_lrs"] == [0.025, 0.05]
+
+
+def _follow_lr_without_attach(rank, world, compression):
+    """``follow_lr``: the gradient's error feedback (no momentum compressed),
+    run with the rate moved / 4 then x 2 between steps, against the
+    unfollowed run with its residuals multiplied by hand by old / new at each
+    move (the reference), the unfollowed run as it is, and constant-rate runs."""
+    def run(follow, lrs, by_hand=False):
+        torch.manual_seed(0)
+        model = models.mlp()
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        state = hetcomm.HookState(compression, min_compress_numel=0)
+        ddp.register_comm_hook(state, hetcomm.hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=lrs[0])
+        if follow:
+            assert state.follow_lr(opt) is state
+        held = []
+        for step, lr in enumerate(lrs):
+            old = opt.param_groups[0]["lr"]
+            if old != lr:
+                held.append(_residuals(state))
+                opt.param_groups[0]["lr"] = lr
+                if by_hand:
+                    state._buckets.scale_error_feedback(lambda params: old / lr)
+            models.train_step(ddp, opt, rank, step, 16)
+        out = {"params": [p.detach().clone() for p in model.parameters()], "held": held,
+               "momentum": len(state._buckets.momentum), "sd": state.state_dict()}
+        state.close()
+        return out
+
+    constant = [1e-2] * 6
+    moved = constant[:4] + [2.5e-3, 5e-3]  # / 4 before step 4, x 2 before step 5
+    return {"followed_constant": run(True, constant), "constant": run(False, constant),
+            "followed": run(True, moved), "by_hand": run(False, moved, by_hand=True),
+            "unfollowed": run(False, moved)}
+
+
+@pytest.mark.parametrize("compression", ["onebit", "topk", "lowrank", "fp8"])
+def test_follow_lr_rescales_the_gradients_error_feedback_without_attaching(compression):
+    out = run_ranks(_follow_lr_without_attach, 2, compression)
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+    for case in out[0]:  # replicas identical
+        assert same(out[0][case], out[1][case]), case
+    for r in out:
+        followed = r["followed"]
+        assert followed["momentum"] == 0  # the gradient is compressed, not a momentum
+        kinds = {"worker", "server"} if compression in ("onebit", "fp8") else {"worker"}
+        for held in followed["held"]:  # something was held back when the rate moved
+            assert {k[0] for k in held} == kinds and all(t.abs().sum() > 0 for t in held.values())
+        # the hook scaled by old / new at each move: the reference's bits, residuals included
+        assert same(followed, r["by_hand"]) and not same(followed, r["unfollowed"])
+        for key in ("residuals", "server_residuals"):
+            got, want = followed["sd"].get(key, {}), r["by_hand"]["sd"].get(key, {})
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), key
+        assert followed["sd"]["lrs"] == [5e-3] and r["unfollowed"]["sd"]["lrs"] is None
+        assert same(r["followed_constant"], r["constant"])  # a constant rate: not following, to the bit
+
+
+def _follow_lr_errors(rank, world):
+    out = []
+    model = models.mlp()
+    ddp, state = DDP(model), hetcomm.HookState("onebit")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for bad in (object(), torch.nn.Linear(2, 2)):
+        try:
+            state.follow_lr(bad)
+        except ValueError as e:
+            out.append(str(e))
+    state.follow_lr(opt)
+    other = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    try:
+        state.attach_optimizer(other)
+    except ValueError as e:
+        out.append(str(e))
+    state.attach_optimizer(opt).follow_lr(opt)  # the same optimizer: fine, either order
+    ddp.register_comm_hook(state, hetcomm.hook)
+    models.train_step(ddp, opt, rank, 0, 8)
+    try:
+        state.follow_lr(opt)
+    except RuntimeError as e:
+        out.append(str(e))
+    second = models.mlp(seed=3)
+    ddp2, state2 = DDP(second), hetcomm.HookState("topk")
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.1)
+    if rank == 0:
+        state2.follow_lr(opt2)
+    ddp2.register_comm_hook(state2, hetcomm.hook)
+    out.append(models.first_error(ddp2, opt2, rank))
+    return out
+
+
+def test_follow_lr_rejects_what_it_cannot_follow_and_agrees_across_ranks():
+    for errs in run_ranks(_follow_lr_errors, 2):
+        assert "optimizer must be a torch.optim.Optimizer whose param_groups each have an 'lr'" in errs[0]
+        assert "object" in errs[0] and "Linear" in errs[1]
+        assert "attach_optimizer: optimizer is not the one whose learning rate this state already follows" in errs[2]
+        assert "follow_lr must be called before the first step" in errs[3]
+        assert "learning rate followed (follow_lr, or attach_optimizer) differs" in errs[4]
+        assert "rank 0: 'yes', rank 1: 'no'" in errs[4]

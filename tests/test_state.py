@@ -228,6 +228,7 @@ def test_every_mode_of_the_table_registers_and_trains_a_step(name):
     assert state.compression == name.split("+")[0].replace("-no-ef", "")
     assert state.error_feedback == (not name.endswith("-no-ef"))
     assert (state._attached == "sgd") == ("+m" in name)
+    assert (state._lr_source is not None) == ("+m" in name or name.endswith("+lr"))  # attaching follows the rate
     # -w32 sends the warm-up exact; plain +m takes attach_optimizer's default, fp8 once total_steps is given
     assert state._warmup_compression == ("none" if name.endswith("-w32") or "+m" not in name else "fp8")
     state.close()
