@@ -60,7 +60,7 @@ def test_lightning_strategy_rejects_what_attach_optimizer_does_not_take():
     with pytest.raises(ValueError, match="attach_optimizer must be True, False or a dict"):
         HetcommDDPStrategy("onebit", attach_optimizer="yes")
     assert HetcommDDPStrategy("onebit", attach_optimizer={"exact_every": 0})._attach
-    with pytest.raises(ValueError, match="follow_lr must be True or False"):
+    with pytest.raises(ValueError, match=r"follow_lr must be True, False or None \(follow an SGD\)"):
         HetcommDDPStrategy("onebit", follow_lr="yes")
 
 
@@ -98,7 +98,7 @@ def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     assert clipped["clip"] == {"calls": n, "estimated_steps": n - clipped["start_iter"]}, clipped
     assert clipped["followed_lrs"] == [pytest.approx(0.025 * (1 + math.cos(math.pi * (n - 1) / n)), rel=1e-9)]
     assert first["followed_lrs"] == [0.05]  # no schedule: the rate never moved
-    # without attach_optimizer the strategy has error feedback follow the fit's optimizer (HookState.follow_lr)
+    # without attach_optimizer the strategy has error feedback follow the fit's SGD (HookState.follow_lr)
     (tmp_path / "grad").mkdir()
     grad = fit("--epochs", "1", "--cosine", "--no-attach", "--out", str(tmp_path / "grad"))
     m = grad["global_step"]

@@ -55,10 +55,12 @@ class HetcommDDPStrategy(DDPStrategy):
             arguments (``{"warmup_compression": "none"}`` for an exact
             warm-up, ``{"exact_every": 0}``; a
             ``total_steps`` given there is used instead of Lightning's).
-        follow_lr: without ``attach_optimizer``, error feedback follows the
-            learning rate of the fit's optimizer (:meth:`HookState.follow_lr`;
-            default True, one optimizer; with several none is followed). An
-            attached optimizer's rate is followed anyway.
+        follow_lr: without ``attach_optimizer``, whether error feedback
+            follows the learning rate of the fit's (single) optimizer
+            (:meth:`HookState.follow_lr`). None (default): when it is a
+            ``torch.optim.SGD`` (the update is linear in the gradient there,
+            and the measured runs gained; with Adam they did not, README).
+            An attached optimizer's rate is followed anyway.
         hook_options: the other :class:`HookState` arguments (``start_iter``,
             ``algorithm``, ``topk_ratio``, ...).
         **kwargs: ``DDPStrategy``'s own (``process_group_backend``,
@@ -68,15 +70,15 @@ class HetcommDDPStrategy(DDPStrategy):
     strategy_name = "hetcomm_ddp"
 
     def __init__(self, compression: str = "onebit", *, attach_optimizer: Union[bool, Mapping[str, Any]] = False,
-                 follow_lr: bool = True, hook_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+                 follow_lr: Optional[bool] = None, hook_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
         if "ddp_comm_hook" in kwargs or "ddp_comm_state" in kwargs or "ddp_comm_wrapper" in kwargs:
             raise ValueError("HetcommDDPStrategy registers hetcomm's hook itself: do not pass ddp_comm_hook, "
                              "ddp_comm_state or ddp_comm_wrapper")
         if not isinstance(attach_optimizer, (bool, Mapping)):
             raise ValueError(f"attach_optimizer must be True, False or a dict of HookState.attach_optimizer's "
                              f"keyword arguments, got {attach_optimizer!r}")
-        if not isinstance(follow_lr, bool):
-            raise ValueError(f"follow_lr must be True or False, got {follow_lr!r}")
+        if follow_lr is not None and not isinstance(follow_lr, bool):
+            raise ValueError(f"follow_lr must be True, False or None (follow an SGD), got {follow_lr!r}")
         unknown = set(attach_optimizer) - set(_ATTACH_KEYWORDS) if isinstance(attach_optimizer, Mapping) else set()
         if unknown:
             raise ValueError(f"attach_optimizer: unknown keyword(s) {sorted(unknown)}; HookState.attach_optimizer "
@@ -109,8 +111,10 @@ class HetcommDDPStrategy(DDPStrategy):
             steps = trainer.estimated_stepping_batches  # the whole fit's optimizer steps (inf: no limit set)
             total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
             self.hook_state.attach_optimizer(self.optimizers[0], **{"total_steps": total, **self._attach_options})
-        elif self._follow_lr and self.hook_state is not None and len(self.optimizers) == 1:
-            self.hook_state.follow_lr(self.optimizers[0])
+        elif self.hook_state is not None and len(self.optimizers) == 1:
+            opt = self.optimizers[0]
+            if self._follow_lr or (self._follow_lr is None and isinstance(opt, torch.optim.SGD)):
+                self.hook_state.follow_lr(opt)
 
     def _clip_through_hetcomm(self) -> None:
         """``Trainer(gradient_clip_val=C)`` (by norm) clips by the reduced
