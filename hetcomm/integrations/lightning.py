@@ -70,7 +70,8 @@ class HetcommDDPStrategy(DDPStrategy):
     strategy_name = "hetcomm_ddp"
 
     def __init__(self, compression: str = "onebit", *, attach_optimizer: Union[bool, Mapping[str, Any]] = False,
-                 follow_lr: Optional[bool] = None, hook_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+                 follow_lr: Optional[bool] = None, hook_options: Optional[Dict[str, Any]] = None,
+                 **kwargs: Any) -> None:
         if "ddp_comm_hook" in kwargs or "ddp_comm_state" in kwargs or "ddp_comm_wrapper" in kwargs:
             raise ValueError("HetcommDDPStrategy registers hetcomm's hook itself: do not pass ddp_comm_hook, "
                              "ddp_comm_state or ddp_comm_wrapper")
