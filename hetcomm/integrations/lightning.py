@@ -57,10 +57,11 @@ class HetcommDDPStrategy(DDPStrategy):
             ``total_steps`` given there is used instead of Lightning's).
         follow_lr: without ``attach_optimizer``, whether error feedback
             follows the learning rate of the fit's (single) optimizer
-            (:meth:`HookState.follow_lr`). None (default): when it is a
-            ``torch.optim.SGD`` (the update is linear in the gradient there,
-            and the measured runs gained; with Adam they did not, README).
-            An attached optimizer's rate is followed anyway.
+            (:meth:`HookState.follow_lr`; True needs exactly one optimizer).
+            None (default): when it is a ``torch.optim.SGD`` (the update is
+            linear in the gradient there, and the measured runs gained; with
+            Adam they did not, README). An attached optimizer's rate is
+            followed anyway.
         hook_options: the other :class:`HookState` arguments (``start_iter``,
             ``algorithm``, ``topk_ratio``, ...).
         **kwargs: ``DDPStrategy``'s own (``process_group_backend``,
@@ -112,9 +113,12 @@ class HetcommDDPStrategy(DDPStrategy):
             steps = trainer.estimated_stepping_batches  # the whole fit's optimizer steps (inf: no limit set)
             total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
             self.hook_state.attach_optimizer(self.optimizers[0], **{"total_steps": total, **self._attach_options})
-        elif self.hook_state is not None and len(self.optimizers) == 1:
-            opt = self.optimizers[0]
-            if self._follow_lr or (self._follow_lr is None and isinstance(opt, torch.optim.SGD)):
+        elif self.hook_state is not None and self._follow_lr is not False:
+            if self._follow_lr and len(self.optimizers) != 1:
+                raise ValueError(f"HetcommDDPStrategy(follow_lr=True) needs exactly one optimizer, got "
+                                 f"{len(self.optimizers)}")
+            opt = self.optimizers[0] if len(self.optimizers) == 1 else None
+            if self._follow_lr or isinstance(opt, torch.optim.SGD):
                 self.hook_state.follow_lr(opt)
 
     def _clip_through_hetcomm(self) -> None:
