@@ -289,6 +289,8 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         if opt_name.startswith("sgd-attach"):  # momentum compression: the per-bucket momentum is resumed too
             state.attach_optimizer(opt)
+        if opt_name.startswith("sgd-follow"):  # the gradient's error feedback in the rate's units (follow_lr)
+            state.follow_lr(opt)
     elif opt_name == "hetcomm-adamw-warmup":
         opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3)
     else:
@@ -334,6 +336,7 @@ RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "t
                 ("small", "onebit", "sgd-warmup"), ("small", "onebit", "hetcomm-adamw-warmup"),
                 ("small", "onebit", "sgd-attach-clip"),
                 ("small", "onebit", "sgd-attach-sched"),  # an lr moved every step: the residuals' units resume
+                ("small", "lowrank", "sgd-follow-sched"),  # the same without attaching: follow_lr's
                 ("small", "onebit", "adamw-attach-beta")]  # Adam's beta1 moved every step: the momentum's units too
 
 
