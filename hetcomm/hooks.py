@@ -228,7 +228,7 @@ class BucketSteps:
 
     def _follow_lr(self) -> None:
         """Keeps error feedback's state in update units under a learning-rate
-        schedule: when the attached optimizer's rate moved from ``a`` to ``b``
+        schedule: when the followed optimizer's rate moved from ``a`` to ``b``
         since the last step, what a bucket's residuals hold back is multiplied
         by ``a / b``, so once sent it moves the parameters as far as it would
         have when it was held back (a decaying rate otherwise shrinks it;

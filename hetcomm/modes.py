@@ -132,7 +132,6 @@ def _table() -> Dict[str, Mode]:
         table[c] = Mode(c, "hetcomm", {"compression": c})
     for c in ("fp8", "onebit", "topk", "lowrank", "auto"):
         table[f"{c}+m"] = Mode(f"{c}+m", "hetcomm", {"compression": c}, attach=True)
-    for c in ("fp8", "onebit", "topk", "lowrank", "auto"):
         table[f"{c}+lr"] = Mode(f"{c}+lr", "hetcomm", {"compression": c}, follow=True)
     for c in ("onebit", "topk", "lowrank", "auto"):
         for suffix, wire in (("w8", "fp8"), ("w32", "none")):

@@ -345,9 +345,9 @@ class HookState(BucketSteps, Negotiation):
         """Keep error feedback in the units of ``optimizer``'s learning rate
         when the gradient itself is compressed (no :meth:`attach_optimizer`,
         which does this for the optimizer it attaches). Call on every rank
-        before the first step; returns the state. Any optimizer with
-        ``param_groups`` works (SGD, Adam, one of your own): only each group's
-        ``lr`` is read, at the start of every step.
+        before the first step; returns the state. Only each group's ``lr`` is
+        read, at the start of every step, so any optimizer with
+        ``param_groups`` is accepted; it is meant for SGD (below).
 
         Why: the residuals hold back gradient that the optimizer multiplies by
         a *later* step's rate. When a scheduler moves a group's rate from
