@@ -203,13 +203,13 @@ def test_hetcomm_adamw_with_compressed_momentum_reaches_fp32s_loss(mode, fp32_ad
         assert naive[0]["loss"] >= 1.25 * fp32_adamw, (naive[0]["loss"], fp32_adamw)
 
 
-def _adam_topk_first_compressed_step(rank, world, which):
+def _adam_topk_first_compressed_step(rank, world, which, device="cpu"):
     """Four steps (two before start_iter, two exact), then the first step whose
     momentum goes through top-k; returns what the reference needs: this rank's
     own gradient of that step, the momentum and the optimizer's variance before
     it, and the gradient the hook handed the optimizer."""
     model = models.mlp(hidden=64)
-    ddp = DDP(model, bucket_cap_mb=100)  # one bucket
+    ddp = models.ddp(model, rank, device, bucket_cap_mb=100)  # one bucket
     opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3) if which == "hetcomm" else \
         torch.optim.Adam(ddp.parameters(), lr=1e-3)
     state = hetcomm.HookState("topk", min_compress_numel=0, topk_ratio=0.05)
@@ -218,26 +218,26 @@ def _adam_topk_first_compressed_step(rank, world, which):
     for step in range(4):
         models.train_step(ddp, opt, rank, step, 8)
     params = list(model.parameters())
-    before = {name: torch.cat([opt.state[p][name].reshape(-1) for p in params]).clone()
+    before = {name: torch.cat([opt.state[p][name].reshape(-1) for p in params]).cpu()
               for name in ("exp_avg", "exp_avg_sq")}
     counts = [int(opt.state[p]["variance_step" if which == "hetcomm" else "step"]) for p in params]
     sizes = [p.numel() for p in params]
     twin = copy.deepcopy(model)
     x, y = models.batch(rank, 4, 8)
-    torch.nn.functional.cross_entropy(twin(x), y).backward()
+    torch.nn.functional.cross_entropy(twin(x.to(params[0].device)), y.to(params[0].device)).backward()
     models.train_step(ddp, opt, rank, 4, 8)
     return {**before, "counts": counts, "sizes": sizes, "own": models.flat_grads(twin),
             "handed": models.flat_grads(model), "exact": state._last_step_exact()}
 
 
 @pytest.mark.parametrize("which", ["hetcomm", "torch"])
-def test_topk_of_adams_momentum_sends_the_entries_with_the_largest_update(which):
+def test_topk_of_adams_momentum_sends_the_entries_with_the_largest_update(which, device):
     # Adam moves each coordinate by about lr whatever its gradient's size, so
     # top-k ranks the momentum by |m| / (sqrt(v) + eps), the update each entry
     # makes, not by |m|. Reference: each rank's x = g_i / 2 + beta m / 2, its
     # top 5 % by |x| / denominator, summed over the ranks; the optimizer is
     # handed m_new - beta m.
-    runs = run_ranks(_adam_topk_first_compressed_step, 2, which)
+    runs = run_ranks(_adam_topk_first_compressed_step, 2, which, device.type)
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     r0 = runs[0]
     assert not r0["exact"]
@@ -293,22 +293,23 @@ def test_the_engine_checks_the_update_denominator():
     assert buf.tolist() == [0.0, -1.0, 0.0, 2.0]
 
 
-def _hierarchical_topk_by_the_update(rank, world):
-    engine = hetcomm._C.Engine(torch.distributed.group.WORLD)
+def _hierarchical_topk_by_the_update(rank, world, device="cpu"):
+    dev = models.rank_device(rank, device)
+    engine = hetcomm._C.Engine(torch.distributed.group.WORLD, dev)
     engine.set_topology([0, 1, 2, 3], [0, 0, 1, 1])  # 2 nodes x 2 ranks
     x = torch.randn(40, generator=torch.Generator().manual_seed(rank))
     d = torch.rand(40, generator=torch.Generator().manual_seed(99)) * 10 + 0.1  # the same on every rank
-    out = x.clone()
+    out = x.to(dev, copy=True)
     engine.submit_bucket(0, out, hetcomm._C.Codec.topk, 2048, 0.25, True, None, None, True,
-                         algorithm=hetcomm._C.Algo.hierarchical, update_denominator=d).wait()
+                         algorithm=hetcomm._C.Algo.hierarchical, update_denominator=d.to(dev)).wait()
     engine.close()
-    return x, d, out
+    return x, d, out.cpu()
 
 
-def test_hierarchical_top_k_ranks_each_shard_by_its_part_of_the_denominator():
+def test_hierarchical_top_k_ranks_each_shard_by_its_part_of_the_denominator(device):
     # Inside a node exact (reduce-scatter into 2 shards of 20), across nodes top-k of each shard of the
     # node's sum by |x| / d, d's entries those of the shard; the mean over the 4 ranks.
-    runs = run_ranks(_hierarchical_topk_by_the_update, 4)
+    runs = run_ranks(_hierarchical_topk_by_the_update, 4, device.type)
     d = runs[0][1]
     want, by_magnitude = torch.zeros(40), torch.zeros(40)
     for node in ((0, 1), (2, 3)):
@@ -544,7 +545,7 @@ def test_an_lr_schedule_rescales_what_error_feedback_holds_back():
     assert out["lrs"] == out["loaded_lrs"] == [0.025, 0.05]
 
 
-def _follow_lr_without_attach(rank, world, compression):
+def _follow_lr_without_attach(rank, world, compression, device="cpu"):
     """``follow_lr``: the gradient's error feedback (no momentum compressed),
     run with the rate moved / 4 then x 2 between steps, against the
     unfollowed run with its residuals multiplied by hand by old / new at each
@@ -552,7 +553,7 @@ def _follow_lr_without_attach(rank, world, compression):
     def run(follow, lrs, by_hand=False):
         torch.manual_seed(0)
         model = models.mlp()
-        ddp = DDP(model, bucket_cap_mb=0.001)
+        ddp = models.ddp(model, rank, device, bucket_cap_mb=0.001)
         state = hetcomm.HookState(compression, min_compress_numel=0)
         ddp.register_comm_hook(state, hetcomm.hook)
         opt = torch.optim.AdamW(model.parameters(), lr=lrs[0])
@@ -567,7 +568,7 @@ def _follow_lr_without_attach(rank, world, compression):
                 if by_hand:
                     state._buckets.scale_error_feedback(lambda params: old / lr)
             models.train_step(ddp, opt, rank, step, 16)
-        out = {"params": [p.detach().clone() for p in model.parameters()], "held": held,
+        out = {"params": [p.detach().cpu() for p in model.parameters()], "held": held,
                "momentum": len(state._buckets.momentum), "sd": state.state_dict()}
         state.close()
         return out
@@ -580,8 +581,8 @@ def _follow_lr_without_attach(rank, world, compression):
 
 
 @pytest.mark.parametrize("compression", ["onebit", "topk", "lowrank", "fp8"])
-def test_follow_lr_rescales_the_gradients_error_feedback_without_attaching(compression):
-    out = run_ranks(_follow_lr_without_attach, 2, compression)
+def test_follow_lr_rescales_the_gradients_error_feedback_without_attaching(compression, device):
+    out = run_ranks(_follow_lr_without_attach, 2, compression, device.type)
 
     def same(a, b):
         return all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))

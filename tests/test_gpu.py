@@ -58,6 +58,14 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
     idx_c, val_c = ops.topk_encode(g, None, 1.0, k, exact=False)
     idx_g, val_g = ops.topk_encode(g.cuda(), None, 1.0, k, exact=False)
     assert torch.equal(idx_g.cpu(), idx_c) and torch.equal(val_g.cpu(), val_c)
+    # ranked by |x| / denominator (an attached Adam's sqrt(v) + eps), the residual keeping the rest
+    d = torch.rand(n, generator=torch.Generator().manual_seed(n)) * 4 + 0.25
+    for exact in (True, False):
+        res_cpu, res_gpu = e.clone(), e.cuda()
+        idx_c, val_c = ops.topk_encode(g, res_cpu, 2.0, k, exact=exact, denominator=d)
+        idx_g, val_g = ops.topk_encode(g.cuda(), res_gpu, 2.0, k, exact=exact, denominator=d.cuda())
+        assert torch.equal(idx_g.cpu(), idx_c) and torch.equal(val_g.cpu(), val_c), exact
+        assert torch.equal(res_gpu.cpu(), res_cpu), exact
     p, qt = torch.randn(max(1, n // 1000), 4), torch.randn(4, 777)
     assert torch.equal(ops.lowrank_outer(p.cuda(), qt.cuda()).cpu(), ops.lowrank_outer(p, qt))
     x_cpu, m_cpu, x_gpu, m_gpu = g.clone(), e.clone(), g.cuda(), e.cuda()
