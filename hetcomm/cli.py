@@ -42,7 +42,7 @@ def _bench(args) -> None:
         train.main(ranks=args.ranks, tasks=args.tasks, optims=args.optims, modes=args.modes, scale=args.scale,
                    eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale,
                    seeds=args.seeds, clip=args.clip_grad_norm, clip_handed=args.clip_handed,
-                   schedule=args.schedule)
+                   schedule=args.schedule, device=args.device)
     elif args.what == "precision":
         from .benchmarks import precision
 
@@ -345,6 +345,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "of the steps, then a cosine decay to 0; the task's lr is the peak); onecycle (torch's "
                          "OneCycleLR at the task's lr, its momentum cycled too)")
     tr.add_argument("--eval-every", type=positive_int, default=20, help="steps between quality measurements")
+    tr.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: each rank's model and buckets on a GPU (NCCL with a GPU per rank, else gloo ranks "
+                         "sharing them); needs a CUDA build of hetcomm")
     tr.add_argument("--seeds", type=positive_int, default=1,
                     help="runs per mode with different initialisation and data order; >1 adds a table of means")
     tr.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="C",

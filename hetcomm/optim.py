@@ -95,7 +95,10 @@ class AdamW(torch.optim.Optimizer):
         exp_avg_sq = st["exp_avg_sq"]
         root = exp_avg_sq.sqrt()
         if attached and group["variance_floor"] > 0.0:
-            root.clamp_(min=math.sqrt(group["variance_floor"]) * exp_avg_sq.mean().sqrt().item())
+            # the floor stays on the tensor's device (no host sync a parameter on a GPU), computed as a Python
+            # float would be: the float32 mean's root times sqrt(floor) in double, rounded to float32
+            low = (exp_avg_sq.mean().sqrt().double() * math.sqrt(group["variance_floor"])).to(root.dtype)
+            torch.maximum(root, low, out=root)
         bias2_sqrt = math.sqrt(1.0 - group["betas"][1] ** int(st["variance_step"].item()))
         return (root / bias2_sqrt).add_(group["eps"])
 

@@ -197,6 +197,31 @@ def test_bench_train_clips_hetcomm_modes_by_the_reduced_norm(tmp_path):
     assert data["meta"]["clip"] == 0.2 and data["meta"]["clip_handed"] is False
 
 
+def test_bench_train_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    if torch.cuda.is_available() and hetcomm.build_info()["cuda"]:
+        pytest.skip("this machine has a GPU and a CUDA build: the GPU test below runs instead")
+    out = subprocess.run(HETCOMM + ["bench", "train", "--tasks", "regress", "--modes", "fp32", "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "hetcomm bench train --device cuda: needs a visible GPU and a CUDA build of hetcomm" in out.stderr
+
+
+@pytest.mark.cuda
+def test_bench_train_on_a_gpu_trains_as_on_the_cpu():
+    """Two gloo ranks sharing the GPU: fp32's run ends where the CPU's does
+    (the same start and data; float rounding apart), and onebit+m sends the
+    CPU run's bytes (the same plan every step) and ends finite."""
+    args = (2, ["regress", "classify"], ["sgd", "adamw"], ["onebit+m"], 0.1, 10)
+    gpu = {(r["task"], r["optimizer"], r["mode"]): r for r in train.run(*args, device="cuda")}
+    cpu = {(r["task"], r["optimizer"], r["mode"]): r for r in train.run(*args)}
+    assert gpu.keys() == cpu.keys() and len(gpu) == 8
+    for key, r in gpu.items():
+        assert r["device"] == "cuda" and cpu[key]["device"] == "cpu"
+        assert r["finite"] and r["bytes_per_step"] == cpu[key]["bytes_per_step"], key
+        if key[2] == "fp32":
+            assert r["final"] == pytest.approx(cpu[key]["final"], rel=1e-3, abs=0.3), key
+
+
 def test_bench_train_cosine_schedule_applies_to_every_run(tmp_path):
     _run(["bench", "train", "--tasks", "regress", "--optims", "adamw", "--modes", "onebit+m", "--scale", "0.1",
           "--eval-every", "10", "--schedule", "cosine", "--json", "c.json"], tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -19,6 +20,34 @@ def size_sweep(lo: int, hi: int, factor: int) -> List[int]:
         sizes.append(s)
         s *= factor
     return sizes
+
+
+def rank_device(rank: int, device: str = "cpu") -> torch.device:
+    """This rank's device for ``device`` ("cpu" or "cuda": the GPU of its
+    LOCAL_RANK, or of ``rank``, modulo the GPUs; ranks share GPUs when there
+    are fewer), made current."""
+    if device == "cpu":
+        return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def backend_for(device: str, ranks: int) -> str:
+    """NCCL with a GPU per rank; else gloo (ranks sharing GPUs, or the CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", ranks))
+    return "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
+
+
+def require_device(device: str, command: str) -> None:
+    """A clear error where ``device`` is "cuda" without a visible GPU and a CUDA build of hetcomm."""
+    import hetcomm
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not (torch.cuda.is_available() and hetcomm.build_info()["cuda"]):
+        raise SystemExit(f"{command} --device cuda: needs a visible GPU and a CUDA build of hetcomm "
+                         "(build_info()['cuda'])")
 
 
 def median_time(fn: Callable[[], object], iters: int, warmup: int, device: str = "cpu") -> float:

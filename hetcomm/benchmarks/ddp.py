@@ -22,15 +22,12 @@ is 1 - (step time - compute-only step time) / communication in flight."""
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-import hetcomm
 
 from .. import modes as mode_table
 from ..balance import Balancer, ThroughputMeter
@@ -92,17 +89,9 @@ class _Timeline:
         return busy
 
 
-def _device(rank: int, cfg: Dict) -> torch.device:
-    if cfg.get("device", "cpu") == "cpu":
-        return torch.device("cpu")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    return dev
-
-
 def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     base, balanced = mode.split("+")[0], mode.endswith("+bal")
-    dev = _device(rank, cfg)
+    dev = common.rank_device(rank, cfg.get("device", "cpu"))
     model = model_for(cfg["params"], layers=cfg["layers"]).to(dev)
     numel = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
@@ -201,7 +190,7 @@ def _pool(rounds: List[Dict], global_batch: int) -> Dict:
 def _solo_rate(rank: int, world: int, cfg: Dict) -> float:
     """This rank's samples/s training alone (no DDP, no communication; all
     ranks at once, so ranks sharing a GPU share it here too)."""
-    dev = _device(rank, cfg)
+    dev = common.rank_device(rank, cfg.get("device", "cpu"))
     model = model_for(cfg["params"], layers=cfg["layers"]).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     b = cfg["global_batch"] // world
@@ -237,12 +226,6 @@ def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str
     return every
 
 
-def backend_for(device: str, ranks: int) -> str:
-    """NCCL with a GPU per rank; else gloo (ranks sharing GPUs, or the CPU)."""
-    world = int(os.environ.get("WORLD_SIZE", ranks))
-    return "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
-
-
 def check_mode(mode: str) -> None:
     """ValueError unless ``mode`` is one of PyTorch's or hetcomm's plain modes
     (onebit-cN, fp8-cN, lowrank-rN, torch-powersgd-rN forms too), or a
@@ -262,10 +245,8 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
         bucket_mb: float = 25, rounds: int = 1) -> Dict:
     for m in modes:
         check_mode(m)
-    if device == "cuda" and not (torch.cuda.is_available() and hetcomm.build_info()["cuda"]):
-        raise SystemExit("hetcomm bench ddp --device cuda: needs a visible GPU and a CUDA build of hetcomm "
-                         "(build_info()['cuda'])")
-    backend = backend_for(device, ranks)
+    common.require_device(device, "hetcomm bench ddp")
+    backend = common.backend_for(device, ranks)
     cfg = {"params": params, "global_batch": global_batch, "steps": steps, "warmup": warmup, "algorithm": algorithm,
            "device": device, "backend": backend, "layers": layers, "bucket_mb": bucket_mb,
            "rounds": rounds}

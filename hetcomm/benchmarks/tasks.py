@@ -45,13 +45,19 @@ class Task:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> Dict[str, float]:
-        """{"loss": held-out loss, self.metric: quality}."""
+        """{"loss": held-out loss, self.metric: quality}, on the model's device."""
         raise NotImplementedError
 
     @staticmethod
     def reached(value: float, reference: float) -> bool:
         """Whether quality ``value`` is within this task's tolerance of fp32's ``reference``."""
         raise NotImplementedError
+
+    @staticmethod
+    def _on(model: nn.Module, *tensors: torch.Tensor):
+        """``tensors`` on ``model``'s device (the data stay on the CPU; a run on a GPU moves what it uses)."""
+        dev = next(model.parameters()).device
+        return tuple(t.to(dev) for t in tensors)
 
     def _gen(self, step: int, rank: int) -> torch.Generator:
         return torch.Generator().manual_seed(1_000_003 * step + rank + 7_919 * self.seed)
@@ -83,7 +89,8 @@ class Regress(Task):
 
     @torch.no_grad()
     def evaluate(self, model):
-        mse = self.loss(model(self.x), self.y).item()
+        x, y = self._on(model, self.x, self.y)
+        mse = self.loss(model(x), y).item()
         return {"loss": mse, "mse": mse}
 
     @staticmethod
@@ -119,9 +126,9 @@ class Classify(Task):
 
     @torch.no_grad()
     def evaluate(self, model):
-        out = model(self.x_test)
-        return {"loss": self.loss(out, self.y_test).item(),
-                "accuracy": 100.0 * (out.argmax(1) == self.y_test).float().mean().item()}
+        x, y = self._on(model, self.x_test, self.y_test)
+        out = model(x)
+        return {"loss": self.loss(out, y).item(), "accuracy": 100.0 * (out.argmax(1) == y).float().mean().item()}
 
     @staticmethod
     def reached(value, reference):  # within 0.5 points of fp32's test accuracy
@@ -213,7 +220,7 @@ class LanguageModel(Task):
     @torch.no_grad()
     def evaluate(self, model):
         starts = torch.arange(0, len(self.held_out) - self.CTX - 1, self.CTX)
-        x, y = self._windows(self.held_out, starts)
+        x, y = self._on(model, *self._windows(self.held_out, starts))
         loss = self.loss(model(x), y).item()
         return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}  # a diverged run: inf
 

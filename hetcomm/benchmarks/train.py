@@ -100,15 +100,18 @@ def _clip(state, model: nn.Module, clip: Optional[float], handed: bool) -> bool:
 
 
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float,
-         clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant") -> Optional[Dict]:
-    model = task.model()
-    ddp = nn.parallel.DistributedDataParallel(model, **mode_table.get(mode).ddp_options())
+         clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
+         device: str = "cpu") -> Optional[Dict]:
+    dev = common.rank_device(rank, device)
+    model = task.model().to(dev)  # initialised on the CPU: the same start on either device
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                              **mode_table.get(mode).ddp_options())
     opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
     state, bytes_per_step = _register(ddp, mode, opt, steps)
     sched = make_schedule(opt, schedule, steps)
     curve, train_s, clipped = [], 0.0, 0
     for step in range(steps):
-        x, y = task.batch_for(step, rank)
+        x, y = (t.to(dev) for t in task.batch_for(step, rank))
         t0 = time.perf_counter()
         opt.zero_grad()
         task.loss(ddp(x), y).backward()
@@ -116,6 +119,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
         opt.step()
         if sched is not None:
             sched.step()
+        common.sync(dev)  # a GPU's step counts when it is done, not when it is queued
         train_s += time.perf_counter() - t0
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             if rank == 0:
@@ -133,7 +137,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
     final = curve[-1]
     extra = {"auto": {k: auto[k] for k in ("modes", "round_step_s", "rechecks", "buckets")}} if auto else {}
     return {**extra, "task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr,
-            "schedule": schedule, "steps": steps,
+            "schedule": schedule, "steps": steps, "device": device,
             "world_size": dist.get_world_size(),
             "curve": curve, "final": final[task.metric], "final_loss": final["loss"],
             "s_per_step": train_s / steps, "bytes_per_step": sent,
@@ -144,7 +148,8 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
 
 def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: List[str], scale: float,
             eval_every: int, lr_scale: float, partial_path: Optional[str] = None, seeds: int = 1,
-            clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant") -> List[Dict]:
+            clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
+            device: str = "cpu") -> List[Dict]:
     out = []
     for name in tasks:
         task = TASKS[name]()
@@ -154,7 +159,7 @@ def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: L
                 task.seed = seed
                 for mode in modes:
                     r = _run(rank, task, optim, mode, steps, eval_every, task_lr(task, optim) * lr_scale, clip,
-                             clip_handed, schedule)
+                             clip_handed, schedule, device)
                     if r is not None:
                         plans = r["curve"][-1].get("plans")
                         print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
@@ -243,12 +248,14 @@ def plot(runs: List[Dict], path: str) -> bool:
 def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float = 1.0,
         eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None,
         seeds: int = 1, clip: Optional[float] = None, clip_handed: bool = False,
-        schedule: str = "constant") -> List[Dict]:
+        schedule: str = "constant", device: str = "cpu") -> List[Dict]:
     """``clip``: every run clips its gradients at that norm after backward
     (hetcomm's modes by the reduced gradient's norm, HookState.clip_grad_norm_;
     with ``clip_handed`` by the handed one's, torch's clip_grad_norm_, as a
     loop written for plain DDP does). ``schedule``: the learning rate's over
-    each run (:func:`make_schedule`; the task's lr is its peak)."""
+    each run (:func:`make_schedule`; the task's lr is its peak). ``device``:
+    "cuda" puts each rank's model and buckets on a GPU (NCCL with a GPU per
+    rank, else gloo ranks sharing the GPUs)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     if schedule not in SCHEDULES:
@@ -263,10 +270,11 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
             raise ValueError(f"unknown optimizer {o!r}: choose from {OPTIMIZERS}")
     for m in modes:
         mode_table.get(m)
+    common.require_device(device, "hetcomm bench train")
     if REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
     runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds,
-                           clip, clip_handed, schedule)
+                           clip, clip_handed, schedule, device, backend=common.backend_for(device, ranks))
     return summarise(runs) if runs is not None else []
 
 
@@ -276,14 +284,16 @@ def _fmt(v, f):
 
 def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
          json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0, seeds: int = 1,
-         clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant") -> None:
+         clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
+         device: str = "cpu") -> None:
     t0 = time.time()
     runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds, clip, clip_handed,
-               schedule)
+               schedule, device)
     if not runs:  # a rank other than 0 under torchrun / the testbed
         return
     world = runs[0]["world_size"]
-    print(f"# hetcomm bench train: {world} ranks, each mode at fp32's learning rate; target = fp32's final "
+    where = "" if device == "cpu" else f" on {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    print(f"# hetcomm bench train: {world} ranks{where}, each mode at fp32's learning rate; target = fp32's final "
           "quality within the task's tolerance (accuracy -0.5 pt, MSE +2 %, perplexity +3 %)")
     cols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"), ("seed", "seed", "d"),
             ("final", "final", ".4g"),
@@ -295,7 +305,7 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         row = dict(r, s_per_step=1000 * r["s_per_step"], bytes_per_step=r["bytes_per_step"] / 1000)
         print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
     meta = common.metadata(world, wall_s=time.time() - t0, scale=scale, eval_every=eval_every, lr_scale=lr_scale,
-                           seeds=seeds, clip=clip, clip_handed=clip_handed, schedule=schedule)
+                           seeds=seeds, clip=clip, clip_handed=clip_handed, schedule=schedule, device=device)
     summary = aggregate(runs)
     if seeds > 1:
         print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean")
