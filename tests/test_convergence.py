@@ -342,6 +342,26 @@ def test_the_variance_floor_is_what_keeps_a_frozen_variance_finite():
     assert with_floor < 1.0
 
 
+def test_the_variance_floor_is_a_tenth_of_the_mean_variance_to_the_bit(device):
+    # What an attached hetcomm AdamW divides by: max(sqrt(v), sqrt(0.1 * mean(v))) / sqrt(1 - beta2^t) + eps,
+    # the floor as the host computes it (the float32 mean's root times sqrt(0.1) in double, then float32),
+    # though the optimizer keeps it on the device (no sync a parameter on a GPU)
+    gen = torch.Generator().manual_seed(5)
+    opt = hetcomm.optim.AdamW([torch.zeros(1, device=device)], lr=1e-3)
+    group = opt.param_groups[0]
+    for trial in range(200):
+        v = torch.rand(1 + trial * 7, generator=gen) ** 4 * 10.0 ** (trial % 11 - 8)
+        v[: trial % 5] = 0.0  # frozen entries: the floor is what they get
+        st = {"exp_avg_sq": v.to(device), "variance_step": torch.tensor(float(trial % 9 + 1))}
+        floor = math.sqrt(0.1) * v.mean().sqrt().item()
+        want = (v.sqrt().clamp(min=floor) / math.sqrt(1.0 - 0.999 ** (trial % 9 + 1))).add_(1e-8)
+        got = hetcomm.optim.AdamW._denominator(st, group, attached=True)
+        assert torch.equal(got.cpu(), want), trial
+        unfloored = (v.sqrt() / math.sqrt(1.0 - 0.999 ** (trial % 9 + 1))).add_(1e-8)
+        assert torch.equal(hetcomm.optim.AdamW._denominator(st, group, attached=False).cpu(), unfloored)
+    assert not torch.equal(want, unfloored)  # the last trial's zeros were floored: the test can fail
+
+
 def _attach_errors(rank, world):
     model = models.mlp()
     ddp = DDP(model)
