@@ -10,17 +10,20 @@
 # 4. DDP steps with CUDA buckets, every mode next to PyTorch's hooks: 2 gloo
 #    ranks sharing GPU 0, and with 2+ GPUs one rank per GPU on NCCL (plus the
 #    all-reduce busbw per size on hetcomm's NCCL communicator).
+# 5. time to accuracy with CUDA buckets (`bench train --device cuda`: digits and
+#    the language model, SGD-momentum and AdamW, fp32 / PowerSGD / fp8 /
+#    onebit+m / auto; about 2 minutes on one H200).
 # Writes run.log and the JSON and tables to OUT_DIR (default bench/gpu/results).
-# 5. (stage "profile", not by default) Nsight Compute's speed of light and
+# 6. (stage "profile", not by default) Nsight Compute's speed of light and
 #    occupancy of each codec kernel, into OUT_DIR/ncu_codecs.txt.
-# HETCOMM_GPU_STAGES (default "build tests compress ddp") picks stages;
+# HETCOMM_GPU_STAGES (default "build tests compress ddp train") picks stages;
 # HETCOMM_WHEELS=DIR installs missing Python packages from wheels there (a
 # machine without a package index).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-bench/gpu/results}
 mkdir -p "$out"
-stages=${HETCOMM_GPU_STAGES:-build tests compress ddp}
+stages=${HETCOMM_GPU_STAGES:-build tests compress ddp train}
 jobs=${HETCOMM_GPU_JOBS:-8}  # pytest-xdist workers sharing the GPU(s), where xdist is installed
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$out/run.log") 2>&1
@@ -58,6 +61,10 @@ if has ddp; then
     "$py" -m torch.distributed.run --nproc_per_node "$ngpu" -m hetcomm.cli bench ddp --device cuda --params 25M --global-batch 256 \
       -n 20 -w 5 --modes "$modes" --json "$out/ddp_cuda_nccl.json"
   fi
+fi
+if has train; then
+  "$py" -m hetcomm.cli bench train --device cuda --tasks classify,lm --optims sgd,adamw \
+    --modes fp32,torch-powersgd,fp8,onebit+m,auto --json "$out/train_cuda.json" --png "$out/train_cuda.png"
 fi
 if has profile; then
   ncu --section SpeedOfLight --section Occupancy --kernel-name regex:'sign|cast|select|sample|accumulate|outer' \
