@@ -25,7 +25,7 @@ it matches ``torch.optim.AdamW(foreach=False)`` up to float rounding (tested).
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -63,6 +63,11 @@ class AdamW(torch.optim.Optimizer):
         exact = not attached or self._exact()
         for group in self.param_groups:
             lr, (beta1, beta2) = group["lr"], group["betas"]
+            # the parameters that share a device, dtype and step counts go through multi-tensor (foreach)
+            # kernels together: the same per-element arithmetic as a loop over them (bit for bit on the CPU,
+            # tested), about a dozen launches a step plus two a parameter for the attached floor (its mean
+            # and maximum) instead of about ten a parameter
+            batches: Dict[tuple, List[tuple]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -77,30 +82,47 @@ class AdamW(torch.optim.Optimizer):
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["step"] += 1
                 t, last = int(st["step"].item()), int(st["variance_step"].item())
-                p.mul_(1.0 - lr * group["weight_decay"])
-                exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
-                exp_avg.lerp_(grad, 1.0 - beta1)
+                batches.setdefault((p.device, p.dtype, t, last), []).append((p, grad, st))
+            for (_, _, t, last), batch in batches.items():
+                params, grads, states = (list(x) for x in zip(*batch))
+                exp_avgs = [st["exp_avg"] for st in states]
+                torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+                torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
                 if exact or last == 0:
                     decay = beta2 ** (t - last)
-                    exp_avg_sq.mul_(decay).addcmul_(grad, grad, value=1.0 - decay)
-                    st["variance_step"].fill_(t)
-                p.addcdiv_(exp_avg, self._denominator(st, group, attached), value=-lr / (1.0 - beta1 ** t))
+                    exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+                    torch._foreach_mul_(exp_avg_sqs, decay)
+                    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - decay)
+                    for st in states:
+                        st["variance_step"].fill_(t)
+                torch._foreach_addcdiv_(params, exp_avgs, self._denominators(states, group, attached),
+                                        value=-lr / (1.0 - beta1 ** t))
         return loss
 
     @staticmethod
-    def _denominator(st, group, attached: bool) -> torch.Tensor:
-        """What a step divides the (bias-corrected) first moment by: the
-        square root of the bias-corrected variance, floored when attached,
-        plus eps."""
-        exp_avg_sq = st["exp_avg_sq"]
-        root = exp_avg_sq.sqrt()
+    def _denominators(states: List[dict], group, attached: bool) -> List[torch.Tensor]:
+        """What a step divides each (bias-corrected) first moment by, for the
+        parameters' ``states`` (one device and dtype; on a GPU without a host
+        sync): the square root of the bias-corrected variance, floored when
+        attached, plus eps."""
+        exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+        roots = torch._foreach_sqrt(exp_avg_sqs)
         if attached and group["variance_floor"] > 0.0:
-            # the floor stays on the tensor's device (no host sync a parameter on a GPU), computed as a Python
-            # float would be: the float32 mean's root times sqrt(floor) in double, rounded to float32
-            low = (exp_avg_sq.mean().sqrt().double() * math.sqrt(group["variance_floor"])).to(root.dtype)
-            torch.maximum(root, low, out=root)
-        bias2_sqrt = math.sqrt(1.0 - group["betas"][1] ** int(st["variance_step"].item()))
-        return (root / bias2_sqrt).add_(group["eps"])
+            # a tenth (variance_floor) of each tensor's mean variance, as a Python float would compute it: the
+            # float32 mean's root times sqrt(floor) in double, rounded to the tensor's dtype
+            means = torch.stack([v.mean() for v in exp_avg_sqs])
+            lows = (means.sqrt().double() * math.sqrt(group["variance_floor"])).to(means.dtype)
+            torch._foreach_maximum_(roots, list(lows.unbind()))
+        # the bias correction of the steps each variance covers
+        torch._foreach_div_(roots, [math.sqrt(1.0 - group["betas"][1] ** int(st["variance_step"].item()))
+                                    for st in states])
+        torch._foreach_add_(roots, group["eps"])
+        return roots
+
+    @staticmethod
+    def _denominator(st, group, attached: bool) -> torch.Tensor:
+        """:meth:`_denominators` of one parameter's state."""
+        return AdamW._denominators([st], group, attached)[0]
 
 
 def variance_version(optimizer: torch.optim.Optimizer, param: torch.Tensor):

@@ -9,6 +9,7 @@ does not."""
 import copy
 import functools
 import math
+import random
 
 import pytest
 import torch
@@ -360,6 +361,64 @@ def test_the_variance_floor_is_a_tenth_of_the_mean_variance_to_the_bit(device):
         unfloored = (v.sqrt() / math.sqrt(1.0 - 0.999 ** (trial % 9 + 1))).add_(1e-8)
         assert torch.equal(hetcomm.optim.AdamW._denominator(st, group, attached=False).cpu(), unfloored)
     assert not torch.equal(want, unfloored)  # the last trial's zeros were floored: the test can fail
+
+
+def _adamw_reference_step(params, state, lr, betas, eps, weight_decay, floor, attached, exact):
+    """hetcomm's AdamW as its docstring defines it, one parameter at a time:
+    the variance updated on exact steps only (decayed by beta2 per step it
+    covers), floored when attached at sqrt(floor * mean(v)), bias-corrected
+    for the steps each moment covers."""
+    b1, b2 = betas
+    for p in params:
+        if p.grad is None:
+            continue
+        st = state.setdefault(p, {"t": 0, "last": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)})
+        st["t"] += 1
+        p.mul_(1.0 - lr * weight_decay)
+        st["m"].lerp_(p.grad, 1.0 - b1)
+        if exact or st["last"] == 0:
+            decay = b2 ** (st["t"] - st["last"])
+            st["v"].mul_(decay).addcmul_(p.grad, p.grad, value=1.0 - decay)
+            st["last"] = st["t"]
+        root = st["v"].sqrt()
+        if attached and floor > 0:
+            root.clamp_(min=math.sqrt(floor) * st["v"].mean().sqrt().item())
+        p.addcdiv_(st["m"], (root / math.sqrt(1.0 - b2 ** st["last"])).add_(eps), value=-lr / (1.0 - b1 ** st["t"]))
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_hetcomm_adamw_steps_as_its_per_parameter_definition(attached, device):
+    # The optimizer batches its parameters into multi-tensor (foreach) kernels; the reference loops over them.
+    # Two groups, exact and compressed steps at random, a parameter without a gradient now and then, one whose
+    # gradient is zero at first (a zero variance: the floor). Bit for bit on the CPU; on a GPU within rounding
+    # (its multi-tensor kernels may contract multiplies and adds differently).
+    gen, rnd = torch.Generator().manual_seed(3), random.Random(3)
+    shapes = [(7, 5), (5,), (33,), (4, 4, 3), (1,), (129,)]
+    ours = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    ref = [p.clone() for p in ours]
+    second = {"lr": 2e-3, "weight_decay": 0.0, "betas": (0.8, 0.95)}
+    opt = hetcomm.optim.AdamW([{"params": ours[:3]}, {"params": ours[3:], **second}], lr=1e-2, weight_decay=0.05)
+    flags = [rnd.random() < 0.3 for _ in range(39)] + [False]  # the last step compressed
+    if attached:
+        pending = iter(flags)
+        opt._exact = lambda: next(pending)
+    state = {}
+    for step in range(40):
+        skip = rnd.randrange(len(ours)) if step % 7 == 3 else -1
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            g = (torch.randn(a.shape, generator=gen) * (0.0 if step < 5 and i == 2 else 1.0)).to(device)
+            a.grad, b.grad = (None, None) if i == skip else (g.clone(), g.clone())
+        opt.step()
+        exact = flags[step] if attached else True
+        _adamw_reference_step(ref[:3], state, 1e-2, (0.9, 0.999), 1e-8, 0.05, 0.1, attached, exact)
+        _adamw_reference_step(ref[3:], state, 2e-3, (0.8, 0.95), 1e-8, 0.0, 0.1, attached, exact)
+    same = torch.equal if device.type == "cpu" else functools.partial(torch.allclose, rtol=1e-5, atol=1e-7)
+    for a, b in zip(ours, ref):
+        assert same(a, b), (a - b).abs().max()
+        assert same(opt.state[a]["exp_avg"], state[b]["m"]) and same(opt.state[a]["exp_avg_sq"], state[b]["v"])
+        assert opt.state[a]["variance_step"].item() == state[b]["last"] and opt.state[a]["step"].item() == state[b]["t"]
+    if attached:  # the compressed steps left the variance alone: the test can tell the schedules apart
+        assert any(opt.state[a]["variance_step"].item() < opt.state[a]["step"].item() for a in ours)
 
 
 def _attach_errors(rank, world):
