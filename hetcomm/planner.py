@@ -43,6 +43,16 @@ def wire_bytes_per_element(kind: str, chunk: Optional[int] = None) -> float:
     return _CODE_BYTES[kind] + _SCALE_BYTES[kind] / (chunk or DEFAULT_CHUNK[kind])
 
 
+def topk_message_bytes(n_elems: float, fraction: float) -> float:
+    """What one rank's top-k message of a bucket of ``n_elems`` costs
+    (csrc/collectives/compressed.h): 4 bytes an entry (a 16-bit index inside
+    its block of 2^16 elements, a bf16 value; 6 at ratio 1, float32 values),
+    a 4-byte count per block and the total's."""
+    k = min(math.ceil(fraction * n_elems), math.ceil(n_elems))
+    value = 2 if k < n_elems else 4  # every value sent (ratio 1): float32, lossless
+    return 4 + 4 * max(1, math.ceil(n_elems / 2 ** 16)) + 4 * math.ceil(k / 2) + value * k
+
+
 @dataclass(frozen=True)
 class Wire:
     """What a bucket's fp32 elements become on the wire. ``fraction``: for
@@ -185,7 +195,7 @@ def _predict_compressed(topo: Topology, n_elems: float, algorithm: str, wire: Wi
         if wire.kind in _CODE_BYTES:  # all-to-all + all-gather of 1/32 (1/4) of the data, plus the scales
             per_elem = wire_bytes_per_element(wire.kind)
             return 2 * (ranks - 1) * link.alpha + share * 2 * (ranks - 1) / ranks * elems * per_elem * link.beta
-        return (ranks - 1) * (link.alpha + share * 8 * math.ceil(wire.fraction * elems) * link.beta)
+        return (ranks - 1) * (link.alpha + share * topk_message_bytes(elems, wire.fraction) * link.beta)
 
     worst, intra, inter = _links(topo)
     if algorithm == "native":

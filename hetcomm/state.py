@@ -50,7 +50,10 @@ class HookState(BucketSteps, Negotiation):
             worker and server error feedback), about 2 bits per element on the
             wire instead of 64.
             ``"topk"``: each rank sends its ``topk_ratio`` largest entries of
-            gradient + residual as (int32 index, float32 value) pairs, all-gathered.
+            gradient + residual, all-gathered, at 4 bytes an entry: a 16-bit
+            index inside its block of 2^16 elements (with a count per block)
+            and a bf16 value, whose rounding the residual keeps (float32
+            values at ``topk_ratio=1``: lossless).
             ``"lowrank"``: PowerSGD-style: each matrix-shaped gradient M is sent
             as P = M Q and Q = M^T P (P orthonormalised, Q warm-started across
             steps, error feedback); vectors and small matrices go dense in one

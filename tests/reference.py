@@ -67,6 +67,17 @@ def topk(grad, residual, divisor, k, denominator=None):
     return idx, x[idx], new_res
 
 
+def topk_wire(grad, residual, divisor, k, denominator=None):
+    """What top-k's all-reduce sends: ``topk``'s entries with their values rounded to bf16 (round to nearest
+    even, torch's cast); the residual keeps the sent entries' rounding. Returns (idx, sent values as float32, new
+    residual or None)."""
+    idx, val, new_res = topk(grad, residual, divisor, k, denominator)
+    sent = val.to(torch.bfloat16).float()
+    if new_res is not None:
+        new_res[idx] = val - sent
+    return idx, sent, new_res
+
+
 def fp8_encode(grad, residual, divisor, chunk):
     """Returns (codes uint8, scales, new residual or None, decoded): per chunk the
     power-of-two scale >= max|x| / 448, codes by torch's own float8_e4m3fn cast."""

@@ -256,7 +256,7 @@ def test_topk_of_adams_momentum_sends_the_entries_with_the_largest_update(which,
         out = torch.zeros_like(m)
         for r in runs:
             x = r["own"] / 2 + beta1 * m / 2
-            idx, val, _ = ref.topk(x, None, 1.0, k, denominator=denominator)
+            idx, val, _ = ref.topk_wire(x, None, 1.0, k, denominator=denominator)
             out[idx] += val
         return out - beta1 * m
 
@@ -317,9 +317,9 @@ def test_hierarchical_top_k_ranks_each_shard_by_its_part_of_the_denominator(devi
         s = (runs[node[0]][0] + runs[node[1]][0]) / 4
         for lo, hi in ((0, 20), (20, 40)):
             k = hetcomm.ops.topk_count(hi - lo, 0.25)
-            idx, val, _ = ref.topk(s[lo:hi], None, 1.0, k, denominator=d[lo:hi])
+            idx, val, _ = ref.topk_wire(s[lo:hi], None, 1.0, k, denominator=d[lo:hi])
             want[lo + idx] += val
-            idx, val, _ = ref.topk(s[lo:hi], None, 1.0, k)
+            idx, val, _ = ref.topk_wire(s[lo:hi], None, 1.0, k)
             by_magnitude[lo + idx] += val
     for _, _, out in runs:
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)

@@ -89,17 +89,39 @@ def _compressed_allreduce(rank, world, n, chunk, ratio):
         shist.append(sres.clone())
     tres = torch.zeros(n)
     topk = []
+    before = t.counters()["bytes_sent"]
     for x in xs:
         y = x.clone()
         t.allreduce_topk(y, divisor, ratio, True, tres)
         topk.append(y)
+    topk_bytes = t.counters()["bytes_sent"] - before
     fres, fsres, fp8 = torch.zeros(n), torch.zeros(sres.numel()), []
     for x in xs:
         y = x.clone()
         t.allreduce_fp8(y, divisor, chunk, fres, fsres)
         fp8.append((y, fres.clone(), fsres.clone()))
     return {"xs": xs, "divisor": divisor, "onebit": onebit, "whist": whist, "shist": shist, "topk": topk, "tres": tres,
-            "fp8": fp8}
+            "topk_bytes": topk_bytes, "fp8": fp8}
+
+
+def _topk_every_entry(rank, world, n):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank)) * 1e-3 + 1.0  # values bf16 cannot hold
+    y, res = x.clone(), torch.zeros(n)
+    t.allreduce_topk(y, 2.0, 1.0, True, res)
+    return x, y, res, t.counters()["bytes_sent"]
+
+
+def test_topk_of_every_entry_is_lossless():
+    # ratio 1: nothing to save by rounding, so the values go as float32 and the sum is exact
+    n = 1001
+    (x0, y0, r0, sent), (x1, y1, r1, _) = run_ranks(_topk_every_entry, 2, n)
+    want = x0 / 2 + x1 / 2
+    assert torch.equal(y0, want) and torch.equal(y1, want)
+    assert not torch.equal(want.to(torch.bfloat16).float(), want)  # bf16 values would have lost bits
+    assert not r0.any() and not r1.any()
+    message = 4 + 4 + 4 * -(-n // 2) + 4 * n
+    assert sent == message == hetcomm.planner.topk_message_bytes(n, 1.0)
 
 
 @pytest.mark.parametrize("world,n", [(2, 5000), (4, 100_003), (3, 70)])
@@ -131,13 +153,18 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
             torch.testing.assert_close(res["shist"][step][ok], want_s[r][ok], rtol=1e-5, atol=1e-5)
         wres = [res["whist"][step] for res in results]
         sres = [res["shist"][step] for res in results]
-    # top-k: sum of every rank's top-k of (x/d + residual)
+    # top-k: sum of every rank's top-k of (x/d + residual), values rounded to bf16 (the residual keeps the rounding);
+    # each entry 4 bytes (a 16-bit index inside its block of 2^16, padded to 4 bytes, and the value), a count per
+    # block, the total
     k = hetcomm.ops.topk_count(n, ratio)
+    message = 4 + 4 * -(-n // 2**16) + 4 * -(-k // 2) + 2 * k
+    assert results[0]["topk_bytes"] == 3 * (world - 1) * message
+    assert hetcomm.planner.topk_message_bytes(n, ratio) == message  # what auto's cost model counts
     tres = [torch.zeros(n) for _ in range(world)]
     for step in range(3):
         want = torch.zeros(n)
         for r in range(world):
-            idx, val, tres[r] = ref.topk(results[r]["xs"][step], tres[r], divisors[r], k)
+            idx, val, tres[r] = ref.topk_wire(results[r]["xs"][step], tres[r], divisors[r], k)
             want[idx] += val
         torch.testing.assert_close(results[0]["topk"][step], want, rtol=1e-6, atol=1e-6)
     for r, res in enumerate(results):

@@ -76,6 +76,9 @@ int64_t onebit_segment_offset(int64_t n, int world, int rank);
 
 // Top-k all-gather all-reduce (x float32, contiguous). residual may be undefined; denominator
 // (undefined, or one float32 per element of x) ranks the entries by |x| / denominator (ops::topk_encode).
+// Each rank sends 4 + 4 * ceil(n / 2^16) + 4 * ceil(k / 2) + 2 * k bytes: its k entries as a 16-bit index
+// inside a block of 2^16 elements (with a count per block) and a bf16 value; the residual keeps the values'
+// rounding. With ratio 1 (k == n) the values go as float32 (6 bytes an entry): top-k is then lossless.
 void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,
                     CodecTimer& timer, const at::Tensor& denominator = at::Tensor());
 
