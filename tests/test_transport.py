@@ -124,7 +124,7 @@ def test_topk_of_every_entry_is_lossless():
     assert sent == message == hetcomm.planner.topk_message_bytes(n, 1.0)
 
 
-@pytest.mark.parametrize("world,n", [(2, 5000), (4, 100_003), (3, 70)])
+@pytest.mark.parametrize("world,n", [(2, 5000), (4, 100_003), (3, 70), (2, 65_536), (3, 131_073)])
 def test_compressed_allreduce_matches_single_process_reference(world, n):
     chunk, ratio = 256, 0.05
     results = run_ranks(_compressed_allreduce, world, n, chunk, ratio)
