@@ -335,8 +335,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--modes", type=mode_list(modes.get), default=bench_train.DEFAULT_MODES,
                     help="comma-separated modes (fp32 is always run: it sets the target); lowrank-rN and "
                          "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale; +m "
-                         "compresses the optimizer's momentum (attach_optimizer), +lr keeps the gradient's error "
-                         "feedback in the optimizer's learning-rate units (follow_lr)")
+                         "compresses the optimizer's momentum (attach_optimizer; -pN after it: a warm-up of N %% "
+                         "of the run, warmup_fraction), +lr keeps the gradient's error feedback in the optimizer's "
+                         "learning-rate units (follow_lr)")
     tr.add_argument("--scale", type=positive_float, default=1.0, help="multiplies each task's number of steps")
     tr.add_argument("--lr-scale", type=positive_float, default=1.0,
                     help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")

@@ -12,7 +12,9 @@ send the warm-up's gradient in fp8 / fp32 (``attach_optimizer(warmup_compression
 "fp8" / "none")``; plain ``+m`` takes its default, fp8 since the runs are given
 their ``total_steps``); ``-rN`` after ``lowrank``
 or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
-``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``).
+``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``);
+``-pN`` last after ``+m`` makes the warm-up N % of the run
+(``attach_optimizer(warmup_fraction=N / 100)``; ``onebit+m-p5``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Mode:
     follow: bool = False  # error feedback follows the optimizer's learning rate (HookState.follow_lr)
     warmup: Optional[str] = None  # attach_optimizer's warmup_compression (None: its default; -w8 "fp8", -w32 "none")
     rank: int = POWERSGD_RANK  # torch-powersgd's matrix_approximation_rank (lowrank's is in options)
+    warmup_fraction: Optional[float] = None  # attach_optimizer's warmup_fraction (-pN: N / 100; None: its default)
 
     @property
     def is_torch(self) -> bool:
@@ -84,7 +87,8 @@ class Mode:
             raise ValueError(f"mode {self.name!r} follows the optimizer's learning rate: pass the optimizer")
         hook_state, hook, state = self.comm_hook(**overrides)
         if self.attach:
-            state.attach_optimizer(optimizer, total_steps=total_steps, warmup_compression=self.warmup)
+            state.attach_optimizer(optimizer, total_steps=total_steps, warmup_compression=self.warmup,
+                                   **({} if self.warmup_fraction is None else {"warmup_fraction": self.warmup_fraction}))
         if self.follow:
             state.follow_lr(optimizer)
         ddp.register_comm_hook(hook_state, hook)
@@ -152,6 +156,18 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     """The mode called ``name``; ValueError naming the choices (``choices``,
     else every mode) when there is none."""
     allowed = list(choices) if choices is not None else list(MODES)
+    share = _SHARE.match(name) if choices is None else None
+    if share:
+        try:
+            m = get(share.group(1))
+        except ValueError as e:
+            raise ValueError(f"mode {name!r}: {e}") from None
+        percent = int(share.group(2))
+        if not m.attach:
+            raise ValueError(f"mode {name!r}: -pN (the warm-up's percent of the run) is for +m modes")
+        if not 0 < percent < 100:
+            raise ValueError(f"mode {name!r}: the warm-up's percent after -p must be in 1..99")
+        return replace(m, name=name, warmup_fraction=percent / 100)
     ranked = _RANKED.match(name) if choices is None else None
     if ranked:
         base, letter, n, suffix = ranked.group(1), ranked.group(2), int(ranked.group(3)), ranked.group(4) or ""
@@ -169,9 +185,10 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
         return replace(m, name=name, options={**m.options, "matrix_approximation_rank": n})
     if name not in allowed or name not in MODES:
         ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
-                 "onebit-cN, fp8-cN: N elements per scale)") if choices is None else ""
+                 "onebit-cN, fp8-cN: N elements per scale; a +m mode as X+m-pN: a warm-up of N % of the run)") if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")
     return MODES[name]
 
 
+_SHARE = re.compile(r"^(.+)-p(\d+)$")
 _RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8)-([rc])(\d+)(\+m(?:-w8|-w32)?|\+lr)?$")

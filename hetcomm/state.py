@@ -18,7 +18,8 @@ from .negotiation import Negotiation
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
 #: With an Adam attached, every this many compressed steps one is exact (attach_optimizer's default).
 EXACT_EVERY = 16
-#: attach_optimizer(total_steps=N): the first this fraction of the run is reduced exactly (the warm-up; README).
+#: attach_optimizer(total_steps=N): the first this fraction of the run is the warm-up, the gradient reduced
+#: without momentum compression (attach_optimizer's ``warmup_fraction`` default; README).
 WARMUP_FRACTION = 0.2
 
 
@@ -196,6 +197,7 @@ class HookState(BucketSteps, Negotiation):
         self._exact_every = 0  # Adam attached: every this many steps is exact, besides start_iter + 2**j - 1
         self._total_steps: Optional[int] = None  # attach_optimizer(total_steps=): the run warms up (auto may send 1 bit)
         self._warmup_compression = "none"  # attach_optimizer(warmup_compression=): the warm-up's wire
+        self._warmup_fraction: Optional[float] = None  # attach_optimizer(warmup_fraction=): the warm-up's share
         self._replaying: Optional[list] = None  # (bucket, future) of a step being regrouped
         self._nonfinite_seen = 0
         self._scaler: Optional[Any] = None  # a weak reference to this rank's hetcomm.amp.GradScaler
@@ -236,7 +238,8 @@ class HookState(BucketSteps, Negotiation):
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *,
                          exact_every: Optional[int] = None, total_steps: Optional[int] = None,
-                         warmup_compression: Optional[str] = None) -> "HookState":
+                         warmup_compression: Optional[str] = None,
+                         warmup_fraction: Optional[float] = None) -> "HookState":
         """Compress the optimizer's momentum instead of the gradient (call on
         every rank before the first step; returns the state).
 
@@ -271,6 +274,16 @@ class HookState(BucketSteps, Negotiation):
         compressed momentum's error costs most while the model moves fast;
         measured in the README), and ``compression="auto"`` may then choose
         onebit. None: ``start_iter`` as given.
+
+        ``warmup_fraction`` (with ``total_steps``; None: ``WARMUP_FRACTION``,
+        0.2): the warm-up's share of the run, a number in (0, 1). Where the
+        link is slow the warm-up's steps cost most of a run's time (fp8 sends
+        about 5x onebit's bytes, 25x top-k's). Measured (bench/README "How
+        long a warm-up"): onebit of the momentum kept fp32's quality on the
+        language model and the regression with a twentieth (0.05), at fp32's
+        steps to target; on digits a tenth or a twentieth ended 0.2-0.4
+        points under fp32's mean (a fifth: under 0.15; tolerance 0.5), and
+        top-k needs the whole fifth. The same on every rank.
 
         ``warmup_compression``: how the warm-up's steps from step 2 up to
         ``start_iter`` reduce the gradient: ``"none"`` (exact fp32) or
@@ -325,6 +338,15 @@ class HookState(BucketSteps, Negotiation):
         if total_steps is not None and not (options._is_int(total_steps) and total_steps >= 1):
             raise ValueError(f"total_steps must be an int >= 1 (the run's optimizer steps) or None, got "
                              f"{total_steps!r}")
+        if warmup_fraction is not None:
+            if total_steps is None:
+                raise ValueError("warmup_fraction is a share of total_steps: pass total_steps too (or set "
+                                 "start_iter for a warm-up of your own length)")
+            if isinstance(warmup_fraction, bool) or not isinstance(warmup_fraction, (int, float)) \
+                    or not 0.0 < float(warmup_fraction) < 1.0:
+                raise ValueError(f"warmup_fraction must be a number in (0, 1) (the warm-up's share of the run) "
+                                 f"or None, got {warmup_fraction!r}")
+        fraction = WARMUP_FRACTION if warmup_fraction is None else float(warmup_fraction)
         if warmup_compression is None:
             fp8_allowed = self.candidates is None or "fp8" in self.candidates
             warmup_compression = "fp8" if total_steps is not None and fp8_allowed else "none"
@@ -332,9 +354,10 @@ class HookState(BucketSteps, Negotiation):
             raise ValueError(f"warmup_compression must be one of {', '.join(options.WARMUP_WIRES)}, got "
                              f"{warmup_compression!r}")
         if total_steps is not None:
-            self.start_iter = max(self.start_iter, int(WARMUP_FRACTION * total_steps))
+            self.start_iter = max(self.start_iter, int(fraction * total_steps))
         self._warmup_compression = warmup_compression
         self._total_steps = total_steps
+        self._warmup_fraction = fraction if total_steps is not None else None
         self._beta = beta if self._saved_beta is None else self._saved_beta
         self._optimizer = self._lr_source = weakref.ref(optimizer)
         self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0

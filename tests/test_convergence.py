@@ -468,6 +468,12 @@ def _attach_errors(rank, world):
     state5.attach_optimizer(sgd5, total_steps=600, warmup_compression="fp8" if rank == 0 else "none")
     ddp5.register_comm_hook(state5, hetcomm.hook)
     out.append(models.first_error(ddp5, sgd5, rank))
+    sixth = models.mlp(seed=7)  # warm-ups of different lengths: named by the argument, not by start_iter
+    ddp6, state6 = DDP(sixth), hetcomm.HookState("onebit")
+    sgd6 = torch.optim.SGD(sixth.parameters(), lr=0.1, momentum=0.9)
+    state6.attach_optimizer(sgd6, total_steps=600, warmup_fraction=0.05 if rank == 1 else None)
+    ddp6.register_comm_hook(state6, hetcomm.hook)
+    out.append(models.first_error(ddp6, sgd6, rank))
     return out
 
 
@@ -480,6 +486,8 @@ def test_attach_optimizer_rejects_what_it_cannot_compress_and_agrees_across_rank
         assert "total_steps (attach_optimizer) differs" in errs[6] and "rank 1: 0" in errs[6]
         assert "warmup_compression must be one of none, fp8" in errs[7] and "'fp16'" in errs[7]
         assert "warmup_compression (attach_optimizer) differs" in errs[8] and "rank 1: 'none'" in errs[8]
+        assert "warmup_fraction (attach_optimizer) differs" in errs[9]
+        assert "rank 0: 0.2" in errs[9] and "rank 1: 0.05" in errs[9]
 
 
 def test_fp8_of_the_gradient_reaches_fp32s_loss_with_sgd_momentum_and_adamw(fp32_sgd_momentum, fp32_adamw):

@@ -60,6 +60,8 @@ def test_lightning_strategy_rejects_what_attach_optimizer_does_not_take():
     with pytest.raises(ValueError, match="attach_optimizer must be True, False or a dict"):
         HetcommDDPStrategy("onebit", attach_optimizer="yes")
     assert HetcommDDPStrategy("onebit", attach_optimizer={"exact_every": 0})._attach
+    assert HetcommDDPStrategy("onebit", attach_optimizer={"warmup_fraction": 0.05})._attach_options == {
+        "warmup_fraction": 0.05}  # passed to attach_optimizer with the trainer's total_steps
     with pytest.raises(ValueError, match=r"follow_lr must be True, False or None \(follow an SGD\)"):
         HetcommDDPStrategy("onebit", follow_lr="yes")
 

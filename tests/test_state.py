@@ -344,6 +344,41 @@ def test_attach_optimizer_total_steps_warms_up_for_a_fifth_of_the_run():
                                                total_steps=0)
 
 
+def test_attach_optimizer_warmup_fraction_sets_the_warm_ups_share_of_the_run():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+
+    def sgd():
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    for bad in (0, 0.0, 1, 1.0, -0.1, 1.5, True, "0.1", float("nan")):
+        with pytest.raises(ValueError, match="warmup_fraction must be a number in \\(0, 1\\)"):
+            hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=600, warmup_fraction=bad)
+    with pytest.raises(ValueError, match="warmup_fraction is a share of total_steps: pass total_steps"):
+        hetcomm.HookState("onebit").attach_optimizer(sgd(), warmup_fraction=0.05)
+    for fraction, steps, start in ((0.05, 600, 30), (0.1, 400, 40), (0.5, 90, 45), (0.05, 20, 2)):
+        state = hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=steps, warmup_fraction=fraction)
+        assert [s for s in range(steps) if not state._compressed_at(s)] == list(range(start))
+        assert state._warmup_compression == "fp8" and state._warmup_fraction == fraction
+    # None is the default fifth; a later start_iter of the user's own stays
+    assert hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=600, warmup_fraction=None).start_iter \
+        == int(hetcomm.state.WARMUP_FRACTION * 600) == 120
+    assert hetcomm.HookState("onebit", start_iter=50).attach_optimizer(
+        sgd(), total_steps=600, warmup_fraction=0.05).start_iter == 50
+    # the mode table's -pN: N % of the run, after +m only
+    m = hetcomm.modes.get("onebit-c64+m-w32-p5")
+    assert (m.warmup_fraction, m.warmup, m.options) == (0.05, "none", {"compression": "onebit", "chunk_size": 64})
+    model = torch.nn.Linear(3, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = hetcomm.modes.get("topk+m-p10").register(ddp, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                                     total_steps=300)
+    assert state.start_iter == 30 and state._warmup_fraction == 0.1 and state._warmup_compression == "fp8"
+    state.close()
+    for bad, rule in (("onebit-p5", "-pN .* is for \\+m modes"), ("onebit+m-p0", "percent after -p must be in 1..99"),
+                      ("onebit+m-p100", "in 1..99"), ("onebits+m-p5", "mode 'onebits\\+m-p5': mode must be one of")):
+        with pytest.raises(ValueError, match=rule):
+            hetcomm.modes.get(bad)
+
+
 @pytest.mark.parametrize("start,every", [(2, None), (2, 0), (5, 16), (3, 12), (2, 1)])
 def test_exact_steps_with_an_adam_are_the_doublings_and_every_exact_every_th(start, every):
     params = [torch.nn.Parameter(torch.zeros(3))]
