@@ -276,14 +276,15 @@ class HookState(BucketSteps, Negotiation):
         onebit. None: ``start_iter`` as given.
 
         ``warmup_fraction`` (with ``total_steps``; None: ``WARMUP_FRACTION``,
-        0.2): the warm-up's share of the run, a number in (0, 1). Where the
-        link is slow the warm-up's steps cost most of a run's time (fp8 sends
-        about 5x onebit's bytes, 25x top-k's). Measured (bench/README "How
-        long a warm-up"): onebit of the momentum kept fp32's quality on the
-        language model and the regression with a twentieth (0.05), at fp32's
-        steps to target; on digits a tenth or a twentieth ended 0.2-0.4
-        points under fp32's mean (a fifth: under 0.15; tolerance 0.5), and
-        top-k needs the whole fifth. The same on every rank.
+        0.2; the same again when resuming): the warm-up's share of the run,
+        a number in (0, 1). Where the link is slow the warm-up's steps cost
+        most of a run's time (fp8 sends about 5x onebit's bytes, 25x
+        top-k's). Measured (bench/README "How long a warm-up"): onebit of
+        the momentum kept fp32's quality on the language model and the
+        regression with a twentieth (0.05), at fp32's steps to target; on
+        digits a tenth or a twentieth ended 0.2-0.4 points under fp32's mean
+        (a fifth: under 0.15; tolerance 0.5), and top-k needs the whole
+        fifth. The same on every rank.
 
         ``warmup_compression``: how the warm-up's steps from step 2 up to
         ``start_iter`` reduce the gradient: ``"none"`` (exact fp32) or
