@@ -355,7 +355,8 @@ class HookState(BucketSteps, Negotiation):
             raise ValueError(f"warmup_compression must be one of {', '.join(options.WARMUP_WIRES)}, got "
                              f"{warmup_compression!r}")
         if total_steps is not None:
-            self.start_iter = max(self.start_iter, int(fraction * total_steps))
+            # rounded to 1e-9 first: 0.29 * 100 is 28.999999999999996 in floats, and the warm-up is 29 steps
+            self.start_iter = max(self.start_iter, int(round(fraction * total_steps, 9)))
         self._warmup_compression = warmup_compression
         self._total_steps = total_steps
         self._warmup_fraction = fraction if total_steps is not None else None

@@ -355,7 +355,8 @@ def test_attach_optimizer_warmup_fraction_sets_the_warm_ups_share_of_the_run():
             hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=600, warmup_fraction=bad)
     with pytest.raises(ValueError, match="warmup_fraction is a share of total_steps: pass total_steps"):
         hetcomm.HookState("onebit").attach_optimizer(sgd(), warmup_fraction=0.05)
-    for fraction, steps, start in ((0.05, 600, 30), (0.1, 400, 40), (0.5, 90, 45), (0.05, 20, 2)):
+    for fraction, steps, start in ((0.05, 600, 30), (0.1, 400, 40), (0.5, 90, 45), (0.05, 20, 2), (0.29, 100, 29),
+                                   (0.07, 50, 3)):
         state = hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=steps, warmup_fraction=fraction)
         assert [s for s in range(steps) if not state._compressed_at(s)] == list(range(start))
         assert state._warmup_compression == "fp8" and state._warmup_fraction == fraction
