@@ -88,7 +88,7 @@ class Mode:
         hook_state, hook, state = self.comm_hook(**overrides)
         if self.attach:
             state.attach_optimizer(optimizer, total_steps=total_steps, warmup_compression=self.warmup,
-                                   **({} if self.warmup_fraction is None else {"warmup_fraction": self.warmup_fraction}))
+                                   warmup_fraction=self.warmup_fraction)
         if self.follow:
             state.follow_lr(optimizer)
         ddp.register_comm_hook(hook_state, hook)
@@ -185,7 +185,8 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
         return replace(m, name=name, options={**m.options, "matrix_approximation_rank": n})
     if name not in allowed or name not in MODES:
         ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
-                 "onebit-cN, fp8-cN: N elements per scale; a +m mode as X+m-pN: a warm-up of N % of the run)") if choices is None else ""
+                 "onebit-cN, fp8-cN: N elements per scale; a +m mode as X+m-pN: a warm-up of N % of the run)"
+                 ) if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")
     return MODES[name]
 

@@ -93,7 +93,7 @@ def safe_modes(attached: Optional[str], bf16_everywhere: bool, warmed_up: bool =
     those measured to reach fp32's quality at fp32's learning rate with this
     optimizer (README "Time to accuracy"). ``attached``: None, "sgd" (momentum
     compression of SGD), "hetcomm-adamw", or "adam" (torch's Adam/AdamW);
-    ``warmed_up``: attach_optimizer(total_steps=) made the run's first fifth a warm-up
+    ``warmed_up``: attach_optimizer(total_steps=) made the run's start a warm-up (a fifth unless warmup_fraction=)
     (its gradient exact or in fp8: onebit was measured after both)."""
     half = "bf16" if bf16_everywhere else "fp16"
     # 1-bit of the momentum, over 30 digits runs (10 seeds x lr x {1, 1 +- 1e-6}): from step 2 0.49 points short
