@@ -44,6 +44,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    """An int or a float, not a bool (the numeric options' type check)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def chunk_for(chunk_size: Optional[int], mode: str) -> int:
     """Elements per scale of the onebit or fp8 codec (``mode``): the option,
     or the codec's default (planner.DEFAULT_CHUNK says why: 32 for onebit, 256
@@ -75,7 +80,7 @@ def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size
         raise ValueError(f"chunk_size must be None or a positive multiple of 32 up to 2**30, got {chunk_size!r}")
     if not _is_int(min_compress_numel) or min_compress_numel < 0:
         raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
-    if not isinstance(topk_ratio, (int, float)) or isinstance(topk_ratio, bool) or not 0.0 < float(topk_ratio) <= 1.0:
+    if not _is_number(topk_ratio) or not 0.0 < float(topk_ratio) <= 1.0:
         raise ValueError(f"topk_ratio must be a number in (0, 1], got {topk_ratio!r}")
     if not _is_int(matrix_approximation_rank) or matrix_approximation_rank < 1:
         raise ValueError(f"matrix_approximation_rank (lowrank's rank) must be an int >= 1, got "

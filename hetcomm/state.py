@@ -226,8 +226,7 @@ class HookState(BucketSteps, Negotiation):
         every rank before every step, starting before the first one. (Inside
         ``ddp.join()`` a rank whose inputs ran out calls nothing: the steps DDP
         shadows for it are weighed as DDP divides, see the README.)"""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)) or not (
-                math.isfinite(batch_size) and 0 < batch_size <= 2**40):
+        if not options._is_number(batch_size) or not (math.isfinite(batch_size) and 0 < batch_size <= 2**40):
             raise ValueError(f"batch_size must be a number in (0, 2**40] (samples in this rank's step), got "
                              f"{batch_size!r}")
         if self._weighted is False:
@@ -343,8 +342,7 @@ class HookState(BucketSteps, Negotiation):
             if total_steps is None:
                 raise ValueError("warmup_fraction is a share of total_steps: pass total_steps too (or set "
                                  "start_iter for a warm-up of your own length)")
-            if isinstance(warmup_fraction, bool) or not isinstance(warmup_fraction, (int, float)) \
-                    or not 0.0 < float(warmup_fraction) < 1.0:
+            if not options._is_number(warmup_fraction) or not 0.0 < float(warmup_fraction) < 1.0:
                 raise ValueError(f"warmup_fraction must be a number in (0, 1) (the warm-up's share of the run) "
                                  f"or None, got {warmup_fraction!r}")
         fraction = WARMUP_FRACTION if warmup_fraction is None else float(warmup_fraction)
