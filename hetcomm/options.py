@@ -7,7 +7,7 @@ import os
 import struct
 import warnings
 from datetime import timedelta
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,11 +104,12 @@ def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size
     if candidates is not None:
         if compression != "auto":
             raise ValueError(f"candidates is for compression='auto' only (got compression={compression!r})")
-        if isinstance(candidates, str) or not candidates or any(c not in AUTO_MODES for c in candidates) or \
-                len(set(candidates)) != len(candidates):
+        # a bool, a number or a string is not a sequence of modes (a string would iterate as letters)
+        listed = list(candidates) if isinstance(candidates, Iterable) and not isinstance(candidates, str) else []
+        if not listed or any(c not in AUTO_MODES for c in listed) or len(set(listed)) != len(listed):
             raise ValueError(f"candidates must be a non-empty sequence of distinct modes from {AUTO_MODES}, got "
                              f"{candidates!r}")
-        candidates = tuple(sorted(candidates, key=AUTO_MODES.index))
+        candidates = tuple(sorted(listed, key=AUTO_MODES.index))
     return dict(compression=compression, start_iter=start_iter, error_feedback=error_feedback, chunk_size=chunk_size,
                 min_compress_numel=min_compress_numel, topk_ratio=float(topk_ratio), topk_exact=topk_exact,
                 matrix_approximation_rank=matrix_approximation_rank, algorithm=algorithm, transport=transport,

@@ -156,7 +156,7 @@ def test_fuzz_hookstate_arguments_are_accepted_or_value_errors(kwargs, batch):
 def test_auto_options_are_checked():
     with pytest.raises(ValueError, match="candidates is for compression='auto'"):
         hetcomm.HookState("onebit", candidates=["onebit"])
-    for bad in (["zip"], [], "onebit", ["none", "none"]):
+    for bad in (["zip"], [], "onebit", ["none", "none"], True, 5, 2.5):  # the last three once a TypeError
         with pytest.raises(ValueError, match="candidates must be"):
             hetcomm.HookState("auto", candidates=bad)
     with pytest.raises(ValueError, match="start_iter"):
