@@ -337,7 +337,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale; +m "
                          "compresses the optimizer's momentum (attach_optimizer; -pN after it: a warm-up of N %% "
                          "of the run, warmup_fraction), +lr keeps the gradient's error feedback in the optimizer's "
-                         "learning-rate units (follow_lr)")
+                         "learning-rate units (follow_lr); @ALGO last sets a hetcomm mode's algorithm "
+                         "(fp8@hierarchical)")
     tr.add_argument("--scale", type=positive_float, default=1.0, help="multiplies each task's number of steps")
     tr.add_argument("--lr-scale", type=positive_float, default=1.0,
                     help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")

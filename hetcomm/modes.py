@@ -14,7 +14,9 @@ their ``total_steps``); ``-rN`` after ``lowrank``
 or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 ``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``);
 ``-pN`` last after ``+m`` makes the warm-up N % of the run
-(``attach_optimizer(warmup_fraction=N / 100)``; ``onebit+m-p5``).
+(``attach_optimizer(warmup_fraction=N / 100)``; ``onebit+m-p5``); ``@ALGO``
+at the very end of a hetcomm mode sets HookState's ``algorithm``
+(``fp8@hierarchical``, ``onebit+m-p5@ring``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+
+from .topology import ALGORITHMS
 
 POWERSGD_RANK = 4
 POWERSGD_START = 2
@@ -156,6 +160,17 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     """The mode called ``name``; ValueError naming the choices (``choices``,
     else every mode) when there is none."""
     allowed = list(choices) if choices is not None else list(MODES)
+    if choices is None and "@" in name:
+        base, _, algorithm = name.rpartition("@")
+        try:
+            m = get(base)
+        except ValueError as e:
+            raise ValueError(f"mode {name!r}: {e}") from None
+        if m.is_torch:
+            raise ValueError(f"mode {name!r}: @ALGO is for hetcomm's modes; {base} is PyTorch's hook")
+        if algorithm not in ("auto",) + ALGORITHMS:
+            raise ValueError(f"mode {name!r}: the algorithm after @ must be one of auto, {', '.join(ALGORITHMS)}")
+        return replace(m, name=name, options={**m.options, "algorithm": algorithm})
     share = _SHARE.match(name) if choices is None else None
     if share:
         try:
@@ -185,7 +200,8 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
         return replace(m, name=name, options={**m.options, "matrix_approximation_rank": n})
     if name not in allowed or name not in MODES:
         ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
-                 "onebit-cN, fp8-cN: N elements per scale; a +m mode as X+m-pN: a warm-up of N % of the run)"
+                 "onebit-cN, fp8-cN: N elements per scale; a +m mode as X+m-pN: a warm-up of N % of the run; "
+                 "a hetcomm mode as X@ALGO: HookState's algorithm)"
                  ) if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")
     return MODES[name]

@@ -144,7 +144,9 @@ class Negotiation:
         self._negotiated = True
 
     def _detect_topology(self, device: Optional[torch.device] = None) -> None:
-        self.topology = topology.detect(self._group(), device)
+        # A fixed ring or hierarchy needs the nodes only; the links are measured for the planner's predictions
+        measure = self.algorithm == "auto" or self.compression == "auto"
+        self.topology = topology.detect(self._group(), device, measure=measure)
         if self.algorithm == "hierarchical" and self.topology.ranks_per_node() is None:
             raise ValueError("algorithm 'hierarchical' needs the same number of ranks on every node, found "
                              f"{self.topology.nodes}")

@@ -264,11 +264,16 @@ def _save(topo: "Topology", nodes: List[str], devices: List[dict]) -> None:
         log.warning("hetcomm: could not cache the topology in %s (%s)", path, e)
 
 
-def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = True) -> Topology:
+def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = True,
+           measure: bool = True) -> Topology:
     """Discover, then load (HETCOMM_TOPOLOGY, or the cache for this cluster:
     validated, never older than HETCOMM_CACHE_MAX_AGE) or probe. Collective;
     rank 0 decides and broadcasts, so every rank holds the same topology; a
-    file that cannot be used is ignored with a warning and the links are probed."""
+    file that cannot be used is ignored with a warning and the links are probed.
+    ``measure=False``: where no file applies, the discovered nodes and devices
+    without links (``source`` "discover"), for a fixed ring or hierarchy,
+    which needs to know only which ranks share a node; nothing is probed or
+    cached."""
     infos = discover(group, device)
     nodes, devices = [i["node"] for i in infos], infos
     world = len(infos)
@@ -287,6 +292,8 @@ def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = 
     dist.broadcast_object_list(payload, src=src, group=group)
     if payload[0] is not None:
         return Topology.from_json(payload[0])
+    if not measure:
+        return Topology(world=world, nodes=nodes, devices=devices, source="discover")
     from .probe import fit, measure_codec_gbps, probe
 
     topo = Topology(world=world, nodes=nodes, devices=devices)

@@ -281,6 +281,23 @@ def test_a_rank_suffix_sets_lowrank_and_powersgds_rank():
         hetcomm.modes.get("lowrank-r8", choices=["fp32"])
 
 
+def test_an_algorithm_suffix_sets_a_hetcomm_modes_algorithm():
+    m = hetcomm.modes.get("onebit-c64+m-p5@hierarchical")
+    assert (m.name, m.attach, m.warmup_fraction, m.options) == (
+        "onebit-c64+m-p5@hierarchical", True, 0.05, {"compression": "onebit", "chunk_size": 64,
+                                                     "algorithm": "hierarchical"})
+    state = hetcomm.modes.get("fp8@ring").comm_hook()[0]
+    assert (state.compression, state.algorithm) == ("fp8", "ring")
+    state.close()
+    with pytest.raises(ValueError, match="algorithm must be 'native', 'hierarchical' or 'auto' with compression="):
+        hetcomm.modes.get("lowrank@ring").comm_hook()
+    for bad, rule in (("torch-powersgd@ring", "@ALGO is for hetcomm's modes; torch-powersgd is PyTorch's hook"),
+                      ("fp8@butterfly", "algorithm after @ must be one of auto, native, ring"),
+                      ("fp9@ring", "mode 'fp9@ring': mode must be one of"), ("fp8@", "algorithm after @")):
+        with pytest.raises(ValueError, match=rule):
+            hetcomm.modes.get(bad)
+
+
 def test_mode_table_plain_modes_are_hookstates_with_defaults():
     assert set(hetcomm.modes.HETCOMM) == {"none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk",
                                           "lowrank", "auto"}

@@ -183,8 +183,10 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
         models.train_step(ddp, opt, rank, step, 8)
         grads.append(models.flat_grads(model))
     stats = state.stats()
+    topo = state.topology
     return {"params": models.flat_params(model), "grads": grads, "codec_s": stats["total"]["codec_s"],
-            "plans": {k: p["algorithm"] for k, p in stats["plans"].items()}}
+            "plans": {k: p["algorithm"] for k, p in stats["plans"].items()},
+            "topology": None if topo is None else (topo.source, sorted(topo.links), topo.node_ids)}
 
 
 ALGORITHM_CASES = [("none", "auto"), ("none", "ring"), ("none", "hierarchical"), ("fp16", "halving_doubling"),
@@ -192,8 +194,19 @@ ALGORITHM_CASES = [("none", "auto"), ("none", "ring"), ("none", "hierarchical"),
                    ("lowrank", "hierarchical"), ("lowrank", "auto"), ("fp8", "hierarchical"), ("none", "native")]
 
 
+def _unprobed(*args, **kwargs):
+    raise AssertionError("a fixed ring or hierarchy probed the links")
+
+
 def _ddp_algorithms(rank, world, cache_dir):
-    return {case: _ddp_algorithm(rank, world, *case, cache_dir) for case in ALGORITHM_CASES}
+    # First, with no topology cached: a fixed hierarchy or ring learns the nodes and probes nothing
+    real_probe, probing.probe = probing.probe, _unprobed
+    try:
+        unprobed = {("unprobed", case): _ddp_algorithm(rank, world, *case, os.path.join(cache_dir, "empty"))
+                    for case in (("fp8", "hierarchical"), ("none", "ring"))}
+    finally:
+        probing.probe = real_probe
+    return {**unprobed, **{case: _ddp_algorithm(rank, world, *case, cache_dir) for case in ALGORITHM_CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +229,18 @@ def test_ddp_with_each_algorithm_keeps_replicas_identical(algorithm_runs, mode, 
         assert res[0]["plans"] and all(p in topology.ALGORITHMS for p in res[0]["plans"].values())
     if mode in ("fp8", "onebit", "topk", "lowrank"):  # the codecs' time is counted, across nodes of a hierarchy too
         assert all(r["codec_s"] > 0 for r in res), [r["codec_s"] for r in res]
+
+
+@pytest.mark.parametrize("mode,algorithm", [("fp8", "hierarchical"), ("none", "ring")])
+def test_a_fixed_ring_or_hierarchy_knows_the_nodes_without_probing(algorithm_runs, mode, algorithm):
+    """No topology cached: the nodes are discovered, no link is probed (the
+    probe raises in these runs), and training gives the bits it gives with a
+    measured topology (the auto case before it probed and cached one)."""
+    for r in algorithm_runs:
+        assert r[("unprobed", (mode, algorithm))]["topology"] == ("discover", [], [0, 0, 1, 1])
+        assert r[(mode, algorithm)]["topology"][0] == "cache" and r[(mode, algorithm)]["topology"][1]
+        assert torch.equal(r[("unprobed", (mode, algorithm))]["params"], r[(mode, algorithm)]["params"])
+    assert set(algorithm_runs[0][("unprobed", (mode, algorithm))]["plans"].values()) <= {algorithm, "native"}
 
 
 def test_bad_algorithm_is_a_value_error():
