@@ -227,15 +227,17 @@ def _read_json(path: str, own_only: bool) -> dict:
         return json.load(f)
 
 
-def _load(path: str, nodes: List[str], devices: List[dict], cached: bool) -> Optional[dict]:
-    """The topology at path if it is valid for this job, else None (warned)."""
+def _load(path: str, nodes: List[str], devices: List[dict], cached: bool, measure: bool = True) -> Optional[dict]:
+    """The topology at path if it is valid for this job, else None (warned;
+    ``measure``: whether the links are probed instead)."""
     try:
         d = _read_json(path, own_only=cached)
         why = validate(d, nodes, devices, cached)
     except (OSError, ValueError) as e:  # unreadable, a link, truncated or not JSON
         why = f"{type(e).__name__}: {e}"
     if why is not None:
-        log.warning("hetcomm: ignoring the topology in %s (%s); probing the links again", path, why)
+        log.warning("hetcomm: ignoring the topology in %s (%s); %s", path, why,
+                    "probing the links again" if measure else "using the discovered nodes")
         return None
     age = time.time() - d["created"] if _finite(d.get("created")) else None
     log.info("hetcomm: topology from %s%s", path, f" ({age / 3600:.1f} h old)" if age is not None else "")
@@ -281,11 +283,11 @@ def detect(group=None, device: Optional[torch.device] = None, use_cache: bool = 
     if dist.get_rank(group) == 0:
         given = os.environ.get(ENV_TOPOLOGY)
         if given:
-            payload[0] = _load(given, nodes, devices, cached=False)
+            payload[0] = _load(given, nodes, devices, cached=False, measure=measure)
             if payload[0] is not None:
                 payload[0]["source"] = given
         elif use_cache and os.path.lexists(_cache_path(nodes, devices)):
-            payload[0] = _load(_cache_path(nodes, devices), nodes, devices, cached=True)
+            payload[0] = _load(_cache_path(nodes, devices), nodes, devices, cached=True, measure=measure)
             if payload[0] is not None:
                 payload[0]["source"] = "cache"
     src = 0 if group is None else dist.get_global_rank(group, 0)
