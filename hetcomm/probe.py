@@ -31,7 +31,8 @@ def _rounds(world: int) -> List[List[tuple]]:
 #: Most rounds the probe runs: one inside every node, then node pairs. The fit
 #: keeps one median per link class, so a sample of pairs does: every pair would
 #: take world - 1 rounds (1.3-1.9 s on 2 x 2 ranks at 100 Mbit, 1.05-1.12 s
-#: sampled; 4 x 4: 13.5-13.9 s, 2.7-3.3 s sampled).
+#: sampled; 4 x 4: 13.5-13.9 s, 2.7-3.3 s sampled; with the large message
+#: sized by doubling, :func:`probe_next`: 0.60-0.70 s and 1.8-2.1 s).
 PROBE_MAX_ROUNDS = 8
 
 
@@ -60,18 +61,26 @@ def _schedule(nodes: List[str], max_rounds: int = PROBE_MAX_ROUNDS) -> List[List
 #: the 100 Mbit testbed, 2 x 2 ranks: 512 KiB, the probe 1.3-1.7 s instead of
 #: 3.2-3.6 s, bandwidth within 0.88-1.01x of the rate (1 MiB: 0.80-0.95x).
 PROBE_BUDGET_S = 0.05
-PROBE_SIZING = 64 << 10  # bytes of the exchange that sizes the large message (also its least size)
+PROBE_SIZING = 64 << 10  # bytes of the first sizing exchange (also the large message's least size)
 
 
-def probe_size(one_way_s: float, measured: int, largest: int, budget_s: float = PROBE_BUDGET_S,
+def probe_next(size: int, one_way_s: float, largest: int, budget_s: float = PROBE_BUDGET_S,
                smallest: int = PROBE_SIZING) -> int:
-    """The large probe message in bytes: ``largest`` halved while a transfer of
-    it, extrapolated from ``measured`` bytes taking ``one_way_s``, would take
-    longer than ``budget_s`` (never below ``smallest``)."""
-    size = largest
-    while size // 2 >= smallest and one_way_s * size / measured > budget_s:
-        size //= 2
-    return size
+    """What the probe does after ``size`` bytes took ``one_way_s``: measure
+    twice ``size`` next (returned as is) while that is at most ``largest``
+    and this transfer took at most half ``budget_s``; else stop, returned as
+    minus the large message's bytes: ``size``, or half of it when this
+    transfer took over ``budget_s`` (never below ``smallest``). Measured
+    doubling by doubling, not extrapolated from one small message: a link
+    shaped by a token bucket (a policer, ``tc tbf``) sends its burst at the
+    wire's speed, so a message that fits in it looks fast (the testbed at 100
+    Mbit, a 50 KB burst: 64 KiB in 1-4 ms where the rate needs 5.2, and 1 MiB
+    chosen, 84 ms a transfer, in half the probes)."""
+    if one_way_s > budget_s and size // 2 >= smallest:
+        return -(size // 2)
+    if 2 * size <= largest and one_way_s <= budget_s / 2:
+        return 2 * size
+    return -size
 
 
 def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20, reps: int = 5,
@@ -82,9 +91,9 @@ def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20,
     disjoint pairs chosen from ``nodes``, the node of each rank
     (:func:`_schedule`), with tensors on
     ``device`` (a GPU measures its own links: NVLink, PCIe, the network). The
-    large message is `large` bytes, or less on a slow link (:func:`probe_size`:
-    the lower rank of each pair decides from one exchange of 64 KiB and tells
-    the other). Collective; identical result on every rank."""
+    large message is `large` bytes, or less on a slow link (from 64 KiB up,
+    doubled while :func:`probe_next` says so: the lower rank of each pair
+    decides and tells the other). Collective; identical result on every rank."""
     from . import _C
 
     device = group_device(group, device)
@@ -96,10 +105,11 @@ def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20,
     sizing = min(PROBE_SIZING, large)
     buf = torch.zeros(max(small, sizing, large) // 4, device=device)
 
-    def exchange(peer: int, first: bool, nbytes: int, reps: int, tag: int) -> float:
-        """The least one-way time of ``reps`` exchanges after a warm-up one."""
+    def exchange(peer: int, first: bool, nbytes: int, reps: int, tag: int, warm_up: bool = True) -> float:
+        """The least one-way time of ``reps`` exchanges after a warm-up one
+        (``warm_up=False``: the connection is warm already)."""
         view, samples = buf[:nbytes // 4], []
-        for i in range(reps + 1):
+        for i in range(0 if warm_up else 1, reps + 1):
             t0 = time.perf_counter()
             if first:
                 t.send(view, peer, tag + i)
@@ -112,23 +122,34 @@ def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20,
                 samples.append((time.perf_counter() - t0) / 2)
         return min(samples)  # the least disturbed exchange (the machine may be busy)
 
+    # tags of a round: reps + 1 small exchanges, 2 sizing ones, then per doubling a decision and an exchange (at
+    # most 2 * 32), the last decision, reps large exchanges
+    stride = 2 * reps + 70
     for rnd, pairs in enumerate(_schedule(nodes, max_rounds)):
         for a, b in pairs:
             if me not in (a, b):
                 continue
-            # tags: reps + 1 small exchanges, 2 sizing ones, the size, reps + 1 large ones
-            peer, first, tag = b if me == a else a, me == a, rnd * (2 * reps + 5)
+            peer, first, tag = b if me == a else a, me == a, rnd * stride
             t_small = exchange(peer, first, small, reps, tag)
-            t_mid = exchange(peer, first, sizing, 1, tag + reps + 1)
-            size = torch.zeros(1, dtype=torch.float32, device=device)
-            if first:  # powers of two up to 2**24 bytes are exact in a float32
-                size.fill_(probe_size(t_mid, sizing, large))
-                t.send(size, peer, tag + reps + 3)
-            else:
-                t.recv(size, peer, tag + reps + 3)
-            sync(device)
-            nbytes = int(size.item())
-            mine[(min(a, b), max(a, b))] = (t_small, exchange(peer, first, nbytes, reps, tag + reps + 4), nbytes)
+            tag += reps + 1
+            nbytes, took = sizing, exchange(peer, first, sizing, 1, tag)
+            tag += 2
+            while True:
+                decision = torch.zeros(1, dtype=torch.float32, device=device)
+                if first:  # powers of two up to 2**24 bytes are exact in a float32
+                    decision.fill_(probe_next(nbytes, took, large, smallest=sizing))
+                    t.send(decision, peer, tag)
+                else:
+                    t.recv(decision, peer, tag)
+                sync(device)
+                step = int(decision.item())
+                if step < 0:
+                    nbytes = -step
+                    break
+                nbytes, took = step, exchange(peer, first, step, 1, tag, warm_up=False)  # tag + 1
+                tag += 2
+            mine[(min(a, b), max(a, b))] = (t_small, exchange(peer, first, nbytes, reps, tag, warm_up=False),
+                                             nbytes)
         t.barrier()
     gathered: List[Optional[dict]] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)

@@ -96,8 +96,8 @@ class HookState(BucketSteps, Negotiation):
             compressed; ring and hierarchical learn which ranks share a node
             from their hostnames or ``HETCOMM_NODE``, nothing is probed) or
             ``"auto"``: the planner of :mod:`hetcomm.planner`
-            picks per bucket from the measured topology (about a second of
-            probing at the first step on 2 x 2 ranks at 100 Mbit, 3 s on 4 x 4;
+            picks per bucket from the measured topology (0.6-0.7 s of probing
+            at the first step on 2 x 2 ranks at 100 Mbit, 1.8-2.1 s on 4 x 4;
             cached per cluster for a day). ``HETCOMM_ALGO`` overrides the planner.
         transport: ``"auto"`` (default): CUDA buckets go over hetcomm's own
             NCCL communicator and comm stream when this build has CUDA

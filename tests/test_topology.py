@@ -86,14 +86,42 @@ def test_fit_recovers_alpha_beta():
     assert links["inter"].alpha == pytest.approx(200e-6) and links["inter"].beta == pytest.approx(1e-8)
 
 
-def test_probe_sizes_its_large_message_to_the_link():
-    kib = 1 << 10
-    # 100 Mbit: 64 KiB one way in 5.2 ms; 1 MiB would take 84 ms, 512 KiB takes 42 ms (<= 50 ms)
-    assert probing.probe_size(64 * kib / 12.5e6, 64 * kib, 1024 * kib) == 512 * kib
-    assert probing.probe_size(64 * kib / 6.25e6, 64 * kib, 1024 * kib) == 256 * kib  # 50 Mbit
-    assert probing.probe_size(64 * kib / 25e6, 64 * kib, 1024 * kib) == 1024 * kib  # 200 Mbit: 42 ms, kept
-    assert probing.probe_size(1.0, 64 * kib, 1024 * kib) == 64 * kib  # never below the sizing message
-    assert probing.probe_size(1e-3, 64 * kib, 1024 * kib, budget_s=4e-3) == 256 * kib
+def _grown(one_way, largest=1 << 20, start=64 << 10, **kw):
+    """The large message probe_next settles on for a link whose one-way time of n bytes is one_way(n)."""
+    size = start
+    while True:
+        step = probing.probe_next(size, one_way(size), largest, **kw)
+        if step < 0:
+            return -step
+        assert step == 2 * size
+        size = step
+
+
+@pytest.mark.parametrize("mbit,expected_kib", [(100, 512), (50, 256), (200, 1024), (10, 64), (1e5, 1024)])
+def test_probe_sizes_its_large_message_to_the_link(mbit, expected_kib):
+    """Doubled from 64 KiB while a transfer took at most half the 50 ms budget:
+    at most 50 ms a transfer, never below 64 KiB, never above the largest; the
+    same through a token bucket's burst, which one small message cannot tell
+    (64 KiB mostly inside a 50 KB burst looks like 500 Mbit/s; at 10 Mbit 128 KiB
+    is measured and found over the budget)."""
+    rate = mbit * 1e6 / 8
+
+    def plain(n):
+        return 50e-6 + n / rate
+
+    def shaped(n, burst=50_000):  # the burst at 1 GB/s, the rest at the rate
+        return 50e-6 + min(n, burst) / 1e9 + max(n - burst, 0) / rate
+
+    for link in (plain, shaped):
+        size = _grown(link)
+        assert size == expected_kib << 10
+        assert link(size) <= probing.PROBE_BUDGET_S or size == probing.PROBE_SIZING
+    assert _grown(plain, largest=256 << 10) == min(expected_kib, 256) << 10
+    assert _grown(lambda n: n / 25e6, budget_s=4e-3) == 64 << 10  # 64 KiB: 2.6 ms > 2 ms
+    assert _grown(lambda n: n / 25e6, budget_s=12e-3) == 256 << 10
+    assert probing.probe_next(64 << 10, 1e-3, 64 << 10) == -(64 << 10)  # nothing larger allowed
+    assert probing.probe_next(128 << 10, 0.06, 1 << 20) == -(64 << 10)  # over the budget: back to the last
+    assert probing.probe_next(64 << 10, 0.06, 1 << 20) == -(64 << 10)  # never below the least
 
 
 def test_planner_prefers_hierarchy_for_big_buckets_on_slow_inter_node_links():
