@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from datetime import timedelta
@@ -16,6 +17,7 @@ from .hooks import BucketSteps, optimizer_beta
 from .negotiation import Negotiation
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
+log = logging.getLogger("hetcomm")
 #: With an Adam attached, every this many compressed steps one is exact (attach_optimizer's default).
 EXACT_EVERY = 16
 #: attach_optimizer(total_steps=N): the first this fraction of the run is the warm-up, the gradient reduced
@@ -191,6 +193,8 @@ class HookState(BucketSteps, Negotiation):
         self._forced_algo: Optional[str] = None  # HETCOMM_ALGO, as agreed at the first step
         self._beta: Optional[float] = None  # the momentum hetcomm compresses (attach_optimizer)
         self._saved_beta: Optional[float] = None  # the beta of a loaded state_dict's momentum
+        #: a loaded state_dict's start_iter when its run was past it: the schedule a resumed run keeps
+        self._resumed_start: Optional[int] = None
         self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
         self._lr_source: Optional[Any] = None  # a weak reference to the optimizer whose rate is followed
         #: The followed optimizer's learning rates (per group) that error feedback's state is in units of
@@ -269,16 +273,21 @@ class HookState(BucketSteps, Negotiation):
         step divides, not the largest ``|m|``.
 
         ``total_steps`` (the whole run's optimizer steps, as an LR schedule
-        takes them; the same again when resuming): the first
+        takes them): the first
         ``WARMUP_FRACTION`` (a fifth) of them are the warm-up, the gradient
         reduced without momentum compression (``warmup_compression``),
         ``start_iter`` rises to that if it is lower (1-bit Adam's warm-up: the
         compressed momentum's error costs most while the model moves fast;
         measured in the README), and ``compression="auto"`` may then choose
-        onebit. None: ``start_iter`` as given.
+        onebit. None: ``start_iter`` as given. A run resumed from a
+        :meth:`state_dict` saved after its warm-up keeps the saved
+        ``start_iter`` (and an Adam's exact steps with it), whatever
+        ``total_steps`` or ``warmup_fraction`` it is given now: a longer run
+        does not go back into a warm-up; one resumed inside the warm-up ends
+        it where the new arguments say.
 
         ``warmup_fraction`` (with ``total_steps``; None: ``WARMUP_FRACTION``,
-        0.2; the same again when resuming): the warm-up's share of the run,
+        0.2): the warm-up's share of the run,
         a number in (0, 1). Where the link is slow the warm-up's steps cost
         most of a run's time (fp8 sends about 5x onebit's bytes, 25x
         top-k's). Measured (bench/README "How long a warm-up"): onebit of
@@ -358,6 +367,8 @@ class HookState(BucketSteps, Negotiation):
         if total_steps is not None:
             # rounded to 1e-9 first: 0.29 * 100 is 28.999999999999996 in floats, and the warm-up is 29 steps
             self.start_iter = max(self.start_iter, int(round(fraction * total_steps, 9)))
+        if self._resumed_start is not None:  # loaded first: a run past its warm-up keeps its schedule
+            self.start_iter = self._resumed_start
         self._warmup_compression = warmup_compression
         self._total_steps = total_steps
         self._warmup_fraction = fraction if total_steps is not None else None
@@ -463,6 +474,7 @@ class HookState(BucketSteps, Negotiation):
             "compression": self.compression,
             "resolved_compression": self.resolved_compression,
             "iter": self.iter,
+            "start_iter": self.start_iter,
             "rank": self._rank(),
             "world_size": self._world(),
             **self._buckets.state_dict(),
@@ -473,7 +485,10 @@ class HookState(BucketSteps, Negotiation):
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved on this rank."""
+        """Restore what :meth:`state_dict` saved on this rank. A state saved
+        at or after its ``start_iter`` keeps that ``start_iter`` (see
+        :meth:`attach_optimizer`): compression goes on where it was, whatever
+        warm-up this state was constructed or attached with."""
         if not isinstance(sd, dict) or sd.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"state_dict is not a hetcomm HookState state (version {_STATE_DICT_VERSION})")
         if sd["compression"] != self.compression:
@@ -484,6 +499,12 @@ class HookState(BucketSteps, Negotiation):
                 f"{self._world()}: load each rank's own state")
         self._drain()
         self.iter = int(sd["iter"])
+        saved_start = sd.get("start_iter")  # (None from a state saved before it was kept)
+        self._resumed_start = int(saved_start) if saved_start is not None and self.iter >= saved_start else None
+        if self._resumed_start is not None and self._resumed_start != self.start_iter:
+            log.info("hetcomm: resumed at step %d, past the saved start_iter %d: kept (this state's: %d)",
+                     self.iter, self._resumed_start, self.start_iter)
+            self.start_iter = self._resumed_start
         if sd.get("resolved_compression") is not None:
             self.resolved_compression = sd["resolved_compression"]
         self._buckets.load_state_dict(sd, keyed_elsewhere=bool(sd.get("auto", {}).get("decided")))

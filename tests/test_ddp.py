@@ -302,12 +302,20 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
         # the default warm-up (total_steps=60: steps 2-11 fp8 of the gradient), saved inside it at step 8 and
         # resumed across its end (step 12: fp8's residuals fold into the momentum's carry)
         state.attach_optimizer(opt, total_steps=60)
+
+    def extend():  # a run of 20 steps (warm-up to step 4) resumed at step 8 as a run of 60 (which would warm up to 12)
+        state.attach_optimizer(opt, total_steps=20 if start == 0 else 60)
+
+    if "-extend" in opt_name and not opt_name.endswith("-late"):
+        extend()
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
     if start > 0:
         ck = torch.load(path, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         state.load_state_dict(ck["hetcomm"])
+    if opt_name.endswith("-extend-late"):  # attached after the state was loaded
+        extend()
     layouts, wires = [], []
     norms = []
 
@@ -338,7 +346,9 @@ RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "t
                 ("small", "onebit", "sgd-attach-clip"),
                 ("small", "onebit", "sgd-attach-sched"),  # an lr moved every step: the residuals' units resume
                 ("small", "lowrank", "sgd-follow-sched"),  # the same without attaching: follow_lr's
-                ("small", "onebit", "adamw-attach-beta")]  # Adam's beta1 moved every step: the momentum's units too
+                ("small", "onebit", "adamw-attach-beta"),  # Adam's beta1 moved every step: the momentum's units too
+                ("small", "onebit", "sgd-extend"),  # resumed past the warm-up with a longer run: no second warm-up
+                ("small", "onebit", "adamw-extend-late")]  # the same attached after loading: an Adam's exact steps
 
 
 def _resume_cases(rank, world, ckpt_dir):
@@ -378,6 +388,9 @@ def test_resume_from_state_dict_continues_bit_for_bit(resumed_runs, kind, mode, 
         after = ["onebit" in w for w in straight["wires"][12:]]  # (an Adam's exact steps 12, 13, 15 go in fp32)
         assert (any(after) if "adamw" in opt_name else all(after)), straight["wires"]
         assert resumed["wires"][:4] == [["fp8"]] * 4
+    if "-extend" in opt_name:  # compressed on from step 8 with the saved start (4): no fp8 of a second warm-up
+        assert resumed["wires"] == straight["wires"][8:] and ["fp8"] not in resumed["wires"], resumed["wires"]
+        assert ["none"] in resumed["wires"] if "adamw" in opt_name else all(w == ["onebit"] for w in resumed["wires"])
     if opt_name.endswith("-clip"):  # every resumed step clipped by the estimate (the state_dict says to sketch)
         assert resumed["clip"] == {"calls": 8, "estimated_steps": 8}
         assert resumed["norms"] == straight["norms"][8:] and min(straight["norms"][8:]) > 0.3
