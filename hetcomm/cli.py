@@ -330,8 +330,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="comma-separated tasks")
     tr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
                     default=bench_train.DEFAULT_OPTIMIZERS,
-                    help="comma-separated optimizers: sgd (momentum 0.9), adamw (default both), nesterov (SGD, "
-                         "Nesterov momentum 0.9, at sgd's lr)")
+                    help=bench_train.OPTIMIZERS_HELP)
     tr.add_argument("--modes", type=mode_list(modes.get), default=bench_train.DEFAULT_MODES,
                     help="comma-separated modes (fp32 is always run: it sets the target); lowrank-rN and "
                          "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale; +m "
@@ -376,8 +375,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     pr.add_argument("--task", choices=list(bench_tasks.TASKS), default="regress")
     pr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
                     default=bench_train.DEFAULT_OPTIMIZERS,
-                    help="comma-separated optimizers: sgd (momentum 0.9), adamw (default both), nesterov (SGD, "
-                         "Nesterov momentum 0.9, at sgd's lr)")
+                    help=bench_train.OPTIMIZERS_HELP)
     pr.add_argument("--steps", type=positive_int, default=200)
     pr.add_argument("--overflow-at", type=nonneg_int, default=100,
                     help="step at which the first fp16 rank's loss overflows (every rank must skip it)")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hetcomm.planner
+from hetcomm.benchmarks import tasks as bench_tasks
 from hetcomm.benchmarks import train
 
 HETCOMM = [sys.executable, "-m", "hetcomm.cli"]
@@ -265,6 +266,20 @@ def test_onecycle_schedule_is_torchs_one_cycle_at_the_tasks_lr(optim):
     assert lrs[0] == pytest.approx(0.2 / 25) and max(lrs) == pytest.approx(0.2) and lrs.index(max(lrs)) == 29
     assert lrs[-1] < 1e-5 and betas[0] == pytest.approx(0.95) and min(betas) == pytest.approx(0.85)
     assert betas.index(min(betas)) == 29 and betas[-1] == pytest.approx(0.95)
+
+
+def test_bench_train_plain_sgd_runs_without_momentum_at_its_own_rate(tmp_path):
+    opt = train.make_optimizer("plain", [torch.nn.Parameter(torch.zeros(3))], 0.2)
+    assert type(opt) is torch.optim.SGD and opt.param_groups[0]["momentum"] == 0 and opt.param_groups[0]["lr"] == 0.2
+    _run(["bench", "train", "--tasks", "regress", "--optims", "plain", "--modes", "onebit", "--scale", "0.1",
+          "--eval-every", "10", "--json", "p.json"], tmp_path)
+    runs = json.load(open(tmp_path / "p.json"))["runs"]
+    assert [(r["optimizer"], r["mode"]) for r in runs] == [("plain", "fp32"), ("plain", "onebit")]
+    assert all(r["lr"] == bench_tasks.TASKS["regress"].lr["plain"] != bench_tasks.TASKS["regress"].lr["sgd"]
+               for r in runs)
+    with pytest.raises(ValueError, match="optimizer 'plain' .SGD without momentum. has no momentum to compress: run "
+                                         "onebit\+m, topk\+m-p10 without it"):
+        train.run(2, ["regress"], ["sgd", "plain"], ["onebit", "onebit+m", "topk+m-p10"])
 
 
 def test_bench_train_seeds_compare_means(tmp_path):

@@ -29,7 +29,9 @@ from .tasks import TASKS, Task
 
 REFERENCE = "fp32"
 DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
-OPTIMIZERS = ("sgd", "adamw", "nesterov")
+OPTIMIZERS = ("sgd", "adamw", "nesterov", "plain")
+OPTIMIZERS_HELP = ("comma-separated optimizers: sgd (momentum 0.9), adamw (default both), nesterov (SGD, Nesterov "
+                   "momentum 0.9, at sgd's lr), plain (SGD without momentum, at its own lr; no +m modes)")
 DEFAULT_OPTIMIZERS = ["sgd", "adamw"]
 SCHEDULES = ("constant", "cosine", "onecycle")
 #: the cosine schedule's linear warm-up, as a fraction of the run's steps
@@ -37,8 +39,10 @@ LR_WARMUP_FRACTION = 0.05
 
 
 def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.optim.Optimizer:
-    """SGD momentum 0.9 (``nesterov``: Nesterov's), or AdamW (hetcomm's where
-    its momentum is compressed: the recommended pairing)."""
+    """SGD momentum 0.9 (``nesterov``: Nesterov's; ``plain``: no momentum), or
+    AdamW (hetcomm's where its momentum is compressed: the recommended pairing)."""
+    if name == "plain":
+        return torch.optim.SGD(params, lr=lr)
     if name in ("sgd", "nesterov"):
         return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=name == "nesterov")
     return hetcomm.optim.AdamW(params, lr=lr) if attach else torch.optim.AdamW(params, lr=lr)
@@ -270,6 +274,10 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
             raise ValueError(f"unknown optimizer {o!r}: choose from {OPTIMIZERS}")
     for m in modes:
         mode_table.get(m)
+    attached = [m for m in modes if mode_table.get(m).attach]
+    if "plain" in optims and attached:
+        raise ValueError(f"optimizer 'plain' (SGD without momentum) has no momentum to compress: run "
+                         f"{', '.join(attached)} without it")
     common.require_device(device, "hetcomm bench train")
     if REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
