@@ -278,7 +278,7 @@ def test_bench_train_plain_sgd_runs_without_momentum_at_its_own_rate(tmp_path):
     assert all(r["lr"] == bench_tasks.TASKS["regress"].lr["plain"] != bench_tasks.TASKS["regress"].lr["sgd"]
                for r in runs)
     with pytest.raises(ValueError, match="optimizer 'plain' .SGD without momentum. has no momentum to compress: run "
-                                         "onebit\+m, topk\+m-p10 without it"):
+                                         "onebit\\+m, topk\\+m-p10 without it"):
         train.run(2, ["regress"], ["sgd", "plain"], ["onebit", "onebit+m", "topk+m-p10"])
 
 
