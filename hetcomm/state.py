@@ -95,7 +95,7 @@ class HookState(BucketSteps, Negotiation):
             ``compression="auto"``), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
             (exact inside nodes; with fp8/onebit/topk only the inter-node stage is
-            compressed; ring and hierarchical learn which ranks share a node
+            compressed: on one node nothing is, a warning says so; ring and hierarchical learn which ranks share a node
             from their hostnames or ``HETCOMM_NODE``, nothing is probed) or
             ``"auto"``: the planner of :mod:`hetcomm.planner`
             picks per bucket from the measured topology (0.6-0.7 s of probing

@@ -271,6 +271,49 @@ def test_a_fixed_ring_or_hierarchy_knows_the_nodes_without_probing(algorithm_run
     assert set(algorithm_runs[0][("unprobed", (mode, algorithm))]["plans"].values()) <= {algorithm, "native"}
 
 
+def _hierarchy_on_one_node(rank, world, cache_dir):
+    import logging
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    handler = Catch(level=logging.WARNING)
+    logging.getLogger("hetcomm").addHandler(handler)
+    try:
+        out = {}
+        for mode in ("fp8", "none"):
+            model = models.mlp(hidden=96)
+            ddp = DDP(model)
+            state = hetcomm.HookState(mode, algorithm="hierarchical", min_compress_numel=0)
+            ddp.register_comm_hook(state, hetcomm.hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            for step in range(4):
+                models.train_step(ddp, opt, rank, step, 8)
+            total = state.stats()["total"]
+            out[mode] = (list(seen), total["bytes_sent"], total["fp32_bytes"])
+            seen.clear()
+            state.close()
+        return out
+    finally:
+        logging.getLogger("hetcomm").removeHandler(handler)
+
+
+def test_a_compressed_hierarchy_on_one_node_says_it_compresses_nothing(tmp_path):
+    """Every rank on one node: the hierarchy's sum is exact inside the node and
+    nothing crosses nodes, so fp8 sends fp32's bytes; each rank warns once,
+    naming the way to compress there (algorithm 'native'); fp32 is not warned about."""
+    for r in run_ranks(_hierarchy_on_one_node, 2, str(tmp_path)):
+        warned, sent, fp32 = r["fp8"]
+        assert fp32 > 0 and 0 <= sent - fp32 <= 16  # fp32's bytes (and the overflow check's 4-byte flags)
+        assert len(warned) == 1 and "algorithm 'hierarchical' with all 2 ranks on one node" in warned[0]
+        assert "compression 'fp8' sends every bucket in fp32" in warned[0] and "algorithm='native'" in warned[0]
+        assert r["none"][0] == []
+
+
 def test_bad_algorithm_is_a_value_error():
     with pytest.raises(ValueError, match="algorithm"):
         hetcomm.HookState(algorithm="butterfly")
