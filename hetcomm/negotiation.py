@@ -151,7 +151,7 @@ class Negotiation:
             raise ValueError("algorithm 'hierarchical' needs the same number of ranks on every node, found "
                              f"{self.topology.nodes}")
         if self.algorithm == "hierarchical" and self.topology.num_nodes == 1 and self.topology.world > 1 and \
-                self.compression in ("fp8", "onebit", "topk", "lowrank"):
+                self.compression in plan.COMPRESSED:
             log.warning("hetcomm: algorithm 'hierarchical' with all %d ranks on one node (%s): its sum is exact "
                         "inside a node and nothing crosses nodes, so compression %r sends every bucket in fp32 "
                         "here; algorithm='native' compresses on one node (a node is a hostname or HETCOMM_NODE)",

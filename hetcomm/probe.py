@@ -146,7 +146,7 @@ def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20,
                 if step < 0:
                     nbytes = -step
                     break
-                nbytes, took = step, exchange(peer, first, step, 1, tag, warm_up=False)  # tag + 1
+                nbytes, took = step, exchange(peer, first, step, 1, tag, warm_up=False)  # its exchange: tag + 1
                 tag += 2
             mine[(min(a, b), max(a, b))] = (t_small, exchange(peer, first, nbytes, reps, tag, warm_up=False),
                                              nbytes)

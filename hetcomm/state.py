@@ -95,10 +95,10 @@ class HookState(BucketSteps, Negotiation):
             ``compression="auto"``), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
             (exact inside nodes; with fp8/onebit/topk only the inter-node stage is
-            compressed: on one node nothing is, a warning says so; ring and hierarchical learn which ranks share a node
-            from their hostnames or ``HETCOMM_NODE``, nothing is probed) or
-            ``"auto"``: the planner of :mod:`hetcomm.planner`
-            picks per bucket from the measured topology (0.6-0.7 s of probing
+            compressed: on one node nothing is, a warning says so; ring and
+            hierarchical learn which ranks share a node from their hostnames
+            or ``HETCOMM_NODE``, nothing is probed) or ``"auto"``: the planner
+            of :mod:`hetcomm.planner` picks per bucket from the measured topology (0.6-0.7 s of probing
             at the first step on 2 x 2 ranks at 100 Mbit, 1.8-2.1 s on 4 x 4;
             cached per cluster for a day). ``HETCOMM_ALGO`` overrides the planner.
         transport: ``"auto"`` (default): CUDA buckets go over hetcomm's own
@@ -287,15 +287,14 @@ class HookState(BucketSteps, Negotiation):
         it where the new arguments say.
 
         ``warmup_fraction`` (with ``total_steps``; None: ``WARMUP_FRACTION``,
-        0.2): the warm-up's share of the run,
-        a number in (0, 1). Where the link is slow the warm-up's steps cost
-        most of a run's time (fp8 sends about 5x onebit's bytes, 25x
-        top-k's). Measured (bench/README "How long a warm-up"): onebit of
-        the momentum kept fp32's quality on the language model and the
-        regression with a twentieth (0.05), at fp32's steps to target; on
-        digits a tenth or a twentieth ended 0.2-0.4 points under fp32's mean
-        (a fifth: under 0.15; tolerance 0.5), and top-k needs the whole
-        fifth. The same on every rank.
+        0.2): the warm-up's share of the run, a number in (0, 1). Where the
+        link is slow the warm-up's steps cost most of a run's time (fp8 sends
+        about 5x onebit's bytes, 25x top-k's). Measured (bench/README "How
+        long a warm-up"): onebit of the momentum kept fp32's quality on the
+        language model and the regression with a twentieth (0.05), at fp32's
+        steps to target; on digits a tenth or a twentieth ended 0.2-0.4
+        points under fp32's mean (a fifth: under 0.15; tolerance 0.5), and
+        top-k needs the whole fifth. The same on every rank.
 
         ``warmup_compression``: how the warm-up's steps from step 2 up to
         ``start_iter`` reduce the gradient: ``"none"`` (exact fp32) or
