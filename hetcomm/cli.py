@@ -309,8 +309,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     g.add_argument("--modes", type=mode_list(bench_ddp.check_mode), default=None,
                    help="comma-separated modes (default: all; +bal = balanced; onebit-cN, fp8-cN: N elements per "
                         "scale)")
-    g.add_argument("--algorithm", default="native", choices=("auto",) + topology.ALGORITHMS,
-                   help="HookState(algorithm=...) of hetcomm's modes")
+    g.add_argument("--algorithm", default="default", choices=("default", "auto") + topology.ALGORITHMS,
+                   help="HookState(algorithm=...) of hetcomm's modes; default: HookState's (auto for auto, "
+                        "native otherwise, hierarchical for a compressed mode on several nodes of several ranks)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: model and buckets on GPUs (NCCL with a GPU per rank, else gloo ranks sharing them)")
     g.add_argument("--grid", action="store_true",

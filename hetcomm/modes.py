@@ -16,7 +16,8 @@ or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 ``-pN`` last after ``+m`` makes the warm-up N % of the run
 (``attach_optimizer(warmup_fraction=N / 100)``; ``onebit+m-p5``); ``@ALGO``
 at the very end of a hetcomm mode sets HookState's ``algorithm``
-(``fp8@hierarchical``, ``onebit+m-p5@ring``).
+(``fp8@hierarchical``, ``onebit+m-p5@ring``; ``fp8@native`` compresses flat
+where ``fp8``, HookState's default, goes across nodes only on several nodes).
 """
 
 from __future__ import annotations

@@ -32,6 +32,15 @@ def _close_states() -> None:
         state.close()
 
 
+def across_nodes(topo) -> bool:
+    """Whether a compressed mode left at the default algorithm runs its
+    compressed buckets hierarchically on ``topo``: several nodes, the same
+    number of ranks on each, more than one (with one rank a node the
+    hierarchy is the flat exchange; with unequal nodes it does not apply)."""
+    per_node = topo.ranks_per_node()
+    return topo.num_nodes > 1 and per_node is not None and per_node > 1
+
+
 def _default_group_timeout() -> Optional[timedelta]:
     """The default process group's timeout (None where the backend hides it)."""
     try:
@@ -136,9 +145,15 @@ class Negotiation:
                                  "(CUDA compute capability < 8.0): use 'fp16' there")
             self._planner.modes = tuple(modes)
             log.info("hetcomm: compression='auto' chooses per bucket among %s", ", ".join(modes))
-        if (self.algorithm in ("auto", "ring", "hierarchical") or self.compression == "auto") and \
-                self.topology is None:
+        if (self.algorithm in ("auto", "ring", "hierarchical") or self.compression == "auto" or
+                self._algorithm_default) and self.topology is None:
             self._detect_topology(bucket_device)
+        if self._algorithm_default:
+            self._across_nodes = across_nodes(self.topology)
+            if self._across_nodes and self._rank() == 0:
+                log.info("hetcomm: %d nodes x %d ranks: compression %r runs across nodes only (exact inside a "
+                         "node, the hierarchical algorithm); algorithm='native' compresses every rank's exchange",
+                         self.topology.num_nodes, self.topology.ranks_per_node(), self.compression)
         if self.compression == "auto-precision":
             self.resolved_compression = "bf16" if bf16_everywhere else "fp16"
         self._negotiated = True

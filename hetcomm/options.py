@@ -147,7 +147,8 @@ def config(s) -> List[Tuple[str, int]]:
         ("topk_ratio", float_bits(s.topk_ratio)),
         ("topk_exact", int(s.topk_exact)),
         ("matrix_approximation_rank", s.matrix_approximation_rank),
-        ("algorithm", (("auto",) + ALGORITHMS).index(s.algorithm)),
+        # a compressed mode's default decides by the nodes (negotiation.across_nodes), "native" given does not
+        ("algorithm", -1 if s._algorithm_default else (("auto",) + ALGORITHMS).index(s.algorithm)),
         ("transport", ("auto", "pg").index(s.transport)),
         ("batch-size weighting (set_local_batch_size called before the first step)", int(s._local_batch is not None)),
         ("iter (steps done; was the state restored on every rank?)", s.iter),
@@ -170,7 +171,7 @@ _SHOW = {"compression": lambda v: COMPRESSIONS[v],
          "warmup_compression (attach_optimizer)": lambda v: WARMUP_WIRES[v],
          FOLLOW_NAME: lambda v: "yes" if v else "no",
          SCALER_NAME: lambda v: "yes" if v else "no",
-         "algorithm": lambda v: (("auto",) + ALGORITHMS)[v],
+         "algorithm": lambda v: "default" if v < 0 else (("auto",) + ALGORITHMS)[v],
          ENV_NAME: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}
 
 

@@ -68,7 +68,7 @@ class BucketPlan:
     """One bucket's reduction in one step."""
     mode: str            # wire format this step: none, fp16, bf16, fp8, onebit, topk, lowrank
     algorithm: str       # native, ring, halving_doubling, tree, hierarchical
-    why: str             # fixed, predicted, HETCOMM_ALGO, trial, measured, warm-up, exact step, small bucket
+    why: str             # fixed, across nodes, predicted, HETCOMM_ALGO, trial, measured, warm-up, exact step, small bucket
     interim: bool = False  # an exact step of a compressed bucket: its error-feedback state waits, untouched
     predicted_s: Optional[float] = None
 
@@ -181,6 +181,8 @@ class Planner:
         elements sent as ``wire``: the option, or the cost model's choice."""
         s = self.s
         if s.algorithm != "auto":
+            if s._across_nodes and not wire.dense:  # the default for a compressed mode on several nodes
+                return "hierarchical", "across nodes", None
             if not planner.carries(s.algorithm, wire):
                 return "native", "fixed", None  # the codecs run flat or across nodes only
             return s.algorithm, "fixed", None

@@ -90,9 +90,15 @@ class HookState(BucketSteps, Negotiation):
             sampled-threshold selection of DGC (about k entries, faster).
         matrix_approximation_rank: lowrank's rank r (P and Q have r columns),
             as in PyTorch's PowerSGD; ``rank`` is its deprecated old name.
-        algorithm: how each bucket's sum is computed: ``"native"`` (the
-            process group's own all-reduce, default; ``"auto"`` with
-            ``compression="auto"``), ``"ring"`` (ranks grouped
+        algorithm: how each bucket's sum is computed. ``None`` (default):
+            ``"auto"`` with ``compression="auto"``, else ``"native"``, except
+            that with fp8, onebit, topk or lowrank on several nodes of the
+            same number (> 1) of ranks the compressed buckets go
+            ``"hierarchical"``: exact inside a node, compressed across nodes
+            only (the nodes from the hostnames or ``HETCOMM_NODE``, nothing
+            probed; ``stats()["plans"]`` says "across nodes"). ``"native"``
+            (the process group's own all-reduce; given, it compresses every
+            rank's exchange), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
             (exact inside nodes; with fp8/onebit/topk only the inter-node stage is
             compressed: on one node nothing is, a warning says so; ring and
@@ -164,10 +170,15 @@ class HookState(BucketSteps, Negotiation):
         self.topk_exact: bool = opts["topk_exact"]
         self.matrix_approximation_rank: int = opts["matrix_approximation_rank"]
         self.algorithm: str = opts["algorithm"]
+        #: algorithm left to its default with a compressed mode: the first step decides from the nodes
+        #: (negotiation); _across_nodes: its compressed buckets then run hierarchically
+        self._algorithm_default = algorithm is None and self.compression in COMPRESSED
+        self._across_nodes = False
         self.transport: str = opts["transport"]
         self.candidates: Optional[tuple] = opts["candidates"]
-        #: The cluster's topology: measured for algorithm or compression "auto"; for "ring" or
-        #: "hierarchical" the nodes only (no links, ``source`` "discover") unless a cached or given one applies.
+        #: The cluster's topology: measured for algorithm or compression "auto"; for "ring",
+        #: "hierarchical" or a compressed mode's default the nodes only (no links, ``source`` "discover")
+        #: unless a cached or given one applies.
         self.topology = None
         self._planner = plan.Planner(self)
         #: each bucket's plan in the last complete step (state key -> BucketPlan)

@@ -80,6 +80,28 @@ def test_mixed_precision_trains_like_fp32(mixed_runs):
         assert mixed_runs[("mixed", mode)]["final_loss"] <= 1.05 * mixed_runs[("fp32", mode)]["final_loss"], str(losses)
 
 
+def _mixed_across_nodes(rank, world):
+    os.environ[topology.ENV_NODE] = f"node{rank // 2}"
+    return {config: bench.train(rank, world, config, "onebit+m", steps=STEPS, overflow_at=OVERFLOW, eval_every=STEPS)
+            for config in ("fp32", "mixed")}
+
+
+def test_mixed_precision_across_nodes_by_default():
+    """2 nodes x 2 ranks, a bf16 and an fp16 rank on each, onebit+m at the
+    default algorithm: the exact sum inside a node adds a loss-scaled rank's
+    unscaled gradient to an unscaled one, onebit carries it across nodes;
+    the fp16 rank's overflow skips the step everywhere; trains as all-fp32."""
+    runs = run_ranks(_mixed_across_nodes, 4)[0]
+    for config, r in runs.items():
+        assert r["replicas_identical"] and r["skips_agree"], (config, r["replica_max_diff"])
+        assert r["last_plans"] == ["onebit/hierarchical"], r["last_plans"]
+    mixed = runs["mixed"]
+    assert mixed["precisions"] == ["bf16", "fp16", "bf16", "fp16"]
+    assert OVERFLOW in mixed["skipped"] and "onebit" in mixed["overflow_wires"]
+    assert runs["fp32"]["skipped"] == []
+    assert mixed["final_loss"] <= 1.05 * runs["fp32"]["final_loss"], (mixed["final_loss"], runs["fp32"]["final_loss"])
+
+
 def test_what_users_try_first_is_wrong(mixed_runs):
     # bf16 without a scaler next to fp16 with torch's GradScaler under allreduce_hook: scaled and
     # unscaled gradients averaged, and the overflow step taken by the bf16 rank only.

@@ -433,6 +433,8 @@ def _mismatch(rank, world, case):
         state = hetcomm.HookState("none")
         if rank == 0:
             hetcomm.amp.GradScaler(state, "cpu", precision="fp16")
+    elif case == "algorithm":  # "native" given vs the default, which goes hierarchical on several nodes
+        state = hetcomm.HookState("fp8", algorithm="native" if rank == 0 else None)
     else:
         state = hetcomm.HookState("topk", topk_ratio=0.01 * (rank + 1))
     ddp.register_comm_hook(state, hetcomm.hook)
@@ -448,6 +450,8 @@ def _mismatch(rank, world, case):
 @pytest.mark.parametrize("case,needle", [("compression", "compression differs"),
                                          ("weighting", "batch-size weighting"),
                                          ("ratio", "topk_ratio differs"),
+                                         ("algorithm", "algorithm differs across ranks (rank 0: 'native', rank 1: "
+                                          "'default')"),
                                          ("scaler", "hetcomm.amp.GradScaler (created before the first step) "
                                           "differs across ranks (rank 0: 'yes', rank 1: 'no'); create one on every rank")])
 def test_config_mismatch_is_a_clear_error_on_every_rank(case, needle):

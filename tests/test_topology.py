@@ -206,20 +206,25 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
     state = hetcomm.HookState(mode, algorithm=algorithm, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    grads = []
+    grads, steps, sent = [], [], 0
     for step in range(6):
         models.train_step(ddp, opt, rank, step, 8)
         grads.append(models.flat_grads(model))
+        total = state.stats()["total"]["bytes_sent"]
+        # each step: its buckets' (mode, algorithm, why), and the bytes this rank sent
+        steps.append((sorted({(p.mode, p.algorithm, p.why) for p in state.last_plans.values()}), total - sent))
+        sent = total
     stats = state.stats()
     topo = state.topology
     return {"params": models.flat_params(model), "grads": grads, "codec_s": stats["total"]["codec_s"],
-            "plans": {k: p["algorithm"] for k, p in stats["plans"].items()},
+            "plans": {k: p["algorithm"] for k, p in stats["plans"].items()}, "steps": steps,
             "topology": None if topo is None else (topo.source, sorted(topo.links), topo.node_ids)}
 
 
 ALGORITHM_CASES = [("none", "auto"), ("none", "ring"), ("none", "hierarchical"), ("fp16", "halving_doubling"),
                    ("none", "tree"), ("onebit", "hierarchical"), ("topk", "hierarchical"), ("onebit", "auto"),
-                   ("lowrank", "hierarchical"), ("lowrank", "auto"), ("fp8", "hierarchical"), ("none", "native")]
+                   ("lowrank", "hierarchical"), ("lowrank", "auto"), ("fp8", "hierarchical"), ("fp8", None),
+                   ("topk", None), ("lowrank", None), ("fp8", "native"), ("none", "native")]
 
 
 def _unprobed(*args, **kwargs):
@@ -231,7 +236,7 @@ def _ddp_algorithms(rank, world, cache_dir):
     real_probe, probing.probe = probing.probe, _unprobed
     try:
         unprobed = {("unprobed", case): _ddp_algorithm(rank, world, *case, os.path.join(cache_dir, "empty"))
-                    for case in (("fp8", "hierarchical"), ("none", "ring"))}
+                    for case in (("fp8", "hierarchical"), ("none", "ring"), ("fp8", None))}
     finally:
         probing.probe = real_probe
     return {**unprobed, **{case: _ddp_algorithm(rank, world, *case, cache_dir) for case in ALGORITHM_CASES}}
@@ -259,16 +264,38 @@ def test_ddp_with_each_algorithm_keeps_replicas_identical(algorithm_runs, mode, 
         assert all(r["codec_s"] > 0 for r in res), [r["codec_s"] for r in res]
 
 
-@pytest.mark.parametrize("mode,algorithm", [("fp8", "hierarchical"), ("none", "ring")])
+@pytest.mark.parametrize("mode,algorithm", [("fp8", "hierarchical"), ("none", "ring"), ("fp8", None)])
 def test_a_fixed_ring_or_hierarchy_knows_the_nodes_without_probing(algorithm_runs, mode, algorithm):
     """No topology cached: the nodes are discovered, no link is probed (the
     probe raises in these runs), and training gives the bits it gives with a
-    measured topology (the auto case before it probed and cached one)."""
+    measured topology (the auto case before it probed and cached one). A
+    compressed mode's default algorithm (None) learns the nodes the same way."""
     for r in algorithm_runs:
         assert r[("unprobed", (mode, algorithm))]["topology"] == ("discover", [], [0, 0, 1, 1])
         assert r[(mode, algorithm)]["topology"][0] == "cache" and r[(mode, algorithm)]["topology"][1]
         assert torch.equal(r[("unprobed", (mode, algorithm))]["params"], r[(mode, algorithm)]["params"])
-    assert set(algorithm_runs[0][("unprobed", (mode, algorithm))]["plans"].values()) <= {algorithm, "native"}
+    assert set(algorithm_runs[0][("unprobed", (mode, algorithm))]["plans"].values()) <= \
+        {algorithm or "hierarchical", "native"}
+
+
+@pytest.mark.parametrize("mode", ["fp8", "topk", "lowrank"])
+def test_a_compressed_mode_crosses_nodes_hierarchically_by_default(algorithm_runs, mode):
+    """2 nodes x 2 ranks, algorithm left at its default: the compressed steps
+    run the hierarchy (exact inside a node, compressed across nodes), sending
+    what algorithm='hierarchical' sends and not what 'native' sends; the
+    dense steps before start_iter stay the process group's own all-reduce;
+    algorithm='native' given keeps every step flat."""
+    for r in algorithm_runs:
+        default, hier = r[(mode, None)]["steps"], r[(mode, "hierarchical")]["steps"]
+        for step in range(2):  # start_iter 2: dense
+            assert default[step][0] == [("none", "native", "warm-up")], default[step]
+        for step in range(2, 6):
+            assert default[step][0] == [(mode, "hierarchical", "across nodes")], default[step]
+            assert default[step][1] == hier[step][1] > 0
+        if mode == "fp8":
+            flat = r[(mode, "native")]["steps"]
+            assert all(flat[step][0] == [(mode, "native", "fixed")] for step in range(2, 6)), flat
+            assert all(flat[step][1] != default[step][1] for step in range(2, 6))
 
 
 def _hierarchy_on_one_node(rank, world, cache_dir):
@@ -285,16 +312,17 @@ def _hierarchy_on_one_node(rank, world, cache_dir):
     logging.getLogger("hetcomm").addHandler(handler)
     try:
         out = {}
-        for mode in ("fp8", "none"):
+        for mode, algorithm in (("fp8", "hierarchical"), ("none", "hierarchical"), ("fp8", None)):
             model = models.mlp(hidden=96)
             ddp = DDP(model)
-            state = hetcomm.HookState(mode, algorithm="hierarchical", min_compress_numel=0)
+            state = hetcomm.HookState(mode, algorithm=algorithm, min_compress_numel=0)
             ddp.register_comm_hook(state, hetcomm.hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
             for step in range(4):
                 models.train_step(ddp, opt, rank, step, 8)
             total = state.stats()["total"]
-            out[mode] = (list(seen), total["bytes_sent"], total["fp32_bytes"])
+            out[mode if algorithm else "default"] = (list(seen), total["bytes_sent"], total["fp32_bytes"],
+                                                     {p["algorithm"] for p in state.stats()["plans"].values()})
             seen.clear()
             state.close()
         return out
@@ -305,13 +333,26 @@ def _hierarchy_on_one_node(rank, world, cache_dir):
 def test_a_compressed_hierarchy_on_one_node_says_it_compresses_nothing(tmp_path):
     """Every rank on one node: the hierarchy's sum is exact inside the node and
     nothing crosses nodes, so fp8 sends fp32's bytes; each rank warns once,
-    naming the way to compress there (algorithm 'native'); fp32 is not warned about."""
+    naming the way to compress there (algorithm 'native'); fp32 is not warned about.
+    fp8 with the default algorithm compresses flat there, silently."""
     for r in run_ranks(_hierarchy_on_one_node, 2, str(tmp_path)):
-        warned, sent, fp32 = r["fp8"]
+        warned, sent, fp32, _ = r["fp8"]
         assert fp32 > 0 and 0 <= sent - fp32 <= 16  # fp32's bytes (and the overflow check's 4-byte flags)
         assert len(warned) == 1 and "algorithm 'hierarchical' with all 2 ranks on one node" in warned[0]
         assert "compression 'fp8' sends every bucket in fp32" in warned[0] and "algorithm='native'" in warned[0]
         assert r["none"][0] == []
+        warned, sent, fp32, algorithms = r["default"]
+        # two dense steps (start_iter 2), then two in fp8: well under fp32's bytes
+        assert warned == [] and algorithms == {"native"} and sent < 0.75 * fp32
+
+
+def test_the_default_goes_across_nodes_only_on_equal_nodes_of_several_ranks():
+    from hetcomm.negotiation import across_nodes
+
+    assert across_nodes(_topo(["a", "a", "b", "b"])) and across_nodes(_topo(["a"] * 4 + ["b"] * 4 + ["c"] * 4))
+    assert not across_nodes(_topo(["a"] * 4))  # one node: compress flat
+    assert not across_nodes(_topo(["a", "b", "c"]))  # a rank a node: the hierarchy is the flat exchange
+    assert not across_nodes(_topo(["a", "a", "b"]))  # unequal nodes: the hierarchy does not apply
 
 
 def test_bad_algorithm_is_a_value_error():

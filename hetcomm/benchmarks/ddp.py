@@ -96,10 +96,9 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     numel = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                               **mode_table.get(base).ddp_options(cfg["bucket_mb"]))
-    algorithm = cfg.get("algorithm", "native")
-    # auto chooses the algorithm too unless one is asked for
-    overrides = {} if base in TORCH_MODES else {
-        "algorithm": None if base == "auto" and algorithm == "native" else algorithm}
+    algorithm = cfg.get("algorithm", "default")
+    # "default": HookState's own (auto chooses the algorithm too; a compressed mode goes across nodes only)
+    overrides = {} if base in TORCH_MODES else {"algorithm": None if algorithm == "default" else algorithm}
     hook_state, inner, state = mode_table.get(base).comm_hook(**overrides)
     tl = _Timeline(inner)
 
@@ -241,7 +240,7 @@ def check_mode(mode: str) -> None:
 
 
 def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
-        rank_cpu: Optional[List[float]] = None, algorithm: str = "native", device: str = "cpu", layers: int = 2,
+        rank_cpu: Optional[List[float]] = None, algorithm: str = "default", device: str = "cpu", layers: int = 2,
         bucket_mb: float = 25, rounds: int = 1) -> Dict:
     for m in modes:
         check_mode(m)
@@ -274,7 +273,7 @@ def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int
 
 
 def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int, steps: int, warmup: int,
-         rank_cpu: Optional[List[float]], json_path: Optional[str], algorithm: str = "native",
+         rank_cpu: Optional[List[float]], json_path: Optional[str], algorithm: str = "default",
          device: str = "cpu", layers: int = 2, bucket_mb: float = 25, rounds: int = 1) -> Dict:
     res = run(ranks, modes or DEFAULT_MODES, params, global_batch, steps, warmup, rank_cpu, algorithm, device,
               layers, bucket_mb, rounds)
