@@ -82,13 +82,19 @@ def _topo_worker(rank, world, wires):
 
     from . import planner, topology
     from .amp import precision_for
+    from .negotiation import across_nodes
 
     topo = topology.detect(use_cache=False)
     precisions = [None] * world
     dist.all_gather_object(precisions, precision_for())
+    default = "hierarchical" if across_nodes(topo) else "native"
     text = planner.describe(topo, wires) + "\ncompute precision per rank (hetcomm.amp.precision_for; " \
-        "HETCOMM_PRECISION overrides): " + ", ".join(f"{r} {p}" for r, p in enumerate(precisions))
-    return text, {"topology": topo.to_json(), "plans": planner.plan_table(topo, wires), "precisions": precisions}
+        "HETCOMM_PRECISION overrides): " + ", ".join(f"{r} {p}" for r, p in enumerate(precisions)) + \
+        f"\nfp8 / onebit / topk / lowrank at the default algorithm: {default} " + \
+        ("(compressed across nodes only)" if default == "hierarchical" else
+         "(flat: one node, one rank a node, or nodes of unequal size)")
+    return text, {"topology": topo.to_json(), "plans": planner.plan_table(topo, wires), "precisions": precisions,
+                  "compressed_default": default}
 
 
 def _testbed(args) -> None:

@@ -83,6 +83,8 @@ def test_topo_prints_links_and_plan(tmp_path):
     # each rank's compute precision (this CPU's, or HETCOMM_PRECISION's)
     assert "compute precision per rank" in out.stdout
     assert len(data["precisions"]) == 2 and set(data["precisions"]) <= {"bf16", "fp16", "fp32"}
+    # one node: a compressed mode at the default algorithm compresses flat
+    assert data["compressed_default"] == "native" and "at the default algorithm: native (flat" in out.stdout
 
 
 def test_bench_allreduce_rows_are_correct(tmp_path):
