@@ -11,6 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
+from hetcomm import topology
 
 from . import models
 from .dist_harness import each_mode, run_ranks
@@ -335,7 +336,8 @@ def _train_span(rank, world, ckpt_dir, start, stop, save_at, kind, mode="onebit"
         if step + 1 == save_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()}, path)
     return {"params": models.flat_params(model), "residual_keys": sorted(state.state_dict()["residuals"]),
-            "layouts": layouts, "wires": wires, "norms": norms, "clip": state.stats().get("clip")}
+            "layouts": layouts, "wires": wires, "norms": norms, "clip": state.stats().get("clip"),
+            "plans": sorted({(p.mode, p.algorithm) for p in state.last_plans.values()})}
 
 
 RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "topk", "adamw"),
@@ -394,6 +396,34 @@ def test_resume_from_state_dict_continues_bit_for_bit(resumed_runs, kind, mode, 
     if opt_name.endswith("-clip"):  # every resumed step clipped by the estimate (the state_dict says to sketch)
         assert resumed["clip"] == {"calls": 8, "estimated_steps": 8}
         assert resumed["norms"] == straight["norms"][8:] and min(straight["norms"][8:]) > 0.3
+
+
+ACROSS_NODES_CASES = [("small", "onebit", "sgd-attach"), ("small", "topk", "adamw"), ("small", "lowrank", "sgd")]
+
+
+def _resume_across_nodes(rank, world, ckpt_dir):
+    """2 nodes x 2 ranks at the default algorithm (compressed across nodes
+    only): each case straight, saving at step 8, then resumed there."""
+    os.environ[topology.ENV_NODE] = f"node{rank // 2}"
+    os.environ["HETCOMM_CACHE_DIR"] = ckpt_dir
+    out = {}
+    for i, case in enumerate(ACROSS_NODES_CASES):
+        folder = os.path.join(ckpt_dir, str(i))
+        os.makedirs(folder, exist_ok=True)
+        out[case] = (_train_span(rank, world, folder, 0, 16, 8, *case), _train_span(rank, world, folder, 8, 16, -1, *case))
+    return out
+
+
+def test_resume_across_nodes_continues_bit_for_bit(tmp_path):
+    """The hierarchy's state (each rank's shard residuals across nodes, the
+    momentum, lowrank's Q) resumes as the flat one does: bit for bit."""
+    runs = run_ranks(_resume_across_nodes, 4, str(tmp_path), timeout=600)
+    for case in ACROSS_NODES_CASES:
+        for r in runs:
+            straight, resumed = r[case]
+            assert torch.equal(resumed["params"], straight["params"]), case
+            assert torch.equal(straight["params"], runs[0][case][0]["params"]), case  # replicas identical
+            assert straight["plans"] == resumed["plans"] == [(case[1], "hierarchical")], (case, straight["plans"])
 
 
 def _train_no_resume_state(rank, world, ckpt_dir):
