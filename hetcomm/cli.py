@@ -333,8 +333,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr = bs.add_parser("train", help="time to accuracy: real models, each optimizer and mode at fp32's lr",
                        formatter_class=fmt)
     tr.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun/testbed")
-    tr.add_argument("--tasks", type=choices_list(list(bench_tasks.TASKS), "task"), default=list(bench_tasks.TASKS),
-                    help="comma-separated tasks")
+    tr.add_argument("--tasks", type=choices_list(list(bench_tasks.TASKS), "task"), default=bench_tasks.DEFAULT_TASKS,
+                    help="comma-separated tasks (wide: digits with a 4x wider MLP, bound by communication on a "
+                         "slow link; not run unless named)")
     tr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
                     default=bench_train.DEFAULT_OPTIMIZERS,
                     help=bench_train.OPTIMIZERS_HELP)

@@ -330,6 +330,32 @@ def test_bench_train_lm_text_is_generated_the_same_every_time():
     assert 0.5 * lm.vocab < ev["perplexity"] < 2 * lm.vocab  # an untrained model is about uniform
 
 
+def test_bench_train_wide_task_is_digits_through_a_four_times_wider_mlp(monkeypatch):
+    from hetcomm import cli
+    from hetcomm.benchmarks import tasks
+
+    digits, wide = tasks.Classify(), tasks.WideClassify()
+    for t in (digits, wide):
+        t.seed = 1
+    # the same images, batches and test set: only the model differs
+    assert torch.equal(wide.x_test, digits.x_test) and torch.equal(wide.y_test, digits.y_test)
+    for a, b in zip(wide.batch_for(7, 1), digits.batch_for(7, 1)):
+        assert torch.equal(a, b)
+    widths = [m.out_features for m in wide.model() if isinstance(m, torch.nn.Linear)]
+    assert widths == [4 * w for w in (m.out_features for m in digits.model()
+                                      if isinstance(m, torch.nn.Linear))][:2] + [10]
+    assert sum(p.numel() for p in wide.model().parameters()) == 64 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+    ev = wide.evaluate(wide.model())
+    assert 0 <= ev["accuracy"] < 40  # untrained: about chance on 10 classes
+    # minutes at 100 Mbit: run only when named
+    assert "wide" in tasks.TASKS and "wide" not in tasks.DEFAULT_TASKS
+    seen = []
+    monkeypatch.setattr(cli, "_bench", seen.append)
+    cli.main(["bench", "train"])
+    cli.main(["bench", "train", "--tasks", "wide,lm"])
+    assert [a.tasks for a in seen] == [tasks.DEFAULT_TASKS, ["wide", "lm"]]
+
+
 MALFORMED = [
     ["demo", "--ranks", "0"], ["demo", "--steps", "0"], ["demo", "--steps", "-3"], ["demo", "--batch", "x"],
     ["demo", "--modes", ""], ["demo", "--modes", "none,zip"], ["demo", "--json", "/nonexistent/dir/x.json"],

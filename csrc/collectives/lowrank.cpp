@@ -73,7 +73,12 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
                     "hetcomm: lowrank Q state and residual must be on the bucket's device ", x.device());
   at::Tensor dense_buf = at::empty({dense}, x.options());  // the dense parts: one all-reduce for all of them
   at::Tensor p_buf = at::empty({p_total}, x.options());
-  at::Tensor q_buf = at::empty({q_total}, x.options());
+  // Each part's new Q, transposed (rank x cols, row-major): BLAS writes P^T M
+  // into a contiguous rank x cols block about 10x faster on the CPU than M^T P
+  // into a cols x rank one (MKL, one thread: 0.25 against 3.4 ms for 1024 x
+  // 1024 at rank 4), and the outer product reads Q^T. q_state keeps Q (cols x
+  // rank), the layout checkpoints hold.
+  at::Tensor qt_buf = at::empty({q_total}, x.options());
   int64_t d = 0, po = 0, qo = 0;
   {
     Timed _(timer);
@@ -86,9 +91,11 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
         dense_buf.narrow(0, d, p.numel()).copy_(m);
         d += p.numel();
       } else {
-        at::Tensor q = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
+        // M (Q^T)^T with Q^T contiguous: as fast as BLAS goes here (M Q with Q
+        // contiguous: 4-5x slower, for the same reason as above)
+        const at::Tensor qt = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).t().contiguous();
         at::Tensor out = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-        at::mm_out(out, m.view({p.rows, p.cols}), q);
+        at::mm_out(out, m.view({p.rows, p.cols}), qt.t());
         po += p.rows * p.rank;
         qo += p.cols * p.rank;
       }
@@ -99,7 +106,7 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
   {
     Timed _(timer);
     // Orthonormal P (every rank holds the same summed P, so the same basis:
-    // on the host, P is small), then Q = M^T P.
+    // on the host, P is small), then Q^T = P^T M.
     t.synchronize();
     at::Tensor p_host = p_buf.cpu();
     po = 0;
@@ -115,15 +122,14 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
       if (p.rank == 0) continue;
       at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
       at::Tensor m = x.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
-      at::Tensor out = q_buf.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
-      at::mm_out(out, m.t(), pm);
+      at::Tensor out = qt_buf.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
+      at::mm_out(out, pm.t(), m);
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }
   }
-  t.all_reduce_sum(q_buf);
+  t.all_reduce_sum(qt_buf);
   Timed _(timer);
-  q_state.copy_(q_buf);  // warm start for the next step
   d = po = qo = 0;
   for (const Part& p : parts) {
     at::Tensor m = x.narrow(0, p.offset, p.numel());
@@ -134,16 +140,21 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
       continue;
     }
     at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    at::Tensor qm = q_buf.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
-    // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
-    const at::Tensor approx = ops::lowrank_outer(pm, qm.t().contiguous(), at::Tensor());
-    // approx stands for the sum over ranks; this rank keeps what its own share
-    // (by default its weight 1/divisor; the shares sum to 1) did not deliver.
+    at::Tensor qtm = qt_buf.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
+    q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).copy_(qtm.t());  // warm start for the next step
+    // The approximation stands for the sum over ranks; this rank keeps what its
+    // own share (by default its weight 1/divisor; the shares sum to 1) did not
+    // deliver: residual = M - share * approx, computed in place (M first, then
+    // the approximation over M).
+    at::Tensor mat = m.view({p.rows, p.cols});
+    at::Tensor r;
     if (residual.defined()) {
-      at::Tensor r = residual.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
-      at::sub_out(r, m.view({p.rows, p.cols}), approx, share);
+      r = residual.narrow(0, p.offset, p.numel());
+      r.copy_(m);
     }
-    m.view({p.rows, p.cols}).copy_(approx);
+    // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
+    ops::lowrank_outer(pm, qtm, mat);
+    if (r.defined()) r.sub_(m, share);
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
