@@ -114,8 +114,7 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
             "skipped": skipped, "skipped_per_rank": skipped_per_rank,
             "skips_agree": all(k == skipped_per_rank[0] for k in skipped_per_rank), "scales": scales,
             "s_per_step": train_s / steps, "overflow_wires": overflow_wires,
-            "last_plans": (sorted({f"{p.mode}/{p.algorithm}" for p in state.last_plans.values()})
-                           if state is not None else None),
+            "last_plans": sorted(common.plan_summary(state)) if state is not None else None,
             "stats_precisions": state.stats()["precisions"] if state is not None else None}
 
 
