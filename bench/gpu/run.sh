@@ -17,6 +17,7 @@
 # 6. (stage "profile", not by default) Nsight Compute's speed of light and
 #    occupancy of each codec kernel, into OUT_DIR/ncu_codecs.txt.
 # HETCOMM_GPU_STAGES (default "build tests compress ddp train") picks stages;
+# HETCOMM_GPU_TRAIN_TASKS / _OPTIMS / _MODES the train stage's tasks, optimizers and modes;
 # HETCOMM_WHEELS=DIR installs missing Python packages from wheels there (a
 # machine without a package index).
 set -euo pipefail
@@ -27,7 +28,7 @@ stages=${HETCOMM_GPU_STAGES:-build tests compress ddp train}
 jobs=${HETCOMM_GPU_JOBS:-8}  # pytest-xdist workers sharing the GPU(s), where xdist is installed
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$out/run.log") 2>&1
-has() { [[ " $stages " == *" $1 "* ]]; }
+has() { [[ " $stages " == *" $1 "* ]] && echo "# stage $1 at $((SECONDS)) s"; }
 py=${PYTHON:-python3}
 
 nvidia-smi -L || true
@@ -63,8 +64,8 @@ if has ddp; then
   fi
 fi
 if has train; then
-  "$py" -m hetcomm.cli bench train --device cuda --tasks classify,lm --optims sgd,adamw \
-    --modes fp32,torch-powersgd,fp8,onebit+m,auto --json "$out/train_cuda.json" --png "$out/train_cuda.png"
+  "$py" -m hetcomm.cli bench train --device cuda --tasks "${HETCOMM_GPU_TRAIN_TASKS:-classify,lm}" --optims "${HETCOMM_GPU_TRAIN_OPTIMS:-sgd,adamw}" \
+    --modes "${HETCOMM_GPU_TRAIN_MODES:-fp32,torch-powersgd,fp8,onebit+m,auto}" --json "$out/train_cuda.json" --png "$out/train_cuda.png"
 fi
 if has profile; then
   ncu --section SpeedOfLight --section Occupancy --kernel-name regex:'sign|cast|select|sample|accumulate|outer' \
@@ -72,3 +73,4 @@ if has profile; then
   grep -E "^  [a-z_:<>0-9A-Z]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per" \
     "$out/ncu_codecs.txt" || true
 fi
+echo "# done at $SECONDS s"
