@@ -206,18 +206,13 @@ def _predict_compressed(topo: Topology, n_elems: float, algorithm: str, wire: Wi
 
 
 def _predict_lowrank(topo: Topology, nbytes: float, algorithm: str, frac: float) -> float:
-    """Two all-reduces (P, then Q) carrying `frac` of the bucket's bytes in all;
-    hierarchical: an exact intra-node all-reduce before and after, low-rank
-    across nodes on the node's links."""
-    w = topo.world
-    worst, intra, inter = _links(topo)
+    """Two all-reduces (P with the dense parts, then Q) carrying `frac` of the
+    bucket's bytes in all, each a ring (native) or an exact hierarchical sum
+    of those factors (hierarchical: the matrices themselves never travel)."""
     sent = frac * nbytes
     if algorithm == "native":
-        return _stage(worst, 4 * (w - 1), 2 * (w - 1) / w * sent)
-    per_node, nodes = topo.ranks_per_node(), topo.num_nodes
-    local = 2 * _stage(intra, 2 * (per_node - 1), 2 * (per_node - 1) / per_node * nbytes) if per_node > 1 else 0.0
-    # each node's matrices are split among its ranks, which share its link
-    return local + _stage(inter, 4 * (nodes - 1), 2 * (nodes - 1) / nodes * sent)
+        return 2 * _ring(topo, sent / 2)
+    return 2 * _hierarchical(topo, sent / 2)
 
 
 _FROM_ENV = object()

@@ -95,7 +95,8 @@ class HookState(BucketSteps, Negotiation):
             that with fp8, onebit, topk or lowrank on several nodes of the
             same number (> 1) of ranks the compressed buckets go
             ``"hierarchical"``: exact inside a node, compressed across nodes
-            only (the nodes from the hostnames or ``HETCOMM_NODE``, nothing
+            only (lowrank: its factors P and Q summed inside each node, then
+            across; the nodes from the hostnames or ``HETCOMM_NODE``, nothing
             probed; ``stats()["plans"]`` says "across nodes"). ``"native"``
             (the process group's own all-reduce; given, it compresses every
             rank's exchange), ``"ring"`` (ranks grouped

@@ -312,7 +312,8 @@ def _hierarchy_on_one_node(rank, world, cache_dir):
     logging.getLogger("hetcomm").addHandler(handler)
     try:
         out = {}
-        for mode, algorithm in (("fp8", "hierarchical"), ("none", "hierarchical"), ("fp8", None)):
+        for mode, algorithm in (("fp8", "hierarchical"), ("none", "hierarchical"), ("fp8", None),
+                                ("lowrank", "hierarchical")):
             model = models.mlp(hidden=96)
             ddp = DDP(model)
             state = hetcomm.HookState(mode, algorithm=algorithm, min_compress_numel=0)
@@ -334,7 +335,8 @@ def test_a_compressed_hierarchy_on_one_node_says_it_compresses_nothing(tmp_path)
     """Every rank on one node: the hierarchy's sum is exact inside the node and
     nothing crosses nodes, so fp8 sends fp32's bytes; each rank warns once,
     naming the way to compress there (algorithm 'native'); fp32 is not warned about.
-    fp8 with the default algorithm compresses flat there, silently."""
+    fp8 with the default algorithm compresses flat there, silently. lowrank's
+    hierarchy sums its factors inside the node: it compresses there, unwarned."""
     for r in run_ranks(_hierarchy_on_one_node, 2, str(tmp_path)):
         warned, sent, fp32, _ = r["fp8"]
         assert fp32 > 0 and 0 <= sent - fp32 <= 16  # fp32's bytes (and the overflow check's 4-byte flags)
@@ -344,6 +346,8 @@ def test_a_compressed_hierarchy_on_one_node_says_it_compresses_nothing(tmp_path)
         warned, sent, fp32, algorithms = r["default"]
         # two dense steps (start_iter 2), then two in fp8: well under fp32's bytes
         assert warned == [] and algorithms == {"native"} and sent < 0.75 * fp32
+        warned, sent, fp32, algorithms = r["lowrank"]
+        assert warned == [] and algorithms == {"hierarchical"} and sent < 0.75 * fp32
 
 
 def test_the_default_goes_across_nodes_only_on_equal_nodes_of_several_ranks():

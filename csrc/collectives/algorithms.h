@@ -40,8 +40,6 @@ constexpr int kGather = 500;        // the intra-node all-gather that ends a hie
 constexpr int kDirect = 600;        // a subgroup's started all-gather: + step (< world size)
 constexpr int kLocal = 1000;        // subgroup: the ranks of this node (hierarchical)
 constexpr int kAcross = 2000;       // subgroup: the ranks with this local index on every node
-constexpr int kLowrankLocal = 3000;   // the same two subgroups for hierarchical low-rank
-constexpr int kLowrankAcross = 4000;
 }  // namespace tags
 
 // A transport over a subset of a parent's ranks (members[i] is subgroup rank

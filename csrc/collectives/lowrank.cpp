@@ -1,5 +1,6 @@
 #include "collectives/lowrank.h"
 
+#include <functional>
 #include <vector>
 
 #include "collectives/algorithms.h"
@@ -54,8 +55,13 @@ int64_t lowrank_q_numel(const at::Tensor& layout) {
   return q;
 }
 
-void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
-                       const at::Tensor& residual, CodecTimer& timer, double share) {
+namespace {
+
+// The step of allreduce_lowrank, with `sum` the all-reduce of its two
+// buffers (P with the dense parts, then Q^T).
+void lowrank_step(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
+                  const at::Tensor& residual, CodecTimer& timer, double share,
+                  const std::function<void(at::Tensor&)>& sum) {
   if (share < 0) share = 1.0 / divisor;
   const std::vector<Part> parts = parse(layout, x.numel());
   int64_t dense = 0, p_total = 0, q_total = 0;
@@ -71,8 +77,13 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
                     "hetcomm: lowrank Q state must be contiguous float32 with ", q_total, " elements");
   TORCH_CHECK_VALUE(q_state.device() == x.device() && (!residual.defined() || residual.device() == x.device()),
                     "hetcomm: lowrank Q state and residual must be on the bucket's device ", x.device());
-  at::Tensor dense_buf = at::empty({dense}, x.options());  // the dense parts: one all-reduce for all of them
-  at::Tensor p_buf = at::empty({p_total}, x.options());
+  // P and the dense parts in one buffer, one all-reduce for both: each round
+  // of all-reduces is a wait for the slowest rank and the link's latency
+  // (testbed, 2 x 2 ranks at 100 Mbit: a second bucket of 256 KB cost 16-18 ms
+  // a step with three rounds).
+  at::Tensor pd_buf = at::empty({p_total + dense}, x.options());
+  at::Tensor p_buf = pd_buf.narrow(0, 0, p_total);
+  at::Tensor dense_buf = pd_buf.narrow(0, p_total, dense);
   // Each part's new Q, transposed (rank x cols, row-major): BLAS writes P^T M
   // into a contiguous rank x cols block about 10x faster on the CPU than M^T P
   // into a cols x rank one (MKL, one thread: 0.25 against 3.4 ms for 1024 x
@@ -101,8 +112,7 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
       }
     }
   }
-  t.all_reduce_sum(dense_buf);
-  t.all_reduce_sum(p_buf);
+  sum(pd_buf);
   {
     Timed _(timer);
     // Orthonormal P (every rank holds the same summed P, so the same basis:
@@ -128,7 +138,7 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
       qo += p.cols * p.rank;
     }
   }
-  t.all_reduce_sum(qt_buf);
+  sum(qt_buf);
   Timed _(timer);
   d = po = qo = 0;
   for (const Part& p : parts) {
@@ -160,63 +170,20 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
   }
 }
 
+}  // namespace
+
+void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
+                       const at::Tensor& residual, CodecTimer& timer, double share) {
+  lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&t](at::Tensor& b) { t.all_reduce_sum(b); });
+}
+
 void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
-                                    CodecTimer& timer) {
-  const Hierarchy h = hierarchy_of(node_of, t.rank(), t.size());
-  const std::vector<Part> parts = parse(layout, x.numel());
-  TORCH_CHECK_VALUE(q_state.numel() == lowrank_q_numel(layout), "hetcomm: lowrank Q state must have ",
-                    lowrank_q_numel(layout), " elements");
-  const int locals = static_cast<int>(h.locals.size());
-  SubgroupTransport local(t, h.locals, tags::kLowrankLocal);
-  x.div_(divisor);
-  if (locals > 1) allreduce_ring(local, x);  // exact node sum on every rank of the node
-  // My parts (round robin over the node's ranks), packed into a sub-bucket.
-  std::vector<int64_t> mine, q_off(parts.size());
-  int64_t q = 0, y_n = 0, q_n = 0;
-  for (size_t j = 0; j < parts.size(); ++j) {
-    q_off[j] = q;
-    q += parts[j].cols * parts[j].rank;
-    if (static_cast<int>(j % locals) == h.local_index) {
-      mine.push_back(static_cast<int64_t>(j));
-      y_n += parts[j].numel();
-      q_n += parts[j].cols * parts[j].rank;
-    }
-  }
-  at::Tensor y = at::empty({y_n}, x.options());
-  at::Tensor sub_q = at::empty({q_n}, q_state.options());
-  at::Tensor sub_r = residual.defined() ? at::empty({y_n}, residual.options()) : at::Tensor();
-  at::Tensor sub_layout = at::empty({static_cast<int64_t>(mine.size()), 4}, at::kLong);
-  int64_t yo = 0, qo = 0;
-  for (size_t i = 0; i < mine.size(); ++i) {
-    const Part& p = parts[mine[i]];
-    y.narrow(0, yo, p.numel()).copy_(x.narrow(0, p.offset, p.numel()));
-    if (sub_r.defined()) sub_r.narrow(0, yo, p.numel()).copy_(residual.narrow(0, p.offset, p.numel()));
-    sub_q.narrow(0, qo, p.cols * p.rank).copy_(q_state.narrow(0, q_off[mine[i]], p.cols * p.rank));
-    sub_layout[i][0] = yo;
-    sub_layout[i][1] = p.rows;
-    sub_layout[i][2] = p.cols;
-    sub_layout[i][3] = p.rank;
-    yo += p.numel();
-    qo += p.cols * p.rank;
-  }
-  if (h.peers.size() > 1 && y_n > 0) {
-    SubgroupTransport across(t, h.peers, tags::kLowrankAcross);
-    allreduce_lowrank(across, y, 1.0, sub_layout, sub_q, sub_r, timer, 1.0 / static_cast<double>(h.peers.size()));
-  }
-  // Disjoint results: zeros elsewhere, then the node's sum puts them together.
-  at::Tensor out = at::zeros_like(x);
-  yo = qo = 0;
-  for (size_t i = 0; i < mine.size(); ++i) {
-    const Part& p = parts[mine[i]];
-    out.narrow(0, p.offset, p.numel()).copy_(y.narrow(0, yo, p.numel()));
-    if (sub_r.defined()) residual.narrow(0, p.offset, p.numel()).copy_(sub_r.narrow(0, yo, p.numel()));
-    q_state.narrow(0, q_off[mine[i]], p.cols * p.rank).copy_(sub_q.narrow(0, qo, p.cols * p.rank));
-    yo += p.numel();
-    qo += p.cols * p.rank;
-  }
-  if (locals > 1) allreduce_ring(local, out);
-  x.copy_(out);
+                                    CodecTimer& timer, double share) {
+  hierarchy_of(node_of, t.rank(), t.size());  // checks node_of (equal nodes) before any data moves
+  lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&](at::Tensor& b) {
+    if (b.numel() > 0) allreduce_hierarchical(t, b, node_of);
+  });
 }
 
 }  // namespace collectives

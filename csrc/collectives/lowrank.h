@@ -24,15 +24,15 @@ namespace collectives {
 void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
                        const at::Tensor& residual, CodecTimer& timer, double share = -1.0);
 
-// Exact inside nodes, low-rank across them: intra-node all-reduce; the node's
-// matrices are split among its ranks, each compresses its own across the
-// nodes (ranks with its local index) with error feedback share 1/nodes; an
-// intra-node all-reduce of the disjoint results gives every rank everything.
-// residual and q_state are sized for the whole layout (each rank uses the
-// slices of the parts it owns).
+// The same step with its two all-reduces (P with the dense parts, then Q^T)
+// hierarchical: summed inside each node, across the nodes among the ranks of
+// one local index, and gathered back inside the node (allreduce_hierarchical,
+// exact). P = sum_r M_r Q is linear in the M_r, so this is the flat step's
+// result with the sums taken another way: the full matrices never travel, and
+// only 2 messages of each all-reduce cross the slow link per rank.
 void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
-                                    CodecTimer& timer);
+                                    CodecTimer& timer, double share = -1.0);
 
 // Elements of q_state a layout needs.
 int64_t lowrank_q_numel(const at::Tensor& layout);

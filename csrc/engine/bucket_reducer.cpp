@@ -197,11 +197,12 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         collectives::allreduce_onebit(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded);
       else if (job.codec == Codec::kFP8)
         collectives::allreduce_fp8(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded);
+      // lowrank's error feedback keeps what this rank's share of the sum (its batch weight, not the loss
+      // scale) missed
       else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)
         collectives::allreduce_lowrank_hierarchical(t, x, divisor, job.layout, job.q_state, job.residual, node_of_,
-                                                    codec_);
+                                                    codec_, 1.0 / divisor_);
       else if (job.codec == Codec::kLowRank)
-        // error feedback keeps what this rank's share of the sum (its batch weight, not the loss scale) missed
         collectives::allreduce_lowrank(t, x, divisor, job.layout, job.q_state, job.residual, codec_, 1.0 / divisor_);
       else
         collectives::allreduce_topk(t, x, divisor, job.topk_ratio, job.topk_exact, job.residual, codec_,
