@@ -42,7 +42,7 @@ def _bench(args) -> None:
         train.main(ranks=args.ranks, tasks=args.tasks, optims=args.optims, modes=args.modes, scale=args.scale,
                    eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale,
                    seeds=args.seeds, clip=args.clip_grad_norm, clip_handed=args.clip_handed,
-                   schedule=args.schedule, device=args.device)
+                   schedule=args.schedule, device=args.device, bucket_mb=args.bucket_mb)
     elif args.what == "precision":
         from .benchmarks import precision
 
@@ -354,6 +354,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "of the steps, then a cosine decay to 0; the task's lr is the peak); onecycle (torch's "
                          "OneCycleLR at the task's lr, its momentum cycled too)")
     tr.add_argument("--eval-every", type=positive_int, default=20, help="steps between quality measurements")
+    tr.add_argument("--bucket-mb", type=positive_float, default=None,
+                    help="DDP's bucket_cap_mb for every mode but PowerSGD (which takes one bucket); default: DDP's "
+                         "(a first bucket of 1 MB, then 25 MB)")
     tr.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: each rank's model and buckets on a GPU (NCCL with a GPU per rank, else gloo ranks "
                          "sharing them); needs a CUDA build of hetcomm")

@@ -357,6 +357,27 @@ def test_bench_train_wide_task_is_digits_through_a_four_times_wider_mlp(monkeypa
     assert [a.tasks for a in seen] == [tasks.DEFAULT_TASKS, ["wide", "lm"]]
 
 
+
+def test_bench_train_bucket_mb_sets_ddp_buckets_for_hetcomm_modes(monkeypatch):
+    """DDP's default puts a first bucket of 1 MB before the 25 MB ones: the wide
+    model's 4.5 MB gradient goes in two buckets; --bucket-mb 25 makes it one
+    (what PowerSGD's bench mode always runs)."""
+    from hetcomm import cli
+
+    def buckets(bucket_mb):
+        runs = train.run(2, ["wide"], ["sgd"], ["lowrank"], 0.04, 12, bucket_mb=bucket_mb)
+        plans = {r["mode"]: r["curve"][-1].get("plans") for r in runs}
+        return sum(plans["lowrank"].values()), plans["fp32"]
+
+    assert buckets(None) == (2, None) and buckets(25.0) == (1, None)
+    seen = []
+    monkeypatch.setattr(cli, "_bench", seen.append)
+    cli.main(["bench", "train", "--tasks", "wide", "--bucket-mb", "25"])
+    cli.main(["bench", "train"])
+    assert [a.bucket_mb for a in seen] == [25.0, None]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "train", "--bucket-mb", "0"])
+
 MALFORMED = [
     ["demo", "--ranks", "0"], ["demo", "--steps", "0"], ["demo", "--steps", "-3"], ["demo", "--batch", "x"],
     ["demo", "--modes", ""], ["demo", "--modes", "none,zip"], ["demo", "--json", "/nonexistent/dir/x.json"],

@@ -105,11 +105,11 @@ def _clip(state, model: nn.Module, clip: Optional[float], handed: bool) -> bool:
 
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float,
          clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
-         device: str = "cpu") -> Optional[Dict]:
+         device: str = "cpu", bucket_mb: Optional[float] = None) -> Optional[Dict]:
     dev = common.rank_device(rank, device)
     model = task.model().to(dev)  # initialised on the CPU: the same start on either device
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                              **mode_table.get(mode).ddp_options())
+                                              **mode_table.get(mode).ddp_options(bucket_mb))
     opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
     state, bytes_per_step = _register(ddp, mode, opt, steps)
     sched = make_schedule(opt, schedule, steps)
@@ -153,7 +153,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
 def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: List[str], scale: float,
             eval_every: int, lr_scale: float, partial_path: Optional[str] = None, seeds: int = 1,
             clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
-            device: str = "cpu") -> List[Dict]:
+            device: str = "cpu", bucket_mb: Optional[float] = None) -> List[Dict]:
     out = []
     for name in tasks:
         task = TASKS[name]()
@@ -163,7 +163,7 @@ def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: L
                 task.seed = seed
                 for mode in modes:
                     r = _run(rank, task, optim, mode, steps, eval_every, task_lr(task, optim) * lr_scale, clip,
-                             clip_handed, schedule, device)
+                             clip_handed, schedule, device, bucket_mb)
                     if r is not None:
                         plans = r["curve"][-1].get("plans")
                         print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
@@ -252,14 +252,16 @@ def plot(runs: List[Dict], path: str) -> bool:
 def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float = 1.0,
         eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None,
         seeds: int = 1, clip: Optional[float] = None, clip_handed: bool = False,
-        schedule: str = "constant", device: str = "cpu") -> List[Dict]:
+        schedule: str = "constant", device: str = "cpu", bucket_mb: Optional[float] = None) -> List[Dict]:
     """``clip``: every run clips its gradients at that norm after backward
     (hetcomm's modes by the reduced gradient's norm, HookState.clip_grad_norm_;
     with ``clip_handed`` by the handed one's, torch's clip_grad_norm_, as a
     loop written for plain DDP does). ``schedule``: the learning rate's over
     each run (:func:`make_schedule`; the task's lr is its peak). ``device``:
     "cuda" puts each rank's model and buckets on a GPU (NCCL with a GPU per
-    rank, else gloo ranks sharing the GPUs)."""
+    rank, else gloo ranks sharing the GPUs). ``bucket_mb``: DDP's
+    ``bucket_cap_mb`` for every mode but PowerSGD, which takes one bucket
+    (None: DDP's default, whose first bucket holds 1 MB)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     if schedule not in SCHEDULES:
@@ -282,7 +284,8 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
     if REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
     runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds,
-                           clip, clip_handed, schedule, device, backend=common.backend_for(device, ranks))
+                           clip, clip_handed, schedule, device, bucket_mb,
+                           backend=common.backend_for(device, ranks))
     return summarise(runs) if runs is not None else []
 
 
@@ -293,10 +296,10 @@ def _fmt(v, f):
 def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
          json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0, seeds: int = 1,
          clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
-         device: str = "cpu") -> None:
+         device: str = "cpu", bucket_mb: Optional[float] = None) -> None:
     t0 = time.time()
     runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds, clip, clip_handed,
-               schedule, device)
+               schedule, device, bucket_mb)
     if not runs:  # a rank other than 0 under torchrun / the testbed
         return
     world = runs[0]["world_size"]
@@ -313,7 +316,8 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         row = dict(r, s_per_step=1000 * r["s_per_step"], bytes_per_step=r["bytes_per_step"] / 1000)
         print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
     meta = common.metadata(world, wall_s=time.time() - t0, scale=scale, eval_every=eval_every, lr_scale=lr_scale,
-                           seeds=seeds, clip=clip, clip_handed=clip_handed, schedule=schedule, device=device)
+                           seeds=seeds, clip=clip, clip_handed=clip_handed, schedule=schedule, device=device,
+                           bucket_mb=bucket_mb)
     summary = aggregate(runs)
     if seeds > 1:
         print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean")
