@@ -29,7 +29,7 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
 // one local index, and gathered back inside the node (allreduce_hierarchical,
 // exact). P = sum_r M_r Q is linear in the M_r, so this is the flat step's
 // result with the sums taken another way: the full matrices never travel, and
-// only 2 messages of each all-reduce cross the slow link per rank.
+// each all-reduce sends 2 (nodes - 1) messages a rank across nodes.
 void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
                                     CodecTimer& timer, double share = -1.0);
