@@ -47,7 +47,8 @@ def _initial_qs(layout):
     return [torch.randn(cols, r, generator=g) if r else None for _, rows, cols, r in layout]
 
 
-def _ours(rank, world, layout, steps, divisors):
+def _ours(rank, world, layout, steps, divisors, node_of=()):
+    """``steps`` calls of allreduce_lowrank (hierarchical with ``node_of``)."""
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     lay = torch.tensor(layout)
     q = torch.cat([q.reshape(-1) for q in _initial_qs(layout) if q is not None])
@@ -55,13 +56,14 @@ def _ours(rank, world, layout, steps, divisors):
     res = torch.zeros(N)
     g = torch.Generator().manual_seed(rank)
     xs, outs, ress = [], [], []
+    sent0 = t.counters()["bytes_sent"]
     for _ in range(steps):
         x = torch.randn(N, generator=g)
         xs.append(x.clone())
-        t.allreduce_lowrank(x, divisors[rank], lay, q, res)
+        t.allreduce_lowrank(x, divisors[rank], lay, q, res, node_of=list(node_of))
         outs.append(x)
         ress.append(res.clone())
-    return {"xs": xs, "outs": outs, "res": ress}
+    return {"xs": xs, "outs": outs, "res": ress, "sent_per_step": (t.counters()["bytes_sent"] - sent0) / steps}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -135,29 +137,12 @@ def test_lowrank_many_buckets_on_gloo_replicas_identical(world):
     assert not results[0]["params"].isnan().any()
 
 
-def _ours_hier(rank, world, steps, divisors, node_of):
-    t = _C.ProcessGroupTransport(dist.group.WORLD)
-    lay = torch.tensor(LAYOUT)
-    q = torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None])
-    res = torch.zeros(N)
-    g = torch.Generator().manual_seed(rank)
-    xs, outs, ress = [], [], []
-    sent0 = t.counters()["bytes_sent"]
-    for _ in range(steps):
-        x = torch.randn(N, generator=g)
-        xs.append(x.clone())
-        t.allreduce_lowrank(x, divisors[rank], lay, q, res, node_of=node_of)
-        outs.append(x)
-        ress.append(res.clone())
-    return {"xs": xs, "outs": outs, "res": ress, "sent_per_step": (t.counters()["bytes_sent"] - sent0) / steps}
-
-
 @pytest.mark.parametrize("node_of", [[0, 0, 1, 1], [0, 1, 0, 1]])
 def test_hierarchical_lowrank_is_the_flat_step_with_its_factors_summed_inside_nodes_first(node_of):
     # P = sum_r M_r Q is linear in the M_r: summing P (and Q^T) inside each node, then across the nodes, gives the
     # flat step's approximation and residuals; only the factors travel, never the matrices
     divisors = [10.0 / (r + 1) for r in range(4)]  # batch weights 1/10 .. 4/10: the shares sum to 1
-    results = run_ranks(_ours_hier, 4, 3, divisors, node_of)
+    results = run_ranks(_ours, 4, LAYOUT, 3, divisors, node_of)
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["outs"], results[0]["outs"]))
     qs = _initial_qs(LAYOUT)

@@ -180,7 +180,7 @@ void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
 void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
                                     CodecTimer& timer, double share) {
-  hierarchy_of(node_of, t.rank(), t.size());  // checks node_of (equal nodes) before any data moves
+  hierarchy_of(node_of, t.rank(), t.size());  // checks node_of (equal nodes) before x is changed in place
   lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&](at::Tensor& b) {
     if (b.numel() > 0) allreduce_hierarchical(t, b, node_of);
   });
