@@ -44,6 +44,7 @@ py::dict totals_dict(const ReduceTotals& t) {
   d["numel"] = t.numel;
   d["buckets"] = t.buckets;
   d["fp32_bytes"] = t.fp32_bytes;
+  d["collectives"] = t.collectives;
   d["compression_ratio"] = t.bytes_sent > 0 ? static_cast<double>(t.fp32_bytes) / t.bytes_sent : 1.0;
   return d;
 }
@@ -170,7 +171,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
              c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, Algo algo,
              c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry,
-             c10::optional<at::Tensor> update_denominator) {
+             c10::optional<at::Tensor> update_denominator, bool pipeline) {
             BucketJob job;
             job.index = index;
             job.buffer = buffer;
@@ -188,13 +189,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             job.beta = beta;
             job.carry = opt(carry);
             job.update_denominator = opt(update_denominator);
+            job.pipeline = pipeline;
             return wrap_future(e.submit_bucket(std::move(job)));
           },
           py::arg("index"), py::arg("buffer"), py::arg("codec"), py::arg("chunk"), py::arg("topk_ratio"),
           py::arg("topk_exact"), py::arg("residual"), py::arg("server_residual"), py::arg("last"),
           py::arg("layout") = py::none(), py::arg("q_state") = py::none(), py::arg("algorithm") = Algo::kNative,
           py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none(),
-          py::arg("update_denominator") = py::none())
+          py::arg("update_denominator") = py::none(), py::arg("pipeline") = false)
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("set_loss_scale", &Engine::set_loss_scale, py::arg("scale"))
       .def(

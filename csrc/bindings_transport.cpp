@@ -149,16 +149,20 @@ void bind_transports(py::module_& m) {
              c10::optional<at::Tensor> res, std::vector<int> node_of) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
+            bool reduced = false;
             blocking(t, [&] {
               if (node_of.empty())
-                collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
+                reduced = collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
               else
-                collectives::allreduce_lowrank_hierarchical(t, flat, divisor, layout, q_state, opt(res), node_of,
-                                                            timer);
+                reduced = collectives::allreduce_lowrank_hierarchical(t, flat, divisor, layout, q_state, opt(res),
+                                                                      node_of, timer);
             });
+            return reduced;
           },
           py::arg("x"), py::arg("divisor"), py::arg("layout"), py::arg("q_state"), py::arg("residual") = py::none(),
-          py::arg("node_of") = std::vector<int>{}, nogil, "Low-rank (PowerSGD-style) all-reduce of x in place.")
+          py::arg("node_of") = std::vector<int>{}, nogil,
+          "Low-rank (PowerSGD-style) all-reduce of x in place. False (x, residual and Q untouched) where x held a "
+          "NaN or an infinity on some rank.")
       .def(
           "allreduce",
           [](T& t, at::Tensor x, const std::string& algorithm, std::vector<int> order, std::vector<int> node_of,

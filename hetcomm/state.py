@@ -533,7 +533,9 @@ class HookState(BucketSteps, Negotiation):
         of each collective), ``fp32_bytes`` (what an fp32 ring all-reduce of the
         same buckets sends), ``compression_ratio``, ``comm_s`` (inside
         collectives), ``codec_s`` (compressing and decompressing), ``numel``,
-        ``buckets``; plus ``iter`` and the ``compression`` in use; ``join_steps``
+        ``buckets``, ``collectives`` (the collective calls made: an all-reduce
+        or a point-to-point step, one each; every one waits for the ranks it
+        joins); plus ``iter`` and the ``compression`` in use; ``join_steps``
         once this rank has shadowed steps inside DDP's join (its inputs ran out)."""
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:

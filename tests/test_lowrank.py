@@ -158,3 +158,115 @@ def test_hierarchical_lowrank_is_the_flat_step_with_its_factors_summed_inside_no
     factors = 40 * 3 + 16 * 2 + 30 + 24 * 3 + 16 * 2
     for r in results:
         assert r["sent_per_step"] <= 2 * factors * 4 < N * 4 / 2, r["sent_per_step"]
+
+
+def _nonfinite_rank(rank, world, bad):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    lay = torch.tensor(LAYOUT)
+    g = torch.Generator().manual_seed(rank)
+    q = torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None])
+    res = torch.randn(N, generator=g) * 0.1
+    out = []
+    for step in range(2):
+        x = torch.randn(N, generator=g)
+        if step == 0 and rank == world - 1:
+            x[977] = float(bad)  # one entry of the dense part, on one rank
+        before = (x.clone(), q.clone(), res.clone())
+        calls = t.counters()["calls"]
+        reduced = t.allreduce_lowrank(x, float(world), lay, q, res)
+        out.append({"reduced": reduced, "calls": t.counters()["calls"] - calls,
+                    "untouched": all(torch.equal(a.view(torch.int32), b.view(torch.int32))  # bits: NaN too
+                                         for a, b in zip(before, (x, q, res)))})
+    return out
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(bad):
+    # The flag travels with P and the dense parts: a step is two all-reduces, not three. Where one rank is not
+    # finite, every rank stops after the first and leaves the bucket, Q and the residual as they came (the caller
+    # then reduces the bucket exactly, as allreduce_hook would).
+    for ranks in run_ranks(_nonfinite_rank, 3, bad):
+        assert ranks[0] == {"reduced": False, "calls": 1, "untouched": True}
+        assert ranks[1] == {"reduced": True, "calls": 2, "untouched": False}
+
+
+def _engine_steps(rank, world, kinds, pipeline, steps=2):
+    """Buckets of ``kinds`` ("lowrank": LAYOUT with its own Q and residual; "dense": N floats reduced exactly)
+    through the engine, ``steps`` steps; per step the inputs, outputs, residuals and collective calls."""
+    engine = hetcomm._C.Engine(dist.group.WORLD)
+    lay = torch.tensor(LAYOUT)
+    qs = [torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None]) for _ in kinds]
+    res = [torch.zeros(N) for _ in kinds]
+    g = torch.Generator().manual_seed(rank)
+    out = []
+    for _ in range(steps):
+        xs = [torch.randn(N, generator=g) for _ in kinds]
+        bufs = [x.clone() for x in xs]
+        futs = []
+        for b, (kind, buf) in enumerate(zip(kinds, bufs)):
+            lowrank = kind == "lowrank"
+            futs.append(engine.submit_bucket(
+                b, buf, _C.Codec.lowrank if lowrank else _C.Codec.none, 2048, 0.01, True, res[b] if lowrank else None,
+                None, b == len(kinds) - 1, layout=lay if lowrank else None, q_state=qs[b] if lowrank else None,
+                pipeline=pipeline))
+        for f in futs:
+            f.wait()
+        out.append({"xs": xs, "outs": bufs, "res": [r.clone() for r in res],
+                    "collectives": engine.stats()["last_step"]["collectives"]})
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_next_ones_first(world):
+    kinds = ["lowrank", "lowrank", "dense", "lowrank", "lowrank", "lowrank"]
+    piped = run_ranks(_engine_steps, world, kinds, True)
+    alone = run_ranks(_engine_steps, world, kinds, False)
+    # Runs of k lowrank buckets cost k + 1 all-reduces (3 and 4 here), the dense bucket 1; alone, 2 a lowrank bucket.
+    assert [s["collectives"] for s in piped[0]] == [3 + 1 + 4] * 2
+    assert [s["collectives"] for s in alone[0]] == [2 * 5 + 1] * 2
+    for r in piped[1:]:  # replicas bit-identical
+        assert all(torch.equal(a, b) for s, s0 in zip(r, piped[0]) for a, b in zip(s["outs"], s0["outs"]))
+    # Against the pure-torch step, bucket by bucket, residuals included
+    qs = [_initial_qs(LAYOUT) for _ in kinds]
+    res = [[torch.zeros(N) for _ in range(world)] for _ in kinds]
+    for step in range(2):
+        for b, kind in enumerate(kinds):
+            xs = [r[step]["xs"][b] for r in piped]
+            if kind == "dense":
+                torch.testing.assert_close(piped[0][step]["outs"][b], sum(xs) / world, rtol=1e-5, atol=1e-6)
+                continue
+            want, want_res, qs[b] = _reference_step(xs, [float(world)] * world, res[b], qs[b], LAYOUT)
+            torch.testing.assert_close(piped[0][step]["outs"][b], want, rtol=1e-4, atol=1e-5)
+            for k in range(world):
+                torch.testing.assert_close(piped[k][step]["res"][b], want_res[k], rtol=1e-4, atol=1e-5)
+            res[b] = [r[step]["res"][b] for r in piped]
+    if world == 2:  # a sum of two is the same whichever all-reduce carries it: the same bits as alone
+        for s, s0 in zip(piped[0], alone[0]):
+            assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
+
+
+def _parked_then(rank, world, then):
+    engine = hetcomm._C.Engine(dist.group.WORLD)
+    lay = torch.tensor(LAYOUT)
+    q = torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None])
+    x = torch.randn(N, generator=torch.Generator().manual_seed(rank))
+    buf = x.clone()
+    fut = engine.submit_bucket(0, buf, _C.Codec.lowrank, 2048, 0.01, True, torch.zeros(N), None, False, layout=lay,
+                               q_state=q, pipeline=True)  # not the step's last: it waits for the next bucket
+    if then == "sum":
+        engine.submit_sum(torch.ones(1)).wait()
+    else:
+        engine.close()
+    fut.wait()
+    return x, buf
+
+
+@pytest.mark.parametrize("then", ["sum", "close"])
+def test_a_parked_lowrank_bucket_ends_its_step_before_any_other_job_and_at_close(then):
+    # A step interrupted after a bucket that waits for the next one: the next job of another kind, or close(),
+    # ends its step alone (no hang), with the same result as the pure-torch step
+    results = run_ranks(_parked_then, 2, then)
+    want, _, _ = _reference_step([x for x, _ in results], [2.0, 2.0], [torch.zeros(N)] * 2, _initial_qs(LAYOUT), LAYOUT)
+    for _, buf in results:
+        torch.testing.assert_close(buf, want, rtol=1e-4, atol=1e-5)

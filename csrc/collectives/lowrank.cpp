@@ -1,5 +1,7 @@
 #include "collectives/lowrank.h"
 
+#include <ATen/ScalarOps.h>
+
 #include <functional>
 #include <vector>
 
@@ -11,20 +13,15 @@ namespace collectives {
 
 namespace {
 
-struct Part {
-  int64_t offset, rows, cols, rank;
-  int64_t numel() const { return rows * cols; }
-};
-
-std::vector<Part> parse(const at::Tensor& layout, int64_t n) {
+std::vector<LowrankPart> parse(const at::Tensor& layout, int64_t n) {
   TORCH_CHECK_VALUE(layout.dim() == 2 && layout.size(1) == 4 && layout.scalar_type() == at::kLong,
                     "hetcomm: lowrank layout must be int64 [k, 4] (offset, rows, cols, rank)");
   const at::Tensor l = layout.contiguous();
   const int64_t* p = l.data_ptr<int64_t>();
-  std::vector<Part> parts;
+  std::vector<LowrankPart> parts;
   int64_t covered = 0;
   for (int64_t i = 0; i < l.size(0); ++i) {
-    Part part{p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]};
+    LowrankPart part{p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]};
     // rows, cols <= n first: then rows * cols cannot overflow
     TORCH_CHECK_VALUE(part.offset >= 0 && part.offset <= n && part.rows >= 1 && part.cols >= 1 && part.rows <= n &&
                           part.cols <= n && part.numel() <= n - part.offset,
@@ -55,17 +52,18 @@ int64_t lowrank_q_numel(const at::Tensor& layout) {
   return q;
 }
 
-namespace {
-
-// The step of allreduce_lowrank, with `sum` the all-reduce of its two
-// buffers (P with the dense parts, then Q^T).
-void lowrank_step(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
-                  const at::Tensor& residual, CodecTimer& timer, double share,
-                  const std::function<void(at::Tensor&)>& sum) {
-  if (share < 0) share = 1.0 / divisor;
-  const std::vector<Part> parts = parse(layout, x.numel());
+LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& layout, const at::Tensor& q_state,
+                         const at::Tensor& residual, CodecTimer& timer, double share)
+    : x_(x),
+      q_state_(q_state),
+      residual_(residual),
+      timer_(timer),
+      share_(share < 0 ? 1.0 / divisor : share),
+      parts_(parse(layout, x.numel())) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
+                    "hetcomm: lowrank works on a contiguous 1-D float32 bucket");
   int64_t dense = 0, p_total = 0, q_total = 0;
-  for (const Part& p : parts) {
+  for (const auto& p : parts_) {
     if (p.rank == 0) {
       dense += p.numel();
     } else {
@@ -77,111 +75,133 @@ void lowrank_step(Transport& t, at::Tensor& x, double divisor, const at::Tensor&
                     "hetcomm: lowrank Q state must be contiguous float32 with ", q_total, " elements");
   TORCH_CHECK_VALUE(q_state.device() == x.device() && (!residual.defined() || residual.device() == x.device()),
                     "hetcomm: lowrank Q state and residual must be on the bucket's device ", x.device());
-  // P and the dense parts in one buffer, one all-reduce for both: each round
-  // of all-reduces is a wait for the slowest rank and the link's latency
-  // (testbed, 2 x 2 ranks at 100 Mbit: a second bucket of 256 KB cost 16-18 ms
-  // a step with three rounds).
-  at::Tensor pd_buf = at::empty({p_total + dense}, x.options());
-  at::Tensor p_buf = pd_buf.narrow(0, 0, p_total);
-  at::Tensor dense_buf = pd_buf.narrow(0, p_total, dense);
+  TORCH_CHECK_VALUE(!residual.defined() || residual.numel() == x.numel(), "hetcomm: lowrank residual must have the bucket's ",
+                    x.numel(), " elements, got ", residual.numel());
+  // One all-reduce for a flag (1 where this rank's x is not finite), P and
+  // the dense parts: each round of all-reduces is a wait for the slowest rank
+  // and the link's latency (testbed, 2 x 2 ranks at 100 Mbit: a second bucket
+  // of 256 KB cost 16-18 ms a step with three rounds). The flag makes a
+  // separate check of every rank's finiteness unneeded; until it is known, x
+  // stays as it came (M is built beside it), so a non-finite step can still
+  // be reduced exactly.
+  head_ = at::empty({1 + p_total + dense}, x.options());
+  p_total_ = p_total;
   // Each part's new Q, transposed (rank x cols, row-major): BLAS writes P^T M
   // into a contiguous rank x cols block about 10x faster on the CPU than M^T P
   // into a cols x rank one (MKL, one thread: 0.25 against 3.4 ms for 1024 x
   // 1024 at rank 4), and the outer product reads Q^T. q_state keeps Q (cols x
   // rank), the layout checkpoints hold.
-  at::Tensor qt_buf = at::empty({q_total}, x.options());
-  int64_t d = 0, po = 0, qo = 0;
-  {
-    Timed _(timer);
-    // M = x / divisor (+ residual on the matrices: error feedback).
-    x.div_(divisor);
-    if (residual.defined()) x.add_(residual);
-    for (const Part& p : parts) {
-      at::Tensor m = x.narrow(0, p.offset, p.numel());
-      if (p.rank == 0) {
-        dense_buf.narrow(0, d, p.numel()).copy_(m);
-        d += p.numel();
-      } else {
-        // M (Q^T)^T with Q^T contiguous: as fast as BLAS goes here (M Q with Q
-        // contiguous: 4-5x slower, for the same reason as above)
-        const at::Tensor qt = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).t().contiguous();
-        at::Tensor out = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-        at::mm_out(out, m.view({p.rows, p.cols}), qt.t());
-        po += p.rows * p.rank;
-        qo += p.cols * p.rank;
-      }
-    }
-  }
-  sum(pd_buf);
-  {
-    Timed _(timer);
-    // Orthonormal P (every rank holds the same summed P, so the same basis:
-    // on the host, P is small), then Q^T = P^T M.
-    t.synchronize();
-    at::Tensor p_host = p_buf.cpu();
-    po = 0;
-    for (const Part& p : parts) {
-      if (p.rank == 0) continue;
-      at::Tensor pm = p_host.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-      ops::orthonormalize_columns(pm, 1e-8);
-      po += p.rows * p.rank;
-    }
-    if (!p_host.is_same(p_buf)) p_buf.copy_(p_host);
-    po = qo = 0;
-    for (const Part& p : parts) {
-      if (p.rank == 0) continue;
-      at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-      at::Tensor m = x.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
-      at::Tensor out = qt_buf.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
-      at::mm_out(out, pm.t(), m);
+  qt_ = at::empty({q_total}, x.options());
+  m_ = at::empty_like(x);
+  Timed _(timer_);
+  head_.narrow(0, 0, 1).fill_(ops::all_finite(x) ? 0.0 : 1.0);
+  // M = x / divisor (+ residual on the matrices: error feedback); the same
+  // division kernel as x.div_(divisor).
+  at::div_out(m_, x, at::native::wrapped_scalar_tensor(divisor));
+  if (residual.defined()) m_.add_(residual);
+  int64_t d = 1 + p_total, po = 1, qo = 0;
+  for (const auto& p : parts_) {
+    at::Tensor m = m_.narrow(0, p.offset, p.numel());
+    if (p.rank == 0) {
+      head_.narrow(0, d, p.numel()).copy_(m);
+      d += p.numel();
+    } else {
+      // M (Q^T)^T with Q^T contiguous: as fast as BLAS goes here (M Q with Q
+      // contiguous: 4-5x slower, for the same reason as above)
+      const at::Tensor qt = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).t().contiguous();
+      at::Tensor out = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+      at::mm_out(out, m.view({p.rows, p.cols}), qt.t());
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }
   }
-  sum(qt_buf);
-  Timed _(timer);
-  d = po = qo = 0;
-  for (const Part& p : parts) {
-    at::Tensor m = x.narrow(0, p.offset, p.numel());
+}
+
+bool LowrankStep::after_first(Transport& t) {
+  Timed _(timer_);
+  // The flag and P on the host (P is small): a non-finite x on any rank ends
+  // the step here, on every rank alike. Otherwise an orthonormal P (every
+  // rank holds the same summed P, so the same basis), then Q^T = P^T M.
+  t.synchronize();
+  at::Tensor head_dev = head_.narrow(0, 0, 1 + p_total_);
+  at::Tensor head = head_dev.cpu();
+  if (head.data_ptr<float>()[0] != 0.0f) return false;
+  int64_t po = 1;
+  for (const auto& p : parts_) {
+    if (p.rank == 0) continue;
+    at::Tensor pm = head.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+    ops::orthonormalize_columns(pm, 1e-8);
+    po += p.rows * p.rank;
+  }
+  if (!head.is_same(head_dev)) head_dev.copy_(head);
+  po = 1;
+  int64_t qo = 0;
+  for (const auto& p : parts_) {
+    if (p.rank == 0) continue;
+    at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+    at::Tensor m = m_.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
+    at::Tensor out = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
+    at::mm_out(out, pm.t(), m);
+    po += p.rows * p.rank;
+    qo += p.cols * p.rank;
+  }
+  return true;
+}
+
+void LowrankStep::finish() {
+  Timed _(timer_);
+  int64_t d = 1 + p_total_, po = 1, qo = 0;
+  for (const auto& p : parts_) {
+    at::Tensor out = x_.narrow(0, p.offset, p.numel());
     if (p.rank == 0) {
-      m.copy_(dense_buf.narrow(0, d, p.numel()));
-      if (residual.defined()) residual.narrow(0, p.offset, p.numel()).zero_();
+      out.copy_(head_.narrow(0, d, p.numel()));
+      if (residual_.defined()) residual_.narrow(0, p.offset, p.numel()).zero_();
       d += p.numel();
       continue;
     }
-    at::Tensor pm = p_buf.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    at::Tensor qtm = qt_buf.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
-    q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).copy_(qtm.t());  // warm start for the next step
+    at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+    at::Tensor qtm = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
+    q_state_.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).copy_(qtm.t());  // warm start for the next step
+    // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
+    ops::lowrank_outer(pm, qtm, out.view({p.rows, p.cols}));
     // The approximation stands for the sum over ranks; this rank keeps what its
     // own share (by default its weight 1/divisor; the shares sum to 1) did not
-    // deliver: residual = M - share * approx, computed in place (M first, then
-    // the approximation over M).
-    at::Tensor mat = m.view({p.rows, p.cols});
-    at::Tensor r;
-    if (residual.defined()) {
-      r = residual.narrow(0, p.offset, p.numel());
-      r.copy_(m);
+    // deliver: residual = M - share * approx.
+    if (residual_.defined()) {
+      at::Tensor r = residual_.narrow(0, p.offset, p.numel());
+      r.copy_(m_.narrow(0, p.offset, p.numel()));
+      r.sub_(out, share_);
     }
-    // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
-    ops::lowrank_outer(pm, qtm, mat);
-    if (r.defined()) r.sub_(m, share);
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
 }
 
-}  // namespace
+namespace {
 
-void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
-                       const at::Tensor& residual, CodecTimer& timer, double share) {
-  lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&t](at::Tensor& b) { t.all_reduce_sum(b); });
+bool lowrank_step(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
+                  const at::Tensor& residual, CodecTimer& timer, double share,
+                  const std::function<void(at::Tensor&)>& sum) {
+  LowrankStep step(x, divisor, layout, q_state, residual, timer, share);
+  sum(step.first());
+  if (!step.after_first(t)) return false;
+  sum(step.second());
+  step.finish();
+  return true;
 }
 
-void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
+}  // namespace
+
+bool allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
+                       const at::Tensor& residual, CodecTimer& timer, double share) {
+  return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&t](at::Tensor& b) { t.all_reduce_sum(b); });
+}
+
+bool allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
                                     CodecTimer& timer, double share) {
-  hierarchy_of(node_of, t.rank(), t.size());  // checks node_of (equal nodes) before x is changed in place
-  lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&](at::Tensor& b) {
+  hierarchy_of(node_of, t.rank(), t.size());  // checks node_of (equal nodes) before any collective
+  return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&](at::Tensor& b) {
     if (b.numel() > 0) allreduce_hierarchical(t, b, node_of);
   });
 }

@@ -21,18 +21,52 @@ namespace collectives {
 // x = sum_i x_i / divisor_i on the dense parts, its rank-r approximation on the matrices.
 // share: this rank's part of the sum's approximation for error feedback
 // (default 1 / divisor; the shares of all ranks sum to 1).
-void allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
+// Returns false when x held a NaN or an infinity on some rank (every rank
+// learns it from the step's first all-reduce, so every rank returns the same):
+// x, the residual and Q are then as they came, for the caller to reduce x
+// exactly. The step holds one more buffer of x's size while it runs (M).
+bool allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
                        const at::Tensor& residual, CodecTimer& timer, double share = -1.0);
 
-// The same step with its two all-reduces (P with the dense parts, then Q^T)
+// The same step with its two all-reduces (the flag, P and the dense parts; then Q^T)
 // hierarchical: summed inside each node, across the nodes among the ranks of
 // one local index, and gathered back inside the node (allreduce_hierarchical,
 // exact). P = sum_r M_r Q is linear in the M_r, so this is the flat step's
 // result with the sums taken another way: the full matrices never travel, and
 // each all-reduce sends 2 (nodes - 1) messages a rank across nodes.
-void allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
+bool allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
                                     CodecTimer& timer, double share = -1.0);
+
+// A row of the layout.
+struct LowrankPart {
+  int64_t offset, rows, cols, rank;
+  int64_t numel() const { return rows * cols; }
+};
+
+// One bucket's step of allreduce_lowrank in its stages, for a caller that
+// runs the two all-reduces itself (the engine merges one bucket's second
+// all-reduce with the next bucket's first). allreduce_lowrank is: construct
+// (M, the flag, P and the dense parts: first() is ready), sum first(),
+// after_first() (false: some rank's x was not finite, nothing was changed;
+// else second() is ready), sum second(), finish(). x, q_state and residual
+// (arguments as above) are kept by reference until finish().
+class LowrankStep {
+ public:
+  LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& layout, const at::Tensor& q_state,
+              const at::Tensor& residual, CodecTimer& timer, double share = -1.0);
+  at::Tensor& first() { return head_; }
+  bool after_first(Transport& t);
+  at::Tensor& second() { return qt_; }
+  void finish();
+
+ private:
+  at::Tensor x_, q_state_, residual_, head_, qt_, m_;
+  CodecTimer& timer_;
+  double share_;
+  int64_t p_total_ = 0;
+  std::vector<LowrankPart> parts_;
+};
 
 // Elements of q_state a layout needs.
 int64_t lowrank_q_numel(const at::Tensor& layout);

@@ -50,7 +50,7 @@ at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
 
 BucketReducer::WireMark BucketReducer::wire_mark() const {
   const WireCounters& wc = transport_->counters();
-  return {wc.bytes_sent, wc.bytes_recv, wc.comm_ns};
+  return {wc.bytes_sent, wc.bytes_recv, wc.comm_ns, wc.calls};
 }
 
 void BucketReducer::add_wire_since(const WireMark& m) {
@@ -58,6 +58,7 @@ void BucketReducer::add_wire_since(const WireMark& m) {
   sent_ += now.sent - m.sent;
   recv_ += now.recv - m.recv;
   comm_ns_ += now.comm_ns - m.comm_ns;
+  calls_ += now.calls - m.calls;
 }
 
 at::Tensor BucketReducer::sum(const at::Tensor& x) {
@@ -90,18 +91,9 @@ void BucketReducer::set_topology(std::vector<int> ring_order, std::vector<int> n
 
 namespace {
 
-// Whether x holds no NaN and no infinity. NaN and infinities propagate into
-// the sum, so a finite float32 sum proves it in one fast reduction (about 15x
-// faster than isfinite(x).all()); a non-finite sum (or an overflowing one)
-// is checked element by element.
-bool all_finite(const at::Tensor& x) {
-  if (at::isfinite(x.sum()).item<bool>()) return true;
-  return at::isfinite(x).all().item<bool>();
-}
-
 // Whether x holds a NaN or an infinity on any rank (one 4-byte all-reduce).
 bool any_rank_nonfinite(Transport& t, const at::Tensor& x) {
-  at::Tensor flag = at::full({1}, all_finite(x) ? 0.0f : 1.0f, at::TensorOptions().dtype(at::kFloat).device(x.device()));
+  at::Tensor flag = at::full({1}, ops::all_finite(x) ? 0.0f : 1.0f, at::TensorOptions().dtype(at::kFloat).device(x.device()));
   t.all_reduce_sum(flag);
   t.synchronize();
   return flag.cpu().item<float>() > 0;
@@ -144,30 +136,27 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       // the same operations (m = beta m + g), so it matches it bit for bit. A
       // non-finite result (the same on every rank) is a step the optimizer
       // skips: m skips it too.
-      if (job.momentum.defined() && all_finite(buf)) job.momentum.mul_(job.beta).add_(buf);
+      if (job.momentum.defined() && ops::all_finite(buf)) job.momentum.mul_(job.beta).add_(buf);
       break;
     }
     case Codec::kOneBit:
     case Codec::kFP8:
     case Codec::kTopK:
     case Codec::kLowRank: {
-      if (any_rank_nonfinite(t, buf)) {
-        // Overflow (e.g. fp16 + GradScaler) or a NaN on some rank: reduce this
-        // bucket exactly, as allreduce_hook would (every rank sees the same
-        // NaN/Inf, so GradScaler skips the step everywhere), and leave the
-        // residuals, the server residual and Q as they were.
-        step_nonfinite_ = true;
-        nonfinite_buckets_ += 1;
-        if (job.carry.defined()) carry_holds_ += 1;
-        collectives::allreduce_dense(t, buf, divisor, at::kFloat, codec_);
+      // lowrank learns whether every rank is finite from its first all-reduce
+      // (one round less a bucket) and leaves its input as it came where one is
+      // not; the others ask first.
+      const bool checks_itself = job.codec == Codec::kLowRank;
+      if (!checks_itself && any_rank_nonfinite(t, buf)) {
+        reduce_nonfinite(job, divisor);
         break;
       }
-      // The codecs work in float32; other bucket dtypes go through a copy.
+      // The codecs work in float32; other bucket dtypes go through a copy, and
+      // so does lowrank's bucket where the carry or the momentum join it (buf
+      // must be intact until lowrank's check).
       at::Tensor x = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
-      if (job.carry.defined()) {
-        x.add_(job.carry, divisor);
-        job.carry.zero_();
-      }
+      if (checks_itself && x.is_same(buf) && (job.carry.defined() || job.momentum.defined())) x = buf.clone();
+      if (job.carry.defined()) x.add_(job.carry, divisor);
       // Momentum compression (1-bit Adam's scheme for SGD): every rank sends
       // its local momentum beta m + g_i (weighted: sum_i x_i / d_i = beta m +
       // the weighted mean of g), so the codec's error feedback runs on the
@@ -179,6 +168,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       collectives::MomentumFold fold{job.momentum, job.beta * divisor / w, job.beta};
       const collectives::MomentumFold* folded = job.momentum.defined() && two_phase ? &fold : nullptr;
       if (job.momentum.defined() && folded == nullptr) ops::momentum_fold_in(x, job.momentum, fold.add_alpha);
+      bool reduced = true;  // false: lowrank found a non-finite rank (x, its state and buf untouched)
       if (job.algo == Algo::kHierarchical && job.codec != Codec::kLowRank) {
         // Exact inside nodes, compressed across them.
         TORCH_CHECK_VALUE(!node_of_.empty(), "hetcomm: the hierarchical algorithm needs the topology");
@@ -200,23 +190,36 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       // lowrank's error feedback keeps what this rank's share of the sum (its batch weight, not the loss
       // scale) missed
       else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)
-        collectives::allreduce_lowrank_hierarchical(t, x, divisor, job.layout, job.q_state, job.residual, node_of_,
-                                                    codec_, 1.0 / divisor_);
+        reduced = collectives::allreduce_lowrank_hierarchical(t, x, divisor, job.layout, job.q_state, job.residual,
+                                                              node_of_, codec_, 1.0 / divisor_);
       else if (job.codec == Codec::kLowRank)
-        collectives::allreduce_lowrank(t, x, divisor, job.layout, job.q_state, job.residual, codec_, 1.0 / divisor_);
+        reduced = collectives::allreduce_lowrank(t, x, divisor, job.layout, job.q_state, job.residual, codec_,
+                                                 1.0 / divisor_);
       else
         collectives::allreduce_topk(t, x, divisor, job.topk_ratio, job.topk_exact, job.residual, codec_,
                                     job.update_denominator);
+      if (!reduced) {
+        reduce_nonfinite(job, divisor);
+        break;
+      }
+      if (job.carry.defined()) job.carry.zero_();
       if (job.momentum.defined() && folded == nullptr) ops::momentum_handoff(x, job.momentum, job.beta);
       if (!x.is_same(buf)) buf.copy_(x);
       break;
     }
   }
   t.synchronize();  // a stream transport (NCCL): the job's GPU time counts as comm time of this bucket
+  end_bucket(job, started, mark);
+  return buf;
+}
+
+void BucketReducer::end_bucket(const BucketJob& job, std::chrono::steady_clock::time_point started,
+                               const WireMark& mark) {
   add_wire_since(mark);
-  numel_ += buf.numel();
+  const int w = transport_->size();
+  numel_ += job.buffer.numel();
   buckets_ += 1;
-  fp32_bytes_ += w > 1 ? 2 * (w - 1) * buf.numel() * 4 / w : 0;
+  fp32_bytes_ += w > 1 ? 2 * (w - 1) * job.buffer.numel() * 4 / w : 0;
   step_buckets_.emplace_back(job.index, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   if (job.last) {
     if (step_nonfinite_) nonfinite_steps_ += 1;
@@ -226,16 +229,88 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
     last_step_ = {now.bytes_sent - step_start_.bytes_sent, now.bytes_recv - step_start_.bytes_recv,
                   now.comm_ns - step_start_.comm_ns,       now.codec_ns - step_start_.codec_ns,
                   now.numel - step_start_.numel,           now.buckets - step_start_.buckets,
-                  now.fp32_bytes - step_start_.fp32_bytes};
+                  now.fp32_bytes - step_start_.fp32_bytes, now.collectives - step_start_.collectives};
     step_start_ = now;
     last_step_buckets_ = std::move(step_buckets_);
     step_buckets_.clear();
   }
-  return buf;
+}
+
+// Overflow (e.g. fp16 + GradScaler) or a NaN on some rank: the bucket is
+// reduced exactly, as allreduce_hook would (every rank sees the same NaN/Inf,
+// so GradScaler skips the step everywhere), and the residuals, the server
+// residual, Q and the carry stay as they were.
+void BucketReducer::reduce_nonfinite(BucketJob& job, double divisor) {
+  step_nonfinite_ = true;
+  nonfinite_buckets_ += 1;
+  if (job.carry.defined()) carry_holds_ += 1;
+  collectives::allreduce_dense(*transport_, job.buffer, divisor, at::kFloat, codec_);
+}
+
+bool BucketReducer::pipelines(const BucketJob& job) {
+  return job.pipeline && job.codec == Codec::kLowRank && job.buffer.is_cpu() &&
+         job.buffer.scalar_type() == at::kFloat && !job.carry.defined() && !job.momentum.defined();
+}
+
+void BucketReducer::sum_by(Algo algo, at::Tensor& b) {
+  if (algo != Algo::kHierarchical)
+    transport_->all_reduce_sum(b);
+  else if (b.numel() > 0)
+    collectives::allreduce_hierarchical(*transport_, b, node_of_);
+}
+
+void BucketReducer::flush(std::unique_ptr<ParkedBucket>& out) {
+  out = std::move(parked_);
+  if (!out) return;
+  const WireMark mark = wire_mark();
+  sum_by(out->job.algo, out->step->second());
+  out->step->finish();
+  add_wire_since(mark);
+}
+
+void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
+  Transport& t = *transport_;
+  out.earlier = std::move(parked_);
+  const bool joins = out.earlier && out.earlier->job.algo == job.algo;
+  if (out.earlier && !joins) {
+    parked_ = std::move(out.earlier);
+    flush(out.earlier);
+    out.earlier_done = true;
+  }
+  const auto started = std::chrono::steady_clock::now();
+  const WireMark mark = wire_mark();
+  if (job.algo == Algo::kHierarchical) collectives::hierarchy_of(node_of_, t.rank(), t.size());  // checks node_of
+  const double divisor = divisor_ * loss_scale_;
+  // lowrank's error feedback keeps what this rank's share of the sum (its batch weight, not the loss scale) missed
+  auto step = std::make_unique<collectives::LowrankStep>(job.buffer, divisor, job.layout, job.q_state, job.residual,
+                                                         codec_, 1.0 / divisor_);
+  if (joins) {
+    at::Tensor& second = out.earlier->step->second();
+    at::Tensor& first = step->first();
+    at::Tensor both = at::cat({second, first});
+    sum_by(job.algo, both);
+    second.copy_(both.narrow(0, 0, second.numel()));
+    first.copy_(both.narrow(0, second.numel(), first.numel()));
+    out.earlier->step->finish();
+    out.earlier_done = true;
+  } else {
+    sum_by(job.algo, step->first());
+  }
+  if (!step->after_first(t)) {
+    reduce_nonfinite(job, divisor);
+  } else if (job.last) {
+    sum_by(job.algo, step->second());
+    step->finish();
+  } else {
+    parked_ = std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)});
+    out.parked = true;
+  }
+  t.synchronize();
+  end_bucket(job, started, mark);
 }
 
 ReduceTotals BucketReducer::totals() const {
-  return {sent_, recv_, comm_ns_, codec_.ns, numel_, buckets_, fp32_bytes_};
+  return {sent_, recv_, comm_ns_, codec_.ns, numel_, buckets_, fp32_bytes_, calls_};
 }
 
 std::vector<std::pair<int64_t, double>> BucketReducer::last_step_buckets() const {

@@ -7,12 +7,14 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 #include "collectives/algorithms.h"
 #include "collectives/compressed.h"
+#include "collectives/lowrank.h"
 #include "transport/transport.h"
 
 namespace hetcomm {
@@ -44,10 +46,29 @@ struct BucketJob {
   // added to this step's contribution, then zeroed. float32, may be undefined.
   at::Tensor carry;
   bool last = false;           // last bucket of the step
+  // The hook's buckets: the step's next bucket will come (DDP hands over
+  // every one), so a lowrank bucket may wait for it (see BucketReducer::pipelines).
+  bool pipeline = false;
+};
+
+// A lowrank bucket between its two all-reduces: it waits for the next bucket
+// to send its second one together with that bucket's first.
+struct ParkedBucket {
+  BucketJob job;
+  std::unique_ptr<collectives::LowrankStep> step;
+};
+
+struct PipelineOutcome {
+  // The bucket parked before this job (its future is still open), and whether
+  // its step is done. Released by the engine, under the GIL.
+  std::unique_ptr<ParkedBucket> earlier;
+  bool earlier_done = false;
+  bool parked = false;  // this job waits for the next one: its future stays open
 };
 
 struct ReduceTotals {
   int64_t bytes_sent = 0, bytes_recv = 0, comm_ns = 0, codec_ns = 0, numel = 0, buckets = 0, fp32_bytes = 0;
+  int64_t collectives = 0;  // the transport's calls (an all-reduce, a point-to-point step: one each)
 };
 
 class BucketReducer {
@@ -61,6 +82,22 @@ class BucketReducer {
   // reduced as g (the scale joins the divisor) until the next call.
   void set_loss_scale(double s);
   at::Tensor reduce(BucketJob& job);
+  // Whether job goes through reduce_pipelined: a lowrank bucket of the hook
+  // (job.pipeline) in a float32 CPU buffer with no carry and no momentum.
+  // Each lowrank bucket costs two rounds of all-reduces, and every round
+  // waits for the slowest rank; pipelined, the step's B buckets cost B + 1:
+  // a bucket's second all-reduce (Q^T) goes with the next bucket's first
+  // (its flag, P, dense parts). A bucket's result then waits for the next
+  // bucket's hand-over; its first all-reduce still overlaps backward.
+  static bool pipelines(const BucketJob& job);
+  // A pipelined job: the parked bucket's second all-reduce joins this job's
+  // first (same algorithm; else the parked one ends on its own first), then
+  // this job parks unless it is the step's last. Only the comm thread calls
+  // it, so every rank sends the same all-reduces in the same order.
+  void reduce_pipelined(BucketJob& job, PipelineOutcome& out);
+  // Ends the parked bucket's step on its own (its second all-reduce) before
+  // any other job: out holds it (undefined if none was parked).
+  void flush(std::unique_ptr<ParkedBucket>& out);
   // All-gathers an int64 vector: returns [world, numel].
   at::Tensor gather_config(const at::Tensor& config);
   // Sums a small floating-point vector over the ranks (exact, in its dtype;
@@ -84,22 +121,29 @@ class BucketReducer {
  private:
   // The transport's counters now, and adding what they grew by since to this reducer's totals.
   struct WireMark {
-    int64_t sent, recv, comm_ns;
+    int64_t sent, recv, comm_ns, calls;
   };
   WireMark wire_mark() const;
   void add_wire_since(const WireMark& m);
+  // A compressed bucket that is not finite on some rank: reduced exactly.
+  void reduce_nonfinite(BucketJob& job, double divisor);
+  // lowrank's sum of a factor buffer with the bucket's algorithm.
+  void sum_by(Algo algo, at::Tensor& b);
+  // The accounting of one bucket's job (bytes, time, the step's end).
+  void end_bucket(const BucketJob& job, std::chrono::steady_clock::time_point started, const WireMark& mark);
 
   std::shared_ptr<Transport> transport_;
   double divisor_;
   double loss_scale_ = 1.0;
   std::vector<int> ring_order_, node_of_;
   collectives::CodecTimer codec_;
-  std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0};
+  std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0}, calls_{0};
   std::atomic<int64_t> nonfinite_steps_{0}, nonfinite_buckets_{0}, carry_holds_{0};
   bool step_nonfinite_ = false;
   ReduceTotals step_start_, last_step_;
   std::vector<std::pair<int64_t, double>> step_buckets_, last_step_buckets_;
   mutable std::mutex snap_mu_;
+  std::unique_ptr<ParkedBucket> parked_;
 };
 
 }  // namespace hetcomm

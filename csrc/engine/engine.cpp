@@ -36,7 +36,89 @@ Engine::~Engine() {
 }
 
 void Engine::close() {
+  // A bucket parked by an interrupted step ends its step before the thread
+  // stops (every rank's engine runs the same jobs, so the same all-reduce).
+  // Nothing parked (the usual case): the job takes no GIL, which may be
+  // gone (an engine dropped while the interpreter finalizes).
+  if (!worker_.closed()) {
+    try {
+      worker_.post([this] {
+        if (!parked_fut_) return;
+        std::unique_ptr<ParkedBucket> parked;
+        bool done = false;
+        std::exception_ptr error;
+        if (failure().empty()) {
+          try {
+            reducer_.flush(parked);
+            done = true;
+          } catch (const std::exception& e) {
+            record_failure(e);
+            error = std::current_exception();
+          }
+        }
+        py::gil_scoped_acquire gil;
+        settle_parked(parked, done, error);
+        parked.reset();
+      });
+    } catch (const std::runtime_error&) {  // closed meanwhile by another thread
+    }
+  }
   if (worker_.close()) transport_->release();
+}
+
+void Engine::record_failure(const std::exception& e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failure_.empty()) failure_ = e.what();
+}
+
+std::string Engine::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+void Engine::settle_parked(const std::unique_ptr<ParkedBucket>& parked, bool done, const std::exception_ptr& error) {
+  if (!parked_fut_) return;
+  FuturePtr fut = std::move(parked_fut_);
+  if (done && parked) {
+    fut->markCompleted(torch::jit::toIValue(py::cast(parked->job.buffer), c10::PyObjectType::get()));
+  } else {
+    fut->setError(error ? error
+                        : std::make_exception_ptr(std::runtime_error(
+                              "hetcomm: a lowrank bucket waited for the step's next bucket, which never came")));
+  }
+}
+
+FuturePtr Engine::run_pipelined(BucketJob job) {
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
+  worker_.post([this, fut, job = std::move(job)]() mutable {
+    const std::string earlier = failure();
+    PipelineOutcome out;
+    std::exception_ptr error;
+    if (!earlier.empty()) {
+      error = std::make_exception_ptr(
+          std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier));
+    } else {
+      try {
+        reducer_.reduce_pipelined(job, out);
+      } catch (const std::exception& e) {
+        record_failure(e);
+        error = std::current_exception();
+      }
+    }
+    py::gil_scoped_acquire gil;  // as in execute(): nothing of the jobs outlives this hold
+    settle_parked(out.earlier, out.earlier_done, error);
+    out.earlier.reset();
+    if (error) {
+      fut->setError(error);
+    } else if (out.parked) {
+      parked_fut_ = fut;
+    } else {
+      fut->markCompleted(torch::jit::toIValue(py::cast(job.buffer), c10::PyObjectType::get()));
+    }
+    job = BucketJob();
+    fut.reset();
+  });
+  return fut;
 }
 
 FuturePtr Engine::run(std::function<at::Tensor()> fn, const at::Tensor& bucket) {
@@ -103,25 +185,22 @@ c10::cuda::CUDAStream Engine::comm_stream() {
 
 void Engine::execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, const std::function<void()>& after,
                      const std::function<void()>& release) {
-  std::string earlier;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    earlier = failure_;
-  }
+  const std::string earlier = failure();
   at::Tensor result;
   std::exception_ptr error;
+  std::unique_ptr<ParkedBucket> parked;
+  bool parked_done = false;
   if (!earlier.empty()) {
     error = std::make_exception_ptr(
         std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier));
   } else {
     try {
+      reducer_.flush(parked);  // a parked bucket's step ends before any other job
+      parked_done = true;
       result = fn();
       if (after) after();
     } catch (const std::exception& e) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        failure_ = e.what();
-      }
+      record_failure(e);
       error = std::current_exception();
     }
   }
@@ -130,6 +209,8 @@ void Engine::execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, cons
   // a tensor whose Python object the caller let go of is freed with it, and
   // freeing one may let the GIL go for a moment.
   if (release) release();
+  settle_parked(parked, parked_done, error);
+  parked.reset();
   if (error) {
     fut->setError(error);
   } else {
@@ -172,6 +253,7 @@ FuturePtr Engine::submit_bucket(BucketJob job) {
     TORCH_CHECK_VALUE(job.residual.numel() == n, "hetcomm: residual must have the bucket's ", n, " elements, got ",
                       job.residual.numel());
   job.buffer = job.buffer.view({-1});
+  if (BucketReducer::pipelines(job) && transport_->device().is_cpu()) return run_pipelined(std::move(job));
   return run([this, job]() mutable { return reducer_.reduce(job); }, job.buffer);
 }
 

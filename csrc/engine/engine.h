@@ -62,6 +62,8 @@ class Engine {
   // Applies to buckets submitted after this call (FIFO on the comm thread).
   void set_topology(std::vector<int> order, std::vector<int> node_of);
 
+  // Blocks until the queued jobs have run (a pipelined lowrank bucket may
+  // still wait for the step's next bucket: see BucketReducer::pipelines).
   void drain() { worker_.drain(); }
   // Stops the comm thread after its queued jobs, then lets go of the process
   // group: destroy_process_group() then frees it while Python is alive, not
@@ -89,6 +91,15 @@ class Engine {
   // nothing of the job outlives the GIL hold that completes its future.
   void execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, const std::function<void()>& after,
                const std::function<void()>& release);
+  // A job of BucketReducer::reduce_pipelined: its future may stay open
+  // (parked_fut_) until a later job ends its step.
+  FuturePtr run_pipelined(BucketJob job);
+  // Under the GIL: completes the parked bucket's future with its buffer if
+  // its step is done, else with `error` (or a note that it never ended).
+  void settle_parked(const std::unique_ptr<ParkedBucket>& parked, bool done, const std::exception_ptr& error);
+  // The first error of a job (failure_), and the message to fail later jobs with ("" while none failed).
+  void record_failure(const std::exception& e);
+  std::string failure() const;
 #ifdef HETCOMM_WITH_CUDA
   FuturePtr run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket);
   c10::cuda::CUDAStream comm_stream();
@@ -97,8 +108,9 @@ class Engine {
 
   std::shared_ptr<Transport> transport_;
   BucketReducer reducer_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::string failure_;
+  FuturePtr parked_fut_;  // comm thread only
   Worker worker_;  // last: its thread stops before the members it uses go away
 };
 

@@ -63,6 +63,10 @@ at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor o
 // p goes through the host (it is small: rows x rank) so every device agrees.
 void orthonormalize_columns(at::Tensor& p, double eps);
 
+// Whether x holds no NaN and no infinity (a finite sum proves it in one fast
+// reduction; otherwise element by element). Waits for a CUDA x.
+bool all_finite(const at::Tensor& x);
+
 // Shared checks.
 void check_float_vector(const at::Tensor& t, const char* name);
 void check_chunk(int64_t chunk);
