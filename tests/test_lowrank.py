@@ -160,32 +160,34 @@ def test_hierarchical_lowrank_is_the_flat_step_with_its_factors_summed_inside_no
         assert r["sent_per_step"] <= 2 * factors * 4 < N * 4 / 2, r["sent_per_step"]
 
 
-def _nonfinite_rank(rank, world, bad):
-    t = _C.ProcessGroupTransport(dist.group.WORLD)
+def _nonfinite_rank(rank, world, bad, device):
+    dev = models.rank_device(rank, device)
+    t = _C.ProcessGroupTransport(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
     g = torch.Generator().manual_seed(rank)
-    q = torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None])
-    res = torch.randn(N, generator=g) * 0.1
+    q = torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None]).to(dev)
+    res = (torch.randn(N, generator=g) * 0.1).to(dev)
     out = []
     for step in range(2):
         x = torch.randn(N, generator=g)
         if step == 0 and rank == world - 1:
             x[977] = float(bad)  # one entry of the dense part, on one rank
+        x = x.to(dev)
         before = (x.clone(), q.clone(), res.clone())
         calls = t.counters()["calls"]
         reduced = t.allreduce_lowrank(x, float(world), lay, q, res)
         out.append({"reduced": reduced, "calls": t.counters()["calls"] - calls,
                     "untouched": all(torch.equal(a.view(torch.int32), b.view(torch.int32))  # bits: NaN too
-                                         for a, b in zip(before, (x, q, res)))})
+                                     for a, b in zip(before, (x, q, res)))})
     return out
 
 
 @pytest.mark.parametrize("bad", ["inf", "nan"])
-def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(bad):
+def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(bad, device):
     # The flag travels with P and the dense parts: a step is two all-reduces, not three. Where one rank is not
     # finite, every rank stops after the first and leaves the bucket, Q and the residual as they came (the caller
     # then reduces the bucket exactly, as allreduce_hook would).
-    for ranks in run_ranks(_nonfinite_rank, 3, bad):
+    for ranks in run_ranks(_nonfinite_rank, 3, bad, device):
         assert ranks[0] == {"reduced": False, "calls": 1, "untouched": True}
         assert ranks[1] == {"reduced": True, "calls": 2, "untouched": False}
 
