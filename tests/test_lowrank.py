@@ -47,11 +47,16 @@ def _initial_qs(layout):
     return [torch.randn(cols, r, generator=g) if r else None for _, rows, cols, r in layout]
 
 
+def _q_state(layout):
+    """_initial_qs as the engine keeps them: one flat float32 vector."""
+    return torch.cat([q.reshape(-1) for q in _initial_qs(layout) if q is not None])
+
+
 def _ours(rank, world, layout, steps, divisors, node_of=()):
     """``steps`` calls of allreduce_lowrank (hierarchical with ``node_of``)."""
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     lay = torch.tensor(layout)
-    q = torch.cat([q.reshape(-1) for q in _initial_qs(layout) if q is not None])
+    q = _q_state(layout)
     assert q.numel() == _C.lowrank_q_numel(lay)
     res = torch.zeros(N)
     g = torch.Generator().manual_seed(rank)
@@ -165,7 +170,7 @@ def _nonfinite_rank(rank, world, bad, device):
     t = _C.ProcessGroupTransport(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
     g = torch.Generator().manual_seed(rank)
-    q = torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None]).to(dev)
+    q = _q_state(LAYOUT).to(dev)
     res = (torch.randn(N, generator=g) * 0.1).to(dev)
     out = []
     for step in range(2):
@@ -197,7 +202,7 @@ def _engine_steps(rank, world, kinds, pipeline, steps=2):
     through the engine, ``steps`` steps; per step the inputs, outputs, residuals and collective calls."""
     engine = hetcomm._C.Engine(dist.group.WORLD)
     lay = torch.tensor(LAYOUT)
-    qs = [torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None]) for _ in kinds]
+    qs = [_q_state(LAYOUT) for _ in kinds]
     res = [torch.zeros(N) for _ in kinds]
     g = torch.Generator().manual_seed(rank)
     out = []
@@ -251,7 +256,7 @@ def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_nex
 def _parked_then(rank, world, then):
     engine = hetcomm._C.Engine(dist.group.WORLD)
     lay = torch.tensor(LAYOUT)
-    q = torch.cat([q.reshape(-1) for q in _initial_qs(LAYOUT) if q is not None])
+    q = _q_state(LAYOUT)
     x = torch.randn(N, generator=torch.Generator().manual_seed(rank))
     buf = x.clone()
     fut = engine.submit_bucket(0, buf, _C.Codec.lowrank, 2048, 0.01, True, torch.zeros(N), None, False, layout=lay,

@@ -270,11 +270,11 @@ void BucketReducer::flush(std::unique_ptr<ParkedBucket>& out) {
 
 void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
   Transport& t = *transport_;
-  out.earlier = std::move(parked_);
-  const bool joins = out.earlier && out.earlier->job.algo == job.algo;
-  if (out.earlier && !joins) {
-    parked_ = std::move(out.earlier);
-    flush(out.earlier);
+  const bool joins = parked_ && parked_->job.algo == job.algo;
+  if (joins) {
+    out.earlier = std::move(parked_);
+  } else if (parked_) {
+    flush(out.earlier);  // its own second all-reduce first
     out.earlier_done = true;
   }
   const auto started = std::chrono::steady_clock::now();
