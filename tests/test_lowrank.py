@@ -197,18 +197,20 @@ def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(
         assert ranks[1] == {"reduced": True, "calls": 2, "untouched": False}
 
 
-def _engine_steps(rank, world, kinds, pipeline, steps=2):
+def _engine_steps(rank, world, kinds, pipeline, device, steps=2):
     """Buckets of ``kinds`` ("lowrank": LAYOUT with its own Q and residual; "dense": N floats reduced exactly)
-    through the engine, ``steps`` steps; per step the inputs, outputs, residuals and collective calls."""
-    engine = hetcomm._C.Engine(dist.group.WORLD)
+    through the engine on ``device``, ``steps`` steps; per step the inputs, outputs, residuals and collective
+    calls (tensors on the CPU)."""
+    dev = models.rank_device(rank, device)
+    engine = hetcomm._C.Engine(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
-    qs = [_q_state(LAYOUT) for _ in kinds]
-    res = [torch.zeros(N) for _ in kinds]
+    qs = [_q_state(LAYOUT).to(dev) for _ in kinds]
+    res = [torch.zeros(N, device=dev) for _ in kinds]
     g = torch.Generator().manual_seed(rank)
     out = []
     for _ in range(steps):
         xs = [torch.randn(N, generator=g) for _ in kinds]
-        bufs = [x.clone() for x in xs]
+        bufs = [x.to(dev, copy=True) for x in xs]
         futs = []
         for b, (kind, buf) in enumerate(zip(kinds, bufs)):
             lowrank = kind == "lowrank"
@@ -218,17 +220,17 @@ def _engine_steps(rank, world, kinds, pipeline, steps=2):
                 pipeline=pipeline))
         for f in futs:
             f.wait()
-        out.append({"xs": xs, "outs": bufs, "res": [r.clone() for r in res],
+        out.append({"xs": xs, "outs": [b.cpu() for b in bufs], "res": [r.to("cpu", copy=True) for r in res],
                     "collectives": engine.stats()["last_step"]["collectives"]})
     engine.close()
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_next_ones_first(world):
+def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_next_ones_first(world, device):
     kinds = ["lowrank", "lowrank", "dense", "lowrank", "lowrank", "lowrank"]
-    piped = run_ranks(_engine_steps, world, kinds, True)
-    alone = run_ranks(_engine_steps, world, kinds, False)
+    piped = run_ranks(_engine_steps, world, kinds, True, device.type)
+    alone = run_ranks(_engine_steps, world, kinds, False, device.type)
     # Runs of k lowrank buckets cost k + 1 all-reduces (3 and 4 here), the dense bucket 1; alone, 2 a lowrank bucket.
     assert [s["collectives"] for s in piped[0]] == [3 + 1 + 4] * 2
     assert [s["collectives"] for s in alone[0]] == [2 * 5 + 1] * 2
@@ -253,27 +255,28 @@ def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_nex
             assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
 
 
-def _parked_then(rank, world, then):
-    engine = hetcomm._C.Engine(dist.group.WORLD)
+def _parked_then(rank, world, then, device):
+    dev = models.rank_device(rank, device)
+    engine = hetcomm._C.Engine(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
-    q = _q_state(LAYOUT)
+    q = _q_state(LAYOUT).to(dev)
     x = torch.randn(N, generator=torch.Generator().manual_seed(rank))
-    buf = x.clone()
-    fut = engine.submit_bucket(0, buf, _C.Codec.lowrank, 2048, 0.01, True, torch.zeros(N), None, False, layout=lay,
-                               q_state=q, pipeline=True)  # not the step's last: it waits for the next bucket
+    buf = x.to(dev, copy=True)
+    fut = engine.submit_bucket(0, buf, _C.Codec.lowrank, 2048, 0.01, True, torch.zeros(N, device=dev), None, False,
+                               layout=lay, q_state=q, pipeline=True)  # not the step's last: it waits for the next one
     if then == "sum":
-        engine.submit_sum(torch.ones(1)).wait()
+        engine.submit_sum(torch.ones(1, device=dev)).wait()
     else:
         engine.close()
     fut.wait()
-    return x, buf
+    return x, buf.cpu()
 
 
 @pytest.mark.parametrize("then", ["sum", "close"])
-def test_a_parked_lowrank_bucket_ends_its_step_before_any_other_job_and_at_close(then):
+def test_a_parked_lowrank_bucket_ends_its_step_before_any_other_job_and_at_close(then, device):
     # A step interrupted after a bucket that waits for the next one: the next job of another kind, or close(),
     # ends its step alone (no hang), with the same result as the pure-torch step
-    results = run_ranks(_parked_then, 2, then)
+    results = run_ranks(_parked_then, 2, then, device.type)
     want, _, _ = _reference_step([x for x, _ in results], [2.0, 2.0], [torch.zeros(N)] * 2, _initial_qs(LAYOUT), LAYOUT)
     for _, buf in results:
         torch.testing.assert_close(buf, want, rtol=1e-4, atol=1e-5)

@@ -83,7 +83,7 @@ class BucketReducer {
   void set_loss_scale(double s);
   at::Tensor reduce(BucketJob& job);
   // Whether job goes through reduce_pipelined: a lowrank bucket of the hook
-  // (job.pipeline) in a float32 CPU buffer with no carry and no momentum.
+  // (job.pipeline) in a float32 buffer (CPU or CUDA) with no carry and no momentum.
   // Each lowrank bucket costs two rounds of all-reduces, and every round
   // waits for the slowest rank; pipelined, the step's B buckets cost B + 1:
   // a bucket's second all-reduce (Q^T) goes with the next bucket's first

@@ -21,6 +21,80 @@ namespace py = pybind11;
 
 namespace hetcomm {
 
+#ifdef HETCOMM_WITH_CUDA
+// Made on the caller's thread: an event after what its current stream has
+// queued. Waited for on the comm thread: the comm stream waits, not the host.
+class StreamHandoff {
+ public:
+  explicit StreamHandoff(c10::Device device) {
+    c10::cuda::CUDAGuard guard(device);
+    HC_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    const cudaError_t recorded = cudaEventRecord(ready_, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+    if (recorded != cudaSuccess) cudaEventDestroy(ready_);
+    HC_CUDA_CHECK(recorded);
+  }
+  StreamHandoff(const StreamHandoff&) = delete;
+  StreamHandoff& operator=(const StreamHandoff&) = delete;
+  // A pending event may be destroyed: CUDA frees it once the wait is done.
+  ~StreamHandoff() { cudaEventDestroy(ready_); }
+  // With the comm stream current.
+  void wait() { HC_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream().stream(), ready_, 0)); }
+
+ private:
+  cudaEvent_t ready_ = nullptr;
+};
+
+class Engine::CommStreamScope {
+ public:
+  CommStreamScope(Engine* engine, bool cuda) {
+    if (cuda) guard_.emplace(engine->comm_stream());
+  }
+
+ private:
+  c10::optional<c10::cuda::CUDAStreamGuard> guard_;
+};
+
+std::shared_ptr<StreamHandoff> Engine::hand_off() {
+  const at::Device device = transport_->device();
+  if (!device.is_cuda()) return nullptr;
+  comm_stream();  // made here, on the caller's thread, before any job of the comm thread asks for it
+  return std::make_shared<StreamHandoff>(device);
+}
+
+void Engine::settle_stream() {
+  transport_->synchronize();  // NCCL: bounded by the timeout, aborts the communicator
+  if (transport_->device().is_cuda()) comm_stream().synchronize();  // a process group: its own watchdog bounds this
+}
+
+void Engine::record_stream(const at::Tensor& bucket) {
+  if (bucket.defined() && bucket.is_cuda())
+    c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), comm_stream());
+}
+
+// NcclTransport enqueues on its own stream; with a process group the engine
+// keeps a stream of its own.
+c10::cuda::CUDAStream Engine::comm_stream() {
+  if (auto nccl = std::dynamic_pointer_cast<NcclTransport>(transport_)) return nccl->stream();
+  if (!stream_) stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, transport_->device().index());
+  return *stream_;
+}
+#else
+// A CPU-only build: nothing to hand from one stream to another.
+class StreamHandoff {
+ public:
+  void wait() {}
+};
+
+class Engine::CommStreamScope {
+ public:
+  CommStreamScope(Engine*, bool) {}
+};
+
+std::shared_ptr<StreamHandoff> Engine::hand_off() { return nullptr; }
+void Engine::settle_stream() { transport_->synchronize(); }
+void Engine::record_stream(const at::Tensor&) {}
+#endif
+
 Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device)
     : transport_(std::make_shared<ProcessGroupTransport>(std::move(pg), device)), reducer_(transport_) {}
 
@@ -44,12 +118,15 @@ void Engine::close() {
     try {
       worker_.post([this] {
         if (!parked_fut_) return;
+        // A parked bucket made the comm stream already (run_pipelined, on the caller's thread)
+        CommStreamScope scope(this, transport_->device().is_cuda());
         std::unique_ptr<ParkedBucket> parked;
         bool done = false;
         std::exception_ptr error;
         if (failure().empty()) {
           try {
             reducer_.flush(parked);
+            settle_stream();
             done = true;
           } catch (const std::exception& e) {
             record_failure(e);
@@ -89,8 +166,11 @@ void Engine::settle_parked(const std::unique_ptr<ParkedBucket>& parked, bool don
 }
 
 FuturePtr Engine::run_pipelined(BucketJob job) {
-  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
-  worker_.post([this, fut, job = std::move(job)]() mutable {
+  check_device(job.buffer);
+  FuturePtr fut = new_future();
+  std::shared_ptr<StreamHandoff> handoff = hand_off();
+  worker_.post([this, fut, job = std::move(job), handoff]() mutable {
+    CommStreamScope scope(this, handoff != nullptr);  // until the futures are settled: their events go on it
     const std::string earlier = failure();
     PipelineOutcome out;
     std::exception_ptr error;
@@ -99,7 +179,10 @@ FuturePtr Engine::run_pipelined(BucketJob job) {
           std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier));
     } else {
       try {
+        if (handoff) handoff->wait();
         reducer_.reduce_pipelined(job, out);
+        settle_stream();
+        record_stream(job.buffer);
       } catch (const std::exception& e) {
         record_failure(e);
         error = std::current_exception();
@@ -122,49 +205,31 @@ FuturePtr Engine::run_pipelined(BucketJob job) {
 }
 
 FuturePtr Engine::run(std::function<at::Tensor()> fn, const at::Tensor& bucket) {
-  const at::Device device = transport_->device();
-  TORCH_CHECK_VALUE(!bucket.defined() || bucket.device() == device, "hetcomm: bucket is on ", bucket.device(),
-                    " but this HookState's transport works on ", device,
-                    " (one HookState serves the buckets of one device)");
-#ifdef HETCOMM_WITH_CUDA
-  if (device.is_cuda()) return run_cuda(std::move(fn), bucket);
-#endif
-  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
-  worker_.post([this, fut, fn = std::move(fn)]() mutable { execute(fut, fn, nullptr, [&fn] { fn = nullptr; }); });
-  return fut;
-}
-
-#ifdef HETCOMM_WITH_CUDA
-// A CUDA transport: the comm stream first waits for what the caller's stream
-// has queued (the gradients), the job's kernels and collectives run on the
-// comm stream, and the Future is CUDA-aware: completed with events on the
-// comm stream, so DDP's wait() makes its stream wait without blocking the
-// host. The comm thread then waits for the stream itself (NCCL: polling async
-// errors, aborting on timeout) so a dead peer raises, not hangs.
-FuturePtr Engine::run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket) {
-  const c10::Device device = transport_->device();
-  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get(), std::vector<c10::Device>{device});
-  cudaEvent_t ready;
-  c10::cuda::CUDAStream stream = comm_stream();
-  {
-    c10::cuda::CUDAGuard guard(device);
-    HC_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    HC_CUDA_CHECK(cudaEventRecord(ready, c10::cuda::getCurrentCUDAStream(device.index()).stream()));
+  check_device(bucket);
+  FuturePtr fut = new_future();
+  std::shared_ptr<StreamHandoff> handoff = hand_off();
+  if (!handoff) {
+    worker_.post([this, fut, fn = std::move(fn)]() mutable { execute(fut, fn, nullptr, [&fn] { fn = nullptr; }); });
+    return fut;
   }
-  worker_.post([this, fut, fn = std::move(fn), bucket = bucket, ready, stream]() mutable {
-    c10::cuda::CUDAStreamGuard guard(stream);
+  // A CUDA transport: the comm stream first waits for what the caller's
+  // stream has queued (the gradients), the job's kernels and collectives run
+  // on the comm stream, and the Future is CUDA-aware: completed with events on
+  // the comm stream, so DDP's wait() makes its stream wait without blocking
+  // the host. The comm thread then waits for the stream itself (NCCL: polling
+  // async errors, aborting on timeout) so a dead peer raises, not hangs.
+  worker_.post([this, fut, fn = std::move(fn), bucket = bucket, handoff]() mutable {
+    CommStreamScope scope(this, true);
     // Inside the job's error handling: a failure here fails its future.
-    auto waited = [&fn, &stream, ready] {
-      HC_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), ready, 0));
-      HC_CUDA_CHECK(cudaEventDestroy(ready));
+    auto waited = [&fn, &handoff] {
+      handoff->wait();
       return fn();
     };
     execute(
         fut, waited,
         [&] {
-          transport_->synchronize();  // NCCL: bounded by the timeout, aborts the communicator
-          stream.synchronize();       // a process group: its own watchdog bounds this
-          if (bucket.defined()) c10::cuda::CUDACachingAllocator::recordStream(bucket.storage().data_ptr(), stream);
+          settle_stream();
+          record_stream(bucket);
         },
         [&] {
           fn = nullptr;
@@ -174,14 +239,18 @@ FuturePtr Engine::run_cuda(std::function<at::Tensor()> fn, const at::Tensor& buc
   return fut;
 }
 
-// NcclTransport enqueues on its own stream; with a process group the engine
-// keeps a stream of its own.
-c10::cuda::CUDAStream Engine::comm_stream() {
-  if (auto nccl = std::dynamic_pointer_cast<NcclTransport>(transport_)) return nccl->stream();
-  if (!stream_) stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, transport_->device().index());
-  return *stream_;
+void Engine::check_device(const at::Tensor& bucket) const {
+  const at::Device device = transport_->device();
+  TORCH_CHECK_VALUE(!bucket.defined() || bucket.device() == device, "hetcomm: bucket is on ", bucket.device(),
+                    " but this HookState's transport works on ", device,
+                    " (one HookState serves the buckets of one device)");
 }
-#endif
+
+FuturePtr Engine::new_future() const {
+  const at::Device device = transport_->device();
+  if (device.is_cpu()) return c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
+  return c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get(), std::vector<c10::Device>{device});
+}
 
 void Engine::execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, const std::function<void()>& after,
                      const std::function<void()>& release) {
@@ -253,7 +322,7 @@ FuturePtr Engine::submit_bucket(BucketJob job) {
     TORCH_CHECK_VALUE(job.residual.numel() == n, "hetcomm: residual must have the bucket's ", n, " elements, got ",
                       job.residual.numel());
   job.buffer = job.buffer.view({-1});
-  if (BucketReducer::pipelines(job) && transport_->device().is_cpu()) return run_pipelined(std::move(job));
+  if (BucketReducer::pipelines(job)) return run_pipelined(std::move(job));
   return run([this, job]() mutable { return reducer_.reduce(job); }, job.buffer);
 }
 

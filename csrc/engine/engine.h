@@ -32,6 +32,9 @@ namespace hetcomm {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
+// A CUDA job's hand-off from the caller's stream to the comm stream (engine.cpp).
+class StreamHandoff;
+
 struct EngineStats {
   int64_t nonfinite_steps = 0, nonfinite_buckets = 0;
   ReduceTotals total, last_step;
@@ -100,8 +103,19 @@ class Engine {
   // The first error of a job (failure_), and the message to fail later jobs with ("" while none failed).
   void record_failure(const std::exception& e);
   std::string failure() const;
+  void check_device(const at::Tensor& bucket) const;  // the transport's device, or undefined
+  // A job's future: CUDA-aware on a CUDA transport (completed with events on the comm stream).
+  FuturePtr new_future() const;
+  // On the caller's thread: for a CUDA transport, an event after what the
+  // caller's stream has queued (the gradients); nullptr on the CPU.
+  std::shared_ptr<StreamHandoff> hand_off();
+  // On the comm thread, for the length of a job: the comm stream is current (a CUDA transport).
+  class CommStreamScope;
+  // On the comm thread: waits for the job's collectives and kernels.
+  void settle_stream();
+  // The caching allocator keeps a CUDA bucket's memory until the comm stream is done with it.
+  void record_stream(const at::Tensor& bucket);
 #ifdef HETCOMM_WITH_CUDA
-  FuturePtr run_cuda(std::function<at::Tensor()> fn, const at::Tensor& bucket);
   c10::cuda::CUDAStream comm_stream();
   c10::optional<c10::cuda::CUDAStream> stream_;
 #endif
