@@ -165,7 +165,7 @@ def test_hierarchical_lowrank_is_the_flat_step_with_its_factors_summed_inside_no
         assert r["sent_per_step"] <= 2 * factors * 4 < N * 4 / 2, r["sent_per_step"]
 
 
-def _nonfinite_rank(rank, world, bad, device):
+def _nonfinite_rank(rank, world, bad, where, device):
     dev = models.rank_device(rank, device)
     t = _C.ProcessGroupTransport(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
@@ -175,8 +175,10 @@ def _nonfinite_rank(rank, world, bad, device):
     out = []
     for step in range(2):
         x = torch.randn(N, generator=g)
-        if step == 0 and rank == world - 1:
-            x[977] = float(bad)  # one entry of the dense part, on one rank
+        if step == 0 and bad == "+-inf" and rank >= world - 2:  # two ranks, opposite infinities: the sum is NaN
+            x[where] = float("inf") if rank == world - 1 else float("-inf")
+        elif step == 0 and rank == world - 1:
+            x[where] = float(bad)  # one entry, on one rank
         x = x.to(dev)
         before = (x.clone(), q.clone(), res.clone())
         calls = t.counters()["calls"]
@@ -187,12 +189,14 @@ def _nonfinite_rank(rank, world, bad, device):
     return out
 
 
-@pytest.mark.parametrize("bad", ["inf", "nan"])
-def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(bad, device):
-    # The flag travels with P and the dense parts: a step is two all-reduces, not three. Where one rank is not
-    # finite, every rank stops after the first and leaves the bucket, Q and the residual as they came (the caller
-    # then reduces the bucket exactly, as allreduce_hook would).
-    for ranks in run_ranks(_nonfinite_rank, 3, bad, device):
+# where: an entry of the dense part (960..989), of the first matrix, of the second one
+@pytest.mark.parametrize("bad,where", [("inf", 977), ("nan", 5), ("+-inf", 1100)])
+def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(bad, where, device):
+    # No all-reduce of its own for GradScaler's overflow check: a non-finite entry of M makes its row of P = M Q,
+    # or its dense entry, non-finite in the sum every rank receives, so a step is two all-reduces, not three.
+    # Where a rank is not finite, every rank stops after the first and leaves the bucket, Q and the residual as
+    # they came (the caller then reduces the bucket exactly, as allreduce_hook would).
+    for ranks in run_ranks(_nonfinite_rank, 3, bad, where, device):
         assert ranks[0] == {"reduced": False, "calls": 1, "untouched": True}
         assert ranks[1] == {"reduced": True, "calls": 2, "untouched": False}
 

@@ -77,14 +77,16 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
                     "hetcomm: lowrank Q state and residual must be on the bucket's device ", x.device());
   TORCH_CHECK_VALUE(!residual.defined() || residual.numel() == x.numel(), "hetcomm: lowrank residual must have the bucket's ",
                     x.numel(), " elements, got ", residual.numel());
-  // One all-reduce for a flag (1 where this rank's x is not finite), P and
-  // the dense parts: each round of all-reduces is a wait for the slowest rank
-  // and the link's latency (testbed, 2 x 2 ranks at 100 Mbit: a second bucket
-  // of 256 KB cost 16-18 ms a step with three rounds). The flag makes a
-  // separate check of every rank's finiteness unneeded; until it is known, x
-  // stays as it came (M is built beside it), so a non-finite step can still
-  // be reduced exactly.
-  head_ = at::empty({1 + p_total + dense}, x.options());
+  // One all-reduce for P and the dense parts, which also tells every rank
+  // whether all x were finite: a non-finite entry of M makes its row of
+  // P = M Q non-finite (inf * q is +-inf, inf * 0 and anything with NaN are
+  // NaN), a dense one is sent as it is, and a sum with a non-finite term is
+  // not finite. Each round of all-reduces is a wait for the slowest rank and
+  // the link's latency (testbed, 2 x 2 ranks at 100 Mbit: a second bucket of
+  // 256 KB cost 16-18 ms a step with three rounds), so no round of its own for
+  // GradScaler's overflow check. Until the sum is known, x stays as it came
+  // (M is built beside it), so a non-finite step can still be reduced exactly.
+  head_ = at::empty({p_total + dense}, x.options());
   p_total_ = p_total;
   // Each part's new Q, transposed (rank x cols, row-major): BLAS writes P^T M
   // into a contiguous rank x cols block about 10x faster on the CPU than M^T P
@@ -94,12 +96,11 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
   qt_ = at::empty({q_total}, x.options());
   m_ = at::empty_like(x);
   Timed _(timer_);
-  head_.narrow(0, 0, 1).fill_(ops::all_finite(x) ? 0.0 : 1.0);
   // M = x / divisor (+ residual on the matrices: error feedback); the same
   // division kernel as x.div_(divisor).
   at::div_out(m_, x, at::native::wrapped_scalar_tensor(divisor));
   if (residual.defined()) m_.add_(residual);
-  int64_t d = 1 + p_total, po = 1, qo = 0;
+  int64_t d = p_total, po = 0, qo = 0;
   for (const auto& p : parts_) {
     at::Tensor m = m_.narrow(0, p.offset, p.numel());
     if (p.rank == 0) {
@@ -119,22 +120,33 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
 
 bool LowrankStep::after_first(Transport& t) {
   Timed _(timer_);
-  // The flag and P on the host (P is small): a non-finite x on any rank ends
-  // the step here, on every rank alike. Otherwise an orthonormal P (every
-  // rank holds the same summed P, so the same basis), then Q^T = P^T M.
+  // P on the host (it is small), with whether the summed P and dense parts
+  // are finite (see the constructor): where they are not, some rank's x was
+  // not, and every rank, holding the same sum, ends the step here alike.
+  // Otherwise an orthonormal P (every rank holds the same summed P, so the
+  // same basis), then Q^T = P^T M.
   t.synchronize();
-  at::Tensor head_dev = head_.narrow(0, 0, 1 + p_total_);
-  at::Tensor head = head_dev.cpu();
-  if (head.data_ptr<float>()[0] != 0.0f) return false;
-  int64_t po = 1;
+  at::Tensor p_dev = head_.narrow(0, 0, p_total_);
+  at::Tensor head;  // P, and on a GPU one more entry: 1 where the dense parts are all finite
+  bool finite;
+  if (head_.is_cpu()) {
+    head = p_dev;
+    finite = ops::all_finite(head_);
+  } else {  // one read of the device
+    at::Tensor dense = head_.narrow(0, p_total_, head_.numel() - p_total_);
+    head = at::cat({p_dev, at::isfinite(dense).all().to(at::kFloat).view({1})}).cpu();
+    finite = head.data_ptr<float>()[p_total_] != 0.0f && ops::all_finite(head.narrow(0, 0, p_total_));
+  }
+  if (!finite) return false;
+  int64_t po = 0;
   for (const auto& p : parts_) {
     if (p.rank == 0) continue;
     at::Tensor pm = head.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
     ops::orthonormalize_columns(pm, 1e-8);
     po += p.rows * p.rank;
   }
-  if (!head.is_same(head_dev)) head_dev.copy_(head);
-  po = 1;
+  if (!head.is_same(p_dev)) p_dev.copy_(head.narrow(0, 0, p_total_));
+  po = 0;
   int64_t qo = 0;
   for (const auto& p : parts_) {
     if (p.rank == 0) continue;
@@ -150,7 +162,7 @@ bool LowrankStep::after_first(Transport& t) {
 
 void LowrankStep::finish() {
   Timed _(timer_);
-  int64_t d = 1 + p_total_, po = 1, qo = 0;
+  int64_t d = p_total_, po = 0, qo = 0;
   for (const auto& p : parts_) {
     at::Tensor out = x_.narrow(0, p.offset, p.numel());
     if (p.rank == 0) {

@@ -22,13 +22,13 @@ namespace collectives {
 // share: this rank's part of the sum's approximation for error feedback
 // (default 1 / divisor; the shares of all ranks sum to 1).
 // Returns false when x held a NaN or an infinity on some rank (every rank
-// learns it from the step's first all-reduce, so every rank returns the same):
+// learns it from the sum of P and the dense parts, so every rank returns the same):
 // x, the residual and Q are then as they came, for the caller to reduce x
 // exactly. The step holds one more buffer of x's size while it runs (M).
 bool allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
                        const at::Tensor& residual, CodecTimer& timer, double share = -1.0);
 
-// The same step with its two all-reduces (the flag, P and the dense parts; then Q^T)
+// The same step with its two all-reduces (P and the dense parts; then Q^T)
 // hierarchical: summed inside each node, across the nodes among the ranks of
 // one local index, and gathered back inside the node (allreduce_hierarchical,
 // exact). P = sum_r M_r Q is linear in the M_r, so this is the flat step's
@@ -47,9 +47,9 @@ struct LowrankPart {
 // One bucket's step of allreduce_lowrank in its stages, for a caller that
 // runs the two all-reduces itself (the engine merges one bucket's second
 // all-reduce with the next bucket's first). allreduce_lowrank is: construct
-// (M, the flag, P and the dense parts: first() is ready), sum first(),
-// after_first() (false: some rank's x was not finite, nothing was changed;
-// else second() is ready), sum second(), finish(). x, q_state and residual
+// (M, P and the dense parts: first() is ready), sum first(), after_first()
+// (false: some rank's x was not finite, nothing was changed; else second()
+// is ready), sum second(), finish(). x, q_state and residual
 // (arguments as above) are kept by reference until finish().
 class LowrankStep {
  public:

@@ -87,7 +87,7 @@ class BucketReducer {
   // Each lowrank bucket costs two rounds of all-reduces, and every round
   // waits for the slowest rank; pipelined, the step's B buckets cost B + 1:
   // a bucket's second all-reduce (Q^T) goes with the next bucket's first
-  // (its flag, P, dense parts). A bucket's result then waits for the next
+  // (P and the dense parts). A bucket's result then waits for the next
   // bucket's hand-over; its first all-reduce still overlaps backward.
   static bool pipelines(const BucketJob& job);
   // A pipelined job: the parked bucket's second all-reduce joins this job's
