@@ -167,6 +167,57 @@ def fuzz_engine(index, buf, codec, chunk, ratio, exact, res, sres, last, algo, o
     call("Engine.submit_sum", lambda: ENGINE.submit_sum(buf).wait())
 
 
+@st.composite
+def lowrank_inputs(draw):
+    """(bucket, layout, Q state, residual): as often as not ones that fit together (float32 values that may be
+    huge or not finite, a row of `rows` x `cols` at rank 0 or 1), else any."""
+    if draw(st.booleans()):
+        n = draw(st.integers(1, 300))
+        buf = torch.randn(n) * draw(st.sampled_from([1.0, 1e30, 0.0]))
+        if draw(st.booleans()):
+            buf[draw(st.integers(0, n - 1))] = draw(st.sampled_from([float("inf"), float("-inf"), float("nan")]))
+        rows = draw(st.sampled_from([d for d in range(1, min(n, 12) + 1) if n % d == 0]))
+        rank = draw(st.integers(0, 1))
+        res = draw(st.sampled_from([None, "zeros", "randn"]))
+        res = None if res is None else torch.zeros(n) if res == "zeros" else torch.randn(n)
+        return buf, [[0, rows, n // rows, rank]], torch.randn(n // rows * rank), res
+    return (draw(tensors()), draw(st.lists(st.lists(ints, min_size=4, max_size=4), max_size=3)),
+            draw(tensors(torch.float32)), draw(opt_tensors))
+
+
+@common
+@given(lowrank_inputs(), st.booleans(), st.sampled_from(["sum", "bucket", "close"]))
+def fuzz_engine_pipelined(inputs, last, then):
+    """The hook's lowrank buckets (pipeline=True): one that is not the step's last waits for the next job, which
+    ends its step whatever kind it is; nothing hangs, whatever the input. An engine of its own per example (a
+    failed job latches its engine)."""
+    buf, layout, q, res = inputs
+    engine = _C.Engine(dist.group.WORLD)
+
+    before = [t.clone() if isinstance(t, torch.Tensor) else t for t in (buf, q, res)]
+
+    def run():
+        fut = engine.submit_bucket(0, buf, _C.Codec.lowrank, 32, 0.01, True, res, None, last,
+                                   layout=torch.tensor(layout, dtype=torch.int64).reshape(-1, 4), q_state=q,
+                                   pipeline=True)
+        try:
+            if then == "sum":
+                engine.submit_sum(torch.ones(1)).wait()
+            elif then == "bucket":
+                engine.submit_bucket(1, torch.ones(4), _C.Codec.none, 32, 0.01, True, None, None, True).wait()
+            else:
+                engine.close()
+        finally:
+            fut.wait()
+        if buf.is_floating_point() and not torch.isfinite(before[0]).all():
+            # one rank, not finite: reduced exactly (x / 1), Q and the residual as they were
+            for now, was in zip((buf, q, res), before):
+                if isinstance(now, torch.Tensor):
+                    torch.testing.assert_close(now, was, rtol=0, atol=0, equal_nan=True)
+    call("Engine.submit_bucket(pipeline=True)", run)
+    engine.close()
+
+
 def main():
     global TRANSPORT, ENGINE
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
