@@ -293,9 +293,16 @@ class BucketStates:
         q = self.lowrank_q.get(key)
         n = _C.lowrank_q_numel(layout)
         if q is None or q.numel() != n:
-            # The same random start on every rank (the key is the same everywhere).
+            # The same random start on every rank (the key is the same everywhere), each matrix's Q
+            # orthonormal, as every later step's (see LowrankStep::finish)
             gen = torch.Generator().manual_seed(sum(key.encode()) + 7919 * len(key))
-            q = self.lowrank_q[key] = torch.randn(n, generator=gen).to(device)
+            q = torch.randn(n, generator=gen)
+            offset = 0
+            for _, _, cols, rank in layout.tolist():
+                if rank:
+                    _C.orthonormalize_columns(q.narrow(0, offset, cols * rank).view(cols, rank), 1e-8)
+                    offset += cols * rank
+            q = self.lowrank_q[key] = q.to(device)
         elif q.device != device:  # restored from a checkpoint on another device
             q = self.lowrank_q[key] = q.to(device)
         return q

@@ -303,6 +303,19 @@ def test_orthonormalize_columns_against_qr(device, rows, cols):
     assert torch.equal(q, ops.orthonormalize_columns(p.clone()))  # every device: the same bits
 
 
+def test_orthonormalize_columns_with_no_epsilon_normalizes_exactly_and_keeps_a_zero_column(device):
+    # lowrank's steps use eps 0: a column of norm 1e-12 comes out of norm 1 (an eps of 1e-8 would leave it at
+    # 1e-4), and a zero column (a matrix whose gradient is zero) stays zero instead of turning NaN.
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(50, 3, generator=gen)
+    p[:, 1] *= 1e-12
+    p[:, 2] = 0.0
+    q = ops.orthonormalize_columns(p.clone().to(device), 0.0).cpu()
+    torch.testing.assert_close(q[:, :2].T @ q[:, :2], torch.eye(2), rtol=0, atol=1e-5)
+    assert torch.equal(q[:, 2], torch.zeros(50))
+    assert ops.orthonormalize_columns(p.clone(), 1e-8)[:, 1].norm() < 1e-3  # what the epsilon did
+
+
 # ---- fp8 (e4m3, power-of-two scale per chunk) ----------------------------------
 
 @pytest.mark.parametrize("n", SIZES)

@@ -38,7 +38,7 @@ def _reference_step(xs, divisors, residuals, qs, layout):
         out[off:off + rows * cols] = approx.view(-1)
         for k in range(world):
             new_res[k][off:off + rows * cols] = (parts[k] - approx / divisors[k]).view(-1)
-        new_qs.append(qn)
+        new_qs.append(torch.linalg.qr(qn).Q)  # the next warm start, orthonormal (signs aside, as Gram-Schmidt's)
     return out, new_res, new_qs
 
 
@@ -52,8 +52,9 @@ def _q_state(layout):
     return torch.cat([q.reshape(-1) for q in _initial_qs(layout) if q is not None])
 
 
-def _ours(rank, world, layout, steps, divisors, node_of=()):
-    """``steps`` calls of allreduce_lowrank (hierarchical with ``node_of``)."""
+def _ours(rank, world, layout, steps, divisors, node_of=(), scale=1.0):
+    """``steps`` calls of allreduce_lowrank (hierarchical with ``node_of``) on standard normal inputs times
+    ``scale``."""
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     lay = torch.tensor(layout)
     q = _q_state(layout)
@@ -63,7 +64,7 @@ def _ours(rank, world, layout, steps, divisors, node_of=()):
     xs, outs, ress = [], [], []
     sent0 = t.counters()["bytes_sent"]
     for _ in range(steps):
-        x = torch.randn(N, generator=g)
+        x = torch.randn(N, generator=g) * scale
         xs.append(x.clone())
         t.allreduce_lowrank(x, divisors[rank], lay, q, res, node_of=list(node_of))
         outs.append(x)
@@ -86,6 +87,19 @@ def test_lowrank_matches_pure_torch_reference(world):
         for k in range(world):
             torch.testing.assert_close(results[k]["res"][step], res[k], rtol=1e-4, atol=1e-5)
         res = [r["res"][step] for r in results]  # continue from what the ranks hold
+
+
+def test_a_small_gradient_is_approximated_as_a_large_one():
+    # The step is homogeneous: inputs 1e-6 the size give outputs and residuals 1e-6 the size, step after step, as
+    # PowerSGD's (exact normalization, an orthonormal warm-start Q). With Q kept as M^T P, unnormalized, P = M M^T P
+    # was ~1e-12 at this size, and an epsilon of 1e-8 added to its columns' norms shrank every approximation.
+    divisors = [2.0, 2.0]
+    big = run_ranks(_ours, 2, LAYOUT, 4, divisors)
+    small = run_ranks(_ours, 2, LAYOUT, 4, divisors, (), 1e-6)
+    for b, s in zip(big, small):
+        for key in ("outs", "res"):
+            for step in range(4):
+                torch.testing.assert_close(s[key][step] / 1e-6, b[key][step], rtol=1e-3, atol=1e-4)
 
 
 def test_lowrank_full_rank_is_the_exact_weighted_mean():

@@ -142,7 +142,7 @@ bool LowrankStep::after_first(Transport& t) {
   for (const auto& p : parts_) {
     if (p.rank == 0) continue;
     at::Tensor pm = head.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    ops::orthonormalize_columns(pm, 1e-8);
+    ops::orthonormalize_columns(pm, 0.0);
     po += p.rows * p.rank;
   }
   if (!head.is_same(p_dev)) p_dev.copy_(head.narrow(0, 0, p_total_));
@@ -187,6 +187,21 @@ void LowrankStep::finish() {
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
+  // The next step's warm start, orthonormal, as PowerSGD's hook makes it:
+  // P = M Q then scales each of its columns by one singular value of M, not
+  // by two (Q = M^T P unnormalized makes P = M M^T P), so the small
+  // directions stay above float32's rounding of the large ones when P is
+  // orthonormalized. (The approximation above used the summed Q^T itself.)
+  // Every rank holds the same summed Q^T, so the same Q.
+  at::Tensor q_host = q_state_.is_cpu() ? q_state_ : q_state_.cpu();
+  qo = 0;
+  for (const auto& p : parts_) {
+    if (p.rank == 0) continue;
+    at::Tensor q = q_host.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
+    ops::orthonormalize_columns(q, 0.0);
+    qo += p.cols * p.rank;
+  }
+  if (!q_host.is_same(q_state_)) q_state_.copy_(q_host);
 }
 
 namespace {

@@ -18,6 +18,7 @@ void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps)
     double sq = 0.0;
     for (int64_t i = 0; i < rows; ++i) sq += static_cast<double>(p[i * cols + k]) * p[i * cols + k];
     const float norm = static_cast<float>(std::sqrt(sq)) + eps;
+    if (norm == 0.0f) continue;  // a zero column (eps 0) stays zero
     for (int64_t i = 0; i < rows; ++i) p[i * cols + k] = div_rn(p[i * cols + k], norm);
   }
 }
