@@ -300,7 +300,7 @@ class BucketStates:
             offset = 0
             for _, _, cols, rank in layout.tolist():
                 if rank:
-                    _C.orthonormalize_columns(q.narrow(0, offset, cols * rank).view(cols, rank), 1e-8)
+                    _C.orthonormalize_columns(q.narrow(0, offset, cols * rank).view(cols, rank), 0.0)
                     offset += cols * rank
             q = self.lowrank_q[key] = q.to(device)
         elif q.device != device:  # restored from a checkpoint on another device

@@ -248,7 +248,8 @@ void BucketReducer::reduce_nonfinite(BucketJob& job, double divisor) {
 }
 
 bool BucketReducer::pipelines(const BucketJob& job) {
-  return job.pipeline && job.codec == Codec::kLowRank && job.buffer.scalar_type() == at::kFloat && !job.carry.defined() && !job.momentum.defined();
+  return job.pipeline && job.codec == Codec::kLowRank && job.buffer.scalar_type() == at::kFloat &&
+         !job.carry.defined() && !job.momentum.defined();
 }
 
 void BucketReducer::sum_by(Algo algo, at::Tensor& b) {
