@@ -122,8 +122,8 @@ void Engine::close() {
         CommStreamScope scope(this, transport_->device().is_cuda());
         std::unique_ptr<ParkedBucket> parked;
         bool done = false;
-        std::exception_ptr error;
-        if (failure().empty()) {
+        std::exception_ptr error = refusal();
+        if (!error) {
           try {
             reducer_.flush(parked);
             settle_stream();
@@ -148,9 +148,11 @@ void Engine::record_failure(const std::exception& e) {
   if (failure_.empty()) failure_ = e.what();
 }
 
-std::string Engine::failure() const {
+std::exception_ptr Engine::refusal() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return failure_;
+  if (failure_.empty()) return nullptr;
+  return std::make_exception_ptr(
+      std::runtime_error("hetcomm: not run because an earlier collective failed: " + failure_));
 }
 
 void Engine::settle_parked(const std::unique_ptr<ParkedBucket>& parked, bool done, const std::exception_ptr& error) {
@@ -171,13 +173,9 @@ FuturePtr Engine::run_pipelined(BucketJob job) {
   std::shared_ptr<StreamHandoff> handoff = hand_off();
   worker_.post([this, fut, job = std::move(job), handoff]() mutable {
     CommStreamScope scope(this, handoff != nullptr);  // until the futures are settled: their events go on it
-    const std::string earlier = failure();
     PipelineOutcome out;
-    std::exception_ptr error;
-    if (!earlier.empty()) {
-      error = std::make_exception_ptr(
-          std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier));
-    } else {
+    std::exception_ptr error = refusal();
+    if (!error) {
       try {
         if (handoff) handoff->wait();
         reducer_.reduce_pipelined(job, out);
@@ -254,15 +252,11 @@ FuturePtr Engine::new_future() const {
 
 void Engine::execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, const std::function<void()>& after,
                      const std::function<void()>& release) {
-  const std::string earlier = failure();
   at::Tensor result;
-  std::exception_ptr error;
+  std::exception_ptr error = refusal();
   std::unique_ptr<ParkedBucket> parked;
   bool parked_done = false;
-  if (!earlier.empty()) {
-    error = std::make_exception_ptr(
-        std::runtime_error("hetcomm: not run because an earlier collective failed: " + earlier));
-  } else {
+  if (!error) {
     try {
       reducer_.flush(parked);  // a parked bucket's step ends before any other job
       parked_done = true;

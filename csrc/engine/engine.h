@@ -100,9 +100,9 @@ class Engine {
   // Under the GIL: completes the parked bucket's future with its buffer if
   // its step is done, else with `error` (or a note that it never ended).
   void settle_parked(const std::unique_ptr<ParkedBucket>& parked, bool done, const std::exception_ptr& error);
-  // The first error of a job (failure_), and the message to fail later jobs with ("" while none failed).
+  // The first error of a job (failure_), and the error later jobs fail with, unrun (nullptr while none failed).
   void record_failure(const std::exception& e);
-  std::string failure() const;
+  std::exception_ptr refusal() const;
   void check_device(const at::Tensor& bucket) const;  // the transport's device, or undefined
   // A job's future: CUDA-aware on a CUDA transport (completed with events on the comm stream).
   FuturePtr new_future() const;
