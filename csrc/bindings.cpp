@@ -141,6 +141,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "orthonormalize_columns", [](at::Tensor p, double eps) { ops::orthonormalize_columns(p, eps); return p; },
       py::arg("p"), py::arg("eps") = 1e-8, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "orthonormalize_blocks",
+      [](at::Tensor flat, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& blocks, double eps) {
+        std::vector<kernels::ColumnBlock> b;
+        for (const auto& [offset, rows, cols] : blocks) b.push_back({offset, rows, cols});
+        ops::orthonormalize_blocks(flat, b, eps);
+        return flat;
+      },
+      py::arg("flat"), py::arg("blocks"), py::arg("eps") = 1e-8, py::call_guard<py::gil_scoped_release>());
   m.def("hierarchical_shard_numel", &collectives::hierarchical_shard_numel, py::arg("n"), py::arg("node_of"),
         py::arg("rank"));
   m.def("lowrank_q_numel", &collectives::lowrank_q_numel, py::arg("layout"));

@@ -297,11 +297,12 @@ class BucketStates:
             # orthonormal, as every later step's (see LowrankStep::finish)
             gen = torch.Generator().manual_seed(sum(key.encode()) + 7919 * len(key))
             q = torch.randn(n, generator=gen)
-            offset = 0
+            blocks, offset = [], 0
             for _, _, cols, rank in layout.tolist():
                 if rank:
-                    _C.orthonormalize_columns(q.narrow(0, offset, cols * rank).view(cols, rank), 0.0)
+                    blocks.append((offset, cols, rank))
                     offset += cols * rank
+            _C.orthonormalize_blocks(q, blocks, 0.0)
             q = self.lowrank_q[key] = q.to(device)
         elif q.device != device:  # restored from a checkpoint on another device
             q = self.lowrank_q[key] = q.to(device)

@@ -116,9 +116,16 @@ def momentum_handoff(x: torch.Tensor, m: torch.Tensor, beta: float) -> None:
 
 def orthonormalize_columns(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Modified Gram-Schmidt of the columns of ``p`` (contiguous float32), in
-    place, dot products in float64; returns ``p``. A CUDA ``p`` is computed on
-    the host, so every device gives the same bits."""
+    place on its device, dot products in float64 in a fixed order; returns
+    ``p``. Every device (CPU or any GPU) gives the same bits."""
     return _C.orthonormalize_columns(p, float(eps))
+
+
+def orthonormalize_blocks(flat: torch.Tensor, blocks, eps: float = 1e-8) -> torch.Tensor:
+    """:func:`orthonormalize_columns` of each ``(offset, rows, cols)`` matrix
+    (row-major) inside ``flat`` (contiguous 1-D float32), all at once (one
+    launch on a GPU); returns ``flat``."""
+    return _C.orthonormalize_blocks(flat, [tuple(int(v) for v in b) for b in blocks], float(eps))
 
 
 def onebit_segment_numel(n: int, world: int, rank: int) -> int:

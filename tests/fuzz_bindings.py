@@ -86,10 +86,11 @@ def fuzz_casts(x, d, wire, h, mul, out):
 
 
 @common
-@given(tensors(), tensors(), opt_tensors, floats)
-def fuzz_lowrank_ops(p, qt, out, eps):
+@given(tensors(), tensors(), opt_tensors, floats, st.lists(st.tuples(ints, ints, ints), max_size=4))
+def fuzz_lowrank_ops(p, qt, out, eps, blocks):
     call("lowrank_outer", ops.lowrank_outer, p, qt, out)
     call("orthonormalize_columns", ops.orthonormalize_columns, p, eps)
+    call("orthonormalize_blocks", ops.orthonormalize_blocks, p, blocks, eps)
 
 
 @common

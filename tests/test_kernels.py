@@ -316,6 +316,35 @@ def test_orthonormalize_columns_with_no_epsilon_normalizes_exactly_and_keeps_a_z
     assert ops.orthonormalize_columns(p.clone(), 1e-8)[:, 1].norm() < 1e-3  # what the epsilon did
 
 
+def test_orthonormalize_blocks_is_each_matrix_alone_and_leaves_the_gaps(device):
+    # 70 matrices: more than one launch on a GPU (64 per launch); empty ones, a single row, gaps between them
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(int(torch.randint(0, 600, (1,), generator=gen)), int(torch.randint(0, 5, (1,), generator=gen)))
+              for _ in range(68)] + [(1, 3), (3000, 2)]
+    blocks, offset = [], 0
+    for rows, cols in shapes:
+        offset += 3  # a gap
+        blocks.append((offset, rows, cols))
+        offset += rows * cols
+    flat = torch.randn(offset + 3, generator=gen)
+    want = flat.clone()
+    for o, rows, cols in blocks:
+        ops.orthonormalize_columns(want.narrow(0, o, rows * cols).view(rows, cols), 0.0)
+    got = flat.clone().to(device)
+    assert ops.orthonormalize_blocks(got, blocks, 0.0) is got
+    assert torch.equal(got.cpu(), want)  # the same bits on every device, the gaps untouched
+    assert not torch.equal(want, flat)
+
+
+def test_orthonormalize_blocks_rejects_blocks_outside_or_overlapping():
+    with pytest.raises(ValueError, match="lies outside flat's 10 elements"):
+        ops.orthonormalize_blocks(torch.zeros(10), [(5, 3, 2)])
+    with pytest.raises(ValueError, match="must not overlap"):
+        ops.orthonormalize_blocks(torch.zeros(10), [(0, 2, 2), (3, 1, 2)])
+    with pytest.raises(ValueError, match="contiguous 1-D float32"):
+        ops.orthonormalize_blocks(torch.zeros(2, 5), [(0, 1, 1)])
+
+
 # ---- fp8 (e4m3, power-of-two scale per chunk) ----------------------------------
 
 @pytest.mark.parametrize("n", SIZES)

@@ -9,7 +9,9 @@ steps (p10 and p90 too), then rank 0 runs 5 steps under torch.profiler. Writes
 OUT_DIR/prof.json (the step times), tables_MODE.txt (by self CUDA time, then
 self CPU time) and trace_MODE.json (chrome://tracing: the comm thread's CUDA
 calls show there, its ATen ops do not). DEV=cpu runs the same on the CPU
-(a check of the script, no CUDA profile)."""
+(a check of the script, no CUDA profile). MODEL=ddp profiles `bench ddp`'s
+model instead (25M parameters in 2 hidden layers of 4870: one 4870 x 4870
+matrix holds 95 % of them; input 256)."""
 import json
 import os
 import statistics
@@ -22,6 +24,14 @@ from torch import nn
 
 from hetcomm import modes as mode_table
 from hetcomm.launch import run_distributed
+
+
+def _model():
+    """The model and its input width."""
+    if os.environ.get("MODEL", "mlp") == "ddp":
+        from hetcomm.benchmarks.ddp import IN, model_for
+        return model_for(25_000_000), IN
+    return _mlp(), 1024
 
 
 def _mlp() -> nn.Module:
@@ -41,12 +51,13 @@ def worker(rank, world, modes, out_dir):
     for mode in modes:
         torch.manual_seed(0)
         m = mode_table.get(mode)
-        ddp = nn.parallel.DistributedDataParallel(_mlp().to(dev), **({"device_ids": [0]} if cuda else {}),
+        model, width = _model()
+        ddp = nn.parallel.DistributedDataParallel(model.to(dev), **({"device_ids": [0]} if cuda else {}),
                                                   **m.ddp_options(None))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         state = m.register(ddp, opt, total_steps=200)
         g = torch.Generator(device=dev).manual_seed(rank)
-        x = torch.randn(128, 1024, device=dev, generator=g)
+        x = torch.randn(128, width, device=dev, generator=g)
         y = torch.randint(0, 10, (128,), device=dev, generator=g)
 
         def step():

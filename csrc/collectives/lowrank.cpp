@@ -67,6 +67,8 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
     if (p.rank == 0) {
       dense += p.numel();
     } else {
+      p_blocks_.push_back({p_total, p.rows, p.rank});
+      q_blocks_.push_back({q_total, p.cols, p.rank});
       p_total += p.rows * p.rank;
       q_total += p.cols * p.rank;
     }
@@ -120,34 +122,16 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
 
 bool LowrankStep::after_first(Transport& t) {
   Timed _(timer_);
-  // P on the host (it is small), with whether the summed P and dense parts
-  // are finite (see the constructor): where they are not, some rank's x was
-  // not, and every rank, holding the same sum, ends the step here alike.
-  // Otherwise an orthonormal P (every rank holds the same summed P, so the
-  // same basis), then Q^T = P^T M.
+  // Whether the summed P and dense parts are finite (see the constructor):
+  // where they are not, some rank's x was not, and every rank, holding the
+  // same sum, ends the step here alike (on a GPU: the step's one read of the
+  // device). Otherwise an orthonormal P (every rank holds the same summed P,
+  // so the same basis), then Q^T = P^T M.
   t.synchronize();
-  at::Tensor p_dev = head_.narrow(0, 0, p_total_);
-  at::Tensor head;  // P, and on a GPU one more entry: 1 where the dense parts are all finite
-  bool finite;
-  if (head_.is_cpu()) {
-    head = p_dev;
-    finite = ops::all_finite(head_);
-  } else {  // one read of the device
-    at::Tensor dense = head_.narrow(0, p_total_, head_.numel() - p_total_);
-    head = at::cat({p_dev, at::isfinite(dense).all().to(at::kFloat).view({1})}).cpu();
-    finite = head.data_ptr<float>()[p_total_] != 0.0f && ops::all_finite(head.narrow(0, 0, p_total_));
-  }
+  const bool finite = head_.is_cpu() ? ops::all_finite(head_) : at::isfinite(head_).all().item<bool>();
   if (!finite) return false;
-  int64_t po = 0;
-  for (const auto& p : parts_) {
-    if (p.rank == 0) continue;
-    at::Tensor pm = head.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    ops::orthonormalize_columns(pm, 0.0);
-    po += p.rows * p.rank;
-  }
-  if (!head.is_same(p_dev)) p_dev.copy_(head.narrow(0, 0, p_total_));
-  po = 0;
-  int64_t qo = 0;
+  ops::orthonormalize_blocks(head_, p_blocks_, 0.0);
+  int64_t po = 0, qo = 0;
   for (const auto& p : parts_) {
     if (p.rank == 0) continue;
     at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
@@ -193,15 +177,8 @@ void LowrankStep::finish() {
   // directions stay above float32's rounding of the large ones when P is
   // orthonormalized. (The approximation above used the summed Q^T itself.)
   // Every rank holds the same summed Q^T, so the same Q.
-  at::Tensor q_host = q_state_.is_cpu() ? q_state_ : q_state_.cpu();
-  qo = 0;
-  for (const auto& p : parts_) {
-    if (p.rank == 0) continue;
-    at::Tensor q = q_host.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
-    ops::orthonormalize_columns(q, 0.0);
-    qo += p.cols * p.rank;
-  }
-  if (!q_host.is_same(q_state_)) q_state_.copy_(q_host);
+  at::Tensor q = q_state_.view({-1});
+  ops::orthonormalize_blocks(q, q_blocks_, 0.0);
 }
 
 namespace {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "collectives/compressed.h"
+#include "kernels/lowrank.h"
 #include "transport/transport.h"
 
 namespace hetcomm {
@@ -66,6 +67,9 @@ class LowrankStep {
   double share_;
   int64_t p_total_ = 0;
   std::vector<LowrankPart> parts_;
+  // The matrices' P (rows x rank, in head_) and Q (cols x rank, in q_state_),
+  // orthonormalized in place on the bucket's device
+  std::vector<kernels::ColumnBlock> p_blocks_, q_blocks_;
 };
 
 // Elements of q_state a layout needs.

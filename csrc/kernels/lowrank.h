@@ -4,6 +4,7 @@
 // blocking can depend on memory alignment).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/codec_math.h"
@@ -20,10 +21,50 @@ HC_HD float outer_element(const float* p_row, const float* qt, int64_t cols, int
   return acc;
 }
 
+// ---- Modified Gram-Schmidt, the same bits on the CPU and every GPU ----------
+// A matrix inside a flat float buffer: rows x cols, row-major, from offset.
+struct ColumnBlock {
+  int64_t offset, rows, cols;
+};
+
+// Dot products of two columns accumulate in double in a fixed order: lane t
+// (of kDotLanes, a CUDA block's threads) sums rows t, t + kDotLanes, ... in
+// turn, then the lanes are added in a fixed tree (at offset o, lane i < o adds
+// lane i + o), as the block's shared-memory reduction does. A float product
+// is exact in double, so fused or not, every device rounds each sum alike.
+constexpr int kDotLanes = 256;
+
+HC_HD double dot_step(double acc, float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(__dmul_rn(a, b), acc);
+#else
+  return static_cast<double>(a) * static_cast<double>(b) + acc;
+#endif
+}
+
+HC_HD double dot_add(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// Column k loses its projection d on an earlier (unit) column: p_k - d p_j.
+HC_HD float project_out(float pk, float d, float pj) { return add_rn(pk, -mul_rn(d, pj)); }
+
+// A column's divisor: its norm (sqrt of the sum of squares) + eps.
+HC_HD float column_norm(double sum_squares, float eps) {
+  return add_rn(static_cast<float>(sqrt(sum_squares)), eps);
+}
+
 // Modified Gram-Schmidt on the columns of p (rows x cols, row-major), in
 // place: each column loses its projections on the previous ones, then is
-// divided by (its norm + eps). Dot products accumulate in double.
+// divided by (its norm + eps); a zero column stays zero (eps 0).
 void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps);
+// The same for `count` matrices inside `base` (one CUDA block each), enqueued
+// on `stream` (a cudaStream_t): no copy to the host and back.
+void orthonormalize_blocks_cuda(float* base, const ColumnBlock* blocks, int64_t count, float eps, void* stream);
 
 // out (rows x cols) = p (rows x r) @ qt (r x cols), row-major; rows [row_begin, row_end).
 // (qt is Q transposed, so the inner loop runs over contiguous memory.)

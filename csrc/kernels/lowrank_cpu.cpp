@@ -7,17 +7,26 @@
 namespace hetcomm {
 namespace kernels {
 
+namespace {
+
+// Columns a and b's dot product in kDotLanes lanes and the tree (lowrank.h).
+double column_dot(const float* p, int64_t rows, int64_t cols, int64_t a, int64_t b) {
+  double lane[kDotLanes] = {};
+  for (int64_t i = 0; i < rows; ++i) lane[i % kDotLanes] = dot_step(lane[i % kDotLanes], p[i * cols + a], p[i * cols + b]);
+  for (int offset = kDotLanes / 2; offset > 0; offset >>= 1)
+    for (int i = 0; i < offset; ++i) lane[i] = dot_add(lane[i], lane[i + offset]);
+  return lane[0];
+}
+
+}  // namespace
+
 void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps) {
   for (int64_t k = 0; k < cols; ++k) {
     for (int64_t j = 0; j < k; ++j) {
-      double dot = 0.0;
-      for (int64_t i = 0; i < rows; ++i) dot += static_cast<double>(p[i * cols + k]) * p[i * cols + j];
-      const float d = static_cast<float>(dot);
-      for (int64_t i = 0; i < rows; ++i) p[i * cols + k] = add_rn(p[i * cols + k], -(d * p[i * cols + j]));
+      const float d = static_cast<float>(column_dot(p, rows, cols, k, j));
+      for (int64_t i = 0; i < rows; ++i) p[i * cols + k] = project_out(p[i * cols + k], d, p[i * cols + j]);
     }
-    double sq = 0.0;
-    for (int64_t i = 0; i < rows; ++i) sq += static_cast<double>(p[i * cols + k]) * p[i * cols + k];
-    const float norm = static_cast<float>(std::sqrt(sq)) + eps;
+    const float norm = column_norm(column_dot(p, rows, cols, k, k), eps);
     if (norm == 0.0f) continue;  // a zero column (eps 0) stays zero
     for (int64_t i = 0; i < rows; ++i) p[i * cols + k] = div_rn(p[i * cols + k], norm);
   }

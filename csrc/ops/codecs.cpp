@@ -375,12 +375,30 @@ at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor o
 }
 
 void orthonormalize_columns(at::Tensor& p, double eps) {
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "hetcomm: eps must be finite and >= 0, got ", eps);
   TORCH_CHECK_VALUE(p.dim() == 2 && p.is_contiguous() && p.scalar_type() == at::kFloat,
                     "hetcomm: p must be a contiguous float32 matrix");
-  at::Tensor host = p.is_cpu() ? p : p.cpu();
-  k::orthonormalize_columns_cpu(host.data_ptr<float>(), host.size(0), host.size(1), static_cast<float>(eps));
-  if (!host.is_same(p)) p.copy_(host);
+  at::Tensor flat = p.view({-1});
+  orthonormalize_blocks(flat, {k::ColumnBlock{0, p.size(0), p.size(1)}}, eps);
+}
+
+void orthonormalize_blocks(at::Tensor& flat, const std::vector<k::ColumnBlock>& blocks, double eps) {
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "hetcomm: eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous() && flat.scalar_type() == at::kFloat,
+                    "hetcomm: flat must be a contiguous 1-D float32 tensor");
+  int64_t end = 0;  // of the previous block
+  for (const auto& b : blocks) {
+    TORCH_CHECK_VALUE(b.offset >= 0 && b.rows >= 0 && b.cols >= 0 && b.offset <= flat.numel() &&
+                          (b.cols == 0 || b.rows <= (flat.numel() - b.offset) / b.cols),
+                      "hetcomm: blocks: a block of ", b.rows, " x ", b.cols, " at ", b.offset, " lies outside flat's ",
+                      flat.numel(), " elements");
+    TORCH_CHECK_VALUE(b.offset >= end, "hetcomm: blocks must be in order and must not overlap: one at ", b.offset,
+                      " starts before the previous one's end ", end);
+    end = b.offset + b.rows * b.cols;
+  }
+  float* base = flat.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  HC_RUN(flat, "flat", cpu::orthonormalize_blocks(base, blocks, e),
+         cuda::orthonormalize_blocks(base, blocks, e, flat.device()));
 }
 
 }  // namespace ops

@@ -8,6 +8,9 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <vector>
+
+#include "kernels/lowrank.h"
 
 namespace hetcomm {
 namespace ops {
@@ -59,9 +62,12 @@ void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta);
 // Low-rank pieces every rank must compute to the same bits.
 // out (rows x cols, float32) = p (rows x r) @ qt (r x cols), fixed order, no BLAS.
 at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out);
-// Modified Gram-Schmidt of p's columns (rows x cols, float32) in place; a CUDA
-// p goes through the host (it is small: rows x rank) so every device agrees.
+// Modified Gram-Schmidt of p's columns (rows x cols, float32) in place, on
+// p's device, the same bits on every device.
 void orthonormalize_columns(at::Tensor& p, double eps);
+// The same for each block of `flat` (contiguous float32) at once: one launch
+// on a GPU for all of a bucket's matrices.
+void orthonormalize_blocks(at::Tensor& flat, const std::vector<kernels::ColumnBlock>& blocks, double eps);
 
 // Whether x holds no NaN and no infinity (a finite sum proves it in one fast
 // reduction; otherwise element by element). Waits for a CUDA x.

@@ -132,6 +132,12 @@ void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, in
   k::outer_product_cuda(p, qt, out, rows, cols, r, stream_of(device));
 }
 
+void orthonormalize_blocks(float* base, const std::vector<k::ColumnBlock>& blocks, float eps,
+                           const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::orthonormalize_blocks_cuda(base, blocks.data(), static_cast<int64_t>(blocks.size()), eps, stream_of(device));
+}
+
 }  // namespace cuda
 }  // namespace ops
 }  // namespace hetcomm
