@@ -11,16 +11,25 @@ A state saved in one layout and resumed in another (a fresh DDP's first step
 runs in its initial layout, later steps in the rebuilt one) is *replayed*: the
 step's gradients are regrouped into the saved buckets and reduced as the
 original run would have (see ``HookState._replay``).
+
+Within a run, a bucket first seen after buckets of another layout held its
+parameters (DDP's rebuild after step 0, with ``start_iter=0``) *adopts* what
+those buckets' error feedback still owed for its parameters, as a carry
+(:meth:`BucketStates.adopt`): nothing held back is lost to the rebuild.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import _C
+
+log = logging.getLogger("hetcomm")
 
 Signature = Tuple[int, ...]
 
@@ -110,6 +119,8 @@ class BucketStates:
         #: a restored state's layout, replayed at the first step that differs from it
         self.replay_layout: Optional[List[Signature]] = None
         self._saved_shapes: Optional[List[Tuple[int, ...]]] = None
+        #: what a bucket of an earlier layout owed, per parameter number, until a bucket of this step adopts it
+        self._loose: Dict[int, torch.Tensor] = {}
 
     def has_state(self) -> bool:
         return bool(self.residuals or self.server_residuals or self.lowrank_q or self.momentum or self.carry)
@@ -138,6 +149,7 @@ class BucketStates:
         self.lowrank_q = restore(sd.get("lowrank_q", {}))
         self.momentum = restore(sd.get("momentum", {}))
         self.carry, self._carry_sent = restore(sd.get("carry", {})), {}
+        self._loose = {}
         self.plan_of = {str(k): (str(m), bool(h)) for k, (m, h) in sd.get("plans", {}).items()}
         self.layouts, self.denominators, self.sketch_signs = {}, {}, {}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
@@ -213,6 +225,66 @@ class BucketStates:
         self.plan_of.pop(key, None)
         self.carry[key] = carry
         self._carry_sent.pop(key, None)
+
+    def _numel_of(self, sig: Signature) -> int:
+        return sum(math.prod(self.params.shapes[n]) for n in sig)
+
+    def _stores(self):
+        return (self.residuals, self.server_residuals, self.lowrank_q, self.momentum, self.carry, self.plan_of,
+                self.layouts, self.denominators, self.sketch_signs)
+
+    def adopt(self, sig: Signature, key: str, numel: int, device: torch.device, world: int, rank: int,
+              node_of: Sequence[int]) -> None:
+        """Before a bucket's first reduction: when buckets of an earlier layout
+        held some of its parameters (DDP rebuilt its buckets), what their error
+        feedback still owes (residuals, server residuals, carries: this rank's
+        part of the sums not yet delivered) is split by parameter and the
+        bucket takes its parameters' parts as its carry, added to its next
+        reduction. The earlier buckets' other state goes: lowrank's Q and the
+        compressed momentum (a new bucket's momentum starts from the
+        optimizer's buffer, see HookState). Every rank sees the same layouts,
+        so every rank adopts alike."""
+        if any(key in store for store in self._stores()):
+            return
+        mine = set(sig)
+        owners = {k for store in self._stores() for k in store
+                  if k != key and not mine.isdisjoint(int(n) for n in k.split(","))}
+        for old in sorted(owners):
+            self._release(old, device, world, rank, node_of)
+        pieces = [self._loose.pop(n, None) for n in sig]
+        if all(p is None for p in pieces):
+            return
+        if numel != self._numel_of(sig):
+            log.warning("hetcomm: a rebuilt bucket of %d elements holds parameters of %d: what the earlier buckets' "
+                        "error feedback owed its parameters is dropped", numel, self._numel_of(sig))
+            return
+        self.carry[key] = torch.cat([p.to(device) if p is not None else
+                                     torch.zeros(math.prod(self.params.shapes[n]), device=device)
+                                     for n, p in zip(sig, pieces)])
+        self._carry_sent.pop(key, None)
+
+    def _release(self, key: str, device: torch.device, world: int, rank: int, node_of: Sequence[int]) -> None:
+        """A bucket of an earlier layout: its owed error feedback into the
+        per-parameter pool, the rest of its state dropped."""
+        sig = tuple(int(n) for n in key.split(","))
+        numel = self._numel_of(sig)
+        if key in self.plan_of:  # residuals (of any codec) into the carry, where they belong in the bucket
+            self._fold(key, numel, self.plan_of[key], device, world, rank, node_of)
+        carry = self.carry.get(key)
+        self._carry_sent.pop(key, None)  # sent and added already: zero by now (the reduction zeroes it)
+        for store in self._stores():
+            store.pop(key, None)
+        if carry is None:
+            return
+        if carry.numel() != numel:
+            log.warning("hetcomm: a bucket of %d elements held parameters of %d: what its error feedback owed is "
+                        "dropped at DDP's rebuild", carry.numel(), numel)
+            return
+        off = 0
+        for n in sig:
+            size = math.prod(self.params.shapes[n])
+            self._loose[n] = carry.narrow(0, off, size)
+            off += size
 
     def scale_error_feedback(self, factor_of: Callable[[Sequence[torch.Tensor]], Optional[float]]) -> int:
         """Multiplies what error feedback holds back for each bucket (worker
@@ -313,6 +385,10 @@ class BucketStates:
 
     def end_step(self) -> None:
         self.params.frozen = True
+        if self._loose:
+            log.warning("hetcomm: what error feedback owed %d parameter(s) found no bucket in this step and is "
+                        "dropped", len(self._loose))
+            self._loose = {}
         self.step_layout, self._current = self._current, []
         # Drop per-bucket state of layouts not used in this step or the one before.
         keep = self.touched | self.prev_touched

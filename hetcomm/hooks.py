@@ -392,6 +392,9 @@ class BucketSteps:
         numel = buf.numel()
         key = buckets.key_of(bucket.sig)
         self._buckets.add_to_step(bucket.sig)
+        node_of = self.topology.node_ids if self.topology is not None else []
+        # a bucket of a new layout (DDP's rebuild) takes over what the old buckets' error feedback owed
+        self._buckets.adopt(bucket.sig, key, numel, buf.device, engine.size, engine.rank, node_of)
         def layout_of() -> torch.Tensor:  # lowrank's, cached per bucket
             return self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank)
 
@@ -401,7 +404,6 @@ class BucketSteps:
         if p.mode == "lowrank":
             layout = layout_of()
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
-        node_of = self.topology.node_ids if self.topology is not None else []
         residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,
                                                           world=engine.size, rank=engine.rank, node_of=node_of)
         momentum = None

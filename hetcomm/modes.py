@@ -13,6 +13,8 @@ send the warm-up's gradient in fp8 / fp32 (``attach_optimizer(warmup_compression
 their ``total_steps``); ``-rN`` after ``lowrank``
 or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 ``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``);
+``-sN`` after a hetcomm mode compresses from step N (HookState's
+``start_iter``; ``lowrank-s0``: from the first step, PowerSGD's hook cannot);
 ``-pN`` last after ``+m`` makes the warm-up N % of the run
 (``attach_optimizer(warmup_fraction=N / 100)``; ``onebit+m-p5``); ``@ALGO``
 at the very end of a hetcomm mode sets HookState's ``algorithm``
@@ -157,27 +159,36 @@ TORCH = tuple(n for n, m in MODES.items() if m.is_torch)
 HETCOMM = tuple(n for n, m in MODES.items() if m.plain)
 
 
+def _part(name: str, base: str) -> Mode:
+    """The mode ``base`` that ``name`` adds a suffix to; its error names ``name``."""
+    try:
+        return get(base)
+    except ValueError as e:
+        raise ValueError(f"mode {name!r}: {e}") from None
+
+
 def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     """The mode called ``name``; ValueError naming the choices (``choices``,
     else every mode) when there is none."""
     allowed = list(choices) if choices is not None else list(MODES)
     if choices is None and "@" in name:
         base, _, algorithm = name.rpartition("@")
-        try:
-            m = get(base)
-        except ValueError as e:
-            raise ValueError(f"mode {name!r}: {e}") from None
+        m = _part(name, base)
         if m.is_torch:
             raise ValueError(f"mode {name!r}: @ALGO is for hetcomm's modes; {base} is PyTorch's hook")
         if algorithm not in ("auto",) + ALGORITHMS:
             raise ValueError(f"mode {name!r}: the algorithm after @ must be one of auto, {', '.join(ALGORITHMS)}")
         return replace(m, name=name, options={**m.options, "algorithm": algorithm})
+    start = _START.match(name) if choices is None else None
+    if start:
+        m = _part(name, start.group(1))
+        if m.is_torch:
+            raise ValueError(f"mode {name!r}: -sN (compressed from step N) is for hetcomm's modes; PyTorch's "
+                             f"PowerSGD starts at {POWERSGD_START}")
+        return replace(m, name=name, options={**m.options, "start_iter": int(start.group(2))})
     share = _SHARE.match(name) if choices is None else None
     if share:
-        try:
-            m = get(share.group(1))
-        except ValueError as e:
-            raise ValueError(f"mode {name!r}: {e}") from None
+        m = _part(name, share.group(1))
         percent = int(share.group(2))
         if not m.attach:
             raise ValueError(f"mode {name!r}: -pN (the warm-up's percent of the run) is for +m modes")
@@ -202,11 +213,12 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     if name not in allowed or name not in MODES:
         ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
                  "onebit-cN, fp8-cN: N elements per scale; a +m mode as X+m-pN: a warm-up of N % of the run; "
-                 "a hetcomm mode as X@ALGO: HookState's algorithm)"
+                 "a hetcomm mode as X-sN: compressed from step N (HookState's start_iter), X@ALGO: its algorithm)"
                  ) if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")
     return MODES[name]
 
 
+_START = re.compile(r"^(.+)-s(\d+)$")
 _SHARE = re.compile(r"^(.+)-p(\d+)$")
 _RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8)-([rc])(\d+)(\+m(?:-w8|-w32)?|\+lr)?$")

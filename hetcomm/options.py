@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import topology
-from .plan import AUTO_MODES, COMPRESSED, MIN_START_ITER  # COMPRESSED: modes with per-bucket state, compressed after start_iter
+from .plan import AUTO_MODES, COMPRESSED, MIN_START_ITER  # noqa: F401 (COMPRESSED: modes with per-bucket state, for hooks)
 from .planner import DEFAULT_CHUNK
 from .topology import ALGORITHMS
 
@@ -72,10 +72,10 @@ def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if not _is_int(start_iter) or start_iter < 0:
         raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
-    if error_feedback and compression in COMPRESSED + ("auto",) and start_iter < MIN_START_ITER:
+    if error_feedback and compression == "auto" and start_iter < MIN_START_ITER:
         raise ValueError(
-            f"start_iter must be >= {MIN_START_ITER} when error_feedback is on (got {start_iter}): DDP rebuilds its buckets "
-            "after the first iteration, and residuals are kept per bucket layout")
+            f"start_iter must be >= {MIN_START_ITER} with compression='auto' (got {start_iter}): its trial of the "
+            "codecs runs in DDP's final buckets, rebuilt after the first iteration")
     if chunk_size is not None and (not _is_int(chunk_size) or not 0 < chunk_size <= 2**30 or chunk_size % 32):
         raise ValueError(f"chunk_size must be None or a positive multiple of 32 up to 2**30, got {chunk_size!r}")
     if not _is_int(min_compress_numel) or min_compress_numel < 0:

@@ -73,10 +73,11 @@ class HookState(BucketSteps, Negotiation):
             collectives never interleave with DDP's own (buffer broadcasts,
             ``find_unused_parameters``) or the user's. Creating it is a
             collective: construct the state on every rank.
-        start_iter: steps reduced in fp32 before compression starts. Must be
-            >= 2 with error feedback: DDP rebuilds its buckets after the first
-            iteration (residuals are kept per bucket, keyed by the bucket's
-            parameters, so the first layout's would be dropped).
+        start_iter: steps reduced in fp32 before compression starts (default
+            2, as PyTorch's PowerSGD must: DDP rebuilds its buckets after the
+            first iteration). 0 compresses from the first step: the rebuilt
+            buckets take over what the first layout's error feedback owed
+            their parameters (lowrank's Q starts afresh). ``"auto"`` needs >= 2.
         error_feedback: keep what compression did not send and add it to the
             next step's gradient (default True). ``False`` exists to show why
             it matters.

@@ -368,6 +368,74 @@ def _resume_cases(rank, world, ckpt_dir):
     return out
 
 
+def _owed(state, param: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """What this rank's error feedback still owes ``param``: its part of the
+    worker and server residuals and of the carries, placed as in the bucket."""
+    b = state._buckets
+    me, owed = b.params.number(param), torch.zeros(param.numel())
+    for key in set(b.residuals) | set(b.server_residuals) | set(b.carry):
+        sig = [int(n) for n in key.split(",")]
+        if me not in sig:
+            continue
+        sizes = [math.prod(b.params.shapes[n]) for n in sig]
+        whole = torch.zeros(sum(sizes))
+        worker_off, server_off = hetcomm._C.state_offsets(whole.numel(), world, rank, [], False)
+        for t, off in ((b.residuals.get(key), worker_off), (b.server_residuals.get(key), server_off),
+                       (b.carry.get(key), 0)):
+            if t is not None:
+                whole.narrow(0, 0 if t.numel() == whole.numel() else off, t.numel()).add_(t.cpu())
+        start = sum(sizes[:sig.index(me)])
+        owed += whole.narrow(0, start, param.numel())
+    return owed.view(param.shape)
+
+
+def _compressed_from_step_zero(rank, world, mode, adopt):
+    import torch.distributed as dist
+
+    model = models.mlp()
+    local = models.mlp()  # the same weights, reduced exactly by hand: the reference
+    ddp = DDP(model, bucket_cap_mb=0.01)  # buckets of a layer or so: DDP's rebuild after step 0 regroups them
+    state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0)
+    if not adopt:  # what start_iter=0 would do without adoption: the first layout's error feedback is dropped
+        state._buckets.adopt = lambda *args: None
+    ddp.register_comm_hook(state, hetcomm.hook)
+    delivered = [torch.zeros_like(p) for p in model.parameters()]
+    exact = [torch.zeros_like(p) for p in model.parameters()]
+    layouts, wires = [], []
+    for step in range(4):  # no optimizer: the weights stay, only the data changes
+        x, y = models.batch(rank, step, 16)
+        ddp.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        local.zero_grad()
+        torch.nn.functional.cross_entropy(local(x), y).backward()
+        for d, e, p, q in zip(delivered, exact, model.parameters(), local.parameters()):
+            d += p.grad
+            g = q.grad.clone()
+            dist.all_reduce(g)
+            e += g / world
+        layouts.append(list(state._buckets.step_layout))
+        wires.append(sorted({p.mode for p in state.last_plans.values()}))
+    gaps = []
+    for d, e, p in zip(delivered, exact, model.parameters()):
+        owed = _owed(state, p, rank, world)
+        dist.all_reduce(owed)
+        gaps.append(((d + owed - e).abs().max() / e.abs().max()).item())
+    return layouts, wires, max(gaps)
+
+
+@pytest.mark.parametrize("mode", ["lowrank", "topk", "onebit"])
+def test_compressed_from_the_first_step_nothing_owed_is_lost_to_ddps_rebuild(mode):
+    # start_iter=0: step 0 is compressed in DDP's first bucket layout, step 1 on in the rebuilt one. Error
+    # feedback's books balance: what was delivered over the steps plus what the ranks still owe is the exact
+    # sum of the mean gradients, for every parameter; the rebuilt buckets adopted what the first ones owed.
+    layouts, wires, gap = run_ranks(_compressed_from_step_zero, 2, mode, True)[0]
+    assert layouts[0] != layouts[1] and layouts[1] == layouts[3]  # the rebuild happened, after step 0
+    assert wires == [[mode]] * 4  # every step compressed, the first one too
+    assert gap < 1e-5
+    # without adoption the first layout's residuals are lost: the books do not balance
+    assert run_ranks(_compressed_from_step_zero, 2, mode, False)[0][2] > 1e-2
+
+
 @pytest.fixture(scope="module")
 def resumed_runs(tmp_path_factory):
     return run_ranks(_resume_cases, 2, str(tmp_path_factory.mktemp("resume")), timeout=600)

@@ -31,8 +31,7 @@ def test_hookstate_needs_an_initialized_process_group():
 
 @pytest.mark.parametrize("kwargs,option", [
     (dict(compression="int8"), "compression"),
-    (dict(compression="onebit", start_iter=1), "start_iter"),
-    (dict(compression="topk", start_iter=0), "start_iter"),
+    (dict(compression="auto", start_iter=0), "start_iter"),
     (dict(start_iter=-1), "start_iter"),
     (dict(start_iter=2.5), "start_iter"),
     (dict(chunk_size=100), "chunk_size"),
@@ -57,9 +56,10 @@ def test_bad_options_are_value_errors_naming_the_option(kwargs, option):
         hetcomm.HookState(**kwargs)
 
 
-def test_start_iter_below_2_is_fine_without_error_feedback():
-    s = hetcomm.HookState("onebit", start_iter=0, error_feedback=False)
-    assert s.start_iter == 0
+def test_start_iter_below_2_is_fine_for_every_codec_but_auto():
+    assert hetcomm.HookState("onebit", start_iter=0, error_feedback=False).start_iter == 0
+    assert hetcomm.HookState("topk", start_iter=0).start_iter == 0  # DDP's rebuilt buckets adopt what is owed
+    assert hetcomm.HookState("auto", start_iter=0, error_feedback=False).start_iter == 0
 
 
 def test_set_local_batch_size_validates():
@@ -296,6 +296,19 @@ def test_an_algorithm_suffix_sets_a_hetcomm_modes_algorithm():
                       ("fp9@ring", "mode 'fp9@ring': mode must be one of"), ("fp8@", "algorithm after @")):
         with pytest.raises(ValueError, match=rule):
             hetcomm.modes.get(bad)
+
+
+def test_a_start_suffix_sets_a_hetcomm_modes_start_iter():
+    m = hetcomm.modes.get("lowrank-r8-s0@native")
+    assert (m.name, m.options) == ("lowrank-r8-s0@native", {"compression": "lowrank", "matrix_approximation_rank": 8,
+                                                           "start_iter": 0, "algorithm": "native"})
+    state = hetcomm.modes.get("topk-s0").comm_hook()[0]
+    assert (state.compression, state.start_iter) == ("topk", 0)
+    state.close()
+    for bad, rule in (("torch-powersgd-s0", "-sN .* is for hetcomm's modes"),
+                      ("auto-s0", "start_iter must be >= 2 with compression='auto'")):
+        with pytest.raises(ValueError, match=rule):
+            hetcomm.modes.get(bad).comm_hook()
 
 
 def test_mode_table_plain_modes_are_hookstates_with_defaults():
