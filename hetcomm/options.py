@@ -56,7 +56,7 @@ def chunk_for(chunk_size: Optional[int], mode: str) -> int:
     return chunk_size if chunk_size is not None else DEFAULT_CHUNK.get(mode, DEFAULT_CHUNK["fp8"])
 
 
-def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size: Optional[int],
+def validate(compression: str, start_iter: Optional[int], error_feedback: bool, chunk_size: Optional[int],
              min_compress_numel: int,
              topk_ratio: float, topk_exact: bool, matrix_approximation_rank: int, algorithm: Optional[str],
              transport: str, timeout: Optional[timedelta], process_group: Any, rank: Optional[int],
@@ -70,6 +70,8 @@ def validate(compression: str, start_iter: int, error_feedback: bool, chunk_size
         matrix_approximation_rank = rank
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if start_iter is None:  # the default: the first step exact; auto's trial in DDP's final buckets
+        start_iter = MIN_START_ITER if compression == "auto" else 1
     if not _is_int(start_iter) or start_iter < 0:
         raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
     if error_feedback and compression == "auto" and start_iter < MIN_START_ITER:

@@ -258,7 +258,7 @@ def _momentum_run(rank, world, cache_dir, compression, candidates, weight_decay)
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.02)
     kwargs = {"candidates": candidates} if compression == "auto" else {}
-    state = hetcomm.HookState(compression, min_compress_numel=0, **kwargs)
+    state = hetcomm.HookState(compression, min_compress_numel=0, start_iter=2, **kwargs)  # auto's start, both
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay)
     state.attach_optimizer(opt)

@@ -213,7 +213,7 @@ def _adam_topk_first_compressed_step(rank, world, which, device="cpu"):
     ddp = models.ddp(model, rank, device, bucket_cap_mb=100)  # one bucket
     opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3) if which == "hetcomm" else \
         torch.optim.Adam(ddp.parameters(), lr=1e-3)
-    state = hetcomm.HookState("topk", min_compress_numel=0, topk_ratio=0.05)
+    state = hetcomm.HookState("topk", min_compress_numel=0, topk_ratio=0.05, start_iter=2)
     state.attach_optimizer(opt)
     ddp.register_comm_hook(state, hetcomm.hook)
     for step in range(4):
@@ -528,7 +528,8 @@ def _warmup_wires(rank, world):
         adam = case == "adamw-w8"
         opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3) if adam else \
             torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        state = hetcomm.HookState("fp8" if case == "fp8" else "onebit", min_compress_numel=1000)
+        # the warm-up's fp8 starts at step 2 (DDP's final buckets), so does this fp8 run
+        state = hetcomm.HookState("fp8" if case == "fp8" else "onebit", min_compress_numel=1000, start_iter=2)
         if case != "fp8":
             state.attach_optimizer(opt, total_steps=40, warmup_compression="none" if case == "onebit+m" else "fp8")
         ddp.register_comm_hook(state, hetcomm.hook)

@@ -266,8 +266,8 @@ def test_wire_volume_of_a_1m_element_bucket(mode, factor):
         code_bytes = 500_000 if mode == "fp8" else 500_000 // 8
         scale_bytes = 4 * -(-500_000 // 256) if mode == "fp8" else 4 * -(-2 * -(-500_000 // 32) // 4)
         assert last["bytes_sent"] == 2 * (code_bytes + scale_bytes) + 4, last
-    # warm-up steps (start_iter=2) were full fp32
-    assert st["total"]["bytes_sent"] >= 2 * fp32_ring
+    # the warm-up step (start_iter=1, the default) was full fp32, the other two compressed
+    assert 3 * fp32_ring > st["total"]["bytes_sent"] >= fp32_ring
 
 
 def _model(kind):

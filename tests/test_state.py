@@ -361,14 +361,14 @@ def test_attach_optimizer_total_steps_warms_up_for_a_fifth_of_the_run():
         sgd(), total_steps=600)._warmup_compression == "fp8"
     assert hetcomm.HookState("auto", candidates=("none", "bf16")).attach_optimizer(
         sgd(), total_steps=600, warmup_compression="fp8")._warmup_compression == "fp8"  # asked for: kept
-    # a later start_iter stays; a short run keeps the least warm-up (2)
+    # a later start_iter stays; a short run keeps the default's warm-up (1)
     assert hetcomm.HookState("onebit", start_iter=200).attach_optimizer(sgd(), total_steps=600).start_iter == 200
-    assert hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=5).start_iter == 2
+    assert hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=5).start_iter == 1
     adam = hetcomm.HookState("onebit").attach_optimizer(hetcomm.optim.AdamW(params), total_steps=100)
     assert [s for s in range(40) if not adam._compressed_at(s)] == list(range(22)) + [23, 27, 35]  # start 20: 20 + 2**j - 1, 20 + 16k - 1
     # the mode table passes the run's length through (the bench and the demo use it)
     model = torch.nn.Linear(3, 1)
-    assert hetcomm.modes.get("onebit").comm_hook()[2].start_iter == 2
+    assert hetcomm.modes.get("onebit").comm_hook()[2].start_iter == 1  # the default
     with pytest.raises(ValueError, match="total_steps must be an int >= 1"):
         hetcomm.modes.get("onebit+m").register(None, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                                total_steps=0)
@@ -385,7 +385,7 @@ def test_attach_optimizer_warmup_fraction_sets_the_warm_ups_share_of_the_run():
             hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=600, warmup_fraction=bad)
     with pytest.raises(ValueError, match="warmup_fraction is a share of total_steps: pass total_steps"):
         hetcomm.HookState("onebit").attach_optimizer(sgd(), warmup_fraction=0.05)
-    for fraction, steps, start in ((0.05, 600, 30), (0.1, 400, 40), (0.5, 90, 45), (0.05, 20, 2), (0.29, 100, 29),
+    for fraction, steps, start in ((0.05, 600, 30), (0.1, 400, 40), (0.5, 90, 45), (0.05, 20, 1), (0.29, 100, 29),
                                    (0.07, 50, 3)):
         state = hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=steps, warmup_fraction=fraction)
         assert [s for s in range(steps) if not state._compressed_at(s)] == list(range(start))

@@ -287,15 +287,14 @@ def test_a_compressed_mode_crosses_nodes_hierarchically_by_default(algorithm_run
     algorithm='native' given keeps every step flat."""
     for r in algorithm_runs:
         default, hier = r[(mode, None)]["steps"], r[(mode, "hierarchical")]["steps"]
-        for step in range(2):  # start_iter 2: dense
-            assert default[step][0] == [("none", "native", "warm-up")], default[step]
-        for step in range(2, 6):
+        assert default[0][0] == [("none", "native", "warm-up")], default[0]  # start_iter 1 (the default): dense
+        for step in range(1, 6):
             assert default[step][0] == [(mode, "hierarchical", "across nodes")], default[step]
             assert default[step][1] == hier[step][1] > 0
         if mode == "fp8":
             flat = r[(mode, "native")]["steps"]
-            assert all(flat[step][0] == [(mode, "native", "fixed")] for step in range(2, 6)), flat
-            assert all(flat[step][1] != default[step][1] for step in range(2, 6))
+            assert all(flat[step][0] == [(mode, "native", "fixed")] for step in range(1, 6)), flat
+            assert all(flat[step][1] != default[step][1] for step in range(1, 6))
 
 
 def _hierarchy_on_one_node(rank, world, cache_dir):
