@@ -122,6 +122,9 @@ def test_bench_ddp_side_by_side(tmp_path):
     assert rows["onebit"]["bytes_per_step"] * 20 < rows["torch-allreduce"]["bytes_per_step"]
     assert rows["lowrank"]["bytes_per_step"] * 5 < rows["torch-allreduce"]["bytes_per_step"]
     assert sum(int(b) for b in rows["none+bal"]["local_batches"].split("/")) == 16
+    # lowrank approximates the gradient, as PowerSGD's hook: neither row compresses SGD's momentum; onebit's does
+    assert {m: r["momentum_compressed"] for m, r in rows.items()} == {
+        "torch-allreduce": False, "torch-powersgd": False, "onebit": True, "lowrank": False, "none+bal": False}
     assert all(0 <= r["hidden"] <= 1 and r["step_ms"] > 0 for r in rows.values())
 
 

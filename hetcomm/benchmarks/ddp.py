@@ -7,8 +7,10 @@ Per mode: step time (median), samples/s, bytes sent per step (ring-equivalent,
 per rank), and the fraction of communication hidden behind backward: 1 -
 (time backward still waits after its last bucket was handed over) / (time
 some bucket's communication was in flight). The optimizer is SGD with momentum
-0.9; hetcomm's compressed modes and ``auto`` compress the momentum
-(``attach_optimizer``), as the README asks of momentum users. ``auto``'s trial
+0.9; hetcomm's compressed modes but lowrank, and ``auto``, compress the
+momentum (``attach_optimizer``), as the README asks of momentum users;
+lowrank compresses the gradient, as the README recommends and as PyTorch's
+PowerSGD does, so their rows compare the same work. ``auto``'s trial
 steps and its first re-check (``AUTO_SETTLE`` steps later) are part of its
 warm-up, not timed: its steady state, what a long run sees.
 
@@ -39,6 +41,8 @@ IN, OUT = 256, 10
 TORCH_MODES, HETCOMM_MODES = mode_table.TORCH, mode_table.HETCOMM
 DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk", "lowrank",
                  "none+bal", "onebit+bal", "topk+bal", "lowrank+bal"]
+#: the compressions whose rows compress SGD's momentum (attach_optimizer); lowrank the gradient
+ATTACHED = tuple(c for c in COMPRESSED if c != "lowrank") + ("auto",)
 
 
 def model_for(params: int, seed: int = 0, layers: int = 2) -> nn.Module:
@@ -107,10 +111,13 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
 
     ddp.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    if mode_table.get(base).options.get("compression") in COMPRESSED + ("auto",):
+    attached = mode_table.get(base).options.get("compression") in ATTACHED
+    if attached:
         # momentum compression, as the README asks of SGD-momentum users of
         # onebit and top-k (auto then offers fp8 of the momentum; 1-bit and
-        # top-k only when listed in candidates=): every compressed mode pays it
+        # top-k only when listed in candidates=). Not lowrank's: it
+        # approximates the gradient, as PyTorch's PowerSGD does (README: use
+        # lowrank without attach_optimizer)
         state.attach_optimizer(opt)
     # auto's first steps after start_iter try its candidates, and its first re-check AUTO_SETTLE steps later
     # measures them again in steady state: not counted (what a long run sees)
@@ -164,6 +171,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         exposed = [max(0.0, t - cfg["solo_step_s"]) for t in times]
     return {**_timing(times, exposed, busy, gb), "bytes_per_step": sent, "compute_rate": meter.rate,
             "local_batch": bal.sizes[rank] if balanced else local, "params": numel, "plans": plans,
+            "momentum_compressed": attached,
             **({"auto": auto} if auto else {})}
 
 
