@@ -42,7 +42,8 @@ def _bench(args) -> None:
         train.main(ranks=args.ranks, tasks=args.tasks, optims=args.optims, modes=args.modes, scale=args.scale,
                    eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale,
                    seeds=args.seeds, clip=args.clip_grad_norm, clip_handed=args.clip_handed,
-                   schedule=args.schedule, device=args.device, bucket_mb=args.bucket_mb)
+                   schedule=args.schedule, device=args.device, bucket_mb=args.bucket_mb,
+                   reference=args.reference)
     elif args.what == "precision":
         from .benchmarks import precision
 
@@ -362,6 +363,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "sharing them); needs a CUDA build of hetcomm")
     tr.add_argument("--seeds", type=positive_int, default=1,
                     help="runs per mode with different initialisation and data order; >1 adds a table of means")
+    tr.add_argument("--reference", default=None, metavar="JSON",
+                    help="take fp32's runs (the targets) from an earlier --json of the same tasks, optimizers, "
+                         "seeds, steps and ranks instead of running fp32 again (its quality does not depend on the "
+                         "link: measure it once on a fast one); 'vs fp32' then compares with that run's times")
     tr.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="C",
                     help="clip every step's gradients at norm C (hetcomm's modes by the reduced gradient's norm: "
                          "HookState.clip_grad_norm_)")
@@ -428,6 +433,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             p.error(f"--rank-cpu needs one quota per rank ({args.ranks}), got {len(args.rank_cpu)}")
         elif args.what == "ddp" and args.grid and any(r < 2 or r % 2 for r in args.grid_ranks):
             p.error(f"--grid-ranks must be even and >= 2 (the testbed splits them over 2 nodes), got {args.grid_ranks}")
+        elif args.what == "train" and args.reference is not None:
+            try:  # before any rank starts: the reference must hold every fp32 run this one needs
+                bench_train.reference_runs(args.reference, args.ranks, args.tasks, args.optims, args.modes,
+                                           args.scale, args.eval_every, args.lr_scale, args.seeds,
+                                           args.clip_grad_norm, args.schedule, args.device, args.bucket_mb)
+            except ValueError as e:
+                p.error(str(e))
     if args.cmd == "testbed":
         if args.rank_cpu is not None and len(args.rank_cpu) != args.nodes * args.ranks_per_node:
             p.error(f"--rank-cpu needs one quota per rank ({args.nodes * args.ranks_per_node}), "

@@ -288,11 +288,12 @@ def test_bench_train_plain_sgd_runs_without_momentum_at_its_own_rate(tmp_path):
 
 
 def test_bench_train_seeds_compare_means(tmp_path):
-    out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "onebit+m", "--scale", "0.1",
-                "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)
+    out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
+                "--scale", "0.1", "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)
     data = json.load(open(tmp_path / "s.json"))
     runs = data["runs"]
-    assert sorted((r["mode"], r["seed"]) for r in runs) == [("fp32", 0), ("fp32", 1), ("onebit+m", 0), ("onebit+m", 1)]
+    assert sorted((r["mode"], r["seed"]) for r in runs) == [("fp32", 0), ("fp32", 1), ("onebit+m", 0), ("onebit+m", 1),
+                                                             ("torch-powersgd", 0), ("torch-powersgd", 1)]
     # a seed moves the initialisation and the data: the two fp32 runs differ
     fp32 = [r["final"] for r in runs if r["mode"] == "fp32"]
     assert fp32[0] != fp32[1]
@@ -304,7 +305,40 @@ def test_bench_train_seeds_compare_means(tmp_path):
     assert summary["onebit+m"]["final_std"] == pytest.approx(float(torch.tensor(finals, dtype=torch.float64).std()))
     assert summary["fp32"]["fp32_mean"] == pytest.approx(sum(fp32) / 2) and summary["fp32"]["reached_mean"]
     assert summary["onebit+m"]["reached_mean"] == (summary["onebit+m"]["final_mean"] <= 1.02 * sum(fp32) / 2)
+    # against PowerSGD: the mean of the per-seed ratios, over the seeds where both reached their targets
+    for mode in ("onebit+m", "torch-powersgd", "fp32"):
+        both = [r for r in runs if r["mode"] == mode and r["reached"] and
+                next(p for p in runs if (p["mode"], p["seed"]) == ("torch-powersgd", r["seed"]))["reached"]]
+        ratios = [r["time_to_target_s"] / next(p for p in runs if (p["mode"], p["seed"]) == ("torch-powersgd", r["seed"]))
+                  ["time_to_target_s"] for r in both]
+        assert summary[mode]["vs_powersgd_seeds"] == len(ratios)
+        assert summary[mode]["vs_powersgd"] == (pytest.approx(sum(ratios) / len(ratios)) if ratios else None)
     assert "over 2 seeds" in out.stdout
+
+
+def test_bench_train_takes_fp32s_runs_from_a_reference_instead_of_running_them_again(tmp_path):
+    common = ["bench", "train", "--tasks", "regress", "--optims", "sgd", "--eval-every", "10", "--seeds", "2"]
+    _run(common + ["--scale", "0.1", "--modes", "onebit+m", "--json", "a.json"], tmp_path)
+    out = _run(common + ["--scale", "0.1", "--modes", "onebit+m", "--reference", "a.json", "--json", "b.json"],
+               tmp_path)
+    a, b = (json.load(open(tmp_path / f)) for f in ("a.json", "b.json"))
+    assert "from a.json, not run again" in out.stdout and b["meta"]["reference"] == "a.json"
+    for seed in (0, 1):
+        ra, rb = ({r["mode"]: r for r in d["runs"] if r["seed"] == seed} for d in (a, b))
+        assert rb["fp32"]["reference_from"] == "a.json" and "reference_from" not in rb["onebit+m"]
+        assert rb["fp32"]["curve"] == ra["fp32"]["curve"]  # copied, not rerun
+        # the runs are deterministic: the same onebit+m run, judged against the same target
+        assert rb["onebit+m"]["final"] == ra["onebit+m"]["final"]
+        assert rb["onebit+m"]["target"] == ra["onebit+m"]["target"] == ra["fp32"]["final"]
+        assert rb["onebit+m"]["steps_to_target"] == ra["onebit+m"]["steps_to_target"]
+    # a reference that lacks a run this one needs (other steps, other ranks, fp32 asked for too): a clear error
+    for extra, said in ((["--scale", "0.2", "--modes", "onebit+m"], "no fp32 run with task regress"),
+                        (["--scale", "0.1", "--modes", "onebit+m", "--ranks", "3"], "world_size 3"),
+                        (["--scale", "0.1", "--modes", "fp32,onebit+m"], "leave fp32 out of --modes"),
+                        (["--scale", "0.1", "--modes", "onebit+m", "--bucket-mb", "1"], "--bucket-mb None")):
+        bad = subprocess.run(HETCOMM + common + extra + ["--reference", "a.json"], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        assert bad.returncode != 0 and said in bad.stderr, (extra, bad.stderr[-2000:])
 
 
 def test_bench_ddp_grid_compares_auto_with_the_best_fixed_mode(tmp_path):
@@ -399,7 +433,8 @@ MALFORMED = [
     ["bench", "train", "--modes", "torch-powersgd-r4+m"], ["bench", "train", "--modes", ""], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
     ["bench", "train", "--eval-every", "0"], ["bench", "train", "--png", "/no/such/dir/x.png"],
     ["bench", "train", "--seeds", "0"], ["bench", "train", "--clip-grad-norm", "0"],
-    ["bench", "train", "--schedule", "step"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
+    ["bench", "train", "--schedule", "step"], ["bench", "train", "--reference", "/no/such/runs.json"],
+    ["bench", "train", "--reference", "/dev/null", "--modes", "onebit"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
     ["bench", "ddp", "--grid", "--networks", "fast"], ["bench", "ddp", "--grid", "--grid-params", ""],
     ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],
     ["testbed", "--inter-node-rate", "fast", "--", "true"], ["testbed", "--rank-cpu", "0,0,0,0", "--", "true"],

@@ -11,7 +11,9 @@ the same command measures a simulated cluster (e.g. 2 nodes x 2 ranks at
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
 import time
 from typing import Dict, List, Optional
@@ -23,7 +25,7 @@ from torch import nn
 import hetcomm
 
 from .. import modes as mode_table
-from ..launch import run_distributed
+from ..launch import joined, run_distributed
 from . import common
 from .tasks import TASKS, Task
 
@@ -202,7 +204,9 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
     """Per task, optimizer and mode over its seeds: the mean and spread of the
     final quality, fp32's mean, whether the mean is within the task's tolerance
     of fp32's mean, in how many seeds the run reached its own seed's target,
-    and the mean time to target over the seeds that reached it."""
+    the mean time to target over the seeds that reached it, and the mean of
+    the per-seed ratios to PowerSGD's time (over the seeds where both reached;
+    with their count)."""
     out = []
     keys = list(dict.fromkeys((r["task"], r["optimizer"], r["mode"]) for r in runs))
     for task_name, optim, mode in keys:
@@ -210,6 +214,7 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
         ref = [r["final"] for r in runs if (r["task"], r["optimizer"], r["mode"]) == (task_name, optim, REFERENCE)]
         finals = torch.tensor([r["final"] for r in group], dtype=torch.float64)
         times = [r["time_to_target_s"] for r in group if r["reached"]]
+        ratios = [r["vs_powersgd"] for r in group if r.get("vs_powersgd") is not None]
         mean, ref_mean = finals.mean().item(), sum(ref) / len(ref)
         out.append({"task": task_name, "optimizer": optim, "mode": mode, "seeds": len(group),
                     "final_mean": mean, "final_std": finals.std().item() if len(group) > 1 else 0.0,
@@ -217,6 +222,7 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
                                                                 TASKS[task_name].reached(mean, ref_mean)),
                     "reached_seeds": sum(r["reached"] for r in group),
                     "time_to_target_s": sum(times) / len(times) if times else None,
+                    "vs_powersgd": sum(ratios) / len(ratios) if ratios else None, "vs_powersgd_seeds": len(ratios),
                     "s_per_step": sum(r["s_per_step"] for r in group) / len(group)})
     return out
 
@@ -235,8 +241,11 @@ def plot(runs: List[Dict], path: str) -> bool:
         for j, task in enumerate(tasks):
             ax, metric = axes[i][j], TASKS[task].metric
             panel = [r for r in runs if (r["task"], r["optimizer"]) == (task, optim)]
+            seeded = len({r["seed"] for r in panel}) > 1
             for r in panel:
-                ax.plot([p["time_s"] for p in r["curve"]], [p[metric] for p in r["curve"]], label=r["mode"],
+                label = r["mode"] + (f" seed {r['seed']}" if seeded else "") + \
+                    (" (its times: --reference's)" if r.get("reference_from") else "")
+                ax.plot([p["time_s"] for p in r["curve"]], [p[metric] for p in r["curve"]], label=label,
                         lw=2.2 if r["mode"] == REFERENCE else 1.2, color="black" if r["mode"] == REFERENCE else None)
             ref = [p[metric] for r in panel if r["mode"] == REFERENCE for p in r["curve"]]
             if ref and metric == "accuracy":
@@ -249,10 +258,78 @@ def plot(runs: List[Dict], path: str) -> bool:
     return common.save_figure(plt, fig, path)
 
 
+#: what a reference run of fp32 (``--reference``) must share with the runs it stands in for
+REFERENCE_KEYS = ("task", "optimizer", "seed", "steps", "lr", "schedule", "device", "world_size", "clip")
+#: the values of keys that runs written before them leave out
+_REFERENCE_DEFAULTS = {"schedule": "constant", "device": "cpu", "clip": None}
+
+
+def _reference_key(r: Dict, k: str):
+    v = r.get(k, _REFERENCE_DEFAULTS.get(k))
+    if k == "clip" and v is not None:  # PyTorch's hook clips by the handed norm; the count is the run's own
+        return v["max_norm"]
+    return v
+
+
+def load_reference(path: str, wanted: List[Dict], bucket_mb: Optional[float] = None) -> List[Dict]:
+    """fp32's runs from an earlier ``bench train --json`` at ``path``, one for
+    each of ``wanted`` (dicts of REFERENCE_KEYS and ``evals``, the evaluated
+    steps), with DDP's buckets as ``bucket_mb`` makes them (they order the
+    sums); ValueError naming the first one the file lacks. fp32's runs are
+    deterministic and do not depend on the link's speed, so a target measured
+    once serves runs of other modes on any link; its times are that run's."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        have = [r for r in data["runs"] if r["mode"] == REFERENCE]
+        theirs = data.get("meta", {}).get("bucket_mb")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--reference {path}: not a bench train JSON with runs ({e})") from None
+    if theirs != bucket_mb:
+        raise ValueError(f"--reference {path} ran with --bucket-mb {theirs}, this run with {bucket_mb}: DDP's "
+                         "buckets order fp32's sums, so its runs would not be this run's")
+    out = []
+    for w in wanted:
+        match = next((r for r in have if all(_reference_key(r, k) == w[k] for k in REFERENCE_KEYS)
+                      and [p["step"] for p in r["curve"]] == w["evals"]), None)
+        if match is None:
+            said = ", ".join(f"{k} {w[k]}" for k in REFERENCE_KEYS)
+            raise ValueError(f"--reference {path} has no fp32 run with {said} and evaluations at steps "
+                             f"{w['evals'][0]}, {w['evals'][1] if len(w['evals']) > 1 else ''}... "
+                             f"(run it once with the same --tasks/--optims/--seeds/--scale/--lr-scale/--schedule/"
+                             f"--eval-every/--clip-grad-norm/--device)")
+        out.append({**match, "reference_from": path})
+    return out
+
+
+def reference_runs(reference: str, ranks: int, tasks: List[str], optims: List[str], modes: List[str],
+                   scale: float = 1.0, eval_every: int = 20, lr_scale: float = 1.0, seeds: int = 1,
+                   clip: Optional[float] = None, schedule: str = "constant", device: str = "cpu",
+                   bucket_mb: Optional[float] = None) -> List[Dict]:
+    """The fp32 runs that :func:`run` with these arguments takes from
+    ``reference`` (:func:`load_reference`); ValueError where it cannot."""
+    if REFERENCE in modes:
+        raise ValueError(f"--reference replaces the {REFERENCE} runs: leave {REFERENCE} out of --modes")
+    if not modes:
+        raise ValueError("--reference needs --modes to compare with it")
+    world = int(os.environ["WORLD_SIZE"]) if joined() else ranks
+    wanted = []
+    for name in tasks:
+        steps = max(eval_every, int(TASKS[name]().steps * scale))
+        evals = list(range(eval_every, steps + 1, eval_every)) + ([steps] if steps % eval_every else [])
+        for optim in optims:
+            for seed in range(seeds):
+                wanted.append({"task": name, "optimizer": optim, "seed": seed, "steps": steps, "evals": evals,
+                               "lr": task_lr(TASKS[name](), optim) * lr_scale, "schedule": schedule,
+                               "device": device, "world_size": world, "clip": clip})
+    return load_reference(reference, wanted, bucket_mb)
+
+
 def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float = 1.0,
         eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None,
         seeds: int = 1, clip: Optional[float] = None, clip_handed: bool = False,
-        schedule: str = "constant", device: str = "cpu", bucket_mb: Optional[float] = None) -> List[Dict]:
+        schedule: str = "constant", device: str = "cpu", bucket_mb: Optional[float] = None,
+        reference: Optional[str] = None) -> List[Dict]:
     """``clip``: every run clips its gradients at that norm after backward
     (hetcomm's modes by the reduced gradient's norm, HookState.clip_grad_norm_;
     with ``clip_handed`` by the handed one's, torch's clip_grad_norm_, as a
@@ -261,7 +338,9 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
     "cuda" puts each rank's model and buckets on a GPU (NCCL with a GPU per
     rank, else gloo ranks sharing the GPUs). ``bucket_mb``: DDP's
     ``bucket_cap_mb`` for every mode but PowerSGD, which takes one bucket
-    (None: DDP's default, whose first bucket holds 1 MB)."""
+    (None: DDP's default, whose first bucket holds 1 MB). ``reference``: an
+    earlier run's JSON whose fp32 runs set the targets instead of running
+    fp32 again (:func:`load_reference`)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     if schedule not in SCHEDULES:
@@ -281,12 +360,16 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
         raise ValueError(f"optimizer 'plain' (SGD without momentum) has no momentum to compress: run "
                          f"{', '.join(attached)} without it")
     common.require_device(device, "hetcomm bench train")
-    if REFERENCE not in modes:
+    copied: List[Dict] = []
+    if reference is not None:
+        copied = reference_runs(reference, ranks, tasks, optims, modes, scale, eval_every, lr_scale, seeds, clip,
+                                schedule, device, bucket_mb)
+    elif REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
     runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds,
                            clip, clip_handed, schedule, device, bucket_mb,
                            backend=common.backend_for(device, ranks))
-    return summarise(runs) if runs is not None else []
+    return summarise(copied + runs) if runs is not None else []
 
 
 def _fmt(v, f):
@@ -296,10 +379,10 @@ def _fmt(v, f):
 def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
          json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0, seeds: int = 1,
          clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
-         device: str = "cpu", bucket_mb: Optional[float] = None) -> None:
+         device: str = "cpu", bucket_mb: Optional[float] = None, reference: Optional[str] = None) -> None:
     t0 = time.time()
     runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds, clip, clip_handed,
-               schedule, device, bucket_mb)
+               schedule, device, bucket_mb, reference)
     if not runs:  # a rank other than 0 under torchrun / the testbed
         return
     world = runs[0]["world_size"]
@@ -317,13 +400,19 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
     meta = common.metadata(world, wall_s=time.time() - t0, scale=scale, eval_every=eval_every, lr_scale=lr_scale,
                            seeds=seeds, clip=clip, clip_handed=clip_handed, schedule=schedule, device=device,
-                           bucket_mb=bucket_mb)
+                           bucket_mb=bucket_mb, reference=reference)
+    if reference is not None:
+        print(f"# fp32's runs (the targets, and the base of 'vs fp32') from {reference}, not run again: their "
+              "times are that run's machine and network")
     summary = aggregate(runs)
     if seeds > 1:
-        print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean")
+        print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean; "
+              "time(s) = the mean over the seeds that reached; vs PowerSGD = the mean of the per-seed ratios, over "
+              "the seeds where both reached ('of seeds')")
         acols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"),
                  ("final_mean", "mean", ".4g"), ("final_std", "std", ".3g"), ("fp32_mean", "fp32 mean", ".4g"),
-                 ("reached_mean", "ok", ""), ("reached_seeds", "seeds ok", "d"), ("time_to_target_s", "time(s)", ".2f")]
+                 ("reached_mean", "ok", ""), ("reached_seeds", "seeds ok", "d"), ("time_to_target_s", "time(s)", ".2f"),
+                 ("vs_powersgd", "vs PowerSGD", ".2f"), ("vs_powersgd_seeds", "of seeds", "d")]
         print("  ".join(f"{h:>11}" for _, h, _ in acols))
         for a in summary:
             print("  ".join(f"{_fmt(a[k], f):>11}" for k, _, f in acols))
