@@ -34,7 +34,7 @@ def test_demo_prints_a_table_and_writes_json(tmp_path):
     res = data["results"]
     assert all(r["loss_curve"][-1][0] == 30 for r in res.values())
     assert set(res) == {"none", "onebit", "torch-allreduce"}
-    # 30 steps: onebit's last step is compressed (start_iter=2)
+    # 30 steps: onebit's last step is compressed (from start_iter, 1 by default)
     assert res["none"]["bytes_per_step"] == res["torch-allreduce"]["bytes_per_step"]
     # fp32's 4 bytes an element against onebit's signs and bf16 scale per 32 (padding aside)
     ratio = 4 / hetcomm.planner.wire_bytes_per_element("onebit")
@@ -177,9 +177,16 @@ def test_bench_train_time_to_accuracy(tmp_path):
     for r in runs.values():
         times = [p["time_s"] for p in r["curve"]]
         assert times == sorted(times) and r["s_per_step"] * r["steps"] >= times[-1] * 0.999
+        within = [p["mse"] <= 1.02 * fp32["final"] for p in r["curve"]]
         if r["reached"]:  # the first evaluation within 2 % of fp32's final MSE
             first = next(p for p in r["curve"] if p["mse"] <= 1.02 * fp32["final"])
             assert (r["steps_to_target"], r["time_to_target_s"]) == (first["step"], first["time_s"])
+            # and the one from which every evaluation stays within it (the one before it, if any, is not)
+            i = [p["step"] for p in r["curve"]].index(r["steps_to_stay"])
+            assert all(within[i:]) and (i == 0 or not within[i - 1]) and r["steps_to_stay"] >= first["step"]
+            assert r["time_to_stay_s"] == r["curve"][i]["time_s"]
+        else:
+            assert r["steps_to_stay"] is None and r["stay_vs_fp32"] is None
     # the attached optimizer's warm-up: the first 12 of 60 steps, steps 0 and 1 at fp32's bytes and 2-11 in fp8 (a
     # quarter of them and scales; the default), then 1 bit + a bf16 per 32 and more: less than the 12 steps in fp32
     ratio = runs["onebit+m"]["bytes_per_step"] / runs["fp32"]["bytes_per_step"]
@@ -313,6 +320,9 @@ def test_bench_train_seeds_compare_means(tmp_path):
                   ["time_to_target_s"] for r in both]
         assert summary[mode]["vs_powersgd_seeds"] == len(ratios)
         assert summary[mode]["vs_powersgd"] == (pytest.approx(sum(ratios) / len(ratios)) if ratios else None)
+        stays = [r["time_to_stay_s"] / next(p for p in runs if (p["mode"], p["seed"]) == ("torch-powersgd", r["seed"]))
+                 ["time_to_stay_s"] for r in both]
+        assert summary[mode]["stay_vs_powersgd"] == (pytest.approx(sum(stays) / len(stays)) if stays else None)
     assert "over 2 seeds" in out.stdout
 
 
