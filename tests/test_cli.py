@@ -313,16 +313,13 @@ def test_bench_train_seeds_compare_means(tmp_path):
     assert summary["fp32"]["fp32_mean"] == pytest.approx(sum(fp32) / 2) and summary["fp32"]["reached_mean"]
     assert summary["onebit+m"]["reached_mean"] == (summary["onebit+m"]["final_mean"] <= 1.02 * sum(fp32) / 2)
     # against PowerSGD: the mean of the per-seed ratios, over the seeds where both reached their targets
+    powersgd = {r["seed"]: r for r in runs if r["mode"] == "torch-powersgd"}
     for mode in ("onebit+m", "torch-powersgd", "fp32"):
-        both = [r for r in runs if r["mode"] == mode and r["reached"] and
-                next(p for p in runs if (p["mode"], p["seed"]) == ("torch-powersgd", r["seed"]))["reached"]]
-        ratios = [r["time_to_target_s"] / next(p for p in runs if (p["mode"], p["seed"]) == ("torch-powersgd", r["seed"]))
-                  ["time_to_target_s"] for r in both]
-        assert summary[mode]["vs_powersgd_seeds"] == len(ratios)
-        assert summary[mode]["vs_powersgd"] == (pytest.approx(sum(ratios) / len(ratios)) if ratios else None)
-        stays = [r["time_to_stay_s"] / next(p for p in runs if (p["mode"], p["seed"]) == ("torch-powersgd", r["seed"]))
-                 ["time_to_stay_s"] for r in both]
-        assert summary[mode]["stay_vs_powersgd"] == (pytest.approx(sum(stays) / len(stays)) if stays else None)
+        both = [r for r in runs if r["mode"] == mode and r["reached"] and powersgd[r["seed"]]["reached"]]
+        for key, time_key in (("vs_powersgd", "time_to_target_s"), ("stay_vs_powersgd", "time_to_stay_s")):
+            ratios = [r[time_key] / powersgd[r["seed"]][time_key] for r in both]
+            assert summary[mode][key] == (pytest.approx(sum(ratios) / len(ratios)) if ratios else None)
+        assert summary[mode]["vs_powersgd_seeds"] == len(both)
     assert "over 2 seeds" in out.stdout
 
 
