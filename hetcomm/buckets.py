@@ -39,6 +39,11 @@ def key_of(sig: Signature) -> str:
     return ",".join(map(str, sig))
 
 
+def sig_of(key: str) -> Signature:
+    """The bucket signature a state_dict key names (key_of's inverse)."""
+    return tuple(int(n) for n in key.split(","))
+
+
 class Bucket(NamedTuple):
     """What the hook needs of a bucket: DDP's GradBucket, or a regrouped one."""
     index: int
@@ -226,8 +231,11 @@ class BucketStates:
         self.carry[key] = carry
         self._carry_sent.pop(key, None)
 
+    def _size(self, n: int) -> int:
+        return math.prod(self.params.shapes[n])
+
     def _numel_of(self, sig: Signature) -> int:
-        return sum(math.prod(self.params.shapes[n]) for n in sig)
+        return sum(self._size(n) for n in sig)
 
     def _stores(self):
         return (self.residuals, self.server_residuals, self.lowrank_q, self.momentum, self.carry, self.plan_of,
@@ -248,25 +256,25 @@ class BucketStates:
             return
         mine = set(sig)
         owners = {k for store in self._stores() for k in store
-                  if k != key and not mine.isdisjoint(int(n) for n in k.split(","))}
+                  if k != key and not mine.isdisjoint(sig_of(k))}
         for old in sorted(owners):
             self._release(old, device, world, rank, node_of)
         pieces = [self._loose.pop(n, None) for n in sig]
         if all(p is None for p in pieces):
             return
-        if numel != self._numel_of(sig):
+        held = self._numel_of(sig)
+        if numel != held:
             log.warning("hetcomm: a rebuilt bucket of %d elements holds parameters of %d: what the earlier buckets' "
-                        "error feedback owed its parameters is dropped", numel, self._numel_of(sig))
+                        "error feedback owed its parameters is dropped", numel, held)
             return
-        self.carry[key] = torch.cat([p.to(device) if p is not None else
-                                     torch.zeros(math.prod(self.params.shapes[n]), device=device)
+        self.carry[key] = torch.cat([p.to(device) if p is not None else torch.zeros(self._size(n), device=device)
                                      for n, p in zip(sig, pieces)])
         self._carry_sent.pop(key, None)
 
     def _release(self, key: str, device: torch.device, world: int, rank: int, node_of: Sequence[int]) -> None:
         """A bucket of an earlier layout: its owed error feedback into the
         per-parameter pool, the rest of its state dropped."""
-        sig = tuple(int(n) for n in key.split(","))
+        sig = sig_of(key)
         numel = self._numel_of(sig)
         if key in self.plan_of:  # residuals (of any codec) into the carry, where they belong in the bucket
             self._fold(key, numel, self.plan_of[key], device, world, rank, node_of)
@@ -282,7 +290,7 @@ class BucketStates:
             return
         off = 0
         for n in sig:
-            size = math.prod(self.params.shapes[n])
+            size = self._size(n)
             self._loose[n] = carry.narrow(0, off, size)
             off += size
 
@@ -295,7 +303,7 @@ class BucketStates:
         for store in (self.residuals, self.server_residuals, self.carry):
             for key, t in store.items():
                 if key not in factors:
-                    factors[key] = factor_of([self.params.param(int(n)) for n in key.split(",")])
+                    factors[key] = factor_of([self.params.param(n) for n in sig_of(key)])
                 if factors[key] is not None:
                     t.mul_(factors[key])
         return sum(f is None for f in factors.values())
