@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
 from hetcomm.benchmarks.tasks import Regress
+from hetcomm.buckets import sig_of
 
 from . import models
 from . import reference as ref
@@ -81,7 +82,7 @@ def _momentum_gap(state, opt):
     for key, m in state._buckets.momentum.items():
         if key not in state.last_plans:  # a bucket of an earlier layout (DDP rebuilds its buckets after step 1)
             continue
-        params = [state._buckets.params.param(int(n)) for n in key.split(",")]
+        params = [state._buckets.params.param(n) for n in sig_of(key)]
         theirs = torch.cat([(opt.state[p]["exp_avg"] / (1.0 - state._beta) if adam else opt.state[p]["momentum_buffer"])
                             .flatten() for p in params])
         gaps.append(((m - theirs).abs().max() / theirs.abs().max()).item())
@@ -617,7 +618,7 @@ def _lr_schedule_units(rank, world):
         logging.getLogger("hetcomm").removeHandler(handler)
     out["warnings"] = [m for m in seen if "different factors" in m]
     group = {id(p): 0 for p in first}
-    out["groups"] = {k: {group.get(id(state._buckets.params.param(int(n))), 1) for n in k.split(",")}
+    out["groups"] = {k: {group.get(id(state._buckets.params.param(n)), 1) for n in sig_of(k)}
                      for k in state._buckets.residuals}
     out["lrs"] = state.state_dict()["lrs"]
     fresh = hetcomm.HookState("onebit", min_compress_numel=0)

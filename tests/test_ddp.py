@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
 from hetcomm import topology
+from hetcomm.buckets import sig_of
 
 from . import models
 from .dist_harness import each_mode, run_ranks
@@ -374,10 +375,10 @@ def _owed(state, param: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     b = state._buckets
     me, owed = b.params.number(param), torch.zeros(param.numel())
     for key in set(b.residuals) | set(b.server_residuals) | set(b.carry):
-        sig = [int(n) for n in key.split(",")]
+        sig = sig_of(key)
         if me not in sig:
             continue
-        sizes = [math.prod(b.params.shapes[n]) for n in sig]
+        sizes = [b._size(n) for n in sig]
         whole = torch.zeros(sum(sizes))
         worker_off, server_off = hetcomm._C.state_offsets(whole.numel(), world, rank, [], False)
         for t, off in ((b.residuals.get(key), worker_off), (b.server_residuals.get(key), server_off),
@@ -386,15 +387,16 @@ def _owed(state, param: torch.Tensor, rank: int, world: int) -> torch.Tensor:
                 whole.narrow(0, 0 if t.numel() == whole.numel() else off, t.numel()).add_(t.cpu())
         start = sum(sizes[:sig.index(me)])
         owed += whole.narrow(0, start, param.numel())
-    return owed.view(param.shape)
+    return owed.view(param.shape).to(param.device)
 
 
-def _compressed_from_step_zero(rank, world, mode, adopt):
+def _compressed_from_step_zero(rank, world, mode, adopt, device):
     import torch.distributed as dist
 
+    dev = models.rank_device(rank, device)
     model = models.mlp()
-    local = models.mlp()  # the same weights, reduced exactly by hand: the reference
-    ddp = DDP(model, bucket_cap_mb=0.01)  # buckets of a layer or so: DDP's rebuild after step 0 regroups them
+    local = models.mlp().to(dev)  # the same weights, reduced exactly by hand: the reference
+    ddp = models.ddp(model, rank, device, bucket_cap_mb=0.01)  # buckets of a layer or so: rebuilt after step 0
     state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0)
     if not adopt:  # what start_iter=0 would do without adoption: the first layout's error feedback is dropped
         state._buckets.adopt = lambda *args: None
@@ -403,7 +405,7 @@ def _compressed_from_step_zero(rank, world, mode, adopt):
     exact = [torch.zeros_like(p) for p in model.parameters()]
     layouts, wires = [], []
     for step in range(4):  # no optimizer: the weights stay, only the data changes
-        x, y = models.batch(rank, step, 16)
+        x, y = (t.to(dev) for t in models.batch(rank, step, 16))
         ddp.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         local.zero_grad()
@@ -424,16 +426,17 @@ def _compressed_from_step_zero(rank, world, mode, adopt):
 
 
 @pytest.mark.parametrize("mode", ["lowrank", "topk", "onebit"])
-def test_compressed_from_the_first_step_nothing_owed_is_lost_to_ddps_rebuild(mode):
+def test_compressed_from_the_first_step_nothing_owed_is_lost_to_ddps_rebuild(place, mode):
     # start_iter=0: step 0 is compressed in DDP's first bucket layout, step 1 on in the rebuilt one. Error
     # feedback's books balance: what was delivered over the steps plus what the ranks still owe is the exact
-    # sum of the mean gradients, for every parameter; the rebuilt buckets adopted what the first ones owed.
-    layouts, wires, gap = run_ranks(_compressed_from_step_zero, 2, mode, True)[0]
+    # sum of the mean gradients, for every parameter; the rebuilt buckets adopted what the first ones owed
+    # (on a GPU too: the residuals live on the bucket's device).
+    layouts, wires, gap = place.run(_compressed_from_step_zero, 2, mode, True, place.device)[0]
     assert layouts[0] != layouts[1] and layouts[1] == layouts[3]  # the rebuild happened, after step 0
     assert wires == [[mode]] * 4  # every step compressed, the first one too
     assert gap < 1e-5
     # without adoption the first layout's residuals are lost: the books do not balance
-    assert run_ranks(_compressed_from_step_zero, 2, mode, False)[0][2] > 1e-2
+    assert place.run(_compressed_from_step_zero, 2, mode, False, place.device)[0][2] > 1e-2
 
 
 @pytest.fixture(scope="module")
