@@ -180,7 +180,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
              c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, Algo algo,
              c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry,
-             c10::optional<at::Tensor> update_denominator, bool pipeline) {
+             c10::optional<at::Tensor> update_denominator, bool pipeline, const std::string& lowrank_wire) {
             BucketJob job;
             job.index = index;
             job.buffer = buffer;
@@ -194,6 +194,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             job.last = last;
             job.layout = opt(layout);
             job.q_state = opt(q_state);
+            job.lowrank_wire = lowrank_wire_named(lowrank_wire);
             job.momentum = opt(momentum);
             job.beta = beta;
             job.carry = opt(carry);
@@ -205,7 +206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("topk_exact"), py::arg("residual"), py::arg("server_residual"), py::arg("last"),
           py::arg("layout") = py::none(), py::arg("q_state") = py::none(), py::arg("algorithm") = Algo::kNative,
           py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none(),
-          py::arg("update_denominator") = py::none(), py::arg("pipeline") = false)
+          py::arg("update_denominator") = py::none(), py::arg("pipeline") = false, py::arg("lowrank_wire") = "fp32")
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("set_loss_scale", &Engine::set_loss_scale, py::arg("scale"))
       .def(

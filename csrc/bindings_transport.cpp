@@ -146,22 +146,24 @@ void bind_transports(py::module_& m) {
       .def(
           "allreduce_lowrank",
           [](T& t, at::Tensor x, double divisor, const at::Tensor& layout, at::Tensor q_state,
-             c10::optional<at::Tensor> res, std::vector<int> node_of) {
+             c10::optional<at::Tensor> res, std::vector<int> node_of, const std::string& wire_name) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
+            const at::ScalarType wire = lowrank_wire_named(wire_name);
             bool reduced = false;
             blocking(t, [&] {
               if (node_of.empty())
-                reduced = collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer);
+                reduced = collectives::allreduce_lowrank(t, flat, divisor, layout, q_state, opt(res), timer, -1.0, wire);
               else
                 reduced = collectives::allreduce_lowrank_hierarchical(t, flat, divisor, layout, q_state, opt(res),
-                                                                      node_of, timer);
+                                                                      node_of, timer, -1.0, wire);
             });
             return reduced;
           },
           py::arg("x"), py::arg("divisor"), py::arg("layout"), py::arg("q_state"), py::arg("residual") = py::none(),
-          py::arg("node_of") = std::vector<int>{}, nogil,
-          "Low-rank (PowerSGD-style) all-reduce of x in place. False (x, residual and Q untouched) where x held a "
+          py::arg("node_of") = std::vector<int>{}, py::arg("wire") = "fp32", nogil,
+          "Low-rank (PowerSGD-style) all-reduce of x in place; wire 'fp32' or 'bf16' (the factors and dense parts "
+          "sent in bfloat16, the rounding kept in the residual). False (x, residual and Q untouched) where x held a "
           "NaN or an infinity on some rank.")
       .def(
           "allreduce",

@@ -441,7 +441,8 @@ class BucketSteps:
                                    topk_ratio=self.topk_ratio, topk_exact=self.topk_exact, residual=residual,
                                    server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
                                    algorithm=_ALGOS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
-                                   carry=carry, update_denominator=denominator, pipeline=True)
+                                   carry=carry, update_denominator=denominator, pipeline=True,
+                                   lowrank_wire=self.lowrank_wire)
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event

@@ -23,6 +23,7 @@ Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical"
 # What attach_optimizer saw (the auto mode's safe set depends on it).
 ATTACHED = (None, "sgd", "adam", "hetcomm-adamw")
 WARMUP_WIRES = ("none", "fp8")  # attach_optimizer(warmup_compression=...)
+LOWRANK_WIRES = ("fp32", "bf16")  # HookState(lowrank_wire=...)
 #: A rank's compute precision as gathered at the first step (None: no hetcomm.amp.GradScaler).
 _PRECISIONS = (None, "bf16", "fp16", "fp32")
 SCALER_NAME = "hetcomm.amp.GradScaler (created before the first step)"
@@ -60,7 +61,7 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
              min_compress_numel: int,
              topk_ratio: float, topk_exact: bool, matrix_approximation_rank: int, algorithm: Optional[str],
              transport: str, timeout: Optional[timedelta], process_group: Any, rank: Optional[int],
-             candidates: Optional[Sequence[str]]) -> Dict[str, Any]:
+             candidates: Optional[Sequence[str]], lowrank_wire: str = "fp32") -> Dict[str, Any]:
     """The options after their rules, or a ValueError naming the argument."""
     if rank is not None:
         warnings.warn("HookState(rank=...) is deprecated: it is lowrank's matrix_approximation_rank (rank reads "
@@ -87,6 +88,8 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
     if not _is_int(matrix_approximation_rank) or matrix_approximation_rank < 1:
         raise ValueError(f"matrix_approximation_rank (lowrank's rank) must be an int >= 1, got "
                          f"{matrix_approximation_rank!r}")
+    if lowrank_wire not in LOWRANK_WIRES:
+        raise ValueError(f"lowrank_wire must be one of {LOWRANK_WIRES}, got {lowrank_wire!r}")
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
     if not isinstance(topk_exact, bool):
@@ -114,8 +117,8 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
         candidates = tuple(sorted(listed, key=AUTO_MODES.index))
     return dict(compression=compression, start_iter=start_iter, error_feedback=error_feedback, chunk_size=chunk_size,
                 min_compress_numel=min_compress_numel, topk_ratio=float(topk_ratio), topk_exact=topk_exact,
-                matrix_approximation_rank=matrix_approximation_rank, algorithm=algorithm, transport=transport,
-                candidates=candidates)
+                matrix_approximation_rank=matrix_approximation_rank, lowrank_wire=lowrank_wire, algorithm=algorithm,
+                transport=transport, candidates=candidates)
 
 
 def float_bits(x: float) -> int:
@@ -149,6 +152,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("topk_ratio", float_bits(s.topk_ratio)),
         ("topk_exact", int(s.topk_exact)),
         ("matrix_approximation_rank", s.matrix_approximation_rank),
+        ("lowrank_wire", LOWRANK_WIRES.index(s.lowrank_wire)),
         # a compressed mode's default decides by the nodes (negotiation.across_nodes), "native" given does not
         ("algorithm", -1 if s._algorithm_default else (("auto",) + ALGORITHMS).index(s.algorithm)),
         ("transport", ("auto", "pg").index(s.transport)),
@@ -171,6 +175,7 @@ _SHOW = {"compression": lambda v: COMPRESSIONS[v],
          "warmup_fraction (attach_optimizer)": bits_float,
          "optimizer kind (attach_optimizer)": lambda v: ATTACHED[v] or "none",
          "warmup_compression (attach_optimizer)": lambda v: WARMUP_WIRES[v],
+         "lowrank_wire": lambda v: LOWRANK_WIRES[v],
          FOLLOW_NAME: lambda v: "yes" if v else "no",
          SCALER_NAME: lambda v: "yes" if v else "no",
          "algorithm": lambda v: "default" if v < 0 else (("auto",) + ALGORITHMS)[v],

@@ -139,9 +139,11 @@ def wire_of(mode: str, topk_ratio: float, lowrank_fraction: Optional[float] = No
     return planner.Wire(mode)
 
 
-def lowrank_fraction(layout, numel: int) -> float:
-    """The fraction of a bucket's fp32 elements that lowrank's P, Q and dense parts carry."""
-    return sum((rows + cols) * k if k else rows * cols for _, rows, cols, k in layout.tolist()) / max(numel, 1)
+def lowrank_fraction(layout, numel: int, wire: str = "fp32") -> float:
+    """The fraction of a bucket's fp32 bytes that lowrank's P, Q and dense parts
+    carry (``wire``: HookState's ``lowrank_wire``; bf16 sends half the bytes)."""
+    elements = sum((rows + cols) * k if k else rows * cols for _, rows, cols, k in layout.tolist())
+    return elements * (0.5 if wire == "bf16" else 1.0) / max(numel, 1)
 
 
 class Planner:
@@ -218,7 +220,7 @@ class Planner:
         return BucketPlan(mode, algo, why, predicted_s=predicted)
 
     def _wire(self, mode: str, numel: int, layout_of) -> planner.Wire:
-        fraction = lowrank_fraction(layout_of(), numel) if mode == "lowrank" else None
+        fraction = lowrank_fraction(layout_of(), numel, self.s.lowrank_wire) if mode == "lowrank" else None
         return wire_of(mode, self.s.topk_ratio, fraction)
 
     def _dense(self, numel: int, mode: str, why: str, interim: bool = False) -> BucketPlan:

@@ -94,6 +94,11 @@ class HookState(BucketSteps, Negotiation):
             sampled-threshold selection of DGC (about k entries, faster).
         matrix_approximation_rank: lowrank's rank r (P and Q have r columns),
             as in PyTorch's PowerSGD; ``rank`` is its deprecated old name.
+        lowrank_wire: what lowrank's two all-reduces send: ``"fp32"``
+            (default) or ``"bf16"``, half the bytes. The bf16 sums are
+            rounded; each rank's error feedback keeps what its share of the
+            rounded sum missed (on the dense parts too), so nothing is lost,
+            only sent a step later.
         algorithm: how each bucket's sum is computed. ``None`` (default):
             ``"auto"`` with ``compression="auto"``, else ``"native"``, except
             that with fp8, onebit, topk or lowrank on several nodes of the
@@ -157,6 +162,7 @@ class HookState(BucketSteps, Negotiation):
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
         matrix_approximation_rank: int = 4,
+        lowrank_wire: Literal["fp32", "bf16"] = "fp32",
         algorithm: Optional[Algorithm] = None,
         transport: Literal["auto", "pg"] = "auto",
         timeout: Optional[timedelta] = None,
@@ -165,7 +171,7 @@ class HookState(BucketSteps, Negotiation):
     ) -> None:
         opts = options.validate(compression, start_iter, error_feedback, chunk_size, min_compress_numel, topk_ratio,
                                 topk_exact, matrix_approximation_rank, algorithm, transport, timeout, process_group,
-                                rank, candidates)
+                                rank, candidates, lowrank_wire)
         self.compression: str = opts["compression"]
         self.start_iter: int = opts["start_iter"]
         self.error_feedback: bool = opts["error_feedback"]
@@ -174,6 +180,7 @@ class HookState(BucketSteps, Negotiation):
         self.topk_ratio: float = opts["topk_ratio"]
         self.topk_exact: bool = opts["topk_exact"]
         self.matrix_approximation_rank: int = opts["matrix_approximation_rank"]
+        self.lowrank_wire: str = opts["lowrank_wire"]
         self.algorithm: str = opts["algorithm"]
         #: algorithm left to its default with a compressed mode: the first step decides from the nodes
         #: (negotiation); _across_nodes: its compressed buckets then run hierarchically

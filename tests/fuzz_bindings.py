@@ -134,12 +134,13 @@ def fuzz_transport_allreduce(x, algo, order, nodes, inter, res, sres, chunk, rat
 
 @common
 @given(tensors(), floats, ints, floats, opt_tensors, opt_tensors, st.booleans(),
-       st.lists(st.lists(ints, min_size=4, max_size=4), max_size=3), tensors(torch.float32))
-def fuzz_transport_compressed(x, d, chunk, ratio, r1, r2, exact, layout, q):
+       st.lists(st.lists(ints, min_size=4, max_size=4), max_size=3), tensors(torch.float32),
+       st.sampled_from(["fp32", "bf16", "fp16", ""]))
+def fuzz_transport_compressed(x, d, chunk, ratio, r1, r2, exact, layout, q, wire):
     call("allreduce_onebit", TRANSPORT.allreduce_onebit, x, d, chunk, r1, r2)
     call("allreduce_topk", TRANSPORT.allreduce_topk, x, d, ratio, exact, r1, r2)
     call("allreduce_lowrank", TRANSPORT.allreduce_lowrank, x, d,
-         torch.tensor(layout, dtype=torch.int64).reshape(-1, 4), q, r1)
+         torch.tensor(layout, dtype=torch.int64).reshape(-1, 4), q, r1, [], wire)
 
 
 @common

@@ -213,7 +213,7 @@ def test_replicas_bit_identical_after_50_steps_on_4_ranks(mode):
 
 
 REPLICA_CASES = [("none", {}), ("fp16", {}), ("bf16", {}), ("fp8", {}), ("onebit", {}), ("topk", {}),
-                 ("lowrank", {}), ("auto", {}), ("none", {"algorithm": "ring"}), ("none", {"algorithm": "tree"}),
+                 ("lowrank", {}), ("lowrank", {"lowrank_wire": "bf16"}), ("auto", {}), ("none", {"algorithm": "ring"}), ("none", {"algorithm": "tree"}),
                  ("none", {"algorithm": "halving_doubling"}), ("none", {"algorithm": "auto"}),
                  ("onebit", {"transport": "pg"}), ("topk", {"topk_exact": False})]
 
@@ -536,6 +536,8 @@ def _mismatch(rank, world, case):
             hetcomm.amp.GradScaler(state, "cpu", precision="fp16")
     elif case == "algorithm":  # "native" given vs the default, which goes hierarchical on several nodes
         state = hetcomm.HookState("fp8", algorithm="native" if rank == 0 else None)
+    elif case == "lowrank_wire":
+        state = hetcomm.HookState("lowrank", lowrank_wire=("fp32", "bf16")[rank])
     else:
         state = hetcomm.HookState("topk", topk_ratio=0.01 * (rank + 1))
     ddp.register_comm_hook(state, hetcomm.hook)
@@ -551,6 +553,8 @@ def _mismatch(rank, world, case):
 @pytest.mark.parametrize("case,needle", [("compression", "compression differs"),
                                          ("weighting", "batch-size weighting"),
                                          ("ratio", "topk_ratio differs"),
+                                         ("lowrank_wire", "lowrank_wire differs across ranks (rank 0: 'fp32', rank "
+                                          "1: 'bf16')"),
                                          ("algorithm", "algorithm differs across ranks (rank 0: 'native', rank 1: "
                                           "'default')"),
                                          ("scaler", "hetcomm.amp.GradScaler (created before the first step) "

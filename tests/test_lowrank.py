@@ -52,9 +52,9 @@ def _q_state(layout):
     return torch.cat([q.reshape(-1) for q in _initial_qs(layout) if q is not None])
 
 
-def _ours(rank, world, layout, steps, divisors, node_of=(), scale=1.0):
-    """``steps`` calls of allreduce_lowrank (hierarchical with ``node_of``) on standard normal inputs times
-    ``scale``."""
+def _ours(rank, world, layout, steps, divisors, node_of=(), scale=1.0, wire="fp32"):
+    """``steps`` calls of allreduce_lowrank (hierarchical with ``node_of``; factors sent in ``wire``) on standard
+    normal inputs times ``scale``."""
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     lay = torch.tensor(layout)
     q = _q_state(layout)
@@ -66,7 +66,7 @@ def _ours(rank, world, layout, steps, divisors, node_of=(), scale=1.0):
     for _ in range(steps):
         x = torch.randn(N, generator=g) * scale
         xs.append(x.clone())
-        t.allreduce_lowrank(x, divisors[rank], lay, q, res, node_of=list(node_of))
+        t.allreduce_lowrank(x, divisors[rank], lay, q, res, node_of=list(node_of), wire=wire)
         outs.append(x)
         ress.append(res.clone())
     return {"xs": xs, "outs": outs, "res": ress, "sent_per_step": (t.counters()["bytes_sent"] - sent0) / steps}
@@ -177,6 +177,47 @@ def test_hierarchical_lowrank_is_the_flat_step_with_its_factors_summed_inside_no
     factors = 40 * 3 + 16 * 2 + 30 + 24 * 3 + 16 * 2
     for r in results:
         assert r["sent_per_step"] <= 2 * factors * 4 < N * 4 / 2, r["sent_per_step"]
+
+
+@pytest.mark.parametrize("world,node_of", [(2, ()), (3, ()), (4, (0, 0, 1, 1))])
+def test_lowrank_in_bf16_rounds_its_sums_and_error_feedback_keeps_what_they_lost(world, node_of):
+    # lowrank_wire="bf16": P with the dense parts, then Q^T, summed in bfloat16, half the bytes. What is delivered
+    # plus what the ranks' residuals hold is still the exact sum of what they put in (their weighted x plus the
+    # residual before), on the matrices and on the dense part alike: the rounding is sent again the next step.
+    divisors = [float(world)] * world if world != 4 else [10.0 / (r + 1) for r in range(4)]  # shares sum to 1
+    exact = run_ranks(_ours, world, LAYOUT, 3, divisors, node_of)
+    rounded = run_ranks(_ours, world, LAYOUT, 3, divisors, node_of, 1.0, "bf16")
+    for r in rounded[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["outs"], rounded[0]["outs"]))  # bit-identical on every rank
+    dense = slice(960, 990)
+    for step in range(3):
+        put_in = sum(r["xs"][step] / d + (r["res"][step - 1] if step else 0) for r, d in zip(rounded, divisors))
+        out = rounded[0]["outs"][step]
+        owed = sum(r["res"][step] for r in rounded)
+        assert ((out + owed - put_in).abs().max() / put_in.abs().max()).item() < 1e-6, step
+        assert not torch.equal(out[dense], put_in[dense])  # the dense part's sum was rounded...
+        assert (out[dense] - put_in[dense]).abs().max() < 2 ** -7 * put_in[dense].abs().max()  # ...to bf16
+        assert owed[dense].abs().max() > 0  # ...and the residuals hold what it lost
+    # the first step starts from the same Q and inputs: its approximation is the float32 wire's, to bf16's rounding
+    first, want = rounded[0]["outs"][0], exact[0]["outs"][0]
+    assert ((first - want).norm() / want.norm()).item() < 2e-2
+    for e, r in zip(exact, rounded):  # half the bytes, to the byte: both all-reduces carry 2-byte elements
+        assert r["sent_per_step"] == e["sent_per_step"] / 2
+
+
+def test_lowrank_wire_must_be_fp32_or_bf16():
+    with pytest.raises(ValueError, match="lowrank_wire must be one of"):
+        hetcomm.HookState("lowrank", lowrank_wire="fp16")
+    errors = run_ranks(_bad_wire, 1)[0]
+    assert "lowrank_wire must be one of fp32, bf16, got 'fp16'" in errors
+
+
+def _bad_wire(rank, world):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    try:
+        t.allreduce_lowrank(torch.zeros(N), 1.0, torch.tensor(LAYOUT), _q_state(LAYOUT), None, wire="fp16")
+    except ValueError as e:
+        return str(e)
 
 
 def _nonfinite_rank(rank, world, bad, where, device):

@@ -50,6 +50,7 @@ def test_hookstate_needs_an_initialized_process_group():
     (dict(rank=0), "rank"),
     (dict(matrix_approximation_rank=0), "matrix_approximation_rank"),
     (dict(matrix_approximation_rank=2, rank=3), "not both"),
+    (dict(lowrank_wire="fp16"), "lowrank_wire"),
 ])
 def test_bad_options_are_value_errors_naming_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):
@@ -138,7 +139,7 @@ _ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 5000), st.sampled_fro
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.dictionaries(st.sampled_from(["compression", "start_iter", "error_feedback", "chunk_size",
                                         "min_compress_numel", "topk_ratio", "topk_exact", "rank", "algorithm",
-                                        "matrix_approximation_rank",
+                                        "matrix_approximation_rank", "lowrank_wire",
                                         "transport", "timeout", "candidates"]), _ANY, max_size=4), _ANY)
 def test_fuzz_hookstate_arguments_are_accepted_or_value_errors(kwargs, batch):
     try:
@@ -309,6 +310,19 @@ def test_a_start_suffix_sets_a_hetcomm_modes_start_iter():
                       ("auto-s0", "start_iter must be >= 2 with compression='auto'")):
         with pytest.raises(ValueError, match=rule):
             hetcomm.modes.get(bad).comm_hook()
+
+
+def test_a_bf16_suffix_sends_a_lowrank_modes_factors_in_bf16():
+    m = hetcomm.modes.get("lowrank-r8+m-bf16@native")
+    assert (m.name, m.attach, m.options) == ("lowrank-r8+m-bf16@native", True, {
+        "compression": "lowrank", "matrix_approximation_rank": 8, "lowrank_wire": "bf16", "algorithm": "native"})
+    state = hetcomm.modes.get("lowrank-bf16").comm_hook()[0]
+    assert (state.compression, state.lowrank_wire) == ("lowrank", "bf16")
+    state.close()
+    assert hetcomm.HookState("lowrank").lowrank_wire == "fp32"  # the default
+    for bad in ("fp8-bf16", "torch-powersgd-bf16", "auto-bf16"):
+        with pytest.raises(ValueError, match="-bf16 .* is for hetcomm's lowrank modes"):
+            hetcomm.modes.get(bad)
 
 
 def test_mode_table_plain_modes_are_hookstates_with_defaults():

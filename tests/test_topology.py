@@ -375,6 +375,16 @@ def test_planner_lowrank_goes_hierarchical_on_slow_links_and_flat_on_one_node():
         planner.predict(two_nodes, 1 << 24, "native", "lowrank:0.1")
 
 
+def test_lowranks_share_of_the_bytes_counts_its_wire():
+    from hetcomm.plan import lowrank_fraction
+
+    # a 40 x 24 matrix at rank 3 ((40 + 24) x 3 floats), a dense vector of 30, a 16 x 16 matrix at rank 2
+    layout = torch.tensor([[0, 40, 24, 3], [960, 1, 30, 0], [990, 16, 16, 2]])
+    floats = 64 * 3 + 30 + 32 * 2
+    assert lowrank_fraction(layout, 1246) == floats / 1246
+    assert lowrank_fraction(layout, 1246, "bf16") == floats / 2 / 1246  # 2 bytes an element
+
+
 def test_wire_formats_parse_print_and_reject():
     assert planner.Wire.of("topk") == planner.Wire("topk", 0.01)
     assert planner.Wire.of("lowrank:0.25") == planner.Wire("lowrank", 0.25)

@@ -53,13 +53,16 @@ int64_t lowrank_q_numel(const at::Tensor& layout) {
 }
 
 LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& layout, const at::Tensor& q_state,
-                         const at::Tensor& residual, CodecTimer& timer, double share)
+                         const at::Tensor& residual, CodecTimer& timer, double share, at::ScalarType wire)
     : x_(x),
       q_state_(q_state),
       residual_(residual),
       timer_(timer),
       share_(share < 0 ? 1.0 / divisor : share),
+      wire_(wire),
       parts_(parse(layout, x.numel())) {
+  TORCH_CHECK_VALUE(wire == at::kFloat || wire == at::kBFloat16,
+                    "hetcomm: lowrank's wire must be float32 or bfloat16, got ", c10::toString(wire));
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
                     "hetcomm: lowrank works on a contiguous 1-D float32 bucket");
   int64_t dense = 0, p_total = 0, q_total = 0;
@@ -118,6 +121,10 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
       qo += p.cols * p.rank;
     }
   }
+  if (rounded()) {  // what is summed: head_ rounded to the wire (a value beyond bf16's range becomes an infinity)
+    head_wire_ = at::empty({head_.numel()}, head_.options().dtype(wire_));
+    ops::cast_encode_into(head_, 1.0, head_wire_);
+  }
 }
 
 bool LowrankStep::after_first(Transport& t) {
@@ -128,6 +135,7 @@ bool LowrankStep::after_first(Transport& t) {
   // device). Otherwise an orthonormal P (every rank holds the same summed P,
   // so the same basis), then Q^T = P^T M.
   t.synchronize();
+  if (rounded()) ops::cast_decode(head_wire_, 1.0, head_);
   const bool finite = head_.is_cpu() ? ops::all_finite(head_) : at::isfinite(head_).all().item<bool>();
   if (!finite) return false;
   ops::orthonormalize_blocks(head_, p_blocks_, 0.0);
@@ -141,17 +149,30 @@ bool LowrankStep::after_first(Transport& t) {
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
+  if (rounded()) {
+    qt_wire_ = at::empty({qt_.numel()}, qt_.options().dtype(wire_));
+    ops::cast_encode_into(qt_, 1.0, qt_wire_);
+  }
   return true;
 }
 
 void LowrankStep::finish() {
   Timed _(timer_);
+  if (rounded()) ops::cast_decode(qt_wire_, 1.0, qt_);
   int64_t d = p_total_, po = 0, qo = 0;
   for (const auto& p : parts_) {
     at::Tensor out = x_.narrow(0, p.offset, p.numel());
     if (p.rank == 0) {
       out.copy_(head_.narrow(0, d, p.numel()));
-      if (residual_.defined()) residual_.narrow(0, p.offset, p.numel()).zero_();
+      if (residual_.defined()) {
+        at::Tensor r = residual_.narrow(0, p.offset, p.numel());
+        if (rounded()) {  // a rounded sum: keep what this rank's share of it missed, as on the matrices
+          r.copy_(m_.narrow(0, p.offset, p.numel()));
+          r.sub_(out, share_);
+        } else {  // float32: the dense parts' sum is exact
+          r.zero_();
+        }
+      }
       d += p.numel();
       continue;
     }
@@ -184,9 +205,9 @@ void LowrankStep::finish() {
 namespace {
 
 bool lowrank_step(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
-                  const at::Tensor& residual, CodecTimer& timer, double share,
+                  const at::Tensor& residual, CodecTimer& timer, double share, at::ScalarType wire,
                   const std::function<void(at::Tensor&)>& sum) {
-  LowrankStep step(x, divisor, layout, q_state, residual, timer, share);
+  LowrankStep step(x, divisor, layout, q_state, residual, timer, share, wire);
   sum(step.first());
   if (!step.after_first(t)) return false;
   sum(step.second());
@@ -197,15 +218,16 @@ bool lowrank_step(Transport& t, at::Tensor& x, double divisor, const at::Tensor&
 }  // namespace
 
 bool allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
-                       const at::Tensor& residual, CodecTimer& timer, double share) {
-  return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&t](at::Tensor& b) { t.all_reduce_sum(b); });
+                       const at::Tensor& residual, CodecTimer& timer, double share, at::ScalarType wire) {
+  return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, wire,
+                      [&t](at::Tensor& b) { t.all_reduce_sum(b); });
 }
 
 bool allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
-                                    CodecTimer& timer, double share) {
+                                    CodecTimer& timer, double share, at::ScalarType wire) {
   hierarchy_of(node_of, t.rank(), t.size());  // checks node_of (equal nodes) before any collective
-  return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, [&](at::Tensor& b) {
+  return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, wire, [&](at::Tensor& b) {
     if (b.numel() > 0) allreduce_hierarchical(t, b, node_of);
   });
 }

@@ -22,12 +22,19 @@ namespace collectives {
 // x = sum_i x_i / divisor_i on the dense parts, its rank-r approximation on the matrices.
 // share: this rank's part of the sum's approximation for error feedback
 // (default 1 / divisor; the shares of all ranks sum to 1).
+// wire: the dtype the two all-reduces send (float32, or bfloat16: half the
+// bytes). The bf16 sums are rounded, and each rank's residual then keeps
+// M - share * delivered on the dense parts too (on the matrices it always
+// does), so what the rounding lost is sent again the next step: over the ranks
+// the residuals hold sum(M) - delivered exactly as with float32 (the float32
+// wire sums the dense parts exactly and zeroes their residual).
 // Returns false when x held a NaN or an infinity on some rank (every rank
 // learns it from the sum of P and the dense parts, so every rank returns the same):
 // x, the residual and Q are then as they came, for the caller to reduce x
 // exactly. The step holds one more buffer of x's size while it runs (M).
 bool allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
-                       const at::Tensor& residual, CodecTimer& timer, double share = -1.0);
+                       const at::Tensor& residual, CodecTimer& timer, double share = -1.0,
+                       at::ScalarType wire = at::kFloat);
 
 // The same step with its two all-reduces (P and the dense parts; then Q^T)
 // hierarchical: summed inside each node, across the nodes among the ranks of
@@ -37,7 +44,7 @@ bool allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Te
 // each all-reduce sends 2 (nodes - 1) messages a rank across nodes.
 bool allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
-                                    CodecTimer& timer, double share = -1.0);
+                                    CodecTimer& timer, double share = -1.0, at::ScalarType wire = at::kFloat);
 
 // A row of the layout.
 struct LowrankPart {
@@ -51,20 +58,24 @@ struct LowrankPart {
 // (M, P and the dense parts: first() is ready), sum first(), after_first()
 // (false: some rank's x was not finite, nothing was changed; else second()
 // is ready), sum second(), finish(). x, q_state and residual
-// (arguments as above) are kept by reference until finish().
+// (arguments as above) are kept by reference until finish(). first() and
+// second() are in the wire dtype (float32 or bfloat16).
 class LowrankStep {
  public:
   LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& layout, const at::Tensor& q_state,
-              const at::Tensor& residual, CodecTimer& timer, double share = -1.0);
-  at::Tensor& first() { return head_; }
+              const at::Tensor& residual, CodecTimer& timer, double share = -1.0, at::ScalarType wire = at::kFloat);
+  at::Tensor& first() { return rounded() ? head_wire_ : head_; }
   bool after_first(Transport& t);
-  at::Tensor& second() { return qt_; }
+  at::Tensor& second() { return rounded() ? qt_wire_ : qt_; }
   void finish();
 
  private:
+  bool rounded() const { return wire_ != at::kFloat; }
   at::Tensor x_, q_state_, residual_, head_, qt_, m_;
+  at::Tensor head_wire_, qt_wire_;  // bfloat16 wire: what is summed, encoded from head_ and qt_
   CodecTimer& timer_;
   double share_;
+  at::ScalarType wire_;
   int64_t p_total_ = 0;
   std::vector<LowrankPart> parts_;
   // The matrices' P (rows x rank, in head_) and Q (cols x rank, in q_state_),

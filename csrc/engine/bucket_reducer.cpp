@@ -191,10 +191,10 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       // scale) missed
       else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)
         reduced = collectives::allreduce_lowrank_hierarchical(t, x, divisor, job.layout, job.q_state, job.residual,
-                                                              node_of_, codec_, 1.0 / divisor_);
+                                                              node_of_, codec_, 1.0 / divisor_, job.lowrank_wire);
       else if (job.codec == Codec::kLowRank)
         reduced = collectives::allreduce_lowrank(t, x, divisor, job.layout, job.q_state, job.residual, codec_,
-                                                 1.0 / divisor_);
+                                                 1.0 / divisor_, job.lowrank_wire);
       else
         collectives::allreduce_topk(t, x, divisor, job.topk_ratio, job.topk_exact, job.residual, codec_,
                                     job.update_denominator);
@@ -270,7 +270,8 @@ void BucketReducer::flush(std::unique_ptr<ParkedBucket>& out) {
 
 void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
   Transport& t = *transport_;
-  const bool joins = parked_ && parked_->job.algo == job.algo;
+  // one all-reduce for both: the same algorithm and the same wire dtype
+  const bool joins = parked_ && parked_->job.algo == job.algo && parked_->job.lowrank_wire == job.lowrank_wire;
   if (joins) {
     out.earlier = std::move(parked_);
   } else if (parked_) {
@@ -283,7 +284,7 @@ void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
   const double divisor = divisor_ * loss_scale_;
   // lowrank's error feedback keeps what this rank's share of the sum (its batch weight, not the loss scale) missed
   auto step = std::make_unique<collectives::LowrankStep>(job.buffer, divisor, job.layout, job.q_state, job.residual,
-                                                         codec_, 1.0 / divisor_);
+                                                         codec_, 1.0 / divisor_, job.lowrank_wire);
   if (joins) {
     at::Tensor& second = out.earlier->step->second();
     at::Tensor& first = step->first();

@@ -37,6 +37,7 @@ struct BucketJob {
   at::Tensor server_residual;  // onebit and fp8 only, may be undefined
   at::Tensor layout;           // lowrank only: int64 [k, 4]
   at::Tensor q_state;          // lowrank only: warm-start Q, updated in place
+  at::ScalarType lowrank_wire = at::kFloat;  // lowrank only: what its all-reduces send (float32 or bfloat16)
   // Momentum compression (HookState.attach_optimizer): the SGD momentum m of
   // the bucket, identical on every rank; float32, may be undefined.
   at::Tensor momentum;

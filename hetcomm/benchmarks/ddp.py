@@ -101,8 +101,10 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                               **mode_table.get(base).ddp_options(cfg["bucket_mb"]))
     algorithm = cfg.get("algorithm", "default")
-    # "default": HookState's own (auto chooses the algorithm too; a compressed mode goes across nodes only)
-    overrides = {} if base in TORCH_MODES else {"algorithm": None if algorithm == "default" else algorithm}
+    # "default": HookState's own (auto chooses the algorithm too; a compressed mode goes across nodes only); a
+    # mode's own @ALGO stands either way
+    own = mode_table.get(base).options.get("algorithm")
+    overrides = {} if base in TORCH_MODES or own is not None or algorithm == "default" else {"algorithm": algorithm}
     hook_state, inner, state = mode_table.get(base).comm_hook(**overrides)
     tl = _Timeline(inner)
 
