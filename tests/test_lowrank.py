@@ -256,7 +256,7 @@ def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(
         assert ranks[1] == {"reduced": True, "calls": 2, "untouched": False}
 
 
-def _engine_steps(rank, world, kinds, pipeline, device, steps=2):
+def _engine_steps(rank, world, kinds, pipeline, device, steps=2, wires=None):
     """Buckets of ``kinds`` ("lowrank": LAYOUT with its own Q and residual; "dense": N floats reduced exactly)
     through the engine on ``device``, ``steps`` steps; per step the inputs, outputs, residuals and collective
     calls (tensors on the CPU)."""
@@ -276,7 +276,7 @@ def _engine_steps(rank, world, kinds, pipeline, device, steps=2):
             futs.append(engine.submit_bucket(
                 b, buf, _C.Codec.lowrank if lowrank else _C.Codec.none, 2048, 0.01, True, res[b] if lowrank else None,
                 None, b == len(kinds) - 1, layout=lay if lowrank else None, q_state=qs[b] if lowrank else None,
-                pipeline=pipeline))
+                pipeline=pipeline, lowrank_wire=wires[b] if wires else "fp32"))
         for f in futs:
             f.wait()
         out.append({"xs": xs, "outs": [b.cpu() for b in bufs], "res": [r.to("cpu", copy=True) for r in res],
@@ -312,6 +312,25 @@ def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_nex
     if world == 2:  # a sum of two is the same whichever all-reduce carries it: the same bits as alone
         for s, s0 in zip(piped[0], alone[0]):
             assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
+
+
+def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire():
+    # bf16, bf16, fp32, bf16: the second bf16 bucket's first all-reduce carries the first one's second; the fp32
+    # bucket cannot join a bf16 one (nor the last bf16 the fp32), so each of those sends its second alone first.
+    kinds, wires = ["lowrank"] * 4, ["bf16", "bf16", "fp32", "bf16"]
+    piped = run_ranks(_engine_steps, 2, kinds, True, "cpu", 2, wires)
+    alone = run_ranks(_engine_steps, 2, kinds, False, "cpu", 2, wires)
+    assert [s["collectives"] for s in piped[0]] == [7] * 2 and [s["collectives"] for s in alone[0]] == [8] * 2
+    for s, s0 in zip(piped[0], alone[0]):  # a sum of two: the same bits whichever all-reduce carries it
+        assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
+    for b, wire in enumerate(wires):  # every bucket's books balance: delivered + owed = what went in
+        for step in range(2):
+            put_in = sum(r[step]["xs"][b] / 2 + (r[step - 1]["res"][b] if step else 0) for r in piped)
+            owed = sum(r[step]["res"][b] for r in piped)
+            gap = (piped[0][step]["outs"][b] + owed - put_in).abs().max() / put_in.abs().max()
+            assert gap < 1e-6, (b, wire, step)
+        dense_owed = sum(r[1]["res"][b][960:990] for r in piped)
+        assert (dense_owed.abs().max() > 0) == (wire == "bf16")  # only a rounded sum leaves the dense part owed
 
 
 def _parked_then(rank, world, then, device):
