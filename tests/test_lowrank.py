@@ -314,12 +314,12 @@ def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_nex
             assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
 
 
-def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire():
+def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire(device):
     # bf16, bf16, fp32, bf16: the second bf16 bucket's first all-reduce carries the first one's second; the fp32
     # bucket cannot join a bf16 one (nor the last bf16 the fp32), so each of those sends its second alone first.
     kinds, wires = ["lowrank"] * 4, ["bf16", "bf16", "fp32", "bf16"]
-    piped = run_ranks(_engine_steps, 2, kinds, True, "cpu", 2, wires)
-    alone = run_ranks(_engine_steps, 2, kinds, False, "cpu", 2, wires)
+    piped = run_ranks(_engine_steps, 2, kinds, True, device.type, 2, wires)
+    alone = run_ranks(_engine_steps, 2, kinds, False, device.type, 2, wires)
     assert [s["collectives"] for s in piped[0]] == [7] * 2 and [s["collectives"] for s in alone[0]] == [8] * 2
     for s, s0 in zip(piped[0], alone[0]):  # a sum of two: the same bits whichever all-reduce carries it
         assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
