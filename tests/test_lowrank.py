@@ -179,6 +179,15 @@ def test_hierarchical_lowrank_is_the_flat_step_with_its_factors_summed_inside_no
         assert r["sent_per_step"] <= 2 * factors * 4 < N * 4 / 2, r["sent_per_step"]
 
 
+def _books(xs, divisors, residuals_before, out, residuals_after):
+    """Error feedback's books over the ranks: what went in (each rank's x / divisor plus its residual before),
+    what the ranks still owe (their residuals after), and how far delivered + owed is from what went in,
+    relative to its largest entry."""
+    put_in = sum(x / d + e for x, d, e in zip(xs, divisors, residuals_before))
+    owed = sum(residuals_after)
+    return put_in, owed, ((out + owed - put_in).abs().max() / put_in.abs().max()).item()
+
+
 @pytest.mark.parametrize("world,node_of", [(2, ()), (3, ()), (4, (0, 0, 1, 1))])
 def test_lowrank_in_bf16_rounds_its_sums_and_error_feedback_keeps_what_they_lost(world, node_of):
     # lowrank_wire="bf16": P with the dense parts, then Q^T, summed in bfloat16, half the bytes. What is delivered
@@ -191,10 +200,11 @@ def test_lowrank_in_bf16_rounds_its_sums_and_error_feedback_keeps_what_they_lost
         assert all(torch.equal(a, b) for a, b in zip(r["outs"], rounded[0]["outs"]))  # bit-identical on every rank
     dense = slice(960, 990)
     for step in range(3):
-        put_in = sum(r["xs"][step] / d + (r["res"][step - 1] if step else 0) for r, d in zip(rounded, divisors))
         out = rounded[0]["outs"][step]
-        owed = sum(r["res"][step] for r in rounded)
-        assert ((out + owed - put_in).abs().max() / put_in.abs().max()).item() < 1e-6, step
+        put_in, owed, gap = _books([r["xs"][step] for r in rounded], divisors,
+                                   [r["res"][step - 1] if step else 0 for r in rounded], out,
+                                   [r["res"][step] for r in rounded])
+        assert gap < 1e-6, step
         assert not torch.equal(out[dense], put_in[dense])  # the dense part's sum was rounded...
         assert (out[dense] - put_in[dense]).abs().max() < 2 ** -7 * put_in[dense].abs().max()  # ...to bf16
         assert owed[dense].abs().max() > 0  # ...and the residuals hold what it lost
@@ -325,9 +335,9 @@ def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire(device):
         assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
     for b, wire in enumerate(wires):  # every bucket's books balance: delivered + owed = what went in
         for step in range(2):
-            put_in = sum(r[step]["xs"][b] / 2 + (r[step - 1]["res"][b] if step else 0) for r in piped)
-            owed = sum(r[step]["res"][b] for r in piped)
-            gap = (piped[0][step]["outs"][b] + owed - put_in).abs().max() / put_in.abs().max()
+            gap = _books([r[step]["xs"][b] for r in piped], [2.0, 2.0],
+                         [r[step - 1]["res"][b] if step else 0 for r in piped], piped[0][step]["outs"][b],
+                         [r[step]["res"][b] for r in piped])[2]
             assert gap < 1e-6, (b, wire, step)
         dense_owed = sum(r[1]["res"][b][960:990] for r in piped)
         assert (dense_owed.abs().max() > 0) == (wire == "bf16")  # only a rounded sum leaves the dense part owed

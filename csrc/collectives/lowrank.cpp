@@ -13,6 +13,13 @@ namespace collectives {
 
 namespace {
 
+// t rounded to the wire dtype, in a new buffer on t's device (what is summed).
+at::Tensor encoded(const at::Tensor& t, at::ScalarType wire) {
+  at::Tensor h = at::empty({t.numel()}, t.options().dtype(wire));
+  ops::cast_encode_into(t, 1.0, h);
+  return h;
+}
+
 std::vector<LowrankPart> parse(const at::Tensor& layout, int64_t n) {
   TORCH_CHECK_VALUE(layout.dim() == 2 && layout.size(1) == 4 && layout.scalar_type() == at::kLong,
                     "hetcomm: lowrank layout must be int64 [k, 4] (offset, rows, cols, rank)");
@@ -121,10 +128,8 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
       qo += p.cols * p.rank;
     }
   }
-  if (rounded()) {  // what is summed: head_ rounded to the wire (a value beyond bf16's range becomes an infinity)
-    head_wire_ = at::empty({head_.numel()}, head_.options().dtype(wire_));
-    ops::cast_encode_into(head_, 1.0, head_wire_);
-  }
+  // what is summed: head_ rounded to the wire (a value beyond bf16's range becomes an infinity)
+  if (rounded()) head_wire_ = encoded(head_, wire_);
 }
 
 bool LowrankStep::after_first(Transport& t) {
@@ -149,10 +154,7 @@ bool LowrankStep::after_first(Transport& t) {
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
-  if (rounded()) {
-    qt_wire_ = at::empty({qt_.numel()}, qt_.options().dtype(wire_));
-    ops::cast_encode_into(qt_, 1.0, qt_wire_);
-  }
+  if (rounded()) qt_wire_ = encoded(qt_, wire_);
   return true;
 }
 
@@ -164,33 +166,27 @@ void LowrankStep::finish() {
     at::Tensor out = x_.narrow(0, p.offset, p.numel());
     if (p.rank == 0) {
       out.copy_(head_.narrow(0, d, p.numel()));
-      if (residual_.defined()) {
-        at::Tensor r = residual_.narrow(0, p.offset, p.numel());
-        if (rounded()) {  // a rounded sum: keep what this rank's share of it missed, as on the matrices
-          r.copy_(m_.narrow(0, p.offset, p.numel()));
-          r.sub_(out, share_);
-        } else {  // float32: the dense parts' sum is exact
-          r.zero_();
-        }
-      }
       d += p.numel();
+    } else {
+      at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
+      at::Tensor qtm = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
+      q_state_.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).copy_(qtm.t());  // warm start for the next step
+      // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
+      ops::lowrank_outer(pm, qtm, out.view({p.rows, p.cols}));
+      po += p.rows * p.rank;
+      qo += p.cols * p.rank;
+    }
+    if (!residual_.defined()) continue;
+    at::Tensor r = residual_.narrow(0, p.offset, p.numel());
+    if (p.rank == 0 && !rounded()) {  // a dense part's float32 sum is exact: nothing missed
+      r.zero_();
       continue;
     }
-    at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    at::Tensor qtm = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
-    q_state_.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).copy_(qtm.t());  // warm start for the next step
-    // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
-    ops::lowrank_outer(pm, qtm, out.view({p.rows, p.cols}));
-    // The approximation stands for the sum over ranks; this rank keeps what its
-    // own share (by default its weight 1/divisor; the shares sum to 1) did not
-    // deliver: residual = M - share * approx.
-    if (residual_.defined()) {
-      at::Tensor r = residual_.narrow(0, p.offset, p.numel());
-      r.copy_(m_.narrow(0, p.offset, p.numel()));
-      r.sub_(out, share_);
-    }
-    po += p.rows * p.rank;
-    qo += p.cols * p.rank;
+    // The approximation (or the rounded sum) stands for the sum over ranks;
+    // this rank keeps what its own share (by default its weight 1/divisor; the
+    // shares sum to 1) did not deliver: residual = M - share * out.
+    r.copy_(m_.narrow(0, p.offset, p.numel()));
+    r.sub_(out, share_);
   }
   // The next step's warm start, orthonormal, as PowerSGD's hook makes it:
   // P = M Q then scales each of its columns by one singular value of M, not
