@@ -20,8 +20,9 @@ or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 at the very end of a hetcomm mode sets HookState's ``algorithm``
 (``fp8@hierarchical``, ``onebit+m-p5@ring``; ``fp8@native`` compresses flat
 where ``fp8``, HookState's default, goes across nodes only on several nodes);
-``-bf16`` at the end of a lowrank mode (before ``@ALGO``) sends its factors in
-bf16 (HookState's ``lowrank_wire``; ``lowrank-bf16``, ``lowrank-r8+m-bf16@native``).
+``-fp32`` / ``-bf16`` at the end of a lowrank mode (before ``@ALGO``) sends its factors in
+float32 / bf16 (HookState's ``lowrank_wire``, bf16 by default; ``lowrank-fp32``, ``lowrank-r8+m-fp32@native``;
+the tables in bench/README before "bf16 by default" ran ``lowrank`` in float32).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from .options import LOWRANK_WIRES
 from .topology import ALGORITHMS
 
 POWERSGD_RANK = 4
@@ -181,11 +183,12 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
         if algorithm not in ("auto",) + ALGORITHMS:
             raise ValueError(f"mode {name!r}: the algorithm after @ must be one of auto, {', '.join(ALGORITHMS)}")
         return replace(m, name=name, options={**m.options, "algorithm": algorithm})
-    if choices is None and name.endswith("-bf16"):
-        m = _part(name, name[:-len("-bf16")])
+    wire = next((w for w in LOWRANK_WIRES if name.endswith(f"-{w}")), None) if choices is None else None
+    if wire is not None:
+        m = _part(name, name[:-len(wire) - 1])
         if m.options.get("compression") != "lowrank":
-            raise ValueError(f"mode {name!r}: -bf16 (factors sent in bf16) is for hetcomm's lowrank modes")
-        return replace(m, name=name, options={**m.options, "lowrank_wire": "bf16"})
+            raise ValueError(f"mode {name!r}: -{wire} (the factors' wire) is for hetcomm's lowrank modes")
+        return replace(m, name=name, options={**m.options, "lowrank_wire": wire})
     start = _START.match(name) if choices is None else None
     if start:
         m = _part(name, start.group(1))
@@ -221,7 +224,7 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
         ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
                  "onebit-cN, fp8-cN: N elements per scale; a +m mode as X+m-pN: a warm-up of N % of the run; "
                  "a hetcomm mode as X-sN: compressed from step N (HookState's start_iter), X@ALGO: its algorithm; "
-                 "a lowrank mode as X-bf16: its factors in bf16)"
+                 "a lowrank mode as X-fp32 / X-bf16: its factors in float32 / bf16)"
                  ) if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")
     return MODES[name]

@@ -114,24 +114,25 @@ def test_bench_allreduce_rows_are_correct(tmp_path):
 
 def test_bench_ddp_side_by_side(tmp_path):
     out = _run(["bench", "ddp", "--ranks", "2", "--params", "50K", "-n", "2", "-w", "2", "--global-batch", "16",
-                "--modes", "torch-allreduce,torch-powersgd,onebit,lowrank,lowrank-bf16@hierarchical,none+bal",
+                "--modes", "torch-allreduce,torch-powersgd,onebit,lowrank-fp32,lowrank@hierarchical,none+bal",
                 "--json", "d.json"], tmp_path)
     assert "samples/s" in out.stdout and "ideal" in out.stdout
     data = json.load(open(tmp_path / "d.json"))
     rows = {r["mode"]: r for r in data["rows"]}
-    assert set(rows) == {"torch-allreduce", "torch-powersgd", "onebit", "lowrank", "lowrank-bf16@hierarchical",
+    assert set(rows) == {"torch-allreduce", "torch-powersgd", "onebit", "lowrank-fp32", "lowrank@hierarchical",
                          "none+bal"}
     assert rows["onebit"]["bytes_per_step"] * 20 < rows["torch-allreduce"]["bytes_per_step"]
-    assert rows["lowrank"]["bytes_per_step"] * 5 < rows["torch-allreduce"]["bytes_per_step"]
-    # a mode's own algorithm stands (bench ddp's --algorithm default once replaced it); bf16 factors: half the bytes
-    assert rows["lowrank-bf16@hierarchical"]["plans"].startswith("lowrank/hierarchical"), rows
-    assert rows["lowrank"]["plans"].startswith("lowrank/native"), rows
-    assert rows["lowrank-bf16@hierarchical"]["bytes_per_step"] * 2 == rows["lowrank"]["bytes_per_step"]
+    assert rows["lowrank-fp32"]["bytes_per_step"] * 5 < rows["torch-allreduce"]["bytes_per_step"]
+    # a mode's own algorithm stands (bench ddp's --algorithm default once replaced it); bf16 factors (the
+    # default): half float32's bytes, which are PowerSGD's
+    assert rows["lowrank@hierarchical"]["plans"].startswith("lowrank/hierarchical"), rows
+    assert rows["lowrank-fp32"]["plans"].startswith("lowrank/native"), rows
+    assert rows["lowrank@hierarchical"]["bytes_per_step"] * 2 == rows["lowrank-fp32"]["bytes_per_step"]
     assert sum(int(b) for b in rows["none+bal"]["local_batches"].split("/")) == 16
     # lowrank approximates the gradient, as PowerSGD's hook: neither row compresses SGD's momentum; onebit's does
     assert {m: r["momentum_compressed"] for m, r in rows.items()} == {
-        "torch-allreduce": False, "torch-powersgd": False, "onebit": True, "lowrank": False,
-        "lowrank-bf16@hierarchical": False, "none+bal": False}
+        "torch-allreduce": False, "torch-powersgd": False, "onebit": True, "lowrank-fp32": False,
+        "lowrank@hierarchical": False, "none+bal": False}
     assert all(0 <= r["hidden"] <= 1 and r["step_ms"] > 0 for r in rows.values())
 
 

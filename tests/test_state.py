@@ -312,16 +312,17 @@ def test_a_start_suffix_sets_a_hetcomm_modes_start_iter():
             hetcomm.modes.get(bad).comm_hook()
 
 
-def test_a_bf16_suffix_sends_a_lowrank_modes_factors_in_bf16():
-    m = hetcomm.modes.get("lowrank-r8+m-bf16@native")
-    assert (m.name, m.attach, m.options) == ("lowrank-r8+m-bf16@native", True, {
-        "compression": "lowrank", "matrix_approximation_rank": 8, "lowrank_wire": "bf16", "algorithm": "native"})
-    state = hetcomm.modes.get("lowrank-bf16").comm_hook()[0]
-    assert (state.compression, state.lowrank_wire) == ("lowrank", "bf16")
-    state.close()
-    assert hetcomm.HookState("lowrank").lowrank_wire == "fp32"  # the default
-    for bad in ("fp8-bf16", "torch-powersgd-bf16", "auto-bf16"):
-        with pytest.raises(ValueError, match="-bf16 .* is for hetcomm's lowrank modes"):
+def test_a_wire_suffix_sets_a_lowrank_modes_factors_wire():
+    m = hetcomm.modes.get("lowrank-r8+m-fp32@native")
+    assert (m.name, m.attach, m.options) == ("lowrank-r8+m-fp32@native", True, {
+        "compression": "lowrank", "matrix_approximation_rank": 8, "lowrank_wire": "fp32", "algorithm": "native"})
+    for name, wire in (("lowrank-fp32", "fp32"), ("lowrank-bf16", "bf16"), ("lowrank", "bf16")):
+        state = hetcomm.modes.get(name).comm_hook()[0]
+        assert (state.compression, state.lowrank_wire) == ("lowrank", wire), name
+        state.close()
+    assert hetcomm.HookState("lowrank").lowrank_wire == "bf16"  # the default
+    for bad in ("fp8-bf16", "torch-powersgd-bf16", "auto-bf16", "onebit-fp32", "none-fp32"):
+        with pytest.raises(ValueError, match=r"-(bf16|fp32) \(the factors' wire\) is for hetcomm's lowrank modes"):
             hetcomm.modes.get(bad)
 
 
@@ -406,7 +407,7 @@ def test_attach_optimizer_warmup_fraction_sets_the_warm_ups_share_of_the_run():
         assert state._warmup_compression == "fp8" and state._warmup_fraction == fraction
     # None is the default fifth; a later start_iter of the user's own stays
     assert hetcomm.HookState("onebit").attach_optimizer(sgd(), total_steps=600, warmup_fraction=None).start_iter \
-        == int(hetcomm.state.WARMUP_FRACTION * 600) == 120
+        == int(hetcomm.attach.WARMUP_FRACTION * 600) == 120
     assert hetcomm.HookState("onebit", start_iter=50).attach_optimizer(
         sgd(), total_steps=600, warmup_fraction=0.05).start_iter == 50
     # the mode table's -pN: N % of the run, after +m only

@@ -93,8 +93,13 @@ class _Timeline:
         return busy
 
 
+def _split_balanced(mode: str):
+    """(the mode without ``+bal``, whether it had it)."""
+    return (mode[:-len("+bal")], True) if mode.endswith("+bal") else (mode, False)
+
+
 def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
-    base, balanced = mode.split("+")[0], mode.endswith("+bal")
+    base, balanced = _split_balanced(mode)
     dev = common.rank_device(rank, cfg.get("device", "cpu"))
     model = model_for(cfg["params"], layers=cfg["layers"]).to(dev)
     numel = sum(p.numel() for p in model.parameters())
@@ -239,7 +244,7 @@ def check_mode(mode: str) -> None:
     """ValueError unless ``mode`` is one of PyTorch's or hetcomm's plain modes
     (onebit-cN, fp8-cN, lowrank-rN, torch-powersgd-rN forms too), or a
     hetcomm mode with ``+bal``."""
-    base = mode[:-len("+bal")] if mode.endswith("+bal") else mode
+    base, _ = _split_balanced(mode)
     try:
         known = mode_table.get(base) if "+" not in base else None
     except ValueError:

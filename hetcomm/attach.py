@@ -1,0 +1,208 @@
+"""The optimizer a HookState follows: :meth:`attach_optimizer` (its momentum
+compressed) and :meth:`follow_lr` (error feedback in its learning rate's
+units), a mixin of :class:`hetcomm.state.HookState`."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from . import options
+from .hooks import optimizer_beta
+
+if TYPE_CHECKING:
+    from .state import HookState
+
+#: With an Adam attached, every this many compressed steps one is exact (attach_optimizer's default).
+EXACT_EVERY = 16
+#: attach_optimizer(total_steps=N): the first this fraction of the run is the warm-up, the gradient reduced
+#: without momentum compression (attach_optimizer's ``warmup_fraction`` default; README).
+WARMUP_FRACTION = 0.2
+
+
+class OptimizerLink:
+    """HookState's link to the user's optimizer (the attributes are HookState's)."""
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *,
+                         exact_every: Optional[int] = None, total_steps: Optional[int] = None,
+                         warmup_compression: Optional[str] = None,
+                         warmup_fraction: Optional[float] = None) -> "HookState":
+        """Compress the optimizer's momentum instead of the gradient (call on
+        every rank before the first step; returns the state).
+
+        ``torch.optim.SGD(momentum=beta)``: each rank sends its local momentum
+        ``beta * m + g`` through the codec (error feedback included), every
+        rank gets the same new momentum ``m``, and the hook hands the optimizer
+        ``m_new - beta * m_old``: the optimizer's own momentum buffer then *is*
+        the compressed momentum (plus the momentum of its weight decay, which
+        stays exact). Compressing the gradient under momentum lets the codec's
+        error be amplified by 1 / (1 - beta). Before ``start_iter`` (and for
+        buckets below ``min_compress_numel``) ``m`` follows the optimizer's
+        buffer bit for bit.
+
+        :class:`hetcomm.optim.AdamW` (recommended), ``torch.optim.Adam`` /
+        ``AdamW``: the same for Adam's first moment (``betas[0]``), and the
+        steps ``start_iter + 2**j - 1`` (j = 0, 1, 2, ...) and every
+        ``exact_every``-th step after ``start_iter`` (default 16 with an
+        Adam; 0: the doublings only) are reduced exactly in fp32. hetcomm's
+        AdamW updates its variance on those steps only (a variance from the
+        doublings alone rests on a few dozen samples: 1 point of accuracy on
+        digits, measured in the README); torch's sees every step's compressed
+        difference (noisier, smaller steps). ``exact_every`` must be 0 or None
+        with SGD. With an Adam, top-k sends the momentum's entries with the
+        largest update, ``|m| / (sqrt(v) + eps)`` as the optimizer's next
+        step divides, not the largest ``|m|``.
+
+        ``total_steps`` (the whole run's optimizer steps, as an LR schedule
+        takes them): the first
+        ``WARMUP_FRACTION`` (a fifth) of them are the warm-up, the gradient
+        reduced without momentum compression (``warmup_compression``),
+        ``start_iter`` rises to that if it is lower (1-bit Adam's warm-up: the
+        compressed momentum's error costs most while the model moves fast;
+        measured in the README), and ``compression="auto"`` may then choose
+        onebit. None: ``start_iter`` as given. A run resumed from a
+        :meth:`state_dict` saved after its warm-up keeps the saved
+        ``start_iter`` (and an Adam's exact steps with it), whatever
+        ``total_steps`` or ``warmup_fraction`` it is given now: a longer run
+        does not go back into a warm-up; one resumed inside the warm-up ends
+        it where the new arguments say.
+
+        ``warmup_fraction`` (with ``total_steps``; None: ``WARMUP_FRACTION``,
+        0.2): the warm-up's share of the run, a number in (0, 1). Where the
+        link is slow the warm-up's steps cost most of a run's time (fp8 sends
+        about 5x onebit's bytes, 25x top-k's). Measured (bench/README "How
+        long a warm-up"): onebit of the momentum kept fp32's quality on the
+        language model and the regression with a twentieth (0.05), at fp32's
+        steps to target; on digits a tenth or a twentieth ended 0.2-0.4
+        points under fp32's mean (a fifth: under 0.15; tolerance 0.5), and
+        top-k needs the whole fifth. The same on every rank.
+
+        ``warmup_compression``: how the warm-up's steps from step 2 up to
+        ``start_iter`` reduce the gradient: ``"none"`` (exact fp32) or
+        ``"fp8"`` (the gradient, not the momentum, in 8 bits with error
+        feedback: a quarter of the bytes; the optimizer's momentum and an
+        attached hetcomm AdamW's variance take it as exact). The momentum
+        compression starts from the optimizer's buffer at ``start_iter``.
+        None (the default): ``"fp8"`` when ``total_steps`` is given (the
+        warm-up is then hetcomm's: as close to fp32 as the exact one,
+        measured, at 40-60 % fewer bytes over the run), except under
+        ``compression="auto"`` with ``candidates`` that leave fp8 out;
+        otherwise ``"none"`` (a ``start_iter`` of your own stays exact).
+
+        Learning-rate schedules: error feedback's residuals follow the
+        optimizer's rate, as :meth:`follow_lr` has them do without attaching
+        (when a scheduler moves it from ``a`` to ``b``, what they hold back is
+        multiplied by ``a / b``), so what was held back moves the parameters
+        as far when sent as it would have when held (README "Limits":
+        onebit+m under a cosine schedule); parameter groups
+        moved by different factors: each bucket by its groups' factor, a
+        bucket holding groups that moved differently is left as it is (logged
+        once). A scheduled momentum (``OneCycleLR``'s ``cycle_momentum``, its
+        default: SGD's ``momentum`` or Adam's ``betas[0]`` every step) is
+        followed too: each step's momentum is sent and handed over with the
+        optimizer's beta of that step, so its buffer stays the compressed
+        momentum (all groups must share one beta at every step).
+
+        Nothing to retune: keep the optimizer, its learning rate and betas.
+        With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
+        the hook scaled gradients: the momentum would mix scales).
+        """
+        if self._negotiated:
+            raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
+        self._check_lr_source(optimizer, "attach_optimizer")
+        from . import optim
+
+        adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, optim.AdamW))
+        if isinstance(optimizer, torch.optim.SGD):
+            if any(float(g.get("dampening", 0.0)) != 0.0 for g in optimizer.param_groups):
+                raise ValueError("optimizer: dampening must be 0 for momentum compression")
+        elif not adam:
+            raise ValueError(f"optimizer must be a torch.optim.SGD with momentum, hetcomm.optim.AdamW, "
+                             f"torch.optim.Adam or torch.optim.AdamW, got {type(optimizer).__name__}")
+        beta, what = optimizer_beta(optimizer, adam, "optimizer")
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
+        if exact_every is not None and not (options._is_int(exact_every) and exact_every >= 0):
+            raise ValueError(f"exact_every must be an int >= 0 or None, got {exact_every!r}")
+        if exact_every and not adam:
+            raise ValueError(f"exact_every applies to an attached Adam (its variance's exact steps), not to "
+                             f"{type(optimizer).__name__}: leave it None")
+        if total_steps is not None and not (options._is_int(total_steps) and total_steps >= 1):
+            raise ValueError(f"total_steps must be an int >= 1 (the run's optimizer steps) or None, got "
+                             f"{total_steps!r}")
+        if warmup_fraction is not None:
+            if total_steps is None:
+                raise ValueError("warmup_fraction is a share of total_steps: pass total_steps too (or set "
+                                 "start_iter for a warm-up of your own length)")
+            if not options._is_number(warmup_fraction) or not 0.0 < float(warmup_fraction) < 1.0:
+                raise ValueError(f"warmup_fraction must be a number in (0, 1) (the warm-up's share of the run) "
+                                 f"or None, got {warmup_fraction!r}")
+        fraction = WARMUP_FRACTION if warmup_fraction is None else float(warmup_fraction)
+        if warmup_compression is None:
+            fp8_allowed = self.candidates is None or "fp8" in self.candidates
+            warmup_compression = "fp8" if total_steps is not None and fp8_allowed else "none"
+        if warmup_compression not in options.WARMUP_WIRES:
+            raise ValueError(f"warmup_compression must be one of {', '.join(options.WARMUP_WIRES)}, got "
+                             f"{warmup_compression!r}")
+        if total_steps is not None:
+            # rounded to 1e-9 first: 0.29 * 100 is 28.999999999999996 in floats, and the warm-up is 29 steps
+            self.start_iter = max(self.start_iter, int(round(fraction * total_steps, 9)))
+        if self._resumed_start is not None:  # loaded first: a run past its warm-up keeps its schedule
+            self.start_iter = self._resumed_start
+        self._warmup_compression = warmup_compression
+        self._total_steps = total_steps
+        self._warmup_fraction = fraction if total_steps is not None else None
+        self._beta = beta if self._saved_beta is None else self._saved_beta
+        self._optimizer = self._lr_source = weakref.ref(optimizer)
+        self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0
+        self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
+        if isinstance(optimizer, optim.AdamW):
+            ref = weakref.ref(self)
+            optimizer._exact = lambda: (lambda s: s is None or s._last_step_exact())(ref())
+        return self
+
+    def follow_lr(self, optimizer: torch.optim.Optimizer) -> "HookState":
+        """Keep error feedback in the units of ``optimizer``'s learning rate
+        when the gradient itself is compressed (no :meth:`attach_optimizer`,
+        which does this for the optimizer it attaches). Call on every rank
+        before the first step; returns the state. Only each group's ``lr`` is
+        read, at the start of every step, so any optimizer with
+        ``param_groups`` is accepted; it is meant for SGD (below).
+
+        Why: the residuals hold back gradient that the optimizer multiplies by
+        a *later* step's rate. When a scheduler moves a group's rate from
+        ``a`` to ``b``, what a bucket's residuals hold is multiplied by
+        ``a / b``, so once sent it moves the parameters as far as it would
+        have when it was held back (EF-SGD's residual is in update units); a
+        decaying rate otherwise shrinks what was held back, a warm-up inflates
+        it. The rules are ``attach_optimizer``'s: a group at rate 0 keeps its
+        state until its next nonzero rate; groups moved by different factors:
+        each bucket by its groups' factor, a bucket holding groups that moved
+        differently is left as it is (logged once). ``state_dict()`` keeps the
+        rates followed. A run at a constant rate is unchanged to the bit.
+
+        Meant for SGD (plain, momentum, Nesterov), whose update is linear in
+        the gradient. An Adam's is not: it divides by the gradient's running
+        RMS, so a residual scaled up by a decaying rate mostly inflates the
+        variance; measured under cosine and one-cycle schedules, following
+        with AdamW was neutral to worse (top-k on the regression +7 % under
+        one-cycle), with SGD-momentum neutral to better (README).
+        """
+        if self._negotiated:
+            raise RuntimeError("follow_lr must be called before the first step, on every rank")
+        self._check_lr_source(optimizer, "follow_lr")
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, list) or not groups or not all(
+                isinstance(g, dict) and isinstance(g.get("lr"), (int, float, torch.Tensor)) for g in groups):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer whose param_groups each have an 'lr', got "
+                             f"{type(optimizer).__name__}")
+        self._lr_source = weakref.ref(optimizer)
+        return self
+
+    def _check_lr_source(self, optimizer, who: str) -> None:
+        followed = self._lr_source() if self._lr_source is not None else None
+        if followed is not None and followed is not optimizer:
+            raise ValueError(f"{who}: optimizer is not the one whose learning rate this state already follows "
+                             f"({type(followed).__name__}); one HookState follows one optimizer")
