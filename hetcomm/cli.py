@@ -414,7 +414,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     tb.add_argument("--ranks-per-node", type=positive_int, default=2)
     tb.add_argument("--inter-node-rate", type=rate, default=None, help="tc tbf rate of each node's link, e.g. 100mbit")
     tb.add_argument("--rank-cpu", type=quotas, default=None, help="per-rank CPU quotas in cores, e.g. 0.25,0.75,0.5,0.5")
-    tb.add_argument("--timeout", type=positive_float, default=1800)
+    tb.add_argument("--timeout", type=positive_float, default=1800,
+                    help="seconds before the ranks are stopped (long benchmarks need more)")
     tb.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- hetcomm bench allreduce")
     tb.set_defaults(fn=_testbed)
 

@@ -237,8 +237,10 @@ class Cluster:
                     logs[r].seek(0)
                     print(f"--- testbed rank {r} exited {c} ---\n{logs[r].read()[-4000:]}", file=sys.stderr)
             if any(c is None for c in codes):
-                print(f"hetcomm testbed: ranks still running after a failure or {timeout}s: stopped",
-                      file=sys.stderr)
+                failed = any(c not in (None, 0) for c in codes)
+                print("hetcomm testbed: ranks still running after another rank failed: stopped" if failed else
+                      f"hetcomm testbed: the command ran past --timeout {timeout:g} s: stopped (pass --timeout "
+                      "SECONDS for a longer run)", file=sys.stderr)
             return next((c for c in codes if c not in (None, 0)), codes[0] if codes[0] is not None else 124)
         finally:
             for p in procs:

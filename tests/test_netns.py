@@ -4,6 +4,7 @@ Skips with the reason where the machine does not allow namespaces."""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,6 +112,19 @@ def test_a_failing_rank_fails_the_testbed_run(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 3
     assert "testbed rank 1 exited 3" in r.stderr
+    assert _namespaces() == before
+
+
+def test_a_run_past_its_timeout_is_stopped_and_says_how_to_give_it_longer(tmp_path):
+    _need_netns()
+    before = _namespaces()
+    cmd = [sys.executable, "-m", "hetcomm.cli", "testbed", "--nodes", "2", "--ranks-per-node", "1", "--timeout",
+           "2", "--", sys.executable, "-c", "import time; time.sleep(60)"]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 124
+    assert "ran past --timeout 2 s: stopped (pass --timeout SECONDS" in r.stderr, r.stderr[-2000:]
     assert _namespaces() == before
 
 
