@@ -61,7 +61,7 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
              min_compress_numel: int,
              topk_ratio: float, topk_exact: bool, matrix_approximation_rank: int, algorithm: Optional[str],
              transport: str, timeout: Optional[timedelta], process_group: Any, rank: Optional[int],
-             candidates: Optional[Sequence[str]], lowrank_wire: str = "bf16") -> Dict[str, Any]:
+             candidates: Optional[Sequence[str]], lowrank_wire: str) -> Dict[str, Any]:
     """The options after their rules, or a ValueError naming the argument."""
     if rank is not None:
         warnings.warn("HookState(rank=...) is deprecated: it is lowrank's matrix_approximation_rank (rank reads "
