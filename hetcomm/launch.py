@@ -13,8 +13,11 @@ watches processes.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import os
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +35,9 @@ def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo"):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
     import torch.distributed as dist
 
+    # A rank killed by a signal (an abort in C++, a segfault) leaves its Python stacks here for the report.
+    fault = open(os.path.join(tmp, f"fault_{rank}.txt"), "w")
+    faulthandler.enable(file=fault, all_threads=True)
     try:
         if cgroup:
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
@@ -45,9 +51,7 @@ def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo"):
         torch.save(result, os.path.join(tmp, f"result_{rank}.pt"))
         del result
         # What fn built and a reference cycle keeps (DDP and a comm hook's state hold the group) is freed
-        # now, while the group lives: freed at interpreter exit, gloo's threads abort the process
-        # ("terminate called without an active exception"). And without a barrier before destroy, gloo
-        # sometimes aborts at exit.
+        # now, while the group lives; and without a barrier before destroy, gloo sometimes aborts at exit.
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
@@ -55,6 +59,29 @@ def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo"):
         with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)
+    # The rank's work is saved and its group destroyed: leave without the interpreter's teardown, where
+    # gloo's threads freed late abort the process now and then ("terminate called without an active
+    # exception", SIGABRT after a run that succeeded: a CI flake of the PowerSGD baseline test).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _failure(tmp: str, rank: int, code: Optional[int]) -> Optional[str]:
+    """What a failed rank left: its Python traceback, or, killed by a signal,
+    the signal and the stacks faulthandler wrote."""
+    error = os.path.join(tmp, f"error_{rank}.txt")
+    if os.path.exists(error):
+        return f"--- rank {rank} ---\n" + open(error).read()
+    if code is None or code >= 0:
+        return None
+    fault = os.path.join(tmp, f"fault_{rank}.txt")
+    stacks = open(fault).read().strip() if os.path.exists(fault) else ""
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"--- rank {rank}: killed by {name} ---\n" + (stacks or "(no Python stack was written)")
 
 
 def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_timeout: float = 60.0,
@@ -95,10 +122,12 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
                     p.kill()
             for p in procs:
                 p.join(5)
-            errors = [f"--- rank {r} ---\n" + open(os.path.join(tmp, f"error_{r}.txt")).read()
-                      for r in range(world) if os.path.exists(os.path.join(tmp, f"error_{r}.txt"))]
+            # the ranks killed above are not reported as failures of their own
+            errors = [e for r, p in enumerate(procs) if r not in alive and (e := _failure(tmp, r, p.exitcode))]
             if check and (failed or errors):
-                raise RuntimeError("rank(s) failed:\n" + "\n".join(errors or [f"exit codes {[p.exitcode for p in procs]}"]))
+                raise RuntimeError("rank(s) failed:\n" + "\n".join(
+                    errors + [f"exit codes {[p.exitcode for p in procs]} (ranks {alive} stopped after the failure)"
+                              if alive else f"exit codes {[p.exitcode for p in procs]}"]))
             if check and alive:
                 raise RuntimeError(f"ranks {alive} still running after {timeout}s (hang)")
             return [torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False)

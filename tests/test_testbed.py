@@ -47,3 +47,19 @@ def test_a_failing_rank_fails_the_run_fast():
     with pytest.raises(RuntimeError, match="rank one fails"):
         run_ranks(_boom, 2)
     assert time.monotonic() - t0 < 25
+
+
+def _abort_in_c(rank, world):
+    if rank == 0:
+        os.abort()  # what a C++ std::terminate does: SIGABRT, no Python exception
+    time.sleep(30)
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack_and_the_others_are_not_blamed():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        run_ranks(_abort_in_c, 2)
+    assert time.monotonic() - t0 < 25
+    text = str(err.value)
+    assert "rank 0: killed by SIGABRT" in text and "_abort_in_c" in text, text
+    assert "rank 1:" not in text and "ranks [1] stopped after the failure" in text, text
