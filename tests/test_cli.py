@@ -473,14 +473,15 @@ def test_malformed_invocations_are_one_line_argparse_errors(argv, capsys):
 @pytest.mark.parametrize("text,value", [("256K", 256 << 10), ("1MiB", 1 << 20), ("1M", 1 << 20), ("4gib", 4 << 30),
                                         ("512", 512), ("512B", 512), ("1.5K", 1536)])
 def test_sizes_take_binary_suffixes(text, value):
-    from hetcomm import cli
+    from hetcomm import cliargs
 
-    assert cli.size_bytes(text) == value
+    assert cliargs.size_bytes(text) == value
 
 
 def test_version_and_param_counts():
-    from hetcomm import cli
+    from hetcomm import cliargs
 
     out = subprocess.run(HETCOMM + ["--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("hetcomm ")
-    assert cli.param_count("50K") == 50_000 and cli.param_count("1B") == 10**9 and cli.param_count("5M") == 5 * 10**6
+    assert cliargs.param_count("50K") == 50_000 and cliargs.param_count("1B") == 10**9 and \
+        cliargs.param_count("5M") == 5 * 10**6

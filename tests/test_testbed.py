@@ -2,6 +2,7 @@
 
 import glob
 import os
+import resource
 import time
 
 import pytest
@@ -51,6 +52,7 @@ def test_a_failing_rank_fails_the_run_fast():
 
 def _abort_in_c(rank, world):
     if rank == 0:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left behind
         os.abort()  # what a C++ std::terminate does: SIGABRT, no Python exception
     time.sleep(30)
 
