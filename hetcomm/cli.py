@@ -192,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="DDP's bucket_cap_mb for every mode but PowerSGD (which takes one bucket)")
     g.add_argument("--modes", type=mode_list(bench_ddp.check_mode), default=None,
                    help="comma-separated modes (default: all; +bal = balanced; onebit-cN, fp8-cN: N elements per "
-                        "scale)")
+                        "scale; topk-kN: N per mille of the entries)")
     g.add_argument("--algorithm", default="default", choices=("default", "auto") + topology.ALGORITHMS,
                    help="HookState(algorithm=...) of hetcomm's modes; default: HookState's (auto for auto, "
                         "native otherwise, hierarchical for a compressed mode on several nodes of several ranks)")
@@ -219,7 +219,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help=bench_train.OPTIMIZERS_HELP)
     tr.add_argument("--modes", type=mode_list(modes.get), default=bench_train.DEFAULT_MODES,
                     help="comma-separated modes (fp32 is always run: it sets the target); lowrank-rN and "
-                         "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale; +m "
+                         "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale, topk-kN "
+                         "its entries in per mille (topk-k30: 3 %%); +m "
                          "compresses the optimizer's momentum (attach_optimizer; -pN after it: a warm-up of N %% "
                          "of the run, warmup_fraction), +lr keeps the gradient's error feedback in the optimizer's "
                          "learning-rate units (follow_lr); @ALGO last sets a hetcomm mode's algorithm "

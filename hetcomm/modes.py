@@ -13,6 +13,8 @@ send the warm-up's gradient in fp8 / fp32 (``attach_optimizer(warmup_compression
 their ``total_steps``); ``-rN`` after ``lowrank``
 or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 ``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``);
+``-kN`` after ``topk`` the entries it sends, N per mille (HookState's ``topk_ratio
+= N / 1000``; ``topk-k30+m``: 3 %);
 ``-sN`` after a hetcomm mode compresses from step N (HookState's
 ``start_iter``; ``lowrank-s0``: from the first step, PowerSGD's hook cannot);
 ``-pN`` last after ``+m`` makes the warm-up N % of the run
@@ -208,21 +210,26 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     ranked = _RANKED.match(name) if choices is None else None
     if ranked:
         base, letter, n, suffix = ranked.group(1), ranked.group(2), int(ranked.group(3)), ranked.group(4) or ""
-        if (letter == "r") != (base in ("lowrank", "torch-powersgd")):
-            raise ValueError(f"mode {name!r}: -rN is for lowrank and torch-powersgd, -cN for onebit and fp8")
+        if letter != {"lowrank": "r", "torch-powersgd": "r", "topk": "k"}.get(base, "c"):
+            raise ValueError(f"mode {name!r}: -rN is for lowrank and torch-powersgd, -cN for onebit and fp8, "
+                             f"-kN for topk")
         if letter == "r" and n < 1:
             raise ValueError(f"mode {name!r}: the rank after -r must be >= 1")
+        if letter == "k" and not 1 <= n <= 1000:
+            raise ValueError(f"mode {name!r}: the per mille after -k must be in 1..1000")
         if base + suffix not in MODES:
             raise ValueError(f"mode {name!r}: {base} has no {suffix} form")
         m = MODES[base + suffix]
         if letter == "c":  # HookState checks the chunk (a positive multiple of 32)
             return replace(m, name=name, options={**m.options, "chunk_size": n})
+        if letter == "k":
+            return replace(m, name=name, options={**m.options, "topk_ratio": n / 1000})
         if m.is_torch:
             return replace(m, name=name, rank=n)
         return replace(m, name=name, options={**m.options, "matrix_approximation_rank": n})
     if name not in allowed or name not in MODES:
         ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
-                 "onebit-cN, fp8-cN: N elements per scale; a +m mode as X+m-pN: a warm-up of N % of the run; "
+                 "onebit-cN, fp8-cN: N elements per scale; topk as topk-kN: N per mille of the entries; a +m mode as X+m-pN: a warm-up of N % of the run; "
                  "a hetcomm mode as X-sN: compressed from step N (HookState's start_iter), X@ALGO: its algorithm; "
                  "a lowrank mode as X-fp32 / X-bf16: its factors in float32 / bf16)"
                  ) if choices is None else ""
@@ -232,4 +239,4 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
 
 _START = re.compile(r"^(.+)-s(\d+)$")
 _SHARE = re.compile(r"^(.+)-p(\d+)$")
-_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8)-([rc])(\d+)(\+m(?:-w8|-w32)?|\+lr)?$")
+_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8|topk)-([rck])(\d+)(\+m(?:-w8|-w32)?|\+lr)?$")

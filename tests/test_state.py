@@ -254,7 +254,7 @@ def test_mode_table_counts_pytorchs_bytes_in_closed_form():
         hetcomm.modes.get("onebit").torch_bytes(model, 4)
 
 
-def test_a_rank_suffix_sets_lowrank_and_powersgds_rank():
+def test_a_rank_suffix_sets_lowrank_and_powersgds_rank_a_chunk_onebits_and_a_share_topks():
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     # rank 16: P and Q of the 256 x 64 weight, (256 + 64) x 16 = 5120 floats < 16384 / 2; the 10 x 256 one
     # ((10 + 256) x 10 = 2660, its rank capped at 10) is not worth it (2 x 2660 > 2560): dense, as the biases
@@ -273,8 +273,15 @@ def test_a_rank_suffix_sets_lowrank_and_powersgds_rank():
     state = hetcomm.modes.get("lowrank-r8").comm_hook()[0]
     assert state.matrix_approximation_rank == 8 and state.compression == "lowrank"
     state.close()
+    m = hetcomm.modes.get("topk-k30+m")
+    assert m.attach and m.options == {"compression": "topk", "topk_ratio": 0.03}
+    state = m.comm_hook()[0]
+    assert state.topk_ratio == 0.03 and state.compression == "topk"
+    state.close()
     for bad, rule in (("lowrank-r0", "rank after -r must be >= 1"), ("torch-powersgd-r8+m", "no \\+m form"),
                       ("onebit-r8", "-rN is for lowrank"), ("lowrank-c256", "-cN for onebit and fp8"),
+                      ("topk-c256", "-kN for topk"), ("onebit-k30", "-kN for topk"),
+                      ("topk-k0", "per mille after -k must be in 1..1000"), ("topk-k1001", "in 1..1000"),
                       ("fp8-c256-no-ef", "must be one of")):
         with pytest.raises(ValueError, match=rule):
             hetcomm.modes.get(bad)

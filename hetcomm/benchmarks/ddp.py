@@ -242,7 +242,7 @@ def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str
 
 def check_mode(mode: str) -> None:
     """ValueError unless ``mode`` is one of PyTorch's or hetcomm's plain modes
-    (onebit-cN, fp8-cN, lowrank-rN, torch-powersgd-rN forms too), or a
+    (onebit-cN, fp8-cN, topk-kN, lowrank-rN, torch-powersgd-rN forms too), or a
     hetcomm mode with ``+bal``."""
     base, _ = _split_balanced(mode)
     try:
@@ -251,7 +251,7 @@ def check_mode(mode: str) -> None:
         known = None
     if known is None or (base != mode and known.is_torch):
         raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(TORCH_MODES + HETCOMM_MODES)} (onebit-cN, "
-                         "fp8-cN, lowrank-rN, torch-powersgd-rN too), +bal for hetcomm's")
+                         "fp8-cN, topk-kN, lowrank-rN, torch-powersgd-rN too), +bal for hetcomm's")
 
 
 def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
