@@ -229,7 +229,8 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
         return replace(m, name=name, options={**m.options, "matrix_approximation_rank": n})
     if name not in allowed or name not in MODES:
         ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
-                 "onebit-cN, fp8-cN: N elements per scale; topk as topk-kN: N per mille of the entries; a +m mode as X+m-pN: a warm-up of N % of the run; "
+                 "onebit-cN, fp8-cN: N elements per scale; topk as topk-kN: N per mille of the entries; a +m mode "
+                 "as X+m-pN: a warm-up of N % of the run; "
                  "a hetcomm mode as X-sN: compressed from step N (HookState's start_iter), X@ALGO: its algorithm; "
                  "a lowrank mode as X-fp32 / X-bf16: its factors in float32 / bf16)"
                  ) if choices is None else ""
