@@ -158,6 +158,17 @@ def _ring(topo: Topology, b: float) -> float:
     return _stage(topo.worst(), 2 * (w - 1), 2 * (w - 1) / w * b)
 
 
+def _ring_messages(ranks: int) -> int:
+    """Rounds of hetcomm's exact ring over ``ranks``: 2(W-1), but one on two
+    ranks (``allreduce_pair``: the whole vector exchanged once, the same bytes)."""
+    return 1 if ranks == 2 else 2 * (ranks - 1)
+
+
+def _own_ring(topo: Topology, b: float) -> float:
+    w = topo.world
+    return _stage(topo.worst(), _ring_messages(w), 2 * (w - 1) / w * b)
+
+
 def _halving_doubling(topo: Topology, b: float) -> float:
     w, share = topo.world, _share(topo)
     p = 2 ** int(math.log2(w))
@@ -179,11 +190,12 @@ def _hierarchical(topo: Topology, b: float) -> float:
     per_node, nodes = topo.ranks_per_node(), topo.num_nodes
     _, intra, inter = _links(topo)
     local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * b)
-    return local + _stage(inter, 2 * (nodes - 1), 2 * (nodes - 1) / nodes * b / per_node * _share(topo))
+    return local + _stage(inter, _ring_messages(nodes), 2 * (nodes - 1) / nodes * b / per_node * _share(topo))
 
 
-#: The cost of each algorithm's dense all-reduce of b wire bytes.
-_DENSE_COST = {"native": _ring, "ring": _ring, "halving_doubling": _halving_doubling, "tree": _tree,
+#: The cost of each algorithm's dense all-reduce of b wire bytes ("native":
+#: the backend's own ring).
+_DENSE_COST = {"native": _ring, "ring": _own_ring, "halving_doubling": _halving_doubling, "tree": _tree,
                "hierarchical": _hierarchical}
 
 

@@ -122,3 +122,35 @@ def test_hierarchical_compresses_only_across_nodes():
     # the exact hierarchical all-reduce: rank 0 sends (L-1)/L of n in the
     # node, its shard around the 3-node ring twice, and (L-1)/L back
     assert results[0]["exact_bytes"] == 4 * (half + 2 * (2 * 500) + half)
+
+
+def _rounds(rank, world, n):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    out = {}
+    for algo, node_of in (("ring", []), ("hierarchical", [0, 0, 1, 1][:world] if world == 4 else [0, 1])):
+        x = _inputs(rank, n)
+        before = dict(t.counters())
+        t.allreduce(x, algo, node_of=node_of)
+        after = t.counters()
+        out[algo] = (x, after["calls"] - before["calls"], after["bytes_sent"] - before["bytes_sent"])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_two_ranks_sum_in_one_exchange_with_the_rings_bytes(world):
+    """A ring of two ranks (the whole ring on 2 ranks; across 2 nodes in the
+    hierarchy) exchanges the whole vector once: one send and one receive, not
+    two rounds of halves, the same bytes, the same bits on both ranks."""
+    n = 1001
+    results = run_ranks(_rounds, world, n)
+    want = sum(_inputs(r, n).double() for r in range(world))
+    for algo in ("ring", "hierarchical"):
+        for r in range(1, world):
+            assert torch.equal(results[r][algo][0], results[0][algo][0]), (algo, r)
+        torch.testing.assert_close(results[0][algo][0].double(), want, rtol=1e-5, atol=1e-5 * world)
+    if world == 2:  # ring and hierarchy (one rank a node) are the pair exchange: 1 send + 1 receive, n floats
+        assert results[0]["ring"][1:] == (2, 4 * n)
+        assert results[0]["hierarchical"][1:] == (2, 4 * n)
+    else:  # rank 0 (local index 0, block [0, 500) of [0, 500, 1001)): in its node a reduce-scatter sends the
+        # other half, the exchange across the nodes its own half, the all-gather its half back: 3 sends, 3 receives
+        assert results[0]["hierarchical"][1:] == (3 * 2, 4 * ((n - n // 2) + n // 2 + n // 2))

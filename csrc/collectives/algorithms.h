@@ -1,6 +1,7 @@
 // All-reduce (SUM, in place) algorithms written once against Transport's
 // point-to-point calls. Every one ends with the same bytes on every rank:
-// each element is summed once, by one rank, in a fixed order, and copied.
+// each element is summed once, by one rank, in a fixed order, and copied (the
+// pair exchange: summed by both ranks, the same operands in the same order).
 // Any world size (non powers of two too) and any length.
 #pragma once
 
@@ -17,8 +18,13 @@
 namespace hetcomm {
 namespace collectives {
 
+// Two ranks: each sends its whole vector to the other once, and both add
+// rank 0's values to rank 1's (one round; a ring of two makes two rounds of
+// halves, the same bytes). Every rank ends with the same bits.
+void allreduce_pair(Transport& t, at::Tensor& x);
 // Reduce-scatter + all-gather around a ring; order[i] is the rank at ring
-// position i (a permutation of 0..size-1; empty: 0, 1, ..., size-1).
+// position i (a permutation of 0..size-1; empty: 0, 1, ..., size-1). On two
+// ranks, allreduce_pair.
 void allreduce_ring(Transport& t, at::Tensor& x, const std::vector<int>& order = {});
 // Rabenseifner: recursive halving reduce-scatter + recursive doubling
 // all-gather; the ranks beyond the largest power of two fold in first.
