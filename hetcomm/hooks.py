@@ -3,17 +3,14 @@ step (negotiate once, begin the planner's step, submit the batch weights),
 plan the bucket, hand it and its per-bucket state to the comm engine; on the
 first step after a restore, regroup the buckets as the saved run had them."""
 
-import gc
 import logging
-import sys
 import time
-import types
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _C, buckets, clip, options
+from . import _C, buckets, clip, ddpfind, options
 from .options import COMPRESSED
 
 log = logging.getLogger("hetcomm")
@@ -36,73 +33,10 @@ def hook(state: "BucketSteps", bucket: dist.GradBucket) -> torch.futures.Future[
     return state._submit(bucket)
 
 
-def _every_group_spans_the_world() -> bool:
-    """Whether every process group of this process holds all ranks (False
-    when c10d's private registry of groups is not where it was in torch 2.13)."""
-    groups = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_group_ranks", None)
-    if not isinstance(groups, dict) or not groups:
-        return False
-    world = dist.get_world_size()
-    return all(len(ranks) == world for ranks in groups.values())
-
-
 #: A joined rank's batch size when DDP's join divides by the ranks still training
 #: (``divide_by_initial_world_size=False``): its zero gradient then weighs nothing, and the others' divisor is
 #: their own samples (engine divisors must be finite and > 0: total / 1e-20 is, in float32, for any total <= 2**40).
 _NO_SAMPLES = 1e-20
-
-
-def _join_hook_code():
-    """The code of DDP's join hook (``_DDPJoinHook.main_hook``), or None where
-    torch has no such private class."""
-    try:
-        from torch.nn.parallel.distributed import _DDPJoinHook
-        return _DDPJoinHook.main_hook.__code__
-    except (ImportError, AttributeError):
-        return None
-
-
-_JOIN_HOOK_CODE = _join_hook_code()  # looked up once, not at every step
-
-
-def _join_shadowing():
-    """The DistributedDataParallel whose join hook runs this call of the comm
-    hook, or None: inside ``model.join()`` (torch's ``Join``) a rank whose
-    inputs ran out shadows the others' backward by running the hook over
-    zero buckets (``_DDPJoinHook.main_hook``, found on this thread's stack)."""
-    code = _JOIN_HOOK_CODE
-    if code is None:
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return getattr(frame.f_locals.get("self"), "ddp", None)
-        frame = frame.f_back
-    return None
-
-
-def _owning_ddp(param: torch.Tensor, depth: int = 4):
-    """The DistributedDataParallel that holds ``param`` (its module's or its own
-    parameter lists), found through the garbage collector's referrers; None if
-    there is none within ``depth`` hops. Run once, at the first step."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    seen, frontier = {id(param)}, [param]
-    for _ in range(depth):
-        found: list = []
-        # one scan of the heap per level (get_referrers walks every tracked object: ~15-30 ms each)
-        for ref in gc.get_referrers(*frontier):
-            if isinstance(ref, DistributedDataParallel):
-                return ref
-            if id(ref) in seen or ref is frontier or ref is found or isinstance(ref, types.FrameType):
-                continue
-            seen.add(id(ref))
-            if isinstance(ref, (dict, list, tuple, torch.nn.Module)):
-                found.append(ref)
-        if not found:
-            return None
-        frontier = found
-    return None
 
 
 def _as_bucket(bucket: buckets.Bucket, buf: torch.Tensor, parts, fill: float) -> torch.Tensor:
@@ -151,9 +85,9 @@ class BucketSteps:
     def _check_ddp_group(self, params) -> None:
         """First step, before any collective: the DDP model these buckets come
         from must reduce over the same ranks as this state's group."""
-        if _every_group_spans_the_world():
+        if ddpfind.every_group_spans_the_world():
             return  # DDP's group spans every rank, and so does this state's (the heap search costs ~100 ms)
-        ddp = _owning_ddp(params[0]) if params else None
+        ddp = ddpfind.owning_ddp(params[0]) if params else None
         if ddp is None or getattr(ddp, "process_group", None) is None:
             return
         theirs = dist.get_process_group_ranks(ddp.process_group)
@@ -279,7 +213,7 @@ class BucketSteps:
         mean over the samples of the ranks still training). Without batch
         sizes the divisor stays the world size either way, as with PyTorch's
         own hooks."""
-        ddp = _join_shadowing()
+        ddp = ddpfind.join_shadowing()
         if ddp is None:
             return False
         self._join_steps += 1

@@ -316,12 +316,12 @@ def _subgroups(rank, world):
     then, in the same job, with the subgroup passed (each pair reduces alone)."""
     import torch.distributed as dist
 
-    from hetcomm import hooks
+    from hetcomm import ddpfind
 
-    world_only = hooks._every_group_spans_the_world()  # the shortcut that skips looking for DDP's group
+    world_only = ddpfind.every_group_spans_the_world()  # the shortcut that skips looking for DDP's group
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = groups[rank // 2]
-    out = [(world_only, hooks._every_group_spans_the_world())]
+    out = [(world_only, ddpfind.every_group_spans_the_world())]
     for pass_group in (False, True):
         model = models.mlp()
         ddp = DDP(model, process_group=mine)
