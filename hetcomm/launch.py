@@ -125,9 +125,9 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
             # the ranks killed above are not reported as failures of their own
             errors = [e for r, p in enumerate(procs) if r not in alive and (e := _failure(tmp, r, p.exitcode))]
             if check and (failed or errors):
+                stopped = f" (ranks {alive} stopped after the failure)" if alive else ""
                 raise RuntimeError("rank(s) failed:\n" + "\n".join(
-                    errors + [f"exit codes {[p.exitcode for p in procs]} (ranks {alive} stopped after the failure)"
-                              if alive else f"exit codes {[p.exitcode for p in procs]}"]))
+                    errors + [f"exit codes {[p.exitcode for p in procs]}{stopped}"]))
             if check and alive:
                 raise RuntimeError(f"ranks {alive} still running after {timeout}s (hang)")
             return [torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False)
