@@ -154,6 +154,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rank"));
   m.def("lowrank_q_numel", &collectives::lowrank_q_numel, py::arg("layout"));
   m.def("onebit_segment_numel", &collectives::onebit_segment_numel, py::arg("n"), py::arg("world"), py::arg("rank"));
+  m.def("server_residual_numel", &collectives::server_residual_numel, py::arg("n"), py::arg("world"),
+        py::arg("rank"));
   m.def("state_offsets", &collectives::state_offsets, py::arg("n"), py::arg("world"), py::arg("rank"),
         py::arg("node_of"), py::arg("hierarchical"),
         "(worker residual offset, server residual offset) of a bucket's error-feedback state, in the bucket");

@@ -210,26 +210,35 @@ class BucketStates:
                 n, peers, me = _C.hierarchical_shard_numel(numel, list(node_of), rank), len(order), \
                     order.index(node_of[rank])
             residual = self.residual(self.residuals, key, n, device)
-            if mode in ("onebit", "fp8"):  # two-phase codecs: this rank also sums a segment
-                server = self.residual(self.server_residuals, key, _C.onebit_segment_numel(n, peers, me), device)
+            if mode in ("onebit", "fp8"):  # two-phase codecs: among three or more peers this rank sums a segment
+                size = _C.server_residual_numel(n, peers, me)
+                if size:
+                    server = self.residual(self.server_residuals, key, size, device)
+                elif key in self.server_residuals:  # restored from where two peers still encoded sums twice
+                    off = _C.state_offsets(numel, world, rank, list(node_of) if hierarchical else [], hierarchical)[1]
+                    self._owe(key, numel, self.server_residuals.pop(key), off, device)
         return residual, server, self._pending_carry(key, device)
+
+    def _owe(self, key: str, numel: int, owed: Optional[torch.Tensor], offset: int, device) -> None:
+        """Adds what a residual held back (this rank's part of the sum, at
+        ``offset`` in the bucket; None: nothing) to the bucket's carry, made
+        if it has none."""
+        carry = self.carry.get(key)
+        carry = torch.zeros(numel, dtype=torch.float32, device=device) if carry is None else carry.to(device)
+        if owed is not None:
+            carry.narrow(0, offset, owed.numel()).add_(owed.to(device))
+        self.carry[key] = carry
+        self._carry_sent.pop(key, None)
 
     def _fold(self, key: str, numel: int, old, device, world: int, rank: int, node_of) -> None:
         mode, hierarchical = old
-        carry = self.carry.get(key)
-        carry = torch.zeros(numel, dtype=torch.float32, device=device) if carry is None else carry.to(device)
         worker_off, server_off = _C.state_offsets(numel, world, rank, list(node_of) if hierarchical else [],
                                                   hierarchical)
         r, s = self.residuals.pop(key, None), self.server_residuals.pop(key, None)
-        if r is not None:
-            off = 0 if r.numel() == numel else worker_off  # lowrank keeps a whole-bucket residual
-            carry.narrow(0, off, r.numel()).add_(r.to(device))
-        if s is not None:
-            carry.narrow(0, server_off, s.numel()).add_(s.to(device))
+        self._owe(key, numel, r, 0 if r is None or r.numel() == numel else worker_off, device)  # lowrank's: whole
+        self._owe(key, numel, s, server_off, device)
         self.lowrank_q.pop(key, None)
         self.plan_of.pop(key, None)
-        self.carry[key] = carry
-        self._carry_sent.pop(key, None)
 
     def _size(self, n: int) -> int:
         return math.prod(self.params.shapes[n])

@@ -130,5 +130,12 @@ def orthonormalize_blocks(flat: torch.Tensor, blocks, eps: float = 1e-8) -> torc
 
 def onebit_segment_numel(n: int, world: int, rank: int) -> int:
     """Elements of an n-element bucket that ``rank`` averages in the two-phase
-    all-reduce of onebit and fp8 (the size of its server residual)."""
+    all-reduce of onebit and fp8."""
     return _C.onebit_segment_numel(int(n), int(world), int(rank))
+
+
+def server_residual_numel(n: int, world: int, rank: int) -> int:
+    """The size of ``rank``'s server residual in that all-reduce: its
+    segment's, or 0 on one or two ranks, where the two phases are one
+    exchange of whole messages and no sum is encoded a second time."""
+    return _C.server_residual_numel(int(n), int(world), int(rank))

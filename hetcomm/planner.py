@@ -205,8 +205,9 @@ def _predict_compressed(topo: Topology, n_elems: float, algorithm: str, wire: Wi
 
     def compressed_allreduce(ranks: int, elems: float, link: LinkClass) -> float:
         if wire.kind in _CODE_BYTES:  # all-to-all + all-gather of 1/32 (1/4) of the data, plus the scales
-            per_elem = wire_bytes_per_element(wire.kind)
-            return 2 * (ranks - 1) * link.alpha + share * 2 * (ranks - 1) / ranks * elems * per_elem * link.beta
+            per_elem = wire_bytes_per_element(wire.kind)  # (on two ranks one exchange of the whole message)
+            return (_ring_messages(ranks) * link.alpha
+                    + share * 2 * (ranks - 1) / ranks * elems * per_elem * link.beta)
         return (ranks - 1) * (link.alpha + share * topk_message_bytes(elems, wire.fraction) * link.beta)
 
     worst, intra, inter = _links(topo)

@@ -104,6 +104,7 @@ def fuzz_momentum_ops(x, m, beta):
 @given(ints, ints, ints, floats, node_lists, st.lists(st.lists(ints, min_size=4, max_size=4), max_size=3))
 def fuzz_size_helpers(n, world, rank, ratio, nodes, layout):
     call("onebit_segment_numel", ops.onebit_segment_numel, n, world, rank)
+    call("server_residual_numel", ops.server_residual_numel, n, world, rank)
     call("topk_count", ops.topk_count, n, ratio)
     call("hierarchical_shard_numel", _C.hierarchical_shard_numel, n, nodes, rank)
     call("lowrank_q_numel", _C.lowrank_q_numel, torch.tensor(layout, dtype=torch.int64).reshape(-1, 4))
@@ -115,6 +116,9 @@ def fuzz_size_helpers_are_partitions(n, world):
     # Independent of the kernels: the segments and shards cover n exactly.
     assert sum(ops.onebit_segment_numel(n, world, r) for r in range(world)) == n
     assert all(ops.onebit_segment_numel(n, world, r) >= 0 for r in range(world))
+    # one or two ranks exchange whole messages: no rank sums a segment, no server residual
+    assert all(ops.server_residual_numel(n, world, r) == (ops.onebit_segment_numel(n, world, r) if world > 2 else 0)
+               for r in range(world))
     nodes = [r // 2 for r in range(2 * world)]
     assert sum(_C.hierarchical_shard_numel(n, nodes, r) for r in (0, 1)) == n
     assert ops.topk_count(n, 1.0) == n and 0 <= ops.topk_count(n, 1e-9) <= n

@@ -107,10 +107,20 @@ def two_phase_allreduce(inputs, worker_res, server_res, divisors, chunk, encode=
     """Two-phase all-reduce (onebit; fp8 with ``encode=fp8_encode``) of per-rank vectors, simulated in one
     process. Returns (output, new worker
     residuals, new server residuals, the server-side sums before the second
-    compression)."""
+    compression). On one or two ranks it is one exchange: each rank's whole
+    vector encoded once, the decoded vectors summed in rank order (no server
+    residual is touched, the sums are the output)."""
     encode = encode or sign_encode
     world = len(inputs)
     n = inputs[0].numel()
+    if world <= 2:
+        new_w, out = [], torch.zeros(n)
+        for src in range(world):
+            _, _, nr, dec = encode(inputs[src], None if worker_res[src] is None else worker_res[src].clone(),
+                                   divisors[src], chunk)
+            new_w.append(nr)
+            out = out + dec
+        return out, new_w, list(server_res), out.clone()
     seg = max(32, math.ceil(math.ceil(n / world) / 32) * 32)
     bounds = [(min(n, r * seg), min(n, (r + 1) * seg)) for r in range(world)]
     new_w = [None if w is None else w.clone() for w in worker_res]

@@ -77,7 +77,7 @@ def _hier_onebit(rank, world, n, chunk):
     outs = {}
     for inter in ("onebit", "fp8"):
         wres = torch.zeros(shard)
-        sres = torch.zeros(ops.onebit_segment_numel(shard, nodes, node))
+        sres = torch.zeros(ops.server_residual_numel(shard, nodes, node))
         for step in range(2):
             x = _inputs(rank + 10 * step, n)
             t.allreduce(x, "hierarchical", node_of=NODE_OF, inter=inter, residual=wres, server_residual=sres,
@@ -100,7 +100,7 @@ def test_hierarchical_compresses_only_across_nodes():
     bounds = [(0, half), (half, n)]
     for inter, encode in (("onebit", ref.sign_encode), ("fp8", ref.fp8_encode)):
         wres = {(li, nd): torch.zeros(b - a) for li, (a, b) in enumerate(bounds) for nd in range(3)}
-        sres = {(li, nd): torch.zeros(ops.onebit_segment_numel(b - a, 3, nd)) for li, (a, b) in enumerate(bounds)
+        sres = {(li, nd): torch.zeros(ops.server_residual_numel(b - a, 3, nd)) for li, (a, b) in enumerate(bounds)
                 for nd in range(3)}
         for step in range(2):
             xs = [_inputs(r + 10 * step, n) for r in range(world)]

@@ -186,10 +186,11 @@ def fp32_adamw():
 
 @pytest.mark.parametrize("mode", ["onebit", "topk"])
 def test_hetcomm_adamw_with_compressed_momentum_reaches_fp32s_loss(mode, fp32_adamw):
-    # Measured (AdamW lr 3e-3, final training MSE): fp32 0.0909; onebit 0.124
-    # compressing the gradient into torch's AdamW (0.179 with a float32 scale
-    # per 256), 0.0972 compressing the momentum into torch's AdamW, 0.0891
-    # into hetcomm's (variance from the exact steps, floored). topk ranking
+    # Measured (AdamW lr 3e-3, final training MSE): fp32 0.0909; onebit 0.0971
+    # compressing the gradient into torch's AdamW (0.124 while two ranks
+    # compressed each segment's sum a second time, the two phases; 0.179 with
+    # a float32 scale per 256), 0.0972 compressing the momentum into torch's
+    # AdamW, 0.0891 into hetcomm's (variance from the exact steps, floored). topk ranking
     # the momentum by the update (|m| / (sqrt(v) + eps)), over 4 seeds of
     # init and batches (fp32 0.0892-0.0933): with the run's warm-up
     # (total_steps, what the README asks for) 0.970x fp32 on average, the
@@ -202,7 +203,7 @@ def test_hetcomm_adamw_with_compressed_momentum_reaches_fp32s_loss(mode, fp32_ad
     assert ours[0]["loss"] <= 1.03 * fp32_adamw, (ours[0]["loss"], fp32_adamw)
     if mode == "onebit":  # the naive path is measurably worse: the test can fail
         naive = run_ranks(_train, 2, mode, False, 300, ADAMW_LR, None)
-        assert naive[0]["loss"] >= 1.25 * fp32_adamw, (naive[0]["loss"], fp32_adamw)
+        assert naive[0]["loss"] >= 1.05 * fp32_adamw, (naive[0]["loss"], fp32_adamw)
 
 
 def _adam_topk_first_compressed_step(rank, world, which, device="cpu"):
@@ -628,7 +629,7 @@ def _lr_schedule_units(rank, world):
 
 
 def test_an_lr_schedule_rescales_what_error_feedback_holds_back():
-    out = run_ranks(_lr_schedule_units, 2)[0]
+    out = run_ranks(_lr_schedule_units, 3)[0]  # three ranks: onebit's two phases keep a server residual
     groups = out["groups"]
     # the buckets: one of group 0 alone, one of group 1 alone, one of both
     assert sorted(map(sorted, groups.values())) == [[0], [0, 1], [1]], groups
@@ -685,7 +686,10 @@ def _follow_lr_without_attach(rank, world, compression, device="cpu"):
 
 @pytest.mark.parametrize("compression", ["onebit", "topk", "lowrank", "fp8"])
 def test_follow_lr_rescales_the_gradients_error_feedback_without_attaching(compression, device):
-    out = run_ranks(_follow_lr_without_attach, 2, compression, device.type)
+    # three ranks on the CPU: onebit's and fp8's two phases keep a server residual (two ranks exchange whole
+    # messages and keep none)
+    two_phase = compression in ("onebit", "fp8") and device.type == "cpu"
+    out = run_ranks(_follow_lr_without_attach, 3 if two_phase else 2, compression, device.type)
 
     def same(a, b):
         return all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
@@ -695,7 +699,7 @@ def test_follow_lr_rescales_the_gradients_error_feedback_without_attaching(compr
     for r in out:
         followed = r["followed"]
         assert followed["momentum"] == 0  # the gradient is compressed, not a momentum
-        kinds = {"worker", "server"} if compression in ("onebit", "fp8") else {"worker"}
+        kinds = {"worker", "server"} if two_phase else {"worker"}
         for held in followed["held"]:  # something was held back when the rate moved
             assert {k[0] for k in held} == kinds and all(t.abs().sum() > 0 for t in held.values())
         # the hook scaled by old / new at each move: the reference's bits, residuals included

@@ -79,14 +79,16 @@ def _compressed_allreduce(rank, world, n, chunk, ratio):
     xs = [torch.randn(n, generator=g) for _ in range(3)]
     divisor = float(rank + 2)
     wres = torch.zeros(n)
-    sres = torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, rank))
+    sres = torch.zeros(hetcomm.ops.server_residual_numel(n, world, rank))
     onebit, whist, shist = [], [], []
+    before = t.counters()
     for x in xs:
         y = x.clone()
         t.allreduce_onebit(y, divisor, chunk, wres, sres)
         onebit.append(y)
         whist.append(wres.clone())
         shist.append(sres.clone())
+    onebit_wire = {k: t.counters()[k] - before[k] for k in ("bytes_sent", "calls")}
     tres = torch.zeros(n)
     topk = []
     before = t.counters()["bytes_sent"]
@@ -101,7 +103,7 @@ def _compressed_allreduce(rank, world, n, chunk, ratio):
         t.allreduce_fp8(y, divisor, chunk, fres, fsres)
         fp8.append((y, fres.clone(), fsres.clone()))
     return {"xs": xs, "divisor": divisor, "onebit": onebit, "whist": whist, "shist": shist, "topk": topk, "tres": tres,
-            "topk_bytes": topk_bytes, "fp8": fp8}
+            "topk_bytes": topk_bytes, "fp8": fp8, "onebit_wire": onebit_wire}
 
 
 def _topk_every_entry(rank, world, n):
@@ -138,7 +140,7 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
     # a server-side sum within rounding of zero may take the other sign: allow
     # exactly those elements to differ.
     wres = [torch.zeros(n) for _ in range(world)]
-    sres = [torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, r)) for r in range(world)]
+    sres = [torch.zeros(hetcomm.ops.server_residual_numel(n, world, r)) for r in range(world)]
     for step in range(3):
         want, want_w, want_s, sums = ref.two_phase_allreduce([r["xs"][step] for r in results], wres, sres, divisors,
                                                           chunk)
@@ -149,10 +151,22 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
         seg = max(32, -(-(-(-n // world)) // 32) * 32)
         for r, res in enumerate(results):
             torch.testing.assert_close(res["whist"][step], want_w[r], rtol=1e-5, atol=1e-5)
-            ok = close[r * seg:(r + 1) * seg]
-            torch.testing.assert_close(res["shist"][step][ok], want_s[r][ok], rtol=1e-5, atol=1e-5)
+            if world > 2:  # two ranks exchange whole messages: no sum is encoded again, no server residual
+                ok = close[r * seg:(r + 1) * seg]
+                torch.testing.assert_close(res["shist"][step][ok], want_s[r][ok], rtol=1e-5, atol=1e-5)
+            else:
+                assert res["shist"][step].numel() == 0
         wres = [res["whist"][step] for res in results]
         sres = [res["shist"][step] for res in results]
+    # a message is the signs (a word per 32) and the bf16 scales (two per int32) of a segment (two phases: an
+    # all-to-all, then an all-gather, a segment to each peer in each) or of the whole vector on two ranks (one
+    # all-gather: the same bytes in one round)
+    def message(numel):
+        return 4 * (-(-numel // 32) + -(-(-(-numel // chunk)) // 2))
+    if world == 2:
+        assert results[0]["onebit_wire"] == {"bytes_sent": 3 * message(n), "calls": 3}
+    else:
+        assert results[0]["onebit_wire"] == {"bytes_sent": 3 * 2 * (world - 1) * message(min(seg, n)), "calls": 6}
     # top-k: sum of every rank's top-k of (x/d + residual), values rounded to bf16 (the residual keeps the rounding);
     # each entry 4 bytes (a 16-bit index inside its block of 2^16, padded to 4 bytes, and the value), a count per
     # block, the total
@@ -171,7 +185,7 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
         assert torch.equal(res["tres"], tres[r])
     # fp8: max-based power-of-two scales and rank-ordered sums make the reference bit-exact, residuals included
     wres = [torch.zeros(n) for _ in range(world)]
-    sres = [torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, r)) for r in range(world)]
+    sres = [torch.zeros(hetcomm.ops.server_residual_numel(n, world, r)) for r in range(world)]
     for step in range(3):
         want, wres, sres, _ = ref.two_phase_allreduce([r["xs"][step] for r in results], wres, sres, divisors, chunk,
                                                       encode=ref.fp8_encode)
@@ -220,7 +234,7 @@ def _pieced(rank, world, n, chunk):
     def reduce(y, wire, wres, sres, pieces):
         getattr(t, f"allreduce_{wire}")(y, float(rank + 1), chunk, wres, sres, pieces=pieces)
 
-    out = _sweep_pieces(t, xs, reduce, n, hetcomm.ops.onebit_segment_numel(n, world, rank), (1, 2, 3, 7, 0))
+    out = _sweep_pieces(t, xs, reduce, n, hetcomm.ops.server_residual_numel(n, world, rank), (1, 2, 3, 7, 0))
     error = None
     try:
         t.allreduce_onebit(torch.zeros(64), 1.0, 32, None, None, pieces=-1)
@@ -229,26 +243,27 @@ def _pieced(rank, world, n, chunk):
     return {"xs": xs, "out": out, "error": error}
 
 
-@pytest.mark.parametrize("world,n,chunk,auto", [(2, 600_011, 256, 2), (3, 9_001, 32, 1)])
+@pytest.mark.parametrize("world,n,chunk,auto", [(2, 600_011, 256, 4), (3, 9_001, 32, 1), (3, 900_001, 256, 2)])
 def test_two_phase_in_pieces_is_bit_identical_to_one_piece(world, n, chunk, auto):
     """A bucket's exchange pipelined in pieces (encode piece p + 1 while piece
     p is on the wire) sends the same bytes and leaves the same sums and
     residuals as in one piece, bit for bit; fp8's are the reference's.
     ``auto``: the pieces a bucket of n elements gets on gloo (one per 2**17
-    elements of a rank's segment, n / world, at most 4)."""
+    elements of a message, at most 4: of a rank's segment, n / world, in the
+    two phases; of the whole bucket in the exchange of two ranks)."""
     results = run_ranks(_pieced, world, n, chunk)
     for res in results:
         _assert_same_as_one_piece(res["out"])
         for key, (*_, calls) in res["out"].items():
-            # each piece is its own all-to-all and all-gather (2 per step, 2 steps)
-            assert calls == 4 * (key[0] or auto), key
+            # each piece is its own all-to-all and all-gather (2 per step, 2 steps), on two ranks one all-gather
+            assert calls == (2 if world == 2 else 4) * (key[0] or auto), key
         assert "pieces must be >= 0" in res["error"]
     # every rank holds the same sums; fp8 in pieces against the single-process reference, bit for bit
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["out"][(0, "onebit")][0], results[0]["out"][(0, "onebit")][0]))
     divisors = [float(r + 1) for r in range(world)]
     wres = [torch.zeros(n) for _ in range(world)]
-    sres = [torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, r)) for r in range(world)]
+    sres = [torch.zeros(hetcomm.ops.server_residual_numel(n, world, r)) for r in range(world)]
     for step in range(2):
         want, wres, sres, _ = ref.two_phase_allreduce([r["xs"][step] for r in results], wres, sres, divisors, chunk,
                                                       encode=ref.fp8_encode)
@@ -272,7 +287,7 @@ def _momentum_folded(rank, world, n, chunk):
         for wire in ("onebit", "fp8"):
             allreduce = getattr(t, f"allreduce_{wire}")
             m, wres = m0.clone(), torch.zeros(n)
-            sres, ys = torch.zeros(hetcomm.ops.onebit_segment_numel(n, world, rank)), []
+            sres, ys = torch.zeros(hetcomm.ops.server_residual_numel(n, world, rank)), []
             for x in xs:
                 y = x.clone()
                 if how == "around":
@@ -320,19 +335,19 @@ def _hierarchical_pieced(rank, world, n, chunk):
         t.allreduce(y, "hierarchical", node_of=node_of, inter=wire, residual=wres, server_residual=sres,
                     chunk=chunk, pieces=pieces)
 
-    return _sweep_pieces(t, xs, reduce, shard, hetcomm.ops.onebit_segment_numel(shard, 2, node_of[rank]), (1, 3, 0))
+    return _sweep_pieces(t, xs, reduce, shard, hetcomm.ops.server_residual_numel(shard, 2, node_of[rank]), (1, 3, 0))
 
 
 def test_hierarchical_in_pieces_is_bit_identical_to_one_piece():
     """The across-nodes stage of hierarchical onebit / fp8 runs over a subgroup
     of point-to-point calls; in pieces it sends the same bytes and leaves the
-    same sums and residuals, bit for bit, in more calls (auto: 2 pieces for a
-    segment of ~275K elements)."""
+    same sums and residuals, bit for bit, in more calls (auto: 4 pieces for a
+    shard of ~550K elements, which the two nodes exchange whole)."""
     results = run_ranks(_hierarchical_pieced, 4, 1_100_003, 256)
     for res in results:
         _assert_same_as_one_piece(res)
-        for wire in ("onebit", "fp8"):  # each piece adds one exchange per phase (one peer across: 2 calls each)
-            assert res[(3, wire)][4] - res[(1, wire)][4] == 2 * 2 * 2 * 2, res[(3, wire)][4]
-            assert res[(0, wire)][4] - res[(1, wire)][4] == 2 * 2 * 1 * 2
+        for wire in ("onebit", "fp8"):  # each piece adds one exchange (one peer across: a send and a receive)
+            assert res[(3, wire)][4] - res[(1, wire)][4] == 2 * 2 * 2, res[(3, wire)][4]
+            assert res[(0, wire)][4] - res[(1, wire)][4] == 3 * 2 * 2
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r[(0, "onebit")][0], results[0][(0, "onebit")][0]))

@@ -134,6 +134,11 @@ int64_t onebit_segment_offset(int64_t n, int world, int rank) {
   return std::min<int64_t>(n, rank * segment_stride(n, world));
 }
 
+int64_t server_residual_numel(int64_t n, int world, int rank) {
+  const int64_t len = onebit_segment_numel(n, world, rank);  // checks the arguments
+  return world <= 2 ? 0 : len;
+}
+
 namespace {
 
 // Pieces of a large bucket: enough that encoding one piece overlaps the
@@ -155,6 +160,58 @@ int64_t piece_stride(int64_t seg, int64_t unit, int64_t pieces, bool overlaps) {
   return std::max<int64_t>(unit, (per + unit - 1) / unit * unit);
 }
 
+// One exchange, for one or two ranks: every rank encodes its whole x (worker
+// residual) and one all-gather hands each rank every rank's message; all
+// decode them in rank order, so all hold the same bits. On two ranks the two
+// phases send these bytes too (half of the message in each), in two rounds
+// and with the owner's sum encoded a second time; here in one round and once.
+// Pieces as in the two phases: piece p is elements [p * ps, (p + 1) * ps) of
+// x, on the wire while piece p + 1 is encoded.
+void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                        CodecTimer& timer, const SegmentCodec& codec, int64_t pieces, const at::Tensor& m,
+                        const MomentumFold* fold) {
+  const int w = t.size();
+  const int64_t n = x.numel();
+  if (n == 0) return;  // every rank's bucket has x's size
+  const int64_t ps = piece_stride(n, chunk * codec.scales_per_int(), pieces, t.overlaps());
+  const int np = static_cast<int>(std::max<int64_t>(1, (n + ps - 1) / ps));
+  auto piece_len = [&](int p) { return std::clamp<int64_t>(n - p * ps, 0, ps); };
+  const auto ints = x.options().dtype(at::kInt);
+  std::vector<at::Tensor> all(np), keep(np);
+  std::vector<Pending> gathered(np);
+  for (int p = 0; p < np; ++p) {
+    const int64_t len = piece_len(p);
+    const Block blk(codec, len, chunk);
+    at::Tensor mine = at::zeros({blk.ints()}, ints);
+    if (len > 0) {
+      Timed _(timer);
+      at::Tensor part = x.narrow(0, p * ps, len);
+      if (fold != nullptr) ops::momentum_fold_in(part, m.narrow(0, p * ps, len), fold->add_alpha);
+      codec.encode(part, narrow_or_empty(worker_residual, p * ps, len), divisor, chunk, blk.payload(mine, len),
+                   blk.scales(mine, len, chunk));
+    }
+    all[p] = at::empty({w * blk.ints()}, ints);
+    keep[p] = mine;
+    gathered[p] = t.start_all_gather(all[p], mine);
+  }
+  for (int p = 0; p < np; ++p) {
+    const int64_t len = piece_len(p);
+    const Block blk(codec, len, chunk);
+    gathered[p].wait();
+    if (len == 0) continue;
+    Timed _(timer);
+    at::Tensor part = x.narrow(0, p * ps, len);
+    for (int r = 0; r < w; ++r) {
+      at::Tensor block = all[p].narrow(0, r * blk.ints(), blk.ints());
+      codec.decode(blk.payload(block, len), blk.scales(block, len, chunk), len, chunk, part, r > 0);
+    }
+    if (fold != nullptr) {
+      at::Tensor m_part = m.narrow(0, p * ps, len);
+      ops::momentum_handoff(part, m_part, fold->beta);
+    }
+  }
+}
+
 // Two phases: every rank encodes segment r (worker residual) and sends it to
 // rank r; rank r decodes and sums its segment in rank order, encodes the sum
 // (server residual) and all-gather hands every rank the same messages. A
@@ -174,13 +231,19 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
                     "hetcomm: worker residual must have the bucket's ", n, " elements, got ", worker_residual.numel());
   const int64_t seg = segment_stride(n, w);
   const int64_t my_len = segment_len(n, seg, me);
-  TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == my_len,
-                    "hetcomm: server residual must have ", my_len, " elements, got ", server_residual.numel());
+  const int64_t server_len = w <= 2 ? 0 : my_len;
+  TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == server_len,
+                    "hetcomm: server residual must have ", server_len, " elements (server_residual_numel; none on ",
+                    "two ranks, which exchange whole messages and re-encode no sum), got ", server_residual.numel());
   at::Tensor m;  // the folded momentum, flat
   if (fold != nullptr) {
     // Checked before anything is sent: an error half-way would leave the other ranks waiting.
     ops::check_momentum(x, fold->m, "momentum", fold->add_alpha, fold->beta);
     m = fold->m.view({-1});
+  }
+  if (w <= 2) {
+    allreduce_exchange(t, x, divisor, chunk, worker_residual, timer, codec, pieces, m, fold);
+    return;
   }
   const int64_t ps = piece_stride(seg, chunk * codec.scales_per_int(), pieces, t.overlaps());
   const int np = static_cast<int>((seg + ps - 1) / ps);

@@ -56,11 +56,15 @@ struct MomentumFold {
 };
 
 // Two-phase 1-bit all-reduce (x float32, contiguous). worker_residual: numel
-// x.numel(); server_residual: numel onebit_segment_numel(...) for this rank.
+// x.numel(); server_residual: numel server_residual_numel(...) for this rank.
 // Either may be undefined (no error feedback). pieces: how many pieces the
-// exchange is pipelined in (0: one per 2^17 elements of a segment, up to 4,
-// where the transport overlaps(), else 1); any number gives the same bytes
+// exchange is pipelined in (0: one per 2^17 elements of a message, a segment
+// or on two ranks the whole x, up to 4, where the transport overlaps(), else 1); any number gives the same bytes
 // and the same result. fold: momentum compression folded in (or none).
+// On one or two ranks the phases are one exchange: every rank's whole
+// message all-gathered (on two ranks the phases' bytes, in one round), each
+// rank's sum decoded in rank order, nothing encoded twice and no server
+// residual.
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                       const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0,
                       const MomentumFold* fold = nullptr);
@@ -69,8 +73,10 @@ void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk
 void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                    const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0,
                    const MomentumFold* fold = nullptr);
-// Elements of the segment this rank averages (its server residual's size).
+// Elements of the segment this rank averages in the two phases.
 int64_t onebit_segment_numel(int64_t n, int world, int rank);
+// Its server residual's size: the segment's, or 0 on one or two ranks (one exchange).
+int64_t server_residual_numel(int64_t n, int world, int rank);
 // Where that segment starts in x.
 int64_t onebit_segment_offset(int64_t n, int world, int rank);
 

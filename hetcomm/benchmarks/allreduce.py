@@ -70,7 +70,7 @@ def wire_state(n: int, algo: str, wire: str, topo: topology.Topology, rank: int,
     else:
         shard, peers, me = n, topo.world, rank
     return {"w": torch.zeros(shard, device=device),
-            "s": torch.zeros(ops.onebit_segment_numel(shard, peers, me), device=device)}
+            "s": torch.zeros(ops.server_residual_numel(shard, peers, me), device=device)}
 
 
 def _transport(rank: int, world: int, device: torch.device):
