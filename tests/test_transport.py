@@ -335,19 +335,40 @@ def _hierarchical_pieced(rank, world, n, chunk):
         t.allreduce(y, "hierarchical", node_of=node_of, inter=wire, residual=wres, server_residual=sres,
                     chunk=chunk, pieces=pieces)
 
-    return _sweep_pieces(t, xs, reduce, shard, hetcomm.ops.server_residual_numel(shard, 2, node_of[rank]), (1, 3, 0))
+    out = _sweep_pieces(t, xs, reduce, shard, hetcomm.ops.server_residual_numel(shard, 2, node_of[rank]), (1, 3, 0))
+    return {"out": out, "xs": xs}
 
 
 def test_hierarchical_in_pieces_is_bit_identical_to_one_piece():
     """The across-nodes stage of hierarchical onebit / fp8 runs over a subgroup
     of point-to-point calls; in pieces it sends the same bytes and leaves the
     same sums and residuals, bit for bit, in more calls (auto: 4 pieces for a
-    shard of ~550K elements, which the two nodes exchange whole)."""
-    results = run_ranks(_hierarchical_pieced, 4, 1_100_003, 256)
-    for res in results:
+    shard of ~550K elements, which the two nodes exchange whole). fp8's sums
+    are the reference's bit for bit: exact node sums, then each local
+    index's shard of them exchanged across the two nodes (encoded once, the
+    decoded messages summed in node order), residuals carried."""
+    n, chunk = 1_100_003, 256
+    results = run_ranks(_hierarchical_pieced, 4, n, chunk)
+    for res in (r["out"] for r in results):
         _assert_same_as_one_piece(res)
         for wire in ("onebit", "fp8"):  # each piece adds one exchange (one peer across: a send and a receive)
             assert res[(3, wire)][4] - res[(1, wire)][4] == 2 * 2 * 2, res[(3, wire)][4]
             assert res[(0, wire)][4] - res[(1, wire)][4] == 3 * 2 * 2
     for r in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(r[(0, "onebit")][0], results[0][(0, "onebit")][0]))
+        assert all(torch.equal(a, b) for a, b in zip(r["out"][(0, "onebit")][0], results[0]["out"][(0, "onebit")][0]))
+    half = n // 2  # the two local indices' shards: [0, n / 2) and [n / 2, n)
+    wres = {(li, nd): None for li in range(2) for nd in range(2)}
+    for step in range(2):
+        node_sums = [results[2 * nd]["xs"][step] + results[2 * nd + 1]["xs"][step] for nd in range(2)]
+        want = torch.zeros(n)
+        for li, (a, b) in enumerate(((0, half), (half, n))):
+            prev = [wres[(li, nd)] if wres[(li, nd)] is not None else torch.zeros(b - a) for nd in range(2)]
+            out, new_w, _, _ = ref.two_phase_allreduce([s[a:b] for s in node_sums], prev, [None, None], [1.0, 1.0],
+                                                       chunk, encode=ref.fp8_encode)
+            want[a:b] = out
+            for nd in range(2):
+                wres[(li, nd)] = new_w[nd]
+        for r in results:
+            assert torch.equal(r["out"][(0, "fp8")][0][step], want), step
+    for rank, r in enumerate(results):  # this rank's worker residual: its node's, for its local index's shard
+        assert torch.equal(r["out"][(0, "fp8")][1], wres[(rank % 2, rank // 2)])
