@@ -390,9 +390,42 @@ def _owed(state, param: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return owed.view(param.shape).to(param.device)
 
 
-def _compressed_from_step_zero(rank, world, mode, adopt, device):
+def _add_up_steps(ddp, local, rank, world, steps, delivered, exact):
+    """``steps`` of the same weights (no optimizer): the hook's reduced
+    gradients added to ``delivered``, the exact mean gradients to ``exact``."""
     import torch.distributed as dist
 
+    dev = next(local.parameters()).device
+    for step in steps:
+        x, y = (t.to(dev) for t in models.batch(rank, step, 16))
+        ddp.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        local.zero_grad()
+        torch.nn.functional.cross_entropy(local(x), y).backward()
+        for d, e, p, q in zip(delivered, exact, ddp.module.parameters(), local.parameters()):
+            d += p.grad
+            g = q.grad.clone()
+            dist.all_reduce(g)
+            e += g / world
+
+
+def _books_gap(state, params, delivered, exact, rank, world, owed_before=None) -> float:
+    """Error feedback's books over the ranks: the largest |delivered + owed
+    (less ``owed_before``, what was owed at the start) - exact| relative to
+    the largest exact value, over ``params``."""
+    import torch.distributed as dist
+
+    gaps = []
+    for i, (d, e, p) in enumerate(zip(delivered, exact, params)):
+        owed = _owed(state, p, rank, world)
+        if owed_before is not None:
+            owed -= owed_before[i]
+        dist.all_reduce(owed)
+        gaps.append(((d + owed - e).abs().max() / e.abs().max()).item())
+    return max(gaps)
+
+
+def _compressed_from_step_zero(rank, world, mode, adopt, device):
     dev = models.rank_device(rank, device)
     model = models.mlp()
     local = models.mlp().to(dev)  # the same weights, reduced exactly by hand: the reference
@@ -405,24 +438,10 @@ def _compressed_from_step_zero(rank, world, mode, adopt, device):
     exact = [torch.zeros_like(p) for p in model.parameters()]
     layouts, wires = [], []
     for step in range(4):  # no optimizer: the weights stay, only the data changes
-        x, y = (t.to(dev) for t in models.batch(rank, step, 16))
-        ddp.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        local.zero_grad()
-        torch.nn.functional.cross_entropy(local(x), y).backward()
-        for d, e, p, q in zip(delivered, exact, model.parameters(), local.parameters()):
-            d += p.grad
-            g = q.grad.clone()
-            dist.all_reduce(g)
-            e += g / world
+        _add_up_steps(ddp, local, rank, world, [step], delivered, exact)
         layouts.append(list(state._buckets.step_layout))
         wires.append(sorted({p.mode for p in state.last_plans.values()}))
-    gaps = []
-    for d, e, p in zip(delivered, exact, model.parameters()):
-        owed = _owed(state, p, rank, world)
-        dist.all_reduce(owed)
-        gaps.append(((d + owed - e).abs().max() / e.abs().max()).item())
-    return layouts, wires, max(gaps)
+    return layouts, wires, _books_gap(state, list(model.parameters()), delivered, exact, rank, world)
 
 
 @pytest.mark.parametrize("mode", ["lowrank", "topk", "onebit"])
@@ -439,30 +458,10 @@ def test_compressed_from_the_first_step_nothing_owed_is_lost_to_ddps_rebuild(pla
     assert place.run(_compressed_from_step_zero, 2, mode, False, place.device)[0][2] > 1e-2
 
 
-def _add_up_steps(ddp, local, rank, world, steps, delivered, exact):
-    """``steps`` of the same weights (no optimizer): the hook's reduced
-    gradients added to ``delivered``, the exact mean gradients to ``exact``."""
-    import torch.distributed as dist
-
-    for step in steps:
-        x, y = models.batch(rank, step, 16)
-        ddp.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        local.zero_grad()
-        torch.nn.functional.cross_entropy(local(x), y).backward()
-        for d, e, p, q in zip(delivered, exact, ddp.module.parameters(), local.parameters()):
-            d += p.grad
-            g = q.grad.clone()
-            dist.all_reduce(g)
-            e += g / world
-
-
 def _saved_server_residual(rank, world):
     """A state saved where two ranks still kept onebit's server residuals
     (the two phases), resumed where they exchange whole messages: what those
     residuals held back must reach the sum (through the bucket's carry)."""
-    import torch.distributed as dist
-
     model, local = models.mlp(), models.mlp()
     ddp = models.ddp(model, rank, bucket_cap_mb=0.01)
     state = hetcomm.HookState("onebit", min_compress_numel=0)
@@ -485,12 +484,8 @@ def _saved_server_residual(rank, world):
     ddp2.register_comm_hook(resumed, hetcomm.hook)
     delivered, exact = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
     _add_up_steps(ddp2, local, rank, world, range(3, 6), delivered, exact)
-    gaps = []
-    for d, e, p, before in zip(delivered, exact, params, owed_before):
-        owed = _owed(resumed, p, rank, world) - before  # owed at the end, less what was owed at the save
-        dist.all_reduce(owed)
-        gaps.append(((d + owed - e).abs().max() / e.abs().max()).item())
-    return {"gap": max(gaps), "left": len(resumed._buckets.server_residuals), "injected": injected,
+    gap = _books_gap(resumed, params, delivered, exact, rank, world, owed_before)  # less what was owed at the save
+    return {"gap": gap, "left": len(resumed._buckets.server_residuals), "injected": injected,
             "scale": max(e.abs().max().item() for e in exact)}
 
 

@@ -20,6 +20,10 @@ int64_t segment_stride(int64_t n, int world) {
   return std::max<int64_t>(32, (per + 31) / 32 * 32);
 }
 
+// One or two ranks exchange whole messages once instead of the two phases
+// (two ranks: the phases' bytes in one round, nothing encoded twice).
+bool one_exchange(int world) { return world <= 2; }
+
 int64_t segment_len(int64_t n, int64_t seg, int r) {
   const int64_t begin = std::min<int64_t>(n, r * seg);
   return std::min<int64_t>(n, begin + seg) - begin;
@@ -136,7 +140,7 @@ int64_t onebit_segment_offset(int64_t n, int world, int rank) {
 
 int64_t server_residual_numel(int64_t n, int world, int rank) {
   const int64_t len = onebit_segment_numel(n, world, rank);  // checks the arguments
-  return world <= 2 ? 0 : len;
+  return one_exchange(world) ? 0 : len;
 }
 
 namespace {
@@ -168,11 +172,11 @@ int64_t piece_stride(int64_t seg, int64_t unit, int64_t pieces, bool overlaps) {
 // Pieces as in the two phases: piece p is elements [p * ps, (p + 1) * ps) of
 // x, on the wire while piece p + 1 is encoded.
 void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                        CodecTimer& timer, const SegmentCodec& codec, int64_t pieces, const at::Tensor& m,
-                        const MomentumFold* fold) {
+                        CodecTimer& timer, const SegmentCodec& codec, int64_t pieces, const MomentumFold* fold) {
   const int w = t.size();
   const int64_t n = x.numel();
   if (n == 0) return;  // every rank's bucket has x's size
+  const at::Tensor m = fold != nullptr ? fold->m.view({-1}) : at::Tensor();  // checked by the caller
   const int64_t ps = piece_stride(n, chunk * codec.scales_per_int(), pieces, t.overlaps());
   const int np = static_cast<int>(std::max<int64_t>(1, (n + ps - 1) / ps));
   auto piece_len = [&](int p) { return std::clamp<int64_t>(n - p * ps, 0, ps); };
@@ -230,8 +234,7 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   TORCH_CHECK_VALUE(!worker_residual.defined() || worker_residual.numel() == n,
                     "hetcomm: worker residual must have the bucket's ", n, " elements, got ", worker_residual.numel());
   const int64_t seg = segment_stride(n, w);
-  const int64_t my_len = segment_len(n, seg, me);
-  const int64_t server_len = w <= 2 ? 0 : my_len;
+  const int64_t server_len = server_residual_numel(n, w, me);
   TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == server_len,
                     "hetcomm: server residual must have ", server_len, " elements (server_residual_numel; none on ",
                     "two ranks, which exchange whole messages and re-encode no sum), got ", server_residual.numel());
@@ -241,8 +244,8 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
     ops::check_momentum(x, fold->m, "momentum", fold->add_alpha, fold->beta);
     m = fold->m.view({-1});
   }
-  if (w <= 2) {
-    allreduce_exchange(t, x, divisor, chunk, worker_residual, timer, codec, pieces, m, fold);
+  if (one_exchange(w)) {
+    allreduce_exchange(t, x, divisor, chunk, worker_residual, timer, codec, pieces, fold);
     return;
   }
   const int64_t ps = piece_stride(seg, chunk * codec.scales_per_int(), pieces, t.overlaps());
