@@ -1,9 +1,9 @@
 """The one launcher of hetcomm's demo, benchmarks and tests.
 
-:func:`spawn_ranks` runs a function in local ranks (spawned processes,
-FileStore rendezvous, gloo on the loopback interface or NCCL with a GPU per
-rank): a rank that raises or dies fails the run at once (the others are
-killed), nothing waits longer than ``timeout``, and every CPU-quota cgroup it
+:func:`spawn_ranks` runs a function in local ranks (processes forked by
+multiprocessing's fork server, FileStore rendezvous, gloo on the loopback
+interface or NCCL with a GPU per rank): a rank that raises or dies fails the
+run at once (the others are killed), nothing waits longer than ``timeout``, and every CPU-quota cgroup it
 made (:class:`hetcomm.testbed.CpuQuota`) is removed. :func:`run_distributed`
 joins the job instead when it runs under torchrun or ``hetcomm testbed``.
 torch.distributed does the rendezvous and the sockets; this only starts and
@@ -29,7 +29,30 @@ import torch.multiprocessing as mp
 from .testbed import CpuQuota
 
 
-def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo"):
+# What the fork server imports once, before it forks any rank (see _context).
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "hetcomm"]
+
+
+def _context():
+    """Ranks fork from multiprocessing's fork server, which imported torch,
+    torch._dynamo (DDP's constructor imports it) and hetcomm once: a spawned
+    rank imports them anew, 7-8 s of CPU each on a slow 2-core machine. The
+    server forks before any rank's threads, CUDA or process group exist, so a
+    rank starts as clean as a spawned one. Its environment is the server's,
+    from the server's start: :func:`_entry` replaces it with the caller's of
+    the moment, which reaches everything read at run time (hetcomm's
+    variables, gloo's, CUDA's); what a library read when it loaded (OpenMP's
+    thread count) stays the server's, and each rank sets torch's threads to 1."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo", env=None):
+    if env is not None:  # the caller's environment as it is now, not the fork server's from its start
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
@@ -86,7 +109,7 @@ def _failure(tmp: str, rank: int, code: Optional[int]) -> Optional[str]:
 
 def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_timeout: float = 60.0,
                 check: bool = True, rank_cpu: Optional[Sequence[float]] = None, backend: str = "gloo") -> List:
-    """Runs ``fn(rank, world, *args)`` in ``world`` spawned ranks (FileStore
+    """Runs ``fn(rank, world, *args)`` in ``world`` local ranks (FileStore
     rendezvous; gloo, or ``backend="nccl"`` with rank r on GPU r) and returns
     each rank's result. ``rank_cpu`` confines rank r to ``rank_cpu[r]`` cores.
     With ``check=False`` a failed rank's result is None."""
@@ -94,7 +117,7 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if rank_cpu is not None and len(rank_cpu) != world:
         raise ValueError(f"rank_cpu must give one quota per rank ({world}), got {list(rank_cpu)}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     quotas: List[CpuQuota] = []
     try:
         for r, c in enumerate(rank_cpu or []):  # inside the try: a failed quota removes the ones made before it
@@ -102,7 +125,7 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
         with tempfile.TemporaryDirectory() as tmp:
             procs = [ctx.Process(target=_entry, daemon=True,
                                  args=(fn, r, world, tmp, pg_timeout, quotas[r].path if quotas else None, args,
-                                       backend))
+                                       backend, dict(os.environ)))
                      for r in range(world)]
             for p in procs:
                 p.start()

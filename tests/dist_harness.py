@@ -1,5 +1,6 @@
-"""The multi-process harness of the tests: hetcomm.launch.spawn_ranks (spawn,
-FileStore rendezvous, gloo on 127.0.0.1; a failed or hung rank fails the test)."""
+"""The multi-process harness of the tests: hetcomm.launch.spawn_ranks (ranks
+forked from a fork server that imported torch once, FileStore rendezvous,
+gloo on 127.0.0.1; a failed or hung rank fails the test)."""
 
 from hetcomm.launch import spawn_ranks as run_ranks  # noqa: F401
 

@@ -1,8 +1,14 @@
-"""The testbed's CPU quotas make ranks really run at different speeds, and leave nothing behind."""
+"""The launcher: its ranks see the caller's environment, fail fast and name
+what killed them; the testbed's CPU quotas make ranks really run at
+different speeds, and leave nothing behind."""
 
 import glob
+import json
 import os
 import resource
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -65,3 +71,34 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack_and_the_others
     text = str(err.value)
     assert "rank 0: killed by SIGABRT" in text and "_abort_in_c" in text, text
     assert "rank 1:" not in text and "ranks [1] stopped after the failure" in text, text
+
+
+def _environment(rank, world):
+    return dict(os.environ)
+
+
+def test_a_rank_sees_the_callers_environment_as_it_is_at_the_call_not_the_fork_servers():
+    # A fresh interpreter, so that the fork server starts inside it with HETCOMM_TEST_GONE set; then the caller
+    # drops that variable and sets another: the next ranks (forked by the same server) see the change.
+    code = textwrap.dedent("""
+        import os, json
+        from hetcomm import launch
+        from tests.test_testbed import _environment
+        os.environ["HETCOMM_TEST_GONE"] = "1"
+        first = launch.spawn_ranks(_environment, 2)
+        del os.environ["HETCOMM_TEST_GONE"]
+        os.environ["HETCOMM_TEST_NEW"] = "2"
+        second = launch.spawn_ranks(_environment, 2)
+        print(json.dumps({"first": first, "second": second, "caller": dict(os.environ)}))
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(env["HETCOMM_TEST_GONE"] == "1" and "HETCOMM_TEST_NEW" not in env for env in got["first"])
+    for env in got["second"]:
+        assert "HETCOMM_TEST_GONE" not in env and env["HETCOMM_TEST_NEW"] == "2"
+        # the caller's environment exactly, but for the two defaults every rank sets for itself
+        extra = {k: env[k] for k in set(env) - set(got["caller"])}
+        assert set(extra) <= {"OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"}, extra
+        assert {k: v for k, v in env.items() if k not in extra} == got["caller"]
