@@ -3,11 +3,11 @@
 :func:`spawn_ranks` runs a function in local ranks (processes forked by
 multiprocessing's fork server, FileStore rendezvous, gloo on the loopback
 interface or NCCL with a GPU per rank): a rank that raises or dies fails the
-run at once (the others are killed), nothing waits longer than ``timeout``, and every CPU-quota cgroup it
-made (:class:`hetcomm.testbed.CpuQuota`) is removed. :func:`run_distributed`
-joins the job instead when it runs under torchrun or ``hetcomm testbed``.
-torch.distributed does the rendezvous and the sockets; this only starts and
-watches processes.
+run at once (the others are killed), nothing waits longer than ``timeout``,
+and every CPU-quota cgroup it made (:class:`hetcomm.testbed.CpuQuota`) is
+removed. :func:`run_distributed` joins the job instead when it runs under
+torchrun or ``hetcomm testbed``. torch.distributed does the rendezvous and the
+sockets; this only starts and watches processes.
 """
 
 from __future__ import annotations
@@ -48,11 +48,9 @@ def _context():
     return ctx
 
 
-def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend="gloo", env=None):
-    if env is not None:  # the caller's environment as it is now, not the fork server's from its start
-        for key in set(os.environ) - set(env):
-            del os.environ[key]
-        os.environ.update(env)
+def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend, env):
+    os.environ.clear()  # the caller's environment as it is now, not the fork server's from its start
+    os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
