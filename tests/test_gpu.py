@@ -75,13 +75,13 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
     assert torch.equal(x_gpu.cpu(), x_cpu) and torch.equal(m_gpu.cpu(), m_cpu)
 
 
-SHARED_WORLD = 4  # gloo ranks on the one GPU: two "nodes" of two for the hierarchical algorithm
 WIRES = ("none", "fp16", "bf16", "fp8", "onebit", "topk")
 
 
 def _wires_on(device, rank, world):
     """Two calls of every algorithm x wire `hetcomm bench allreduce` runs (error
-    feedback carried from the first into the second) on this rank's seeded input."""
+    feedback carried from the first into the second) on this rank's seeded input,
+    the ranks split into two "nodes" for the hierarchical algorithm."""
     import torch.distributed as dist
 
     topo = topology.Topology(world=world, nodes=[f"node{r * 2 // world}" for r in range(world)],
@@ -110,12 +110,17 @@ def _wires_cpu_and_shared_gpu(rank, world):
 
 
 @pytest.mark.cuda
-def test_every_algorithm_and_wire_on_a_shared_gpu_equals_the_cpu_bit_for_bit():
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_algorithm_and_wire_on_a_shared_gpu_equals_the_cpu_bit_for_bit(world):
     """CUDA tensors through the process-group transport (gloo: host copies) and
-    the CUDA codecs give the very bits the CPU path gives, on every rank."""
-    results = run_ranks(_wires_cpu_and_shared_gpu, SHARED_WORLD)
+    the CUDA codecs give the very bits the CPU path gives, on every rank: with
+    4 ranks (two "nodes" of two), and with 2, where the dense wires sum in one
+    exchange of the whole vector and fp8 / onebit exchange whole compressed
+    messages once."""
+    results = run_ranks(_wires_cpu_and_shared_gpu, world)
     keys = results[0]["cpu"].keys()
-    assert len(keys) == 5 * 3 + 2 * 3  # every algorithm x dense wire, fp8/onebit/topk native and hierarchical
+    if world == 4:  # every algorithm x dense wire, fp8/onebit/topk native and hierarchical
+        assert len(keys) == 5 * 3 + 2 * 3
     for rank, r in enumerate(results):
         for key in keys:
             for i, (c, g) in enumerate(zip(r["cpu"][key], r["cuda"][key])):
@@ -123,7 +128,7 @@ def test_every_algorithm_and_wire_on_a_shared_gpu_equals_the_cpu_bit_for_bit():
             # the reduced values (not the residuals) are the same on every rank
             for i in range(2):
                 assert torch.equal(r["cuda"][key][i], results[0]["cuda"][key][i]), (rank, key, i)
-    exact = sum(torch.randn(5003, generator=torch.Generator().manual_seed(r)) * 3 for r in range(SHARED_WORLD))
+    exact = sum(torch.randn(5003, generator=torch.Generator().manual_seed(r)) * 3 for r in range(world))
     assert torch.allclose(results[0]["cuda"]["ring/none"][0], exact, rtol=1e-5, atol=1e-4)
 
 
@@ -191,6 +196,27 @@ def test_bf16_and_fp16_ranks_on_a_shared_gpu_stay_identical_and_skip_together():
         for r in (r0, r1):
             first, last = sum(r[mode]["losses"][:5]) / 5, sum(r[mode]["losses"][-5:]) / 5
             assert last < 0.7 * first, (mode, first, last)
+
+
+def _cuda_at_a_ranks_start(rank, world):
+    """What a rank forked from the launcher's fork server finds: torch's CUDA
+    not initialised (torch refuses CUDA in a child forked after that), then a
+    CUDA all-reduce over gloo that works (a driver initialised in the server
+    would fail it with CUDA's initialization error)."""
+    import torch.distributed as dist
+
+    was_initialized = torch.cuda.is_initialized()
+    x = torch.full((4,), float(rank + 1), device="cuda")
+    dist.all_reduce(x)
+    return was_initialized, x.cpu()
+
+
+@pytest.mark.cuda
+def test_a_rank_forked_from_the_fork_server_starts_without_cuda_and_can_use_it():
+    world = 2
+    for rank, (was_initialized, x) in enumerate(run_ranks(_cuda_at_a_ranks_start, world)):
+        assert not was_initialized, rank
+        assert torch.equal(x, torch.full((4,), world * (world + 1) / 2)), rank
 
 
 def _gpus(k):
