@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--out", required=True, help="folder for the checkpoint and the result")
     p.add_argument("--resume", action="store_true", help="continue from <out>/last.ckpt")
+    p.add_argument("--devices", type=int, default=2, help="CPU processes (a resumed fit may change it)")
     p.add_argument("--warmup-compression", choices=("none", "fp8"),
                    help="the warm-up's wire (attach_optimizer's warmup_compression; default: its default, fp8 "
                         "since the strategy passes the fit's length)")
@@ -64,7 +65,7 @@ def main() -> None:
     strategy = HetcommDDPStrategy(args.compression, process_group_backend="gloo",  # None: attach_optimizer's default
                                   attach_optimizer=False if args.no_attach else
                                   {"warmup_compression": args.warmup_compression})
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs,
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.out, gradient_clip_val=args.clip)
     model = Digits(args.lr, args.cosine)

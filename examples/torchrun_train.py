@@ -6,7 +6,8 @@
 Trains an MLP on scikit-learn's digits with SGD (momentum 0.9) and onebit
 compression of the momentum; saves model, optimizer and each rank's hetcomm
 state every --save-every steps; --resume continues from the last checkpoint
-exactly as if the run had never stopped. Rank 0 prints a JSON line at the end.
+exactly as if the run had never stopped (on another number of ranks: from the
+saved step, error feedback afresh). Rank 0 prints a JSON line at the end.
 """
 
 import argparse
@@ -47,10 +48,12 @@ def main() -> None:
     path = os.path.join(args.ckpt, f"rank{rank}.pt")  # every rank its own file: residuals are per rank
     start = 0
     if args.resume:
-        ck = torch.load(path, weights_only=False)
+        # resumed on more ranks (torchrun --nnodes MIN:MAX), a rank the saving run lacked takes rank 0's file;
+        # strict=False: on another world size the step count goes on and each rank's error feedback starts afresh
+        ck = torch.load(path if os.path.exists(path) else os.path.join(args.ckpt, "rank0.pt"), weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        state.load_state_dict(ck["hetcomm"])
+        state.load_state_dict(ck["hetcomm"], strict=False)
         start = ck["step"]
     for step in range(start, args.steps):
         g = torch.Generator().manual_seed(step * world + rank)  # this rank's batch of this step

@@ -18,6 +18,9 @@ from .hooks import BucketSteps
 from .negotiation import Negotiation
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
+# What a state saved on another rank or world loads in place of each rank's own (load_state_dict(strict=False)).
+_PER_RANK_FRESH = {"bucket_layout": [], "residuals": {}, "server_residuals": {}, "lowrank_q": {}, "momentum": {},
+                   "carry": {}, "plans": {}, "auto": {}}
 log = logging.getLogger("hetcomm")
 
 
@@ -322,19 +325,39 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             "momentum_beta": self._beta,
         }
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+    def load_state_dict(self, sd: Dict[str, Any], strict: bool = True) -> None:
         """Restore what :meth:`state_dict` saved on this rank. A state saved
         at or after its ``start_iter`` keeps that ``start_iter`` (see
         :meth:`attach_optimizer`): compression goes on where it was, whatever
-        warm-up this state was constructed or attached with."""
+        warm-up this state was constructed or attached with.
+
+        ``strict=False`` also takes a state saved by another rank or another
+        world size (an elastic restart on more or fewer nodes, each new rank
+        loading some old rank's file): it restores what the ranks share (the
+        step count and ``start_iter``, so a warm-up is not run again; the
+        learning rates the error feedback follows; the momentum's beta; the
+        clipping sketch) and starts what each rank keeps afresh, as a new
+        state would (error feedback, compressed momenta, lowrank's Q, the
+        bucket layout, auto's decisions, measured again on the new topology).
+        The ``hetcomm`` logger warns. For the same rank and world it is the
+        strict load."""
         if not isinstance(sd, dict) or sd.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"state_dict is not a hetcomm HookState state (version {_STATE_DICT_VERSION})")
         if sd["compression"] != self.compression:
             raise ValueError(f"state_dict compression {sd['compression']!r} != this state's {self.compression!r}")
-        if sd["rank"] != self._rank() or sd["world_size"] != self._world():
+        same_place = sd["rank"] == self._rank() and sd["world_size"] == self._world()
+        if not same_place and strict:
             raise ValueError(
                 f"state_dict was saved by rank {sd['rank']} of {sd['world_size']}, this is rank {self._rank()} of "
-                f"{self._world()}: load each rank's own state")
+                f"{self._world()}: load each rank's own state, or after a change of world size (an elastic "
+                "restart) load_state_dict(sd, strict=False): the step count and warm-up carry on, error feedback "
+                "starts afresh")
+        if not same_place:
+            log.warning("hetcomm: state saved by rank %d of %d loaded on rank %d of %d (strict=False): step %d and "
+                        "start_iter kept; error feedback, compressed momenta, lowrank's Q and auto's decisions "
+                        "start afresh", sd["rank"], sd["world_size"], self._rank(), self._world(), int(sd["iter"]))
+            sd = {**sd, **_PER_RANK_FRESH, "param_shapes": sd.get("param_shapes", []),
+                  "resolved_compression": None}
         self._drain()
         self.iter = int(sd["iter"])
         saved_start = sd.get("start_iter")  # (None from a state saved before it was kept)

@@ -580,6 +580,61 @@ def test_resume_without_the_residuals_differs(resumed_runs):
     assert not torch.equal(zeroed, straight["params"])
 
 
+def _elastic_span(rank, world, ckpt_dir, start, stop, strict, save=False):
+    """onebit of the momentum with a warm-up (total_steps=60: steps 2-11 fp8);
+    saved at ``start`` by a job of another size, each rank loading old rank
+    ``rank % 2``'s file. Returns the error of a strict load, the state right
+    after the load, each step's wires and the final parameters."""
+    model, ddp_kwargs = _model("small")
+    ddp = DDP(model, **ddp_kwargs)
+    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state.attach_optimizer(opt, total_steps=60)
+    out = {"error": None, "loaded": None}
+    if start > 0:
+        ck = torch.load(os.path.join(ckpt_dir, f"rank{rank % 2}.pt"), weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        try:
+            state.load_state_dict(ck["hetcomm"], strict=strict)
+        except ValueError as e:
+            out["error"] = str(e)
+            return out
+        b = state._buckets
+        out["loaded"] = {"iter": state.iter, "start_iter": state.start_iter,
+                         "per_rank": len(b.residuals) + len(b.momentum) + len(b.server_residuals) + len(b.carry)}
+    wires = []
+    for step in range(start, stop):
+        models.train_step(ddp, opt, rank, step, 16)
+        wires.append(sorted({p.mode for p in state.last_plans.values()}))
+    if save:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()},
+                   os.path.join(ckpt_dir, f"rank{rank}.pt"))
+    out.update(wires=wires, params=models.flat_params(model), iter=state.iter)
+    return out
+
+
+def test_a_state_saved_by_another_world_size_loads_with_strict_false_past_its_warm_up(tmp_path):
+    """An elastic restart from 2 ranks to 3 at step 14 of a run whose first
+    fifth (12 steps) is a warm-up: the strict load is an error naming
+    strict=False; with it the run goes on from step 14 compressed (not a
+    second warm-up), per-rank state fresh, replicas identical."""
+    saved = run_ranks(_elastic_span, 2, str(tmp_path), 0, 14, True, True)
+    assert saved[0]["wires"][12:] == [["onebit"]] * 2 and saved[0]["wires"][2] == ["fp8"], saved[0]["wires"]
+    strict = run_ranks(_elastic_span, 3, str(tmp_path), 14, 20, True)
+    for r in strict:
+        assert "strict=False" in r["error"] and "rank" in r["error"], r["error"]
+    runs = run_ranks(_elastic_span, 3, str(tmp_path), 14, 20, False)
+    for r in runs:
+        assert r["loaded"] == {"iter": 14, "start_iter": 12, "per_rank": 0}, r["loaded"]
+        assert r["wires"] == [["onebit"]] * 6, r["wires"]
+        assert torch.isfinite(r["params"]).all() and torch.equal(r["params"], runs[0]["params"])
+    # without the load the same span would warm up again: its first steps are not onebit
+    fresh = run_ranks(_elastic_span, 3, str(tmp_path), 0, 3, False)
+    assert fresh[0]["wires"] != [["onebit"]] * 3, fresh[0]["wires"]
+
+
 def _mismatch(rank, world, case):
     model = models.mlp()
     ddp = DDP(model)

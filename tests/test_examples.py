@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -106,6 +107,14 @@ def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     m = grad["global_step"]
     assert grad["replicas_identical"] and grad["hook_steps"] == m and grad["start_iter"] == 1  # the default
     assert grad["followed_lrs"] == [pytest.approx(0.025 * (1 + math.cos(math.pi * (m - 1) / m)), rel=1e-9)]
+    # resumed on 3 processes from the 2-process checkpoint (rank 2 takes rank 0's file): the count and the warm-up
+    # carry on (the fit's length moved, its start_iter stays), each rank's error feedback starts afresh
+    (tmp_path / "three").mkdir()
+    for f in tmp_path.glob("last.ckpt*"):
+        shutil.copy(f, tmp_path / "three" / f.name)
+    three = fit("--epochs", "3", "--resume", "--devices", "3", "--out", str(tmp_path / "three"))
+    assert three["hook_steps"] == three["global_step"] > first["global_step"] and three["replicas_identical"]
+    assert three["start_iter"] == first["start_iter"] and three["accuracy"] > 0.85
     resumed = fit("--epochs", "3", "--resume")
     # The restored state continues the count (iter is saved per rank) and the replicas stay identical.
     assert resumed["global_step"] == first["global_step"] * 3 // 2

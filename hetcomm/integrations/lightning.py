@@ -100,7 +100,7 @@ class HetcommDDPStrategy(DDPStrategy):
         self.hook_state = HookState(self._compression, **self._hook_options)
         self.model.register_comm_hook(self.hook_state, hook)
         if self._pending is not None:
-            self.hook_state.load_state_dict(self._pending)
+            self._load_hook_state(self._pending)
             self._pending = None
 
     def setup(self, trainer) -> None:
@@ -156,13 +156,20 @@ class HetcommDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         path = _rank_file(str(checkpoint_path), self.global_rank)
+        if not os.path.exists(path):  # a rank the saving fit did not have (resumed on more devices): rank 0's
+            path = _rank_file(str(checkpoint_path), 0)
         if os.path.exists(path):
             state = torch.load(path, map_location="cpu", weights_only=False)
             if self.hook_state is not None:
-                self.hook_state.load_state_dict(state)
+                self._load_hook_state(state)
             else:
                 self._pending = state
         return checkpoint
+
+    def _load_hook_state(self, state: Dict[str, Any]) -> None:
+        # strict=False: resumed on as many devices, the rank's own state to the bit; on another number (Lightning
+        # resumes a DDP fit so), the step count and warm-up carry on and each rank's error feedback starts afresh
+        self.hook_state.load_state_dict(state, strict=False)
 
     def remove_checkpoint(self, filepath) -> None:
         super().remove_checkpoint(filepath)
