@@ -356,8 +356,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             log.warning("hetcomm: state saved by rank %d of %d loaded on rank %d of %d (strict=False): step %d and "
                         "start_iter kept; error feedback, compressed momenta, lowrank's Q and auto's decisions "
                         "start afresh", sd["rank"], sd["world_size"], self._rank(), self._world(), int(sd["iter"]))
-            sd = {**sd, **_PER_RANK_FRESH, "param_shapes": sd.get("param_shapes", []),
-                  "resolved_compression": None}
+            sd = {**sd, **_PER_RANK_FRESH, "resolved_compression": None}  # param_shapes kept: the model's check
         self._drain()
         self.iter = int(sd["iter"])
         saved_start = sd.get("start_iter")  # (None from a state saved before it was kept)
