@@ -15,6 +15,7 @@ from . import buckets, clip, options, plan
 from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
 from .attach import OptimizerLink
 from .hooks import BucketSteps
+from .lowrank_share import LowrankShare
 from .negotiation import Negotiation
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
@@ -234,6 +235,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self._scaler: Optional[Any] = None  # a weak reference to this rank's hetcomm.amp.GradScaler
         self._loss_scale = 1.0  # the scale the engine divides this rank's buckets by
         self._sketch = clip.NormSketch()  # clip_grad_norm_'s estimate of the reduced gradient's norm
+        self._lowrank_share = LowrankShare()  # whether lowrank's rank carries the gradient (read now and then)
         self._steps_done = 0  # steps reduced by this state object (iter, unlike it, is restored by load_state_dict)
         #: This rank's compute precision (its hetcomm.amp.GradScaler's), None without one.
         self.precision: Optional[str] = None
@@ -385,7 +387,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         ``buckets``, ``collectives`` (the collective calls made: an all-reduce
         or a point-to-point step, one each; every one waits for the ranks it
         joins); plus ``iter`` and the ``compression`` in use; ``join_steps``
-        once this rank has shadowed steps inside DDP's join (its inputs ran out)."""
+        once this rank has shadowed steps inside DDP's join (its inputs ran out);
+        ``lowrank_share`` once lowrank measured how much of this rank's gradient
+        its rank carries (:mod:`hetcomm.lowrank_share`: steps 100, 200, 400, ...)."""
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:
             out.update(self._engine.stats())
@@ -394,6 +398,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
                         for k, p in self.last_plans.items()}
         if self._join_steps:
             out["join_steps"] = self._join_steps
+        if self._lowrank_share.last is not None:
+            out["lowrank_share"] = dict(self._lowrank_share.last)
         if self._sketch.calls:
             out["clip"] = {"calls": self._sketch.calls, "estimated_steps": self._sketch.estimated_steps}
         if self.compression == "auto":

@@ -368,3 +368,103 @@ def test_a_parked_lowrank_bucket_ends_its_step_before_any_other_job_and_at_close
     want, _, _ = _reference_step([x for x, _ in results], [2.0, 2.0], [torch.zeros(N)] * 2, _initial_qs(LAYOUT), LAYOUT)
     for _, buf in results:
         torch.testing.assert_close(buf, want, rtol=1e-4, atol=1e-5)
+
+
+def _planted(rows, cols, spectrum, seed):
+    """A rows x cols matrix with the given singular values (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(rows, len(spectrum), generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(cols, len(spectrum), generator=g, dtype=torch.float64))[0]
+    return (u * torch.tensor(spectrum, dtype=torch.float64)) @ v.t()
+
+
+def test_top_share_is_the_energy_in_the_top_singular_values_and_leaves_the_callers_random_stream(device):
+    from hetcomm import lowrank_share
+
+    spectrum = [10.0 * 0.7 ** i for i in range(40)]
+    want = {r: sum(s * s for s in spectrum[:r]) / sum(s * s for s in spectrum) for r in (1, 4, 16)}
+    gen = torch.Generator().manual_seed(1)
+    rng = torch.get_rng_state()
+    for rows, cols in ((100, 60), (600, 300)):  # exact singular values; the randomized range finder
+        g = _planted(rows, cols, spectrum, rows).float().to(device)
+        for r, share in want.items():
+            num, den = lowrank_share.top_share(g, r, gen)
+            exact = min(rows, cols) <= lowrank_share.EXACT_UP_TO
+            assert num / den == pytest.approx(share, abs=1e-6 if exact else 2e-3), (rows, r)
+            assert num / den <= share + 1e-6  # an estimate from below
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [s for s in range(1000) if lowrank_share.LowrankShare.due(s)] == [100, 200, 400, 800]
+
+
+def test_a_reading_stops_at_its_budget_and_skips_a_non_finite_step(monkeypatch):
+    from hetcomm import lowrank_share
+
+    low, high = _planted(30, 20, [1.0] * 20, 1).float(), _planted(40, 20, [5.0, 1.0, 0.5], 2).float()
+    buf = torch.cat([low.reshape(-1), high.reshape(-1)])
+    layout = torch.tensor([[0, 30, 20, 2], [600, 40, 20, 2]])
+    monkeypatch.setattr(lowrank_share, "BUDGET", 600)  # the first matrix only
+    reading = lowrank_share.LowrankShare()
+    reading.add(buf, layout)
+    reading.end_step(100, 2, 0)
+    assert reading.last["share"] == pytest.approx(2 / 20, abs=1e-6)  # a flat spectrum: 2 of 20 equal values
+    monkeypatch.setattr(lowrank_share, "BUDGET", 1400)  # both
+    bad = buf.clone()
+    bad[5] = float("inf")
+    reading.add(bad, layout)
+    reading.end_step(200, 2, 0)  # an overflow step: no reading, the last one stays
+    assert reading.last["step"] == 100
+    reading.add(buf, layout)
+    reading.end_step(400, 2, 0)
+    assert reading.last["share"] == pytest.approx((2 + 26.0) / (20 + 26.25), abs=1e-6)
+    assert reading.warned  # once, at the first reading (0.1)
+
+
+def _share_run(rank, world, batch, steps):
+    """lowrank at rank 1 on a Linear layer: read at steps 4 and 8 (FIRST=4);
+    the reference is the top-1 share of a replica's local gradient at step 8."""
+    import copy
+    import logging
+
+    from hetcomm import lowrank_share
+
+    lowrank_share.FIRST = 4
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hetcomm").addHandler(handler)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(48, 40)
+    ddp = DDP(model)
+    state = hetcomm.HookState("lowrank", matrix_approximation_rank=1, min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    reference = None
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(batch, 48, generator=g), torch.randn(batch, 40, generator=g)
+        if step == 8:
+            replica = copy.deepcopy(model)
+            torch.nn.functional.mse_loss(replica(x), y).backward()
+            s2 = torch.linalg.svdvals(replica.weight.grad.double()).pow(2)
+            reference = float(s2[0] / s2.sum())
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    warnings = [r.getMessage() for r in records if "carries" in r.getMessage()]
+    out = {"share": state.stats().get("lowrank_share"), "reference": reference, "warnings": warnings}
+    state.close()
+    return out
+
+
+def test_lowrank_reads_how_much_of_the_gradient_its_rank_carries_and_warns_once_when_too_little():
+    # one sample a rank: a Linear layer's weight gradient is an outer product, all of it in rank 1
+    for r in run_ranks(_share_run, 2, 1, 10):
+        assert r["share"]["step"] == 8 and r["share"]["rank"] == 1
+        assert r["share"]["share"] == pytest.approx(r["reference"], abs=1e-6) and r["reference"] > 0.999
+        assert r["warnings"] == []
+    # 64 samples of noise: rank 1 carries a small share; rank 0 warns once (steps 4 and 8 both read low)
+    r0, r1 = run_ranks(_share_run, 2, 64, 10)
+    for r in (r0, r1):
+        assert r["share"]["share"] == pytest.approx(r["reference"], abs=1e-6) and r["reference"] < 0.5
+    assert len(r0["warnings"]) == 1 and "matrix_approximation_rank=1" in r0["warnings"][0]
+    assert r1["warnings"] == []
