@@ -94,7 +94,7 @@ class LowrankShare:
             log.warning(
                 "hetcomm: lowrank at matrix_approximation_rank=%d carries %.0f %% of this rank's gradient energy at "
                 "step %d (its top %d singular values, over the compressed matrices). In hetcomm bench train it read "
-                "97-100 %% where lowrank reached fp32's quality, 63-89 %% where it missed, 86-94 %% on a regression "
+                "97-100 %% where lowrank reached fp32's quality, 63-88 %% where it missed, 86-94 %% on a regression "
                 "that reached on 2 ranks and missed on 4: this run may fall short of fp32's quality. Raise "
                 "matrix_approximation_rank (the language model there needs 16 where 4 misses) or use "
                 "compression='fp8' or 'auto'", rank, 100 * share, step, rank)
