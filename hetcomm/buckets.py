@@ -149,8 +149,8 @@ class BucketStates:
         def restore(d):
             return {str(k): t.detach().clone().float().contiguous() for k, t in d.items()}
 
-        self.residuals = restore(sd["residuals"])
-        self.server_residuals = restore(sd["server_residuals"])
+        self.residuals = restore(sd.get("residuals", {}))  # what sd lacks starts afresh
+        self.server_residuals = restore(sd.get("server_residuals", {}))
         self.lowrank_q = restore(sd.get("lowrank_q", {}))
         self.momentum = restore(sd.get("momentum", {}))
         self.carry, self._carry_sent = restore(sd.get("carry", {})), {}

@@ -34,10 +34,10 @@ def top_share(g: torch.Tensor, rank: int, gen: torch.Generator) -> Tuple[float, 
     matrix ``g``; above EXACT_UP_TO in both dimensions a randomized range
     finder (Halko et al.) with a private generator, so the caller's random
     stream is untouched. Its estimate is from below."""
-    total = float(g.double().pow(2).sum())
     if min(g.shape) <= EXACT_UP_TO:
-        s2 = torch.linalg.svdvals(g.double()).pow(2)
-        return float(s2[:rank].sum()), total
+        s2 = torch.linalg.svdvals(g.double()).pow(2)  # their sum is the energy
+        return float(s2[:rank].sum()), float(s2.sum())
+    total = float(g.double().pow(2).sum())
     g = g.float()  # float32 products: a share, not a bit-exact quantity
     k = min(rank + OVERSAMPLE, min(g.shape))
     omega = torch.randn(g.shape[1], k, generator=gen).to(g.device)

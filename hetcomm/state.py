@@ -19,9 +19,6 @@ from .lowrank_share import LowrankShare
 from .negotiation import Negotiation
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
-# What a state saved on another rank or world loads in place of each rank's own (load_state_dict(strict=False)).
-_PER_RANK_FRESH = {"bucket_layout": [], "residuals": {}, "server_residuals": {}, "lowrank_q": {}, "momentum": {},
-                   "carry": {}, "plans": {}, "auto": {}}
 log = logging.getLogger("hetcomm")
 
 
@@ -358,7 +355,6 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             log.warning("hetcomm: state saved by rank %d of %d loaded on rank %d of %d (strict=False): step %d and "
                         "start_iter kept; error feedback, compressed momenta, lowrank's Q and auto's decisions "
                         "start afresh", sd["rank"], sd["world_size"], self._rank(), self._world(), int(sd["iter"]))
-            sd = {**sd, **_PER_RANK_FRESH, "resolved_compression": None}  # param_shapes kept: the model's check
         self._drain()
         self.iter = int(sd["iter"])
         saved_start = sd.get("start_iter")  # (None from a state saved before it was kept)
@@ -367,10 +363,14 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             log.info("hetcomm: resumed at step %d, past the saved start_iter %d: kept (this state's: %d)",
                      self.iter, self._resumed_start, self.start_iter)
             self.start_iter = self._resumed_start
-        if sd.get("resolved_compression") is not None:
-            self.resolved_compression = sd["resolved_compression"]
-        self._buckets.load_state_dict(sd, keyed_elsewhere=bool(sd.get("auto", {}).get("decided")))
-        self._planner.load_state_dict(sd.get("auto", {}))
+        if same_place:
+            if sd.get("resolved_compression") is not None:
+                self.resolved_compression = sd["resolved_compression"]
+            self._buckets.load_state_dict(sd, keyed_elsewhere=bool(sd.get("auto", {}).get("decided")))
+            self._planner.load_state_dict(sd.get("auto", {}))
+        else:  # another rank's state: only its model's shapes (checked at the first step); the rest afresh
+            self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
+            self._planner.load_state_dict({})
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
         # the beta the saved momentum was kept with (a scheduled momentum moves it); attach_optimizer takes it too

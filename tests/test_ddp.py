@@ -611,7 +611,7 @@ def _elastic_span(rank, world, ckpt_dir, start, stop, strict, save=False):
     if save:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()},
                    os.path.join(ckpt_dir, f"rank{rank}.pt"))
-    out.update(wires=wires, params=models.flat_params(model), iter=state.iter)
+    out.update(wires=wires, params=models.flat_params(model))
     return out
 
 
