@@ -1,6 +1,7 @@
 """What `HookState.stats()["lowrank_share"]` reads along `hetcomm bench
 train`'s tasks: lowrank at a given rank, 2 loopback ranks, SGD-momentum at
-fp32's rate, DDP's default buckets, 401 steps (readings at 100, 200, 400).
+fp32's rate, DDP's default buckets, 401 steps (the windows' readings: steps
+40, 120, 220; before 2026-11-28's windows, single readings at 100, 200, 400).
 
     python bench/lowrank_share_runs.py lm:4 lm:16 wide:4 classify:4 regress:4
 """

@@ -338,8 +338,9 @@ class BucketSteps:
         if p.mode == "lowrank":
             layout = layout_of()
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
-            if self._lowrank_share.due(self.iter):  # how much of the gradient the rank can carry, now and then
-                self._lowrank_share.add(buf, layout)
+        if self._lowrank_share.due(self.iter) and (p.mode == "lowrank" or (
+                self._planner.reads_share(numel) and self._compressed_at(self.iter))):
+            self._lowrank_share.add(buf, layout_of())  # how much of the gradient lowrank's rank can carry
         residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,
                                                           world=engine.size, rank=engine.rank, node_of=node_of)
         momentum = None
@@ -387,7 +388,8 @@ class BucketSteps:
                 self.last_bucket_event = (self.iter, event)
             self._step_open = False
             self._planner.end_step(self._compressed_at(self.iter))
-            self._lowrank_share.end_step(self.iter, self.matrix_approximation_rank, engine.rank)
+            self._lowrank_share.end_step(self.iter, self.matrix_approximation_rank, engine.rank,
+                                         warn=self._planner.guard is None)
             self.last_plans, self._step_plans = self._step_plans, {}
             self.iter += 1
             self._steps_done += 1

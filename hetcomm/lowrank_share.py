@@ -4,16 +4,22 @@ then: the share of each matrix's energy (squared Frobenius norm) in its top
 
 Error feedback makes the residual nearly all of what lowrank approximates
 (bench/README "Could auto tell where lowrank is safe?"), so only the fresh
-gradient's spectrum says whether the rank is enough. In `hetcomm bench
-train`'s runs (2 ranks, SGD-momentum, DDP's buckets) it read, at steps
-100 / 200 / 400: the MLPs at rank 4 (wide, digits) 0.99-1.00 and the language
-model at rank 16 0.97-0.98, all reaching fp32's quality; the language model at
-rank 4 0.77 / 0.71 / 0.63 and at rank 8 0.88 / 0.88 / 0.93, both missing; the
-regression at rank 4 0.92 / 0.94 / 0.86, which reaches on 2 ranks and misses
-on 4 with AdamW. Below :data:`THRESHOLD` the ``hetcomm`` logger warns once,
-naming the fix. Measured at steps FIRST, 2 FIRST, 4 FIRST, ... on at most
-BUDGET elements a step (a large model's first matrices in DDP's order);
-``HookState.stats()["lowrank_share"]`` holds the last reading."""
+gradient's spectrum says whether the rank is enough. A reading is the mean of
+a *window* of steps: every EVERY-th step of steps FIRST .. FIRST + SPAN, then
+of LATER .. LATER + SPAN, 2 LATER .. 2 LATER + SPAN, 4 LATER ... (one step's
+share moves by up to 0.04 on a model where lowrank is safe). In `hetcomm bench
+train`'s runs (2 ranks, fp8's path, SGD-momentum and AdamW, 2 seeds,
+bench/README "lowrank in auto, under a guard") the first window (steps 20-40) read at rank 4
+0.983-0.997 on the MLPs where lowrank reaches fp32's quality (wide, digits),
+and 0.990-0.996 on the language model at rank 16, which reaches; 0.78-0.88 on
+the language model at rank 4 and 0.92-0.96 at rank 8, which miss; 0.93-0.95
+on the regression at rank 4, which reaches on 2 ranks and misses on 4 with
+AdamW. Later windows: the MLPs 0.99-1.00, the language model at rank 16
+0.97-0.98, at rank 8 0.84-0.91. ``compression="auto"`` offers lowrank on that
+reading (:class:`Guard`); a fixed lowrank below :data:`THRESHOLD`
+has the ``hetcomm`` logger warn once, naming the fix. At most BUDGET elements
+are read a step (a large model's first matrices in DDP's order);
+``HookState.stats()["lowrank_share"]`` holds the last window's reading."""
 
 import logging
 from typing import Optional, Tuple
@@ -22,7 +28,10 @@ import torch
 
 log = logging.getLogger("hetcomm")
 
-FIRST = 100  # the first step measured (the shares of runs that miss and of runs that reach overlap before it)
+FIRST = 20   # the first window's first step (in the first 10 steps the shares of runs that miss and reach overlap)
+SPAN = 20    # a window's steps after its first
+EVERY = 5    # a reading every EVERY steps inside a window
+LATER = 100  # later windows start at LATER, 2 LATER, 4 LATER, ...
 THRESHOLD = 0.92
 EXACT_UP_TO = 256  # matrices with at most this many rows or columns: exact singular values; larger: estimated
 OVERSAMPLE, POWER_STEPS = 10, 2
@@ -50,20 +59,39 @@ def top_share(g: torch.Tensor, rank: int, gen: torch.Generator) -> Tuple[float, 
     return float(s2[:rank].sum()), total
 
 
+def window_of(step: int) -> Optional[int]:
+    """The first step of the window ``step`` lies in, or None."""
+    if FIRST <= step <= FIRST + SPAN:
+        return FIRST
+    if step < LATER:
+        return None
+    start = LATER << ((step // LATER).bit_length() - 1)  # the largest LATER * 2^k <= step
+    return start if step <= start + SPAN else None
+
+
 class LowrankShare:
-    """A step's reading over its lowrank buckets, at the steps due."""
+    """Windows of readings over a step's lowrank (or, under auto's guard,
+    lowrank-sized) buckets."""
 
     def __init__(self) -> None:
-        self.last: Optional[dict] = None  # {"step", "share", "rank"}
+        self.last: Optional[dict] = None  # {"step", "share", "rank", "readings"}: the last closed window's
         self.warned = False
         self._num = self._den = 0.0
         self._read = 0
         self._open = False
+        self._window: list = []  # this window's per-step shares so far
         self._gen = torch.Generator().manual_seed(0)
 
     @staticmethod
     def due(step: int) -> bool:
-        return step >= FIRST and step % FIRST == 0 and ((step // FIRST) & (step // FIRST - 1)) == 0
+        start = window_of(step)
+        return start is not None and (step - start) % EVERY == 0
+
+    @staticmethod
+    def closes(step: int) -> bool:
+        """Whether ``step`` is the last step of a window (every rank knows it)."""
+        start = window_of(step)
+        return start is not None and step == start + SPAN
 
     def add(self, buf: torch.Tensor, layout: torch.Tensor) -> None:
         """The matrices of one lowrank bucket (rows of ``layout`` with a rank)
@@ -80,21 +108,80 @@ class LowrankShare:
                 self._den += den
                 self._open = True
 
-    def end_step(self, step: int, rank: int, world_rank: int) -> None:
+    def end_step(self, step: int, rank: int, world_rank: int, warn: bool = True) -> None:
+        """After the step's buckets: its share joins the window; a window's
+        last step closes it (its mean is :attr:`last`). ``warn``: a fixed
+        lowrank warns below THRESHOLD (auto's guard decides instead)."""
         num, den, read = self._num, self._den, self._open
         self._num = self._den = 0.0
         self._read = 0
         self._open = False
-        if not read or not (den > 0):  # nothing read, or a non-finite gradient
+        if read and den > 0:  # something read, and the gradient finite
+            self._window.append(num / den)
+        if not self.closes(step):
             return
-        share = num / den
-        self.last = {"step": step, "share": share, "rank": rank}
-        if share < THRESHOLD and not self.warned and world_rank == 0:
+        shares, self._window = self._window, []
+        if not shares:
+            return
+        share = sum(shares) / len(shares)
+        self.last = {"step": step, "share": share, "rank": rank, "readings": len(shares)}
+        if warn and share < THRESHOLD and not self.warned and world_rank == 0:
             self.warned = True
             log.warning(
-                "hetcomm: lowrank at matrix_approximation_rank=%d carries %.0f %% of this rank's gradient energy at "
-                "step %d (its top %d singular values, over the compressed matrices). In hetcomm bench train it read "
-                "97-100 %% where lowrank reached fp32's quality, 63-88 %% where it missed, 86-94 %% on a regression "
-                "that reached on 2 ranks and missed on 4: this run may fall short of fp32's quality. Raise "
-                "matrix_approximation_rank (the language model there needs 16 where 4 misses) or use "
-                "compression='fp8' or 'auto'", rank, 100 * share, step, rank)
+                "hetcomm: lowrank at matrix_approximation_rank=%d carries %.0f %% of this rank's gradient energy in "
+                "steps %d-%d (its top %d singular values, over the compressed matrices). In hetcomm bench train it "
+                "read 97-100 %% where lowrank reached fp32's quality, 63-96 %% where it missed, 86-95 %% on a "
+                "regression that reached on 2 ranks and missed on 4: this run may fall short of fp32's quality. "
+                "Raise matrix_approximation_rank (the language model there needs 16 where 4 misses) or use "
+                "compression='fp8' or 'auto'", rank, 100 * share, step - SPAN, step, rank)
+
+
+ADMIT = 0.975  # auto keeps lowrank past the first window when the ranks' lowest reading is at least this ...
+DROP = 0.93    # ... and takes it back when a later window's reads under this
+
+
+class Guard:
+    """``compression="auto"``'s condition on its lowrank candidate.
+
+    lowrank at rank 4 is the fastest plan where the link binds (the wide model
+    at 100 Mbit: half fp8's step) and misses fp32's quality where the gradient
+    is not of low rank (the language model). Auto's trial measures lowrank's
+    speed from the run's first steps, but no bucket runs it until the first
+    window's reading (steps 20-40: the lowest of the ranks' means) admits it
+    at :data:`ADMIT` (30 steps of lowrank at the language model's start, then
+    dense, ended 3 % over fp32's perplexity in one of two seeds). Under ADMIT
+    it is refused, and so it is when a later window reads under :data:`DROP`:
+    refused, lowrank leaves the candidates for the rest of the run (the
+    language model's share only falls as it trains), and buckets that ran it
+    take the best plan the last trial measured without it; its error
+    feedback is carried into that plan, nothing dropped."""
+
+    def __init__(self) -> None:
+        self.state = "pending"  # pending (provisional), admitted, refused
+        self.share: Optional[float] = None  # the last agreed reading
+        self.step: Optional[int] = None     # ... and the last step of its window
+
+    @property
+    def reading(self) -> bool:
+        return self.state != "refused"
+
+    def update(self, share: float, step: int) -> bool:
+        """An agreed reading; True when it admits or refuses lowrank now."""
+        self.share, self.step = share, step
+        before = self.state
+        if self.state == "pending":
+            self.state = "admitted" if share >= ADMIT else "refused"
+        elif self.state == "admitted" and share < DROP:
+            self.state = "refused"
+        if self.state != before:
+            log.info("hetcomm: auto %s lowrank: the ranks' lowest share of gradient energy in its rank, steps "
+                     "%d-%d, is %.3f (admitted at %.3f or more, refused later under %.2f)",
+                     "keeps" if self.state == "admitted" else "drops", step - SPAN, step, share, ADMIT, DROP)
+        return self.state != before
+
+    def state_dict(self) -> dict:
+        return {"state": self.state, "share": self.share, "step": self.step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = str(sd.get("state", "pending"))
+        self.share, self.step = sd.get("share"), sd.get("step")

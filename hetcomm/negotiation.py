@@ -144,7 +144,12 @@ class Negotiation:
                 raise ValueError("hetcomm: candidates include 'bf16' but some rank's device has no native bf16 "
                                  "(CUDA compute capability < 8.0): use 'fp16' there")
             self._planner.modes = tuple(modes)
-            log.info("hetcomm: compression='auto' chooses per bucket among %s", ", ".join(modes))
+            if not self.candidates and self._attached is None:
+                # lowrank of the gradient: offered on the reading of its rank's share (hetcomm.lowrank_share.Guard)
+                self._planner.offer_guarded()
+            log.info("hetcomm: compression='auto' chooses per bucket among %s%s", ", ".join(self._planner.modes),
+                     " (lowrank while the ranks' share readings keep it: steps 20-40 first)"
+                     if self._planner.guard is not None else "")
         if (self.algorithm in ("auto", "ring", "hierarchical") or self.compression == "auto" or
                 self._algorithm_default) and self.topology is None:
             self._detect_topology(bucket_device)

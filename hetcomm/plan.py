@@ -12,6 +12,9 @@ options and the cost model of :mod:`hetcomm.planner`; for
    all-reduce (the "never loses" baseline) are kept.
 2. Trial: the first compressed steps after ``start_iter`` run rounds in turn,
    ``AUTO_REPEATS`` times each; in round c every bucket runs its c-th candidate.
+   After the first cycle (each round once) the ranks agree on the rounds
+   that took over ``AUTO_SPAN`` times the fastest; those run no more (fp32 at
+   100 Mbit: 3 steps of it cost 25 compressed ones; they could not win).
    Each round's *step* time is measured (one period of the training loop:
    what the user waits for, including what the codecs and the intra-node
    traffic take from the compute on a shared CPU); the comm thread also times
@@ -29,6 +32,13 @@ options and the cost model of :mod:`hetcomm.planner`; for
    slower than the chosen round (fp32 at 100 Mbit: 10x a compressed step,
    3 trial steps of it cost 25 compressed ones), except every
    ``AUTO_FULL_EVERY``-th, which measures every candidate again.
+5. lowrank, offered by default where the gradient alone is compressed, is a
+   *guarded* candidate (:class:`hetcomm.lowrank_share.Guard`): the trial
+   measures it, but no bucket runs it until the ranks' reading of how much of
+   their gradient its rank carries admits it (steps 20-40); then every bucket
+   takes the fastest round the last trial measured, lowrank's included.
+   Refused (then or later), it leaves the candidates, and buckets that ran it
+   take the fastest round without it.
 
 A bucket's error-feedback state belongs to the plan that made it: when a
 bucket's compressed plan changes, what its residuals still owe is folded into
@@ -44,7 +54,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import planner
+from . import lowrank_share, planner
 
 log = logging.getLogger("hetcomm")
 
@@ -166,6 +176,7 @@ class Planner:
         self._times: Dict[str, Dict[int, List[float]]] = {}  # comm-thread seconds per bucket and candidate
         self._step_times: Dict[int, List[float]] = {}  # trial round -> step seconds
         self._order: Dict[str, List[int]] = {}  # bucket key -> candidate indices in trial-round order
+        self._kept: Optional[List[int]] = None  # the rounds the trial repeats after its first cycle (once agreed)
         self._rechecking = False
         self.rechecks = 0                  # re-checks started so far
         #: per bucket key, the (mode, algorithm) pairs a pruned re-check leaves out
@@ -176,6 +187,9 @@ class Planner:
         self.round_times: List[float] = []
         self._step_trial: Dict[int, Tuple[str, int]] = {}  # bucket index -> (key, candidate) of the open step
         self._last_trial: Dict[int, Tuple[str, int]] = {}
+        #: lowrank's condition when auto offers it by default (set at negotiation), else None
+        self.guard: Optional[lowrank_share.Guard] = None
+        self._guard_sd: dict = {}  # a loaded guard's state, for the guard made at negotiation
 
     # ---- fixed modes -------------------------------------------------------------
     def algorithm(self, numel: int, wire: planner.Wire) -> Tuple[str, str, Optional[float]]:
@@ -236,21 +250,45 @@ class Planner:
             algos = [s._forced_algo]
         else:
             algos = list(planner.ALGORITHMS)
-        ranked = []
+        ranked, guarded = [], []
         for mode in self.modes:
             wire = self._wire(mode, numel, layout_of)
             usable = [a for a in algos if planner.carries(a, wire)] or ["native"]
             preds = [(planner.predict(s.topology, numel * 4, a, wire), a) for a in usable]
             preds = [(t, a) for t, a in preds if t is not None]
-            if mode in DENSE:  # one algorithm per dense wire: the predicted best
+            if mode in DENSE or self._guarded(mode):  # one algorithm: the predicted best
                 preds = sorted(preds, key=lambda p: (p[0], planner.ALGORITHMS.index(p[1])))[:1]
-            ranked += [(t, mode, a) for t, a in preds]
+            (guarded if self._guarded(mode) else ranked).extend((t, mode, a) for t, a in preds)
         ranked.sort(key=lambda r: (r[0], AUTO_MODES.index(r[1]), planner.ALGORITHMS.index(r[2])))
         top = [(m, a, t) for t, m, a in ranked[:AUTO_TOP]]
         if not any(m == "none" and a == "native" for m, a, _ in top) and "none" in self.modes:
             native = planner.predict(s.topology, numel * 4, "native", "none")
             top.append(("none", "native", native))
+        if guarded and bool((layout_of()[:, 3] > 0).any()):  # on top of the rest, where it has a matrix to compress
+            top += [(m, a, t) for t, m, a in guarded]
         return top
+
+    def offer_guarded(self) -> None:
+        """Negotiation: lowrank joins the candidates under its guard."""
+        self.modes += ("lowrank",)
+        self.guard = lowrank_share.Guard()
+        self.guard.load_state_dict(self._guard_sd)
+
+    def reads_share(self, numel: int) -> bool:
+        """Whether a compressed step's bucket of ``numel`` elements feeds the
+        guard's reading (lowrank not refused, the bucket one it would take)."""
+        return self.guard is not None and self.guard.reading and numel >= self.s.min_compress_numel
+
+    def _guarded(self, mode: str) -> bool:
+        return self.guard is not None and mode == "lowrank"
+
+    def _excluded(self, cand: Tuple) -> bool:
+        """A candidate the trials no longer measure (lowrank refused)."""
+        return self._guarded(cand[0]) and not self.guard.reading
+
+    def _blocked(self, cand: Tuple) -> bool:
+        """A candidate no bucket may run outside a trial (lowrank not admitted)."""
+        return self._guarded(cand[0]) and self.guard.state != "admitted"
 
     def _auto(self, numel: int, key: str, index: int, layout_of) -> BucketPlan:
         """A compressed step's plan under compression="auto"."""
@@ -278,8 +316,11 @@ class Planner:
         (round 0 of a re-check), then by prediction; ``prune``: without those
         measured hopeless (:attr:`pruned`)."""
         first = self.decided.get(key)
+        if first is not None and self._excluded(self.candidates[key][first]):
+            first = None
         out = self.pruned.get(key, set()) if prune else set()
-        rest = [j for j, c in enumerate(self.candidates[key]) if j != first and c[:2] not in out]
+        rest = [j for j, c in enumerate(self.candidates[key])
+                if j != first and c[:2] not in out and not self._excluded(c)]
         return rest if first is None else [first] + rest
 
     def _candidate_in_round(self, key: str, c: int) -> int:
@@ -296,11 +337,13 @@ class Planner:
             self.rechecks += 1
             prune = self.rechecks % AUTO_FULL_EVERY != 0
         self._order = {k: self._order_of(k, prune) for k in self.candidates}
-        self._step_times, self._times = {}, {}
+        self._step_times, self._times, self._kept = {}, {}, None
 
     def _in_trial(self) -> bool:
-        return self.trial_start is not None and self.compressed_steps - self.trial_start < \
-            AUTO_REPEATS * self._rounds()
+        if self.trial_start is None:
+            return False
+        t, rounds = self.compressed_steps - self.trial_start, self._rounds()
+        return t < rounds or (self._kept is not None and t < rounds + (AUTO_REPEATS - 1) * len(self._kept))
 
     def _rounds(self) -> int:
         return max((len(o) for o in self._order.values()), default=0)
@@ -308,7 +351,28 @@ class Planner:
     def _round(self) -> int:
         """This step's trial round: rounds take turns, so a drifting load
         (another job, a warming cache) weighs on every candidate alike."""
-        return (self.compressed_steps - self.trial_start) % self._rounds()
+        t, rounds = self.compressed_steps - self.trial_start, self._rounds()
+        return t if t < rounds else self._kept[(t - rounds) % len(self._kept)]
+
+    def _cut(self, engine) -> None:
+        """After the trial's first cycle: every rank all-gathers its step
+        time of each round; the rounds whose slowest rank took over
+        AUTO_SPAN times the fastest round's run no more (their one time
+        still counts in the decision, which they cannot win). The fastest
+        may be lowrank's while it waits for its reading: the decision among
+        the others then rests on one step each until the re-check
+        AUTO_SETTLE steps later measures them again (on the wide model at
+        100 Mbit, where lowrank is admitted, repeating them would cost about
+        1.4 s: two more steps each of fp8 and bf16 across nodes and of fp8
+        flat, at their measured times)."""
+        import torch
+
+        rounds = self._rounds()
+        row = [int(self._step_times[c][0] * 1e9) if self._step_times.get(c) else -1 for c in range(rounds)]
+        gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
+        worst = [max(col) if min(col) >= 0 else -1 for col in zip(*gathered.tolist())]
+        best = min((w for w in worst if w >= 0), default=-1)
+        self._kept = [c for c in range(rounds) if worst[c] < 0 or best < 0 or worst[c] <= AUTO_SPAN * best]
 
     def end_step(self, compressed: bool) -> None:
         """After the step's last bucket was submitted."""
@@ -326,6 +390,8 @@ class Planner:
         decide when the trial is over; start a re-check when one is due."""
         if self.s.resolved_compression != "auto":
             return
+        if self.guard is not None and self.guard.reading and lowrank_share.LowrankShare.closes(self.s.iter - 1):
+            self._read_guard(engine)
         now = time.monotonic()
         if self._last_round is not None and self._opened is not None:
             self._step_times.setdefault(self._last_round, []).append(now - self._opened)
@@ -336,6 +402,9 @@ class Planner:
                     key, j = self._last_trial[index]
                     self._times.setdefault(key, {}).setdefault(j, []).append(secs)
             self._last_trial = {}
+        if self.trial_start is not None and self._kept is None and \
+                self.compressed_steps - self.trial_start == self._rounds():
+            self._cut(engine)
         if self.trial_start is not None and not self._in_trial():
             self._decide(engine)
             self.trial_start = None
@@ -359,8 +428,8 @@ class Planner:
             raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
                              "(different topologies or options): construct HookState alike on every rank")
         times = [[t / 1e9 if t >= 0 else float("inf") for t in r[1:]] for r in gathered.tolist()]
-        best = choose(times, 0 if self._rechecking else None)
         self.round_times = [max(c) for c in zip(*times)]
+        best = choose([self._masked(r) for r in times], 0 if self._rechecking and self._allowed(0) else None)
         changed = 0
         for k in keys:
             j = self._candidate_in_round(k, best)
@@ -378,18 +447,71 @@ class Planner:
             per_bucket = self._times.get(k, {})
             self.measured[k] = [min(per_bucket[i]) if per_bucket.get(i) else None
                                 for i in range(len(self.candidates[k]))]
-        log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s; buckets: %s", best,
+        waits = self.guard is not None and self.guard.state == "pending" and \
+            min(range(len(times[0])), key=lambda c: (self.round_times[c], c)) != best
+        log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s; buckets: %s%s", best,
                  ", ".join(f"{1000 * t:.4g}" for t in self.round_times),
                  f" - re-planned {changed} bucket(s)" if self._rechecking and changed else "",
                  "; ".join(f"[{k[:24]}] {self.candidates[k][self.decided[k]][0]}/"
-                           f"{self.candidates[k][self.decided[k]][1]}" for k in keys))
+                           f"{self.candidates[k][self.decided[k]][1]}" for k in keys),
+                 f" (a faster round with lowrank waits for its reading at step {lowrank_share.FIRST + lowrank_share.SPAN})"
+                 if waits else "")
         self._times, self._step_times = {}, {}
+
+    # ---- the guard on lowrank ----------------------------------------------------------
+    def _allowed(self, c: int) -> bool:
+        """Whether trial round ``c`` ran no blocked candidate on any bucket."""
+        return not any(self._blocked(self.candidates[k][self._candidate_in_round(k, c)])
+                       for k in self._order if self._order[k])
+
+    def _masked(self, times: Sequence[float]) -> List[float]:
+        return [t if self._allowed(c) else float("inf") for c, t in enumerate(times)]
+
+    def _read_guard(self, engine) -> None:
+        """After a window of share readings: every rank all-gathers its mean
+        (or -1: none, e.g. a non-finite gradient); the lowest decides, the
+        same on every rank."""
+        import torch
+
+        step = self.s.iter - 1
+        last = self.s._lowrank_share.last
+        own = int(last["share"] * 1e9) if last is not None and last["step"] == step else -1
+        gathered = engine.submit_config(torch.tensor([step, own], dtype=torch.int64)).wait()
+        if (gathered[:, 0] != step).any():
+            raise ValueError(f"hetcomm: compression='auto' ranks are at different steps ({gathered[:, 0].tolist()}) "
+                             "when reading lowrank's share: every rank must run the same steps")
+        if (gathered[:, 1] < 0).any():
+            return
+        if self.guard.update(int(gathered[:, 1].min()) / 1e9, step):
+            self._repick()
+
+    def _repick(self) -> None:
+        """The guard admitted or refused lowrank: every bucket takes the
+        fastest round of the last trial that it now allows (the slowest
+        rank's times, the same everywhere). Without a trial's times (a resumed
+        run) a re-check starts, from fp32 where buckets ran lowrank."""
+        if self.trial_start is not None:
+            return  # the running trial decides on the new state
+        times = self._masked(self.round_times) if self._order else []
+        if any(t < float("inf") for t in times):
+            best = choose([times])
+            for k in self._order:
+                self.decided[k] = self._candidate_in_round(k, best)
+            return
+        for k, j in self.decided.items():
+            if self._blocked(self.candidates[k][j]):
+                self.decided[k] = [c[:2] for c in self.candidates[k]].index(("none", "native"))
+        if self.decided:
+            self._start_trial()
 
     # ---- what is saved ----------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"decided": {k: list(self.candidates[k][j][:2]) for k, j in self.decided.items()},
-                "compressed_steps": self.compressed_steps, "next_check": self.next_check,
-                "rechecks": self.rechecks, "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v}}
+        out = {"decided": {k: list(self.candidates[k][j][:2]) for k, j in self.decided.items()},
+               "compressed_steps": self.compressed_steps, "next_check": self.next_check,
+               "rechecks": self.rechecks, "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v}}
+        if self.guard is not None:
+            out["guard"] = self.guard.state_dict()
+        return out
 
     def load_state_dict(self, sd: dict) -> None:
         self.compressed_steps = int(sd.get("compressed_steps", 0))
@@ -398,6 +520,9 @@ class Planner:
         self.pruned = {str(k): {tuple(c) for c in v} for k, v in sd.get("pruned", {}).items()}
         self._restored = {str(k): tuple(v) for k, v in sd.get("decided", {}).items()}
         self.candidates, self.decided, self.trial_start, self._times, self._order = {}, {}, None, {}, {}
+        self._guard_sd = sd.get("guard", {})
+        if self.guard is not None:
+            self.guard.load_state_dict(self._guard_sd)
 
     def describe(self) -> Dict[str, dict]:
         """Per bucket key: the candidates, their predictions and the choice."""

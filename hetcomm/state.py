@@ -126,10 +126,14 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         candidates: ``compression="auto"`` only: the modes it may choose from
             (``"none"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"onebit"``, ``"topk"``,
             ``"lowrank"``). Default: fp32 and bf16 (fp16 where a device lacks
-            bf16); fp8 unless an Adam is attached; onebit, topk and lowrank
-            only when listed here (measured to miss fp32's quality at fp32's
-            learning rate or to sit at the tolerance's edge: onebit on digits,
-            topk and lowrank on the language model).
+            bf16); fp8 unless an Adam is attached; with no optimizer attached,
+            lowrank under a guard: measured in the trial, run only once the
+            ranks' reading of how much of their gradient its rank carries
+            (steps 20-40) admits it, dropped when it or a later reading does
+            not (:class:`hetcomm.lowrank_share.Guard`); onebit and topk only when
+            listed here (measured to miss fp32's quality at fp32's learning
+            rate or to sit at the tolerance's edge: onebit on digits, topk on
+            the language model). Listed here, lowrank is unguarded.
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
@@ -370,7 +374,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             self._planner.load_state_dict(sd.get("auto", {}))
         else:  # another rank's state: only its model's shapes (checked at the first step); the rest afresh
             self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
-            self._planner.load_state_dict({})
+            self._planner.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
         # the beta the saved momentum was kept with (a scheduled momentum moves it); attach_optimizer takes it too
@@ -388,8 +392,11 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         or a point-to-point step, one each; every one waits for the ranks it
         joins); plus ``iter`` and the ``compression`` in use; ``join_steps``
         once this rank has shadowed steps inside DDP's join (its inputs ran out);
-        ``lowrank_share`` once lowrank measured how much of this rank's gradient
-        its rank carries (:mod:`hetcomm.lowrank_share`: steps 100, 200, 400, ...)."""
+        ``lowrank_share`` once lowrank (or auto's guard on it) measured how much
+        of this rank's gradient its rank carries (:mod:`hetcomm.lowrank_share`:
+        steps 20-40, 100-120, 200-220, 400-420, ...); ``auto`` under
+        ``compression="auto"``, with ``lowrank_guard`` (pending, admitted or
+        refused, and the ranks' agreed reading) where auto offers lowrank."""
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:
             out.update(self._engine.stats())
@@ -407,6 +414,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             out["auto"] = {"modes": list(pl.modes), "round_step_s": pl.round_times, "rechecks": pl.rechecks,
                            "next_check": pl.next_check, "compressed_steps": pl.compressed_steps,
                            "buckets": pl.describe()}
+            if pl.guard is not None:
+                out["auto"]["lowrank_guard"] = pl.guard.state_dict()
         return out
 
     def close(self) -> None:

@@ -8,8 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import topology
-from hetcomm import plan
+from hetcomm import lowrank_share, plan, topology
 
 from . import models
 from .dist_harness import run_ranks
@@ -57,12 +56,31 @@ def _rank_predict(first):
     return predict
 
 
-def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False):
+def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False,
+              batch=8, guard=None, cut=True):
+    """``guard``: (FIRST, SPAN) of lowrank's first share window (every step
+    read), auto's modes fp32 and the guarded lowrank, which is the fastest
+    round whenever a choice may take it. ``cut``: False, every trial round
+    runs AUTO_REPEATS steps, whatever the first cycle measured."""
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    if guard:
+        from hetcomm import lowrank_share
+
+        lowrank_share.FIRST, lowrank_share.SPAN = guard
+        lowrank_share.EVERY, lowrank_share.LATER = 1, 10_000
+        plan.safe_modes = lambda *a, **k: ("none",)
+        cut = False  # steps 2-10
+        real = plan.choose
+
+        def choose(times, current=None, hysteresis=plan.AUTO_HYSTERESIS):  # lowrank's round is the last
+            return len(times[0]) - 1 if all(r[-1] < INF for r in times) else real(times, current, hysteresis)
+        plan.choose = choose
     if two_nodes:
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     if first:
         plan.planner.predict = _rank_predict(first)
+    if not cut:
+        plan.AUTO_SPAN = INF
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)) if big \
         else models.mlp(hidden=96)
@@ -76,9 +94,10 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     probe = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     gap = []  # sum over steps of (exact mean gradient - what the hook delivered)
     total = None
+    wires = []
     for step in range(steps):
-        x = torch.randn(8, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
-        y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(step))
+        x = torch.randn(batch, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
+        y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(step))
         # the exact mean gradient, from a plain copy of the model and the default group
         for q, p in zip(probe, model.parameters()):
             q.data.copy_(p.detach())
@@ -92,10 +111,12 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         diff = (exact - models.flat_grads(model)).double()
         total = diff if total is None else total + diff
         gap.append(float(total.abs().max()))
+        wires.append(sorted({p.mode for p in state.last_plans.values()}))
         opt.step()
     stats = state.stats()
     return {"params": models.flat_params(model), "plans": stats["plans"], "auto": stats["auto"], "gap": gap,
-            "scale": float(models.flat_grads(model).abs().max())}
+            "scale": float(models.flat_grads(model).abs().max()), "wires": wires,
+            "share": stats.get("lowrank_share"), "saved_guard": state.state_dict()["auto"].get("guard")}
 
 
 def test_auto_agrees_on_every_rank_and_keeps_replicas_identical(tmp_path):
@@ -110,6 +131,46 @@ def test_auto_agrees_on_every_rank_and_keeps_replicas_identical(tmp_path):
     for b in r0["auto"]["buckets"].values():
         cands = [(c["mode"], c["algorithm"]) for c in b["candidates"]]
         assert ("none", "native") in cands and b["chosen"] and all(c["comm_s"] for c in b["candidates"])
+
+
+@pytest.mark.parametrize("batch", [8, 1])
+def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gradient(tmp_path, batch):
+    # fp32 and lowrank (rank 4) for auto; its first trial (steps 2-10) measures lowrank fastest, but buckets
+    # run fp32 until the ranks' shares of gradient energy in the top 4 singular values, read in steps 12-14,
+    # admit it at step 15. One sample a rank: every weight gradient is of rank 1 (share 1): admitted. Eight:
+    # refused. Either way fp32 pays what lowrank's error feedback owed from its trial round (step 10).
+    res = run_ranks(_auto_run, 2, 18, None, None, 0.01, False, False, str(tmp_path), False, batch, (12, 2))
+    r0, r1 = res
+    assert r0["auto"]["modes"] == ["none", "lowrank"]
+    guard = r0["auto"]["lowrank_guard"]
+    assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"] and guard["step"] == 14
+    assert guard["share"] == pytest.approx(min(r0["share"]["share"], r1["share"]["share"]), abs=1e-8)
+    assert r0["share"]["readings"] == 3 and (batch == 1 or r0["share"]["share"] != r1["share"]["share"])
+    assert r0["wires"][10] == ["lowrank"] and all(w == ["none"] for w in r0["wires"][11:15]), r0["wires"]
+    tol = 1e-4 * r0["scale"] * 18
+    for r in res:
+        paid = max(r["gap"][11:15])
+        assert paid < tol and r["gap"][10] > 100 * paid, r["gap"]  # owed, then paid
+    if batch == 1:
+        assert guard["state"] == "admitted" and guard["share"] > 0.999
+        assert all(w == ["lowrank"] for w in r0["wires"][15:]), r0["wires"]
+    else:
+        assert guard["state"] == "refused" and guard["share"] < lowrank_share.ADMIT
+        assert all(w == ["none"] for w in r0["wires"][15:]), r0["wires"]
+    assert torch.equal(r0["params"], r1["params"])
+
+
+def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
+    g = lowrank_share.Guard()
+    assert g.update(lowrank_share.ADMIT, 40) and g.state == "admitted"
+    assert not g.update(lowrank_share.DROP, 120) and g.state == "admitted"  # between the bars: kept
+    assert g.update(lowrank_share.DROP - 1e-3, 220) and g.state == "refused" and not g.reading
+    assert not g.update(1.0, 420) and g.state == "refused"  # refused for the rest of the run
+    h = lowrank_share.Guard()
+    assert h.update(lowrank_share.ADMIT - 1e-3, 40) and h.state == "refused"
+    k = lowrank_share.Guard()
+    k.load_state_dict(g.state_dict())
+    assert k.state_dict() == {"state": "refused", "share": 1.0, "step": 420}
 
 
 @pytest.mark.parametrize("warmup", ["none", None])
@@ -141,6 +202,8 @@ def test_a_slow_candidate_predicted_first_is_dropped_after_measuring(tmp_path):
             [("topk", "native"), ("none", "ring"), ("none", "native")]
         assert b["chosen"]["mode"] == "none", b
         assert all(p["mode"] == "none" for p in r["plans"].values())
+        # measured over AUTO_SPAN x fp32's step in the trial's first cycle, top-k runs no more (was 3 steps)
+        assert [w for w in r["wires"]].count(["topk"]) == 1, (r["wires"], r["auto"]["round_step_s"])
 
 
 @pytest.mark.parametrize("world,two_nodes", [(2, False), (4, True)])
@@ -152,7 +215,7 @@ def test_a_plan_change_delivers_the_error_feedback_it_owed(tmp_path, world, two_
     # delivered gradients equals the sum of exact ones.
     steps = 2 + 3 * 4
     res = run_ranks(_auto_run, world, steps, ("none", "onebit"), "onebit", 0.01, False, False, str(tmp_path),
-                    two_nodes)
+                    two_nodes, 8, None, False)
     (b, *_) = res[0]["auto"]["buckets"].values()
     cands = [(c["mode"], c["algorithm"]) for c in b["candidates"]]
     assert cands[:2 if two_nodes else 1] == [("onebit", "native"), ("onebit", "hierarchical")][:2 if two_nodes else 1]
@@ -191,10 +254,12 @@ def test_hetcomm_algo_still_forces_the_algorithm_under_auto(tmp_path):
 
 
 def _run_then_resume(rank, world, ckpt_dir, opt_name):
-    """20 steps saving at 16, then a fresh DDP model and HookState resumed
-    from that checkpoint for the last 4 (as a restarted job builds them)."""
-    return (_train_span(rank, world, ckpt_dir, 0, 20, 16, "small", "auto", opt_name),
-            _train_span(rank, world, ckpt_dir, 16, 20, -1, "small", "auto", opt_name))
+    """24 steps saving at 20 (after the trial: without an attached optimizer
+    it has 5 rounds, lowrank's included, in steps 2-16), then a fresh DDP
+    model and HookState resumed from that checkpoint for the last 4 (as a
+    restarted job builds them)."""
+    return (_train_span(rank, world, ckpt_dir, 0, 24, 20, "small", "auto", opt_name),
+            _train_span(rank, world, ckpt_dir, 20, 24, -1, "small", "auto", opt_name))
 
 
 @pytest.mark.parametrize("opt_name", ["sgd-attach", "sgd"])
@@ -354,7 +419,8 @@ class _OneRankEngine:
 def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(monkeypatch):
     """The planner alone, on a clock of its own: fp32 costs 10 per step, fp8
     1.0 and onebit 1.2. The first trial picks fp8 and finds fp32 hopeless
-    (over AUTO_SPAN x); the first re-check comes AUTO_SETTLE steps later and
+    (over AUTO_SPAN x) after one step of it, which it does not repeat; the
+    first re-check comes AUTO_SETTLE steps later and
     leaves fp32 out; every AUTO_FULL_EVERY-th re-check measures it again. When
     onebit becomes clearly faster (0.5, past the hysteresis) a re-check
     switches to it."""
@@ -380,16 +446,18 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
         clock[0] += cost[p.mode]
         planner.end_step(True)
     trials = [(s, m) for s, m, why in ran if why == "trial"]
-    first = [m for s, m in trials if s < 3 * 3]
-    assert sorted(first) == ["fp8"] * 3 + ["none"] * 3 + ["onebit"] * 3  # 3 candidates x AUTO_REPEATS
-    settle = [m for s, m in trials if 9 + plan.AUTO_SETTLE <= s < 9 + plan.AUTO_SETTLE + 6]
-    assert sorted(settle) == ["fp8"] * 3 + ["onebit"] * 3  # fp32 left out: 10 > AUTO_SPAN x 1.0
+    first = [m for s, m in trials if s < 7]
+    assert sorted(m for s, m in trials[:3]) == ["fp8", "none", "onebit"]  # a cycle: each round once
+    assert sorted(first) == ["fp8"] * 3 + ["none"] + ["onebit"] * 3  # fp32 once: 10 > AUTO_SPAN x 1.0
+    settle = [m for s, m in trials if 7 + plan.AUTO_SETTLE <= s < 7 + plan.AUTO_SETTLE + 6]
+    assert sorted(settle) == ["fp8"] * 3 + ["onebit"] * 3  # fp32 left out
     starts = [s for (s, _), (p, _) in zip(trials[1:], trials) if s != p + 1]  # where each re-check began
-    assert starts[0] == 9 + plan.AUTO_SETTLE and all(b - a > plan.AUTO_RECHECK for a, b in zip(starts, starts[1:]))
+    assert starts[0] == 7 + plan.AUTO_SETTLE and all(b - a > plan.AUTO_RECHECK for a, b in zip(starts, starts[1:]))
     assert len(starts) == plan.AUTO_FULL_EVERY
     counts = [sorted({m for s, m in trials if a <= s < a + 9}) for a in starts]
     assert counts[:3] == [["fp8", "onebit"]] * 3
     assert counts[3] == ["fp8", "none", "onebit"]  # every AUTO_FULL_EVERY-th re-check measures every candidate
+    assert [m for s, m in trials if starts[3] <= s < starts[3] + 9].count("none") == 1  # once
     # the third re-check measured onebit's new speed and switched to it; the fourth kept it
     assert ran[-1][1] == "onebit" and ran[-1][2] == "measured"
     assert planner.rechecks == plan.AUTO_FULL_EVERY and planner.pruned["bucket"] == {("none", "native")}

@@ -393,7 +393,9 @@ def test_top_share_is_the_energy_in_the_top_singular_values_and_leaves_the_calle
             assert num / den == pytest.approx(share, abs=1e-6 if exact else 2e-3), (rows, r)
             assert num / den <= share + 1e-6  # an estimate from below
     assert torch.equal(torch.get_rng_state(), rng)
-    assert [s for s in range(1000) if lowrank_share.LowrankShare.due(s)] == [100, 200, 400, 800]
+    due = [s for s in range(1000) if lowrank_share.LowrankShare.due(s)]
+    assert due == [s for first in (20, 100, 200, 400, 800) for s in range(first, first + 21, 5)]
+    assert [s for s in range(1000) if lowrank_share.LowrankShare.closes(s)] == [40, 120, 220, 420, 820]
 
 
 def test_a_reading_stops_at_its_budget_and_skips_a_non_finite_step(monkeypatch):
@@ -402,32 +404,42 @@ def test_a_reading_stops_at_its_budget_and_skips_a_non_finite_step(monkeypatch):
     low, high = _planted(30, 20, [1.0] * 20, 1).float(), _planted(40, 20, [5.0, 1.0, 0.5], 2).float()
     buf = torch.cat([low.reshape(-1), high.reshape(-1)])
     layout = torch.tensor([[0, 30, 20, 2], [600, 40, 20, 2]])
-    monkeypatch.setattr(lowrank_share, "BUDGET", 600)  # the first matrix only
-    reading = lowrank_share.LowrankShare()
-    reading.add(buf, layout)
-    reading.end_step(100, 2, 0)
-    assert reading.last["share"] == pytest.approx(2 / 20, abs=1e-6)  # a flat spectrum: 2 of 20 equal values
-    monkeypatch.setattr(lowrank_share, "BUDGET", 1400)  # both
     bad = buf.clone()
     bad[5] = float("inf")
+    for name, value in (("FIRST", 1), ("SPAN", 2), ("EVERY", 1), ("LATER", 10)):  # windows 1-3, 10-12, 20-22, ...
+        monkeypatch.setattr(lowrank_share, name, value)
+    monkeypatch.setattr(lowrank_share, "BUDGET", 600)  # the first matrix only
+    quiet, reading = lowrank_share.LowrankShare(), lowrank_share.LowrankShare()
+    for r in (quiet, reading):
+        for step, b in ((1, buf), (2, bad), (3, buf)):  # an overflow step reads nothing
+            r.add(b, layout)
+            r.end_step(step, 2, 0, warn=r is reading)
+            assert (r.last is None) == (step < 3)
+    assert reading.last == {"step": 3, "share": pytest.approx(2 / 20, abs=1e-6), "rank": 2, "readings": 2}
+    assert reading.warned and not quiet.warned  # a flat spectrum: 2 of 20 equal values; auto's guard: no warning
+    monkeypatch.setattr(lowrank_share, "BUDGET", 1400)  # both
+    for step in (10, 11):
+        reading.add(buf, layout)
+        reading.end_step(step, 2, 0)
     reading.add(bad, layout)
-    reading.end_step(200, 2, 0)  # an overflow step: no reading, the last one stays
-    assert reading.last["step"] == 100
-    reading.add(buf, layout)
-    reading.end_step(400, 2, 0)
-    assert reading.last["share"] == pytest.approx((2 + 26.0) / (20 + 26.25), abs=1e-6)
-    assert reading.warned  # once, at the first reading (0.1)
+    reading.end_step(12, 2, 0)
+    assert reading.last == {"step": 12, "share": pytest.approx((2 + 26.0) / (20 + 26.25), abs=1e-6), "rank": 2,
+                            "readings": 2}
+    for step in (20, 21, 22):  # a window of overflows: no reading, the last one stays
+        reading.add(bad, layout)
+        reading.end_step(step, 2, 0)
+    assert reading.last["step"] == 12
 
 
 def _share_run(rank, world, batch, steps):
-    """lowrank at rank 1 on a Linear layer: read at steps 4 and 8 (FIRST=4);
+    """lowrank at rank 1 on a Linear layer: windows of one step, 4 and 8;
     the reference is the top-1 share of a replica's local gradient at step 8."""
     import copy
     import logging
 
     from hetcomm import lowrank_share
 
-    lowrank_share.FIRST = 4
+    lowrank_share.FIRST, lowrank_share.SPAN, lowrank_share.LATER = 4, 0, 8
     records = []
     handler = logging.Handler()
     handler.emit = records.append

@@ -141,7 +141,8 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
     if rank != 0:
         return None
     final = curve[-1]
-    extra = {"auto": {k: auto[k] for k in ("modes", "round_step_s", "rechecks", "buckets")}} if auto else {}
+    extra = {"auto": {k: auto[k] for k in ("modes", "round_step_s", "rechecks", "buckets", "lowrank_guard")
+                      if k in auto}} if auto else {}
     return {**extra, "task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr,
             "schedule": schedule, "steps": steps, "device": device,
             "world_size": dist.get_world_size(),

@@ -1,0 +1,69 @@
+"""The windows of lowrank's share reading along auto's path: fp8 of the
+gradient, 2 loopback ranks, fp32's learning rate, DDP's default buckets. At
+every step of the windows 20-40, 100-120 and 200-220 (every 5th) each rank
+reads the share of its local gradient's energy in the top r singular values
+(r = 4, 8, 16) of every weight matrix (a parameter of 2 or more dimensions,
+as (rows, rest); skipped where a side is at most r), summed over the
+matrices; printed: each rank's mean per window. Where `lowrank_share.ADMIT`
+and `DROP` come from (bench/README "lowrank in auto, under a guard").
+
+    python bench/lowrank_share_windows.py sgd lm:0 lm:1 wide:0 classify:0 regress:0
+"""
+import sys
+
+import torch
+from torch import nn
+
+import hetcomm
+from hetcomm.benchmarks import tasks, train
+from hetcomm.launch import spawn_ranks
+from hetcomm.lowrank_share import top_share
+
+WINDOWS = [list(range(20, 41, 5)), list(range(100, 121, 5)), list(range(200, 221, 5))]
+STEPS = sorted(s for w in WINDOWS for s in w)
+RANKS = (4, 8, 16)
+
+
+def body(rank, world, name, seed, optim):
+    task = tasks.TASKS[name]()
+    task.seed = seed
+    model = task.model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
+    state = hetcomm.HookState("fp8")
+    gen = torch.Generator().manual_seed(0)
+    now = {"step": 0}
+    energy = {}  # (step, r) -> [top, total]
+
+    def hook(st, bucket):  # this rank's gradient, before it is reduced
+        if now["step"] in STEPS:
+            for g in bucket.gradients():
+                if g.dim() >= 2:
+                    m = g.reshape(g.shape[0], -1)
+                    for r in RANKS:
+                        if min(m.shape) > r:
+                            top, total = top_share(m, r, gen)
+                            e = energy.setdefault((now["step"], r), [0.0, 0.0])
+                            e[0] += top
+                            e[1] += total
+        return hetcomm.hook(st, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    for step in range(max(STEPS) + 1):
+        now["step"] = step
+        x, y = task.batch_for(step, rank)
+        opt.zero_grad()
+        task.loss(ddp(x), y).backward()
+        opt.step()
+    state.close()
+    return {r: [sum(energy[s, r][0] / energy[s, r][1] for s in w) / len(w) for w in WINDOWS] for r in RANKS}
+
+
+if __name__ == "__main__":
+    optim = sys.argv[1]
+    for case in sys.argv[2:]:
+        name, seed = case.split(":")
+        res = spawn_ranks(body, 2, name, int(seed), optim, timeout=1200)
+        for r in RANKS:
+            print(name, "seed", seed, optim, "rank", r, "windows 20-40 / 100-120 / 200-220:",
+                  " ".join(f"rank{k} " + "/".join(f"{v:.3f}" for v in res[k][r]) for k in range(2)), flush=True)
