@@ -130,7 +130,7 @@ class LowrankShare:
             log.warning(
                 "hetcomm: lowrank at matrix_approximation_rank=%d carries %.0f %% of this rank's gradient energy in "
                 "steps %d-%d (its top %d singular values, over the compressed matrices). In hetcomm bench train it "
-                "read 97-100 %% where lowrank reached fp32's quality, 63-96 %% where it missed, 86-95 %% on a "
+                "read 96-100 %% where lowrank reached fp32's quality, 63-96 %% where it missed, 86-95 %% on a "
                 "regression that reached on 2 ranks and missed on 4: this run may fall short of fp32's quality. "
                 "Raise matrix_approximation_rank (the language model there needs 16 where 4 misses) or use "
                 "compression='fp8' or 'auto'", rank, 100 * share, step - SPAN, step, rank)
