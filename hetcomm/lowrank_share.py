@@ -157,9 +157,10 @@ class Guard:
     feedback is carried into that plan, nothing dropped."""
 
     def __init__(self) -> None:
-        self.state = "pending"  # pending (provisional), admitted, refused
+        self.state = "pending"  # pending (measured in trials, run by no bucket), admitted, refused
         self.share: Optional[float] = None  # the last agreed reading
         self.step: Optional[int] = None     # ... and the last step of its window
+        self.changed_at: Optional[list] = None  # [step, share] of the reading that set the state
 
     @property
     def reading(self) -> bool:
@@ -174,14 +175,15 @@ class Guard:
         elif self.state == "admitted" and share < DROP:
             self.state = "refused"
         if self.state != before:
+            self.changed_at = [step, share]
             log.info("hetcomm: auto %s lowrank: the ranks' lowest share of gradient energy in its rank, steps "
                      "%d-%d, is %.3f (admitted at %.3f or more, refused later under %.2f)",
                      "keeps" if self.state == "admitted" else "drops", step - SPAN, step, share, ADMIT, DROP)
         return self.state != before
 
     def state_dict(self) -> dict:
-        return {"state": self.state, "share": self.share, "step": self.step}
+        return {"state": self.state, "share": self.share, "step": self.step, "changed_at": self.changed_at}
 
     def load_state_dict(self, sd: dict) -> None:
         self.state = str(sd.get("state", "pending"))
-        self.share, self.step = sd.get("share"), sd.get("step")
+        self.share, self.step, self.changed_at = sd.get("share"), sd.get("step"), sd.get("changed_at")

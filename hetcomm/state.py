@@ -396,7 +396,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         of this rank's gradient its rank carries (:mod:`hetcomm.lowrank_share`:
         steps 20-40, 100-120, 200-220, 400-420, ...); ``auto`` under
         ``compression="auto"``, with ``lowrank_guard`` (pending, admitted or
-        refused, and the ranks' agreed reading) where auto offers lowrank."""
+        refused; the ranks' last agreed reading and the one that set the
+        state) where auto offers lowrank."""
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:
             out.update(self._engine.stats())

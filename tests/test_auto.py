@@ -144,6 +144,7 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
     assert r0["auto"]["modes"] == ["none", "lowrank"]
     guard = r0["auto"]["lowrank_guard"]
     assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"] and guard["step"] == 14
+    assert guard["changed_at"] == [14, guard["share"]]
     assert guard["share"] == pytest.approx(min(r0["share"]["share"], r1["share"]["share"]), abs=1e-8)
     assert r0["share"]["readings"] == 3 and (batch == 1 or r0["share"]["share"] != r1["share"]["share"])
     assert r0["wires"][10] == ["lowrank"] and all(w == ["none"] for w in r0["wires"][11:15]), r0["wires"]
@@ -166,11 +167,13 @@ def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
     assert not g.update(lowrank_share.DROP, 120) and g.state == "admitted"  # between the bars: kept
     assert g.update(lowrank_share.DROP - 1e-3, 220) and g.state == "refused" and not g.reading
     assert not g.update(1.0, 420) and g.state == "refused"  # refused for the rest of the run
+    assert g.changed_at == [220, lowrank_share.DROP - 1e-3]
     h = lowrank_share.Guard()
     assert h.update(lowrank_share.ADMIT - 1e-3, 40) and h.state == "refused"
     k = lowrank_share.Guard()
     k.load_state_dict(g.state_dict())
-    assert k.state_dict() == {"state": "refused", "share": 1.0, "step": 420}
+    assert k.state_dict() == {"state": "refused", "share": 1.0, "step": 420,
+                              "changed_at": [220, lowrank_share.DROP - 1e-3]}
 
 
 @pytest.mark.parametrize("warmup", ["none", None])
