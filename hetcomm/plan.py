@@ -390,8 +390,6 @@ class Planner:
         decide when the trial is over; start a re-check when one is due."""
         if self.s.resolved_compression != "auto":
             return
-        if self.guard is not None and self.guard.reading and lowrank_share.LowrankShare.closes(self.s.iter - 1):
-            self._read_guard(engine)
         now = time.monotonic()
         if self._last_round is not None and self._opened is not None:
             self._step_times.setdefault(self._last_round, []).append(now - self._opened)
@@ -402,6 +400,8 @@ class Planner:
                     key, j = self._last_trial[index]
                     self._times.setdefault(key, {}).setdefault(j, []).append(secs)
             self._last_trial = {}
+        if self.guard is not None and self.guard.reading and lowrank_share.LowrankShare.closes(self.s.iter - 1):
+            self._read_guard(engine)
         if self.trial_start is not None and self._kept is None and \
                 self.compressed_steps - self.trial_start == self._rounds():
             self._cut(engine)
