@@ -263,7 +263,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     "(mixed with torch's GradScaler and allreduce_hook), or precisions per rank such as bf16/fp16/fp32; fp32 is "
                     "always run")
     pr.add_argument("--modes", type=choices_list(("none", "fp16", "bf16", "fp8", "onebit", "onebit+m", "topk", "topk+m",
-                                                  "lowrank"), "mode"),
+                                                  "lowrank", "auto", "auto+m"), "mode"),
                     default=["none", "onebit+m"], help="hetcomm compression modes, each run per config (+m: the "
                     "optimizer's momentum compressed, attach_optimizer)")
     pr.add_argument("--task", choices=list(bench_tasks.TASKS), default="regress")

@@ -102,7 +102,7 @@ class BucketSteps:
             self._negotiate(device)
         self._joined = self._shadow_join()  # a walk up this thread's stack: microseconds, once a step
         self._step_open = True
-        self._planner.begin_step(engine)
+        self._planner.auto.begin_step(engine)
         self._buckets.begin_step(engine.carry_holds())
         if self._optimizer is not None:
             self._follow_momentum()
@@ -339,7 +339,7 @@ class BucketSteps:
             layout = layout_of()
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
         if self._lowrank_share.due(self.iter) and (p.mode == "lowrank" or (
-                self._planner.reads_share(numel) and self._compressed_at(self.iter))):
+                self._planner.auto.reads_share(numel) and self._compressed_at(self.iter))):
             self._lowrank_share.add(buf, layout_of())  # how much of the gradient lowrank's rank can carry
         residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,
                                                           world=engine.size, rank=engine.rank, node_of=node_of)
@@ -387,9 +387,9 @@ class BucketSteps:
                 event.record(torch.cuda.current_stream(buf.device))
                 self.last_bucket_event = (self.iter, event)
             self._step_open = False
-            self._planner.end_step(self._compressed_at(self.iter))
+            self._planner.auto.end_step(self._compressed_at(self.iter))
             self._lowrank_share.end_step(self.iter, self.matrix_approximation_rank, engine.rank,
-                                         warn=self._planner.guard is None)
+                                         warn=self._planner.auto.guard is None)
             self.last_plans, self._step_plans = self._step_plans, {}
             self.iter += 1
             self._steps_done += 1

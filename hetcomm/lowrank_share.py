@@ -69,6 +69,16 @@ def window_of(step: int) -> Optional[int]:
     return start if step <= start + SPAN else None
 
 
+def next_close(step: int) -> int:
+    """The last step of the first window that closes at ``step`` or later."""
+    if step <= FIRST + SPAN:
+        return FIRST + SPAN
+    start = LATER
+    while start + SPAN < step:
+        start *= 2
+    return start + SPAN
+
+
 class LowrankShare:
     """Windows of readings over a step's lowrank (or, under auto's guard,
     lowrank-sized) buckets."""
@@ -137,7 +147,8 @@ class LowrankShare:
 
 
 ADMIT = 0.975  # auto keeps lowrank past the first window when the ranks' lowest reading is at least this ...
-DROP = 0.93    # ... and takes it back when a later window's reads under this
+DROP = 0.93    # ... and takes it back when a later window's reads under this; a first reading from DROP up to
+#                ADMIT leaves the decision to the next window (at ADMIT, or refused)
 
 
 class Guard:
@@ -149,16 +160,20 @@ class Guard:
     speed from the run's first steps, but no bucket runs it until the first
     window's reading (steps 20-40: the lowest of the ranks' means) admits it
     at :data:`ADMIT` (30 steps of lowrank at the language model's start, then
-    dense, ended 3 % over fp32's perplexity in one of two seeds). Under ADMIT
-    it is refused, and so it is when a later window reads under :data:`DROP`:
-    refused, lowrank leaves the candidates for the rest of the run (the
-    language model's share only falls as it trains), and buckets that ran it
-    take the best plan the last trial measured without it; its error
-    feedback is carried into that plan, nothing dropped."""
+    dense, ended 3 % over fp32's perplexity in one of two seeds). Under
+    :data:`DROP` it is refused. From DROP up to ADMIT the next window (steps
+    100-120) decides, at ADMIT: a window's mean moves by 0.01 with one step's
+    share (an fp16 overflow skipped in steps 20-40 took the wide model's
+    reading from 0.983 to 0.972; at 100-120 it read 0.996). An admitted
+    lowrank is refused when a later window reads under DROP. Refused, lowrank
+    leaves the candidates for the rest of the run (the language model's share
+    only falls as it trains), and buckets that ran it take the best plan the
+    last trial measured without it; its error feedback is carried into that
+    plan, nothing dropped."""
 
     def __init__(self) -> None:
         self.state = "pending"  # pending (measured in trials, run by no bucket), admitted, refused
-        self.share: Optional[float] = None  # the last agreed reading
+        self.share: Optional[float] = None  # the last agreed reading (pending with one: it was between the bars)
         self.step: Optional[int] = None     # ... and the last step of its window
         self.changed_at: Optional[list] = None  # [step, share] of the reading that set the state
 
@@ -168,10 +183,18 @@ class Guard:
 
     def update(self, share: float, step: int) -> bool:
         """An agreed reading; True when it admits or refuses lowrank now."""
+        second = self.share is not None  # a pending guard's second reading: the first was between the bars
         self.share, self.step = share, step
         before = self.state
         if self.state == "pending":
-            self.state = "admitted" if share >= ADMIT else "refused"
+            if share >= ADMIT:
+                self.state = "admitted"
+            elif share < DROP or second:
+                self.state = "refused"
+            else:
+                log.info("hetcomm: auto's lowrank waits for its next reading: the ranks' lowest share of gradient "
+                         "energy in its rank, steps %d-%d, is %.3f (admitted at %.3f or more, refused under %.2f)",
+                         step - SPAN, step, share, ADMIT, DROP)
         elif self.state == "admitted" and share < DROP:
             self.state = "refused"
         if self.state != before:

@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _C, options, plan, topology
+from . import _C, autoplan, options, plan, topology
 
 log = logging.getLogger("hetcomm")
 
@@ -138,18 +138,19 @@ class Negotiation:
                 f"{r} {p}" for r, p in enumerate(self.precisions)))
         self._weighted = self._local_batch is not None
         if self.compression == "auto":
-            modes = self.candidates or plan.safe_modes(self._attached, bf16_everywhere,
-                                                      self._total_steps is not None)
+            auto = self._planner.auto
+            modes = self.candidates or autoplan.safe_modes(self._attached, bf16_everywhere,
+                                                          self._total_steps is not None)
             if "bf16" in modes and not bf16_everywhere:
                 raise ValueError("hetcomm: candidates include 'bf16' but some rank's device has no native bf16 "
                                  "(CUDA compute capability < 8.0): use 'fp16' there")
-            self._planner.modes = tuple(modes)
+            auto.modes = tuple(modes)
             if not self.candidates and self._attached is None:
                 # lowrank of the gradient: offered on the reading of its rank's share (hetcomm.lowrank_share.Guard)
-                self._planner.offer_guarded()
-            log.info("hetcomm: compression='auto' chooses per bucket among %s%s", ", ".join(self._planner.modes),
+                auto.offer_guarded()
+            log.info("hetcomm: compression='auto' chooses per bucket among %s%s", ", ".join(auto.modes),
                      " (lowrank while the ranks' share readings keep it: steps 20-40 first)"
-                     if self._planner.guard is not None else "")
+                     if auto.guard is not None else "")
         if (self.algorithm in ("auto", "ring", "hierarchical") or self.compression == "auto" or
                 self._algorithm_default) and self.topology is None:
             self._detect_topology(bucket_device)

@@ -4,41 +4,7 @@ A :class:`BucketPlan` is the whole decision for one bucket in one step (wire
 format, algorithm, whether the step runs exactly while the bucket's compressed
 state waits). :class:`Planner` makes it: for a fixed ``compression`` from the
 options and the cost model of :mod:`hetcomm.planner`; for
-``compression="auto"`` by *predict, then verify*:
-
-1. Candidates per bucket: every (wire, algorithm) pair allowed for the user's
-   optimizer (:func:`safe_modes`), ranked by the cost model on the measured
-   topology; the best few (``AUTO_TOP``) plus fp32 on the process group's own
-   all-reduce (the "never loses" baseline) are kept.
-2. Trial: the first compressed steps after ``start_iter`` run rounds in turn,
-   ``AUTO_REPEATS`` times each; in round c every bucket runs its c-th candidate.
-   After the first cycle (each round once) the ranks agree on the rounds
-   that took over ``AUTO_SPAN`` times the fastest; those run no more (fp32 at
-   100 Mbit: 3 steps of it cost 25 compressed ones; they could not win).
-   Each round's *step* time is measured (one period of the training loop:
-   what the user waits for, including what the codecs and the intra-node
-   traffic take from the compute on a shared CPU); the comm thread also times
-   every bucket (shown in ``stats()``, not decided on: measured on the
-   testbed, a bucket's own time missed 50 ms/step of such effects).
-3. Decision: every rank all-gathers its round times, takes the slowest rank's
-   time per round and the fastest round: the same choice everywhere, whatever
-   each rank measured (:func:`choose`).
-4. Re-check (round 0: the current plans), switching only to a round at least
-   ``1 / AUTO_HYSTERESIS`` faster: first ``AUTO_SETTLE`` compressed steps
-   after the first decision (whose trial ran in the run's first steps, slower
-   and noisier than the steady state: measured, it could pick a plan 10-40 %
-   slower than the best), then every ``AUTO_RECHECK``. A re-check leaves out
-   the candidates its last measurement found more than ``AUTO_SPAN`` times
-   slower than the chosen round (fp32 at 100 Mbit: 10x a compressed step,
-   3 trial steps of it cost 25 compressed ones), except every
-   ``AUTO_FULL_EVERY``-th, which measures every candidate again.
-5. lowrank, offered by default where the gradient alone is compressed, is a
-   *guarded* candidate (:class:`hetcomm.lowrank_share.Guard`): the trial
-   measures it, but no bucket runs it until the ranks' reading of how much of
-   their gradient its rank carries admits it (steps 20-40); then every bucket
-   takes the fastest round the last trial measured, lowrank's included.
-   Refused (then or later), it leaves the candidates, and buckets that ran it
-   take the fastest round without it.
+``compression="auto"`` :class:`hetcomm.autoplan.AutoPlanner`.
 
 A bucket's error-feedback state belongs to the plan that made it: when a
 bucket's compressed plan changes, what its residuals still owe is folded into
@@ -49,27 +15,16 @@ a *carry* that the next step's reduction adds (see
 from __future__ import annotations
 
 import logging
-import time
-import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
-from . import lowrank_share, planner
+from . import planner
 
 log = logging.getLogger("hetcomm")
 
 DENSE = ("none", "fp16", "bf16")
 COMPRESSED = ("fp8", "onebit", "topk", "lowrank")
 AUTO_MODES = DENSE + COMPRESSED
-AUTO_TOP = 3          # candidates by prediction kept for the trial (plus fp32 native)
-AUTO_REPEATS = 3      # trial steps per candidate, interleaved (the minimum counts: the first may warm up)
-AUTO_SETTLE = 100     # compressed steps from the first decision to the first re-check
-AUTO_RECHECK = 1000   # compressed steps between later re-checks
-AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
-AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
-AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
-
-
 MIN_START_ITER = 2  # DDP rebuilds its buckets after step 0: error feedback starts at step 2 at the earliest
 
 
@@ -98,48 +53,6 @@ class BucketPlan:
         return (self.mode, self.algorithm == "hierarchical") if self.compressed else None
 
 
-def safe_modes(attached: Optional[str], bf16_everywhere: bool, warmed_up: bool = False) -> Tuple[str, ...]:
-    """The wire formats ``auto`` may choose without the user retuning anything:
-    those measured to reach fp32's quality at fp32's learning rate with this
-    optimizer (README "Time to accuracy"). ``attached``: None, "sgd" (momentum
-    compression of SGD), "hetcomm-adamw", or "adam" (torch's Adam/AdamW);
-    ``warmed_up``: attach_optimizer(total_steps=) made the run's start a warm-up (a fifth unless warmup_fraction=)
-    (its gradient exact or in fp8: onebit was measured after both)."""
-    half = "bf16" if bf16_everywhere else "fp16"
-    # 1-bit of the momentum, over 30 digits runs (10 seeds x lr x {1, 1 +- 1e-6}): from step 2 0.49 points short
-    # with SGD-momentum and 0.26 with hetcomm's AdamW, 2 and 1 of the 3 10-seed sets outside the 0.5 tolerance;
-    # with the warm-up +0.01 and -0.28, every set within (LM and regression within either way).
-    onebit = ("onebit",) if warmed_up else ()
-    if attached == "sgd":
-        # fp8 of SGD's momentum: every task on 2 ranks (digits and the regression over 15 runs); the 4-rank LM blew
-        # up in 1 of 2 seeds with 2048 values per scale, reached in 2 of 2 with 256 (the default). top-k missed the
-        # language model (perplexity 2.35 against 1.62 on the 4-rank testbed): list it in candidates=.
-        return ("none", half, "fp8") + onebit
-    if attached == "hetcomm-adamw":
-        # Adam's momentum compressed: top-k missed digits (95.7 vs 98.6 % over 3 seeds) and the LM (+11 %), fp8 into
-        # the frozen variance digits (93.3 %); 1-bit only with the warm-up (above).
-        return ("none", half) + onebit
-    if attached is None:
-        # fp8 of the gradient (error feedback, no momentum compression) reached
-        # fp32 on every task with SGD-momentum and AdamW (digits over 3 seeds).
-        return ("none", half, "fp8")
-    # torch's Adam attached (its variance sees the codec's error): dense only.
-    return ("none", half)
-
-
-def choose(times: Sequence[Sequence[float]], current: Optional[int] = None,
-           hysteresis: float = AUTO_HYSTERESIS) -> int:
-    """The candidate to keep, from ``times[rank][candidate]`` (seconds; inf
-    where not measured): the one whose slowest rank is fastest (ties: the
-    earlier, better-predicted one). With a ``current`` choice, switch only to
-    one at least ``1 / hysteresis`` times faster."""
-    worst = [max(col) for col in zip(*times)]
-    best = min(range(len(worst)), key=lambda j: (worst[j], j))
-    if current is not None and worst[best] > hysteresis * worst[current]:
-        return current
-    return best
-
-
 def wire_of(mode: str, topk_ratio: float, lowrank_fraction: Optional[float] = None) -> planner.Wire:
     """The cost model's wire format of a mode."""
     if mode == "topk":
@@ -160,36 +73,11 @@ class Planner:
     """Decides every bucket's :class:`BucketPlan` for one HookState."""
 
     def __init__(self, state) -> None:
+        from .autoplan import AutoPlanner  # (it builds on this module)
+
         self.s = state
         self._algo: Dict[Tuple[int, str], Tuple[str, Optional[float]]] = {}
-        #: compression="auto": per bucket key, the candidates [(mode, algorithm, predicted_s)] ...
-        self.candidates: Dict[str, List[Tuple[str, str, Optional[float]]]] = {}
-        #: ... and the index of the chosen one
-        self.decided: Dict[str, int] = {}
-        self.modes: Tuple[str, ...] = ()   # set at negotiation
-        self.compressed_steps = 0          # steps where compression was on (the auto clock)
-        self.trial_start: Optional[int] = None  # compressed step at which the running trial began
-        self.next_check = 0
-        #: per bucket key, this rank's comm-thread seconds of each candidate in the last trial
-        self.measured: Dict[str, List[float]] = {}
-        self._restored: Dict[str, Tuple[str, str]] = {}
-        self._times: Dict[str, Dict[int, List[float]]] = {}  # comm-thread seconds per bucket and candidate
-        self._step_times: Dict[int, List[float]] = {}  # trial round -> step seconds
-        self._order: Dict[str, List[int]] = {}  # bucket key -> candidate indices in trial-round order
-        self._kept: Optional[List[int]] = None  # the rounds the trial repeats after its first cycle (once agreed)
-        self._rechecking = False
-        self.rechecks = 0                  # re-checks started so far
-        #: per bucket key, the (mode, algorithm) pairs a pruned re-check leaves out
-        self.pruned: Dict[str, set] = {}
-        self._opened: Optional[float] = None
-        self._last_round: Optional[int] = None
-        #: the slowest rank's step time of each round of the last trial
-        self.round_times: List[float] = []
-        self._step_trial: Dict[int, Tuple[str, int]] = {}  # bucket index -> (key, candidate) of the open step
-        self._last_trial: Dict[int, Tuple[str, int]] = {}
-        #: lowrank's condition when auto offers it by default (set at negotiation), else None
-        self.guard: Optional[lowrank_share.Guard] = None
-        self._guard_sd: dict = {}  # a loaded guard's state, for the guard made at negotiation
+        self.auto = AutoPlanner(self)  # compression="auto"
 
     # ---- fixed modes -------------------------------------------------------------
     def algorithm(self, numel: int, wire: planner.Wire) -> Tuple[str, str, Optional[float]]:
@@ -229,7 +117,7 @@ class Planner:
                 return BucketPlan(wire, algo, "warm-up", predicted_s=predicted)
             return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
         if mode == "auto":
-            return self._auto(numel, key, index, layout_of)
+            return self.auto.plan(numel, key, index, layout_of)
         algo, why, predicted = self.algorithm(numel, self._wire(mode, numel, layout_of))
         return BucketPlan(mode, algo, why, predicted_s=predicted)
 
@@ -240,298 +128,3 @@ class Planner:
     def _dense(self, numel: int, mode: str, why: str, interim: bool = False) -> BucketPlan:
         algo, how, predicted = self.algorithm(numel, planner.Wire(mode))
         return BucketPlan(mode, algo, why if why != "fixed" else how, interim, predicted)
-
-    # ---- compression="auto" -----------------------------------------------------------
-    def _candidates(self, numel: int, layout_of) -> List[Tuple[str, str, Optional[float]]]:
-        s = self.s
-        if s.algorithm != "auto":
-            algos = [s.algorithm]
-        elif s._forced_algo:
-            algos = [s._forced_algo]
-        else:
-            algos = list(planner.ALGORITHMS)
-        ranked, guarded = [], []
-        for mode in self.modes:
-            wire = self._wire(mode, numel, layout_of)
-            usable = [a for a in algos if planner.carries(a, wire)] or ["native"]
-            preds = [(planner.predict(s.topology, numel * 4, a, wire), a) for a in usable]
-            preds = [(t, a) for t, a in preds if t is not None]
-            if mode in DENSE or self._guarded(mode):  # one algorithm: the predicted best
-                preds = sorted(preds, key=lambda p: (p[0], planner.ALGORITHMS.index(p[1])))[:1]
-            (guarded if self._guarded(mode) else ranked).extend((t, mode, a) for t, a in preds)
-        ranked.sort(key=lambda r: (r[0], AUTO_MODES.index(r[1]), planner.ALGORITHMS.index(r[2])))
-        top = [(m, a, t) for t, m, a in ranked[:AUTO_TOP]]
-        if not any(m == "none" and a == "native" for m, a, _ in top) and "none" in self.modes:
-            native = planner.predict(s.topology, numel * 4, "native", "none")
-            top.append(("none", "native", native))
-        if guarded and bool((layout_of()[:, 3] > 0).any()):  # on top of the rest, where it has a matrix to compress
-            top += [(m, a, t) for t, m, a in guarded]
-        return top
-
-    def offer_guarded(self) -> None:
-        """Negotiation: lowrank joins the candidates under its guard."""
-        self.modes += ("lowrank",)
-        self.guard = lowrank_share.Guard()
-        self.guard.load_state_dict(self._guard_sd)
-
-    def reads_share(self, numel: int) -> bool:
-        """Whether a compressed step's bucket of ``numel`` elements feeds the
-        guard's reading (lowrank not refused, the bucket one it would take)."""
-        return self.guard is not None and self.guard.reading and numel >= self.s.min_compress_numel
-
-    def _guarded(self, mode: str) -> bool:
-        return self.guard is not None and mode == "lowrank"
-
-    def _excluded(self, cand: Tuple) -> bool:
-        """A candidate the trials no longer measure (lowrank refused)."""
-        return self._guarded(cand[0]) and not self.guard.reading
-
-    def _blocked(self, cand: Tuple) -> bool:
-        """A candidate no bucket may run outside a trial (lowrank not admitted)."""
-        return self._guarded(cand[0]) and self.guard.state != "admitted"
-
-    def _auto(self, numel: int, key: str, index: int, layout_of) -> BucketPlan:
-        """A compressed step's plan under compression="auto"."""
-        if key not in self.candidates:
-            cands = self.candidates[key] = self._candidates(numel, layout_of)
-            restored = self._restored.pop(key, None)
-            if restored is not None:
-                if restored not in [c[:2] for c in cands]:  # another cluster now: keep it, verify it again
-                    cands.append((*restored, None))
-                self.decided[key] = [c[:2] for c in cands].index(restored)
-            elif self.trial_start is None:
-                self._start_trial()
-            self._order.setdefault(key, self._order_of(key))
-        cands = self.candidates[key]
-        if self._in_trial():
-            j = self._candidate_in_round(key, self._round())
-            self._step_trial[index] = (key, j)
-            mode, algo, predicted = cands[j]
-            return BucketPlan(mode, algo, "trial", predicted_s=predicted)
-        mode, algo, predicted = cands[self.decided.get(key, 0)]
-        return BucketPlan(mode, algo, "measured" if key in self.decided else "predicted", predicted_s=predicted)
-
-    def _order_of(self, key: str, prune: bool = False) -> List[int]:
-        """The candidates of ``key`` in trial order: the current choice first
-        (round 0 of a re-check), then by prediction; ``prune``: without those
-        measured hopeless (:attr:`pruned`)."""
-        first = self.decided.get(key)
-        if first is not None and self._excluded(self.candidates[key][first]):
-            first = None
-        out = self.pruned.get(key, set()) if prune else set()
-        rest = [j for j, c in enumerate(self.candidates[key])
-                if j != first and c[:2] not in out and not self._excluded(c)]
-        return rest if first is None else [first] + rest
-
-    def _candidate_in_round(self, key: str, c: int) -> int:
-        """The candidate of ``key`` that trial round ``c`` runs (a bucket with
-        fewer candidates than rounds runs its first again)."""
-        order = self._order[key]
-        return order[c] if c < len(order) else order[0]
-
-    def _start_trial(self) -> None:
-        self.trial_start = self.compressed_steps
-        self._rechecking = bool(self.decided)
-        prune = False
-        if self._rechecking:
-            self.rechecks += 1
-            prune = self.rechecks % AUTO_FULL_EVERY != 0
-        self._order = {k: self._order_of(k, prune) for k in self.candidates}
-        self._step_times, self._times, self._kept = {}, {}, None
-
-    def _in_trial(self) -> bool:
-        if self.trial_start is None:
-            return False
-        t, rounds = self.compressed_steps - self.trial_start, self._rounds()
-        return t < rounds or (self._kept is not None and t < rounds + (AUTO_REPEATS - 1) * len(self._kept))
-
-    def _rounds(self) -> int:
-        return max((len(o) for o in self._order.values()), default=0)
-
-    def _round(self) -> int:
-        """This step's trial round: rounds take turns, so a drifting load
-        (another job, a warming cache) weighs on every candidate alike."""
-        t, rounds = self.compressed_steps - self.trial_start, self._rounds()
-        return t if t < rounds else self._kept[(t - rounds) % len(self._kept)]
-
-    def _cut(self, engine) -> None:
-        """After the trial's first cycle: every rank all-gathers its step
-        time of each round; the rounds whose slowest rank took over
-        AUTO_SPAN times the fastest round's run no more (their one time
-        still counts in the decision, which they cannot win). The fastest
-        may be lowrank's while it waits for its reading: the decision among
-        the others then rests on one step each until the re-check
-        AUTO_SETTLE steps later measures them again (on the wide model at
-        100 Mbit, where lowrank is admitted, repeating them would cost about
-        1.4 s: two more steps each of fp8 and bf16 across nodes and of fp8
-        flat, at their measured times)."""
-        import torch
-
-        rounds = self._rounds()
-        row = [int(self._step_times[c][0] * 1e9) if self._step_times.get(c) else -1 for c in range(rounds)]
-        gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
-        worst = [max(col) if min(col) >= 0 else -1 for col in zip(*gathered.tolist())]
-        best = min((w for w in worst if w >= 0), default=-1)
-        self._kept = [c for c in range(rounds) if worst[c] < 0 or best < 0 or worst[c] <= AUTO_SPAN * best]
-
-    def end_step(self, compressed: bool) -> None:
-        """After the step's last bucket was submitted."""
-        self._last_round = None
-        if compressed and self.s.resolved_compression == "auto":
-            if self._in_trial():
-                self._last_round = self._round()
-            self.compressed_steps += 1
-        self._last_trial, self._step_trial = self._step_trial, {}
-
-    def begin_step(self, engine) -> None:
-        """Before the step's first bucket: time the last step if it was a trial
-        round (from this call to the next: a whole period of the training
-        loop), and its buckets on the comm thread (they are done: DDP waited);
-        decide when the trial is over; start a re-check when one is due."""
-        if self.s.resolved_compression != "auto":
-            return
-        now = time.monotonic()
-        if self._last_round is not None and self._opened is not None:
-            self._step_times.setdefault(self._last_round, []).append(now - self._opened)
-        self._opened, self._last_round = now, None
-        if self._last_trial:
-            for index, secs in engine.last_step_buckets():
-                if index in self._last_trial:
-                    key, j = self._last_trial[index]
-                    self._times.setdefault(key, {}).setdefault(j, []).append(secs)
-            self._last_trial = {}
-        if self.guard is not None and self.guard.reading and lowrank_share.LowrankShare.closes(self.s.iter - 1):
-            self._read_guard(engine)
-        if self.trial_start is not None and self._kept is None and \
-                self.compressed_steps - self.trial_start == self._rounds():
-            self._cut(engine)
-        if self.trial_start is not None and not self._in_trial():
-            self._decide(engine)
-            self.trial_start = None
-            self.next_check = self.compressed_steps + (AUTO_SETTLE if self.rechecks == 0 else AUTO_RECHECK)
-        elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check:
-            self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
-
-    def _decide(self, engine) -> None:
-        """Every rank all-gathers its step time per trial round (and a
-        fingerprint of its candidates); the round whose slowest rank was
-        fastest gives every bucket its plan."""
-        import torch
-
-        keys = sorted(self.candidates)
-        rounds = self._rounds()
-        names = ";".join(f"{k}:" + ",".join(f"{m}/{a}" for m, a, _ in self.candidates[k]) for k in keys)
-        row = [zlib.crc32(names.encode())]
-        row += [int(min(self._step_times[c]) * 1e9) if self._step_times.get(c) else -1 for c in range(rounds)]
-        gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
-        if (gathered[:, 0] != gathered[0, 0]).any():
-            raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
-                             "(different topologies or options): construct HookState alike on every rank")
-        times = [[t / 1e9 if t >= 0 else float("inf") for t in r[1:]] for r in gathered.tolist()]
-        self.round_times = [max(c) for c in zip(*times)]
-        best = choose([self._masked(r) for r in times], 0 if self._rechecking and self._allowed(0) else None)
-        changed = 0
-        for k in keys:
-            j = self._candidate_in_round(k, best)
-            changed += self.decided.get(k, j) != j
-            self.decided[k] = j
-            # what this trial measured hopeless is left out of the next pruned re-check; what it measured
-            # within AUTO_SPAN is back in
-            pruned = self.pruned.setdefault(k, set())
-            for c in range(min(rounds, len(self._order[k]))):  # (later rounds ran the first again)
-                cand = self.candidates[k][self._candidate_in_round(k, c)][:2]
-                if self.round_times[c] > AUTO_SPAN * self.round_times[best] and cand != self.candidates[k][j][:2]:
-                    pruned.add(cand)
-                else:
-                    pruned.discard(cand)
-            per_bucket = self._times.get(k, {})
-            self.measured[k] = [min(per_bucket[i]) if per_bucket.get(i) else None
-                                for i in range(len(self.candidates[k]))]
-        waits = self.guard is not None and self.guard.state == "pending" and \
-            min(range(len(times[0])), key=lambda c: (self.round_times[c], c)) != best
-        log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s; buckets: %s%s", best,
-                 ", ".join(f"{1000 * t:.4g}" for t in self.round_times),
-                 f" - re-planned {changed} bucket(s)" if self._rechecking and changed else "",
-                 "; ".join(f"[{k[:24]}] {self.candidates[k][self.decided[k]][0]}/"
-                           f"{self.candidates[k][self.decided[k]][1]}" for k in keys),
-                 f" (a faster round with lowrank waits for its reading at step {lowrank_share.FIRST + lowrank_share.SPAN})"
-                 if waits else "")
-        self._times, self._step_times = {}, {}
-
-    # ---- the guard on lowrank ----------------------------------------------------------
-    def _allowed(self, c: int) -> bool:
-        """Whether trial round ``c`` ran no blocked candidate on any bucket."""
-        return not any(self._blocked(self.candidates[k][self._candidate_in_round(k, c)])
-                       for k in self._order if self._order[k])
-
-    def _masked(self, times: Sequence[float]) -> List[float]:
-        return [t if self._allowed(c) else float("inf") for c, t in enumerate(times)]
-
-    def _read_guard(self, engine) -> None:
-        """After a window of share readings: every rank all-gathers its mean
-        (or -1: none, e.g. a non-finite gradient); the lowest decides, the
-        same on every rank."""
-        import torch
-
-        step = self.s.iter - 1
-        last = self.s._lowrank_share.last
-        own = int(last["share"] * 1e9) if last is not None and last["step"] == step else -1
-        gathered = engine.submit_config(torch.tensor([step, own], dtype=torch.int64)).wait()
-        if (gathered[:, 0] != step).any():
-            raise ValueError(f"hetcomm: compression='auto' ranks are at different steps ({gathered[:, 0].tolist()}) "
-                             "when reading lowrank's share: every rank must run the same steps")
-        if (gathered[:, 1] < 0).any():
-            return
-        if self.guard.update(int(gathered[:, 1].min()) / 1e9, step):
-            self._repick()
-
-    def _repick(self) -> None:
-        """The guard admitted or refused lowrank: every bucket takes the
-        fastest round of the last trial that it now allows (the slowest
-        rank's times, the same everywhere). Without a trial's times (a resumed
-        run) a re-check starts, from fp32 where buckets ran lowrank."""
-        if self.trial_start is not None:
-            return  # the running trial decides on the new state
-        times = self._masked(self.round_times) if self._order else []
-        if any(t < float("inf") for t in times):
-            best = choose([times])
-            for k in self._order:
-                self.decided[k] = self._candidate_in_round(k, best)
-            return
-        for k, j in self.decided.items():
-            if self._blocked(self.candidates[k][j]):
-                self.decided[k] = [c[:2] for c in self.candidates[k]].index(("none", "native"))
-        if self.decided:
-            self._start_trial()
-
-    # ---- what is saved ----------------------------------------------------------------
-    def state_dict(self) -> dict:
-        out = {"decided": {k: list(self.candidates[k][j][:2]) for k, j in self.decided.items()},
-               "compressed_steps": self.compressed_steps, "next_check": self.next_check,
-               "rechecks": self.rechecks, "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v}}
-        if self.guard is not None:
-            out["guard"] = self.guard.state_dict()
-        return out
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.compressed_steps = int(sd.get("compressed_steps", 0))
-        self.next_check = int(sd.get("next_check", 0))
-        self.rechecks = int(sd.get("rechecks", 0))
-        self.pruned = {str(k): {tuple(c) for c in v} for k, v in sd.get("pruned", {}).items()}
-        self._restored = {str(k): tuple(v) for k, v in sd.get("decided", {}).items()}
-        self.candidates, self.decided, self.trial_start, self._times, self._order = {}, {}, None, {}, {}
-        self._guard_sd = sd.get("guard", {})
-        if self.guard is not None:
-            self.guard.load_state_dict(self._guard_sd)
-
-    def describe(self) -> Dict[str, dict]:
-        """Per bucket key: the candidates, their predictions and the choice."""
-        out = {}
-        for k, cands in self.candidates.items():
-            j = self.decided.get(k)
-            seen = self.measured.get(k, [None] * len(cands))
-            out[k] = {"candidates": [{"mode": m, "algorithm": a, "predicted_s": t, "comm_s": w,
-                                      "pruned": (m, a) in self.pruned.get(k, ())}
-                                     for (m, a, t), w in zip(cands, seen)],
-                      "chosen": None if j is None else {"mode": cands[j][0], "algorithm": cands[j][1]}}
-        return out

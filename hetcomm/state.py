@@ -64,7 +64,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             algorithms that apply finishes first: ranked by the cost model,
             verified by timing the best few (fp32 included) in the first
             compressed steps, agreed across ranks, re-checked every 1000
-            compressed steps (see :mod:`hetcomm.plan`).
+            compressed steps (see :mod:`hetcomm.autoplan`).
         process_group: group to reduce over. ``None`` (default) creates a new
             group over all ranks with the default backend, so hetcomm's
             collectives never interleave with DDP's own (buffer broadcasts,
@@ -322,7 +322,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             "rank": self._rank(),
             "world_size": self._world(),
             **self._buckets.state_dict(),
-            "auto": self._planner.state_dict(),
+            "auto": self._planner.auto.state_dict(),
             "clip_sketch": self._sketch.on,
             "lrs": self._lrs,
             "momentum_beta": self._beta,
@@ -371,10 +371,10 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             if sd.get("resolved_compression") is not None:
                 self.resolved_compression = sd["resolved_compression"]
             self._buckets.load_state_dict(sd, keyed_elsewhere=bool(sd.get("auto", {}).get("decided")))
-            self._planner.load_state_dict(sd.get("auto", {}))
+            self._planner.auto.load_state_dict(sd.get("auto", {}))
         else:  # another rank's state: only its model's shapes (checked at the first step); the rest afresh
             self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
-            self._planner.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
+            self._planner.auto.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
         # the beta the saved momentum was kept with (a scheduled momentum moves it); attach_optimizer takes it too
@@ -411,7 +411,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         if self._sketch.calls:
             out["clip"] = {"calls": self._sketch.calls, "estimated_steps": self._sketch.estimated_steps}
         if self.compression == "auto":
-            pl = self._planner
+            pl = self._planner.auto
             out["auto"] = {"modes": list(pl.modes), "round_step_s": pl.round_times, "rechecks": pl.rechecks,
                            "next_check": pl.next_check, "compressed_steps": pl.compressed_steps,
                            "buckets": pl.describe()}

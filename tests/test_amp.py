@@ -31,6 +31,8 @@ def _mixed_runs(rank, world):
     # denominator): the overflow at step 40 falls on a top-k step (the bench passes total_steps=100:
     # the warm-up ends at step 20, then exact ones are 20 + 2**j - 1 and 20 + 16 k - 1)
     runs += [("fp32", "topk+m/adamw"), ("mixed", "topk+m/adamw")]
+    # auto, its guarded lowrank read in steps 20-40: the fp16 rank's overflow at step 40 leaves it no reading
+    runs += [("fp32", "auto"), ("mixed", "auto")]
     for config, spec in runs:
         mode, _, optim = spec.partition("/")
         # -w8: a warm-up to step 60 with its gradient in fp8, so the overflow at step 40 falls inside it
@@ -67,6 +69,8 @@ def test_mixed_bf16_fp16_ranks_stay_identical_and_skip_overflows_together(mixed_
         else:
             assert r["skipped"] == []
         assert r["stats_precisions"] == r["precisions"]
+        if mode == "auto":  # the guard read its window, the overflow step left out where it overflowed
+            assert r["auto"]["lowrank_guard"]["step"] == 40 and r["auto"]["lowrank_guard"]["share"] > 0.5, r["auto"]
 
 
 def test_mixed_precision_trains_like_fp32(mixed_runs):
@@ -76,7 +80,7 @@ def test_mixed_precision_trains_like_fp32(mixed_runs):
     for mode in ("none", "fp16"):
         assert mixed_runs[("mixed", mode)]["final_loss"] <= 1.05 * fp32, losses
     assert mixed_runs[("fp16", "none")]["final_loss"] <= 1.05 * fp32, losses
-    for mode in ("topk", "lowrank", "onebit", "onebit-w8", "onebit-hierarchical", "topk-adamw"):
+    for mode in ("topk", "lowrank", "onebit", "onebit-w8", "onebit-hierarchical", "topk-adamw", "auto"):
         assert mixed_runs[("mixed", mode)]["final_loss"] <= 1.05 * mixed_runs[("fp32", mode)]["final_loss"], str(losses)
 
 

@@ -8,7 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import lowrank_share, plan, topology
+from hetcomm import autoplan, lowrank_share, plan, topology
 
 from . import models
 from .dist_harness import run_ranks
@@ -20,30 +20,30 @@ INF = float("inf")
 def test_choose_takes_the_fastest_slowest_rank_whatever_each_rank_measured():
     # rank 1 is noisy: its view alone would pick candidate 0, rank 0's candidate 2
     times = [[3.0, 2.0, 1.0], [0.5, 2.1, 4.0]]
-    assert plan.choose(times) == 1
-    assert plan.choose(list(reversed(times))) == 1  # the order of ranks does not matter
+    assert autoplan.choose(times) == 1
+    assert autoplan.choose(list(reversed(times))) == 1  # the order of ranks does not matter
     # ties go to the better predicted (earlier) candidate; unmeasured never wins
-    assert plan.choose([[1.0, 1.0, INF]]) == 0
-    assert plan.choose([[INF, 2.0]]) == 1
+    assert autoplan.choose([[1.0, 1.0, INF]]) == 0
+    assert autoplan.choose([[INF, 2.0]]) == 1
 
 
 def test_choose_with_a_current_plan_switches_only_past_the_hysteresis():
     times = [[1.0, 0.95]]
-    assert plan.choose(times) == 1
-    assert plan.choose(times, current=0) == 0            # 5 % faster: noise, keep
-    assert plan.choose([[1.0, 0.5]], current=0) == 1     # twice as fast: switch
+    assert autoplan.choose(times) == 1
+    assert autoplan.choose(times, current=0) == 0            # 5 % faster: noise, keep
+    assert autoplan.choose([[1.0, 0.5]], current=0) == 1     # twice as fast: switch
 
 
 def test_safe_modes_follow_the_optimizer():
-    assert plan.safe_modes(None, True) == ("none", "bf16", "fp8")  # the gradient in fp8 with error feedback
-    assert plan.safe_modes("adam", False) == ("none", "fp16")  # torch's Adam attached: dense only
-    assert plan.safe_modes("sgd", True) == ("none", "bf16", "fp8")  # onebit missed the regression, top-k the LM
-    assert plan.safe_modes("hetcomm-adamw", True) == ("none", "bf16")  # onebit of Adam's momentum missed digits
+    assert autoplan.safe_modes(None, True) == ("none", "bf16", "fp8")  # the gradient in fp8 with error feedback
+    assert autoplan.safe_modes("adam", False) == ("none", "fp16")  # torch's Adam attached: dense only
+    assert autoplan.safe_modes("sgd", True) == ("none", "bf16", "fp8")  # onebit missed the regression, top-k the LM
+    assert autoplan.safe_modes("hetcomm-adamw", True) == ("none", "bf16")  # onebit of Adam's momentum missed digits
     # with attach_optimizer(total_steps=): the first fifth a warm-up, then 1-bit of the momentum reached digits too
-    assert plan.safe_modes("sgd", True, warmed_up=True) == ("none", "bf16", "fp8", "onebit")
-    assert plan.safe_modes("hetcomm-adamw", False, warmed_up=True) == ("none", "fp16", "onebit")
-    assert plan.safe_modes("adam", True, warmed_up=True) == ("none", "bf16")
-    assert plan.safe_modes(None, True, warmed_up=True) == ("none", "bf16", "fp8")
+    assert autoplan.safe_modes("sgd", True, warmed_up=True) == ("none", "bf16", "fp8", "onebit")
+    assert autoplan.safe_modes("hetcomm-adamw", False, warmed_up=True) == ("none", "fp16", "onebit")
+    assert autoplan.safe_modes("adam", True, warmed_up=True) == ("none", "bf16")
+    assert autoplan.safe_modes(None, True, warmed_up=True) == ("none", "bf16", "fp8")
 
 
 def _rank_predict(first):
@@ -58,29 +58,31 @@ def _rank_predict(first):
 
 def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False,
               batch=8, guard=None, cut=True):
-    """``guard``: (FIRST, SPAN) of lowrank's first share window (every step
-    read), auto's modes fp32 and the guarded lowrank, which is the fastest
-    round whenever a choice may take it. ``cut``: False, every trial round
-    runs AUTO_REPEATS steps, whatever the first cycle measured."""
+    """``guard``: settings of :mod:`hetcomm.lowrank_share` (FIRST and SPAN of
+    lowrank's first share window, every step read; no later window unless
+    LATER is set), auto's modes fp32 and the guarded lowrank, which is the
+    fastest round whenever a choice may take it. ``cut``: False, every trial
+    round runs AUTO_REPEATS steps, whatever the first cycle measured.
+    ``batch``: samples a rank, or a list of them per step."""
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if guard:
         from hetcomm import lowrank_share
 
-        lowrank_share.FIRST, lowrank_share.SPAN = guard
-        lowrank_share.EVERY, lowrank_share.LATER = 1, 10_000
-        plan.safe_modes = lambda *a, **k: ("none",)
+        for k, v in {"EVERY": 1, "LATER": 10_000, **guard}.items():
+            setattr(lowrank_share, k, v)
+        autoplan.safe_modes = lambda *a, **k: ("none",)
         cut = False  # steps 2-10
-        real = plan.choose
+        real = autoplan.choose
 
-        def choose(times, current=None, hysteresis=plan.AUTO_HYSTERESIS):  # lowrank's round is the last
+        def choose(times, current=None, hysteresis=autoplan.AUTO_HYSTERESIS):  # lowrank's round is the last
             return len(times[0]) - 1 if all(r[-1] < INF for r in times) else real(times, current, hysteresis)
-        plan.choose = choose
+        autoplan.choose = choose
     if two_nodes:
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     if first:
         plan.planner.predict = _rank_predict(first)
     if not cut:
-        plan.AUTO_SPAN = INF
+        autoplan.AUTO_SPAN = INF
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)) if big \
         else models.mlp(hidden=96)
@@ -96,8 +98,9 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     total = None
     wires = []
     for step in range(steps):
-        x = torch.randn(batch, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
-        y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(step))
+        n = batch[step] if isinstance(batch, list) else batch
+        x = torch.randn(n, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
+        y = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(step))
         # the exact mean gradient, from a plain copy of the model and the default group
         for q, p in zip(probe, model.parameters()):
             q.data.copy_(p.detach())
@@ -139,7 +142,8 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
     # run fp32 until the ranks' shares of gradient energy in the top 4 singular values, read in steps 12-14,
     # admit it at step 15. One sample a rank: every weight gradient is of rank 1 (share 1): admitted. Eight:
     # refused. Either way fp32 pays what lowrank's error feedback owed from its trial round (step 10).
-    res = run_ranks(_auto_run, 2, 18, None, None, 0.01, False, False, str(tmp_path), False, batch, (12, 2))
+    res = run_ranks(_auto_run, 2, 18, None, None, 0.01, False, False, str(tmp_path), False, batch,
+                    {"FIRST": 12, "SPAN": 2})
     r0, r1 = res
     assert r0["auto"]["modes"] == ["none", "lowrank"]
     guard = r0["auto"]["lowrank_guard"]
@@ -156,8 +160,23 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
         assert guard["state"] == "admitted" and guard["share"] > 0.999
         assert all(w == ["lowrank"] for w in r0["wires"][15:]), r0["wires"]
     else:
-        assert guard["state"] == "refused" and guard["share"] < lowrank_share.ADMIT
+        assert guard["state"] == "refused" and guard["share"] < lowrank_share.DROP
         assert all(w == ["none"] for w in r0["wires"][15:]), r0["wires"]
+    assert torch.equal(r0["params"], r1["params"])
+
+
+def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window(tmp_path):
+    # eight samples a rank in the first window (steps 12-14), its reading between the bars (DROP 0 here):
+    # lowrank waits, fp32 runs on; one sample a rank in the second (steps 20-22) reads 1: admitted at step 23
+    batch = [8] * 20 + [1] * 6
+    res = run_ranks(_auto_run, 2, 26, None, None, 0.01, False, False, str(tmp_path), False, batch,
+                    {"FIRST": 12, "SPAN": 2, "LATER": 20, "DROP": 0.0})
+    r0, r1 = res
+    guard = r0["auto"]["lowrank_guard"]
+    assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]
+    assert guard["state"] == "admitted" and guard["changed_at"] == [22, guard["share"]] and guard["share"] > 0.999
+    assert all(w == ["none"] for w in r0["wires"][11:23]) and all(w == ["lowrank"] for w in r0["wires"][23:]), \
+        r0["wires"]
     assert torch.equal(r0["params"], r1["params"])
 
 
@@ -169,7 +188,15 @@ def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
     assert not g.update(1.0, 420) and g.state == "refused"  # refused for the rest of the run
     assert g.changed_at == [220, lowrank_share.DROP - 1e-3]
     h = lowrank_share.Guard()
-    assert h.update(lowrank_share.ADMIT - 1e-3, 40) and h.state == "refused"
+    assert h.update(lowrank_share.DROP - 1e-3, 40) and h.state == "refused"
+    # between the bars, the first reading decides nothing; the second decides at ADMIT
+    for second, state in ((lowrank_share.ADMIT, "admitted"), (lowrank_share.ADMIT - 1e-3, "refused")):
+        p = lowrank_share.Guard()
+        assert not p.update(lowrank_share.ADMIT - 1e-3, 40) and p.state == "pending" and p.reading
+        assert p.changed_at is None and p.share == lowrank_share.ADMIT - 1e-3
+        q = lowrank_share.Guard()  # a checkpoint between the readings
+        q.load_state_dict(p.state_dict())
+        assert q.update(second, 120) and q.state == state and q.changed_at == [120, second]
     k = lowrank_share.Guard()
     k.load_state_dict(g.state_dict())
     assert k.state_dict() == {"state": "refused", "share": 1.0, "step": 420,
@@ -282,7 +309,7 @@ def _held_carry_run(rank, world, cache_dir, last_trial):
     # whatever each one's carry holds.
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     plan.planner.predict = _rank_predict("topk")
-    plan.choose = lambda times, current=None: 1  # round 1 = fp32: the decided plan is dense
+    autoplan.choose = lambda times, current=None: 1  # round 1 = fp32: the decided plan is dense
     torch.manual_seed(0)
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.02)
@@ -314,7 +341,7 @@ def _held_carry_run(rank, world, cache_dir, last_trial):
 
 
 def test_a_held_back_carry_stays_owed_on_every_rank(tmp_path):
-    last_trial = 2 + plan.AUTO_REPEATS * 2 - 1  # the rounds alternate top-k, fp32 from step 2 on
+    last_trial = 2 + autoplan.AUTO_REPEATS * 2 - 1  # the rounds alternate top-k, fp32 from step 2 on
     res = run_ranks(_held_carry_run, 2, str(tmp_path), last_trial, timeout=120.0, pg_timeout=20.0)
     for r in res:
         assert r["plans"] == {"none"}
@@ -433,18 +460,19 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
                              links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
     state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
                             min_compress_numel=0, start_iter=0, topk_ratio=0.01, _compressed_at=lambda step: True)
-    planner = plan.Planner(state)
+    plans = plan.Planner(state)
+    planner = plans.auto
     planner.modes = ("none", "fp8", "onebit")
     cost = {"none": 10.0, "fp8": 1.0, "onebit": 1.2}
     clock = [0.0]
-    monkeypatch.setattr(plan.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
     engine = _OneRankEngine()
     ran = []  # (compressed step, mode, why)
-    for step in range(3 * plan.AUTO_RECHECK + plan.AUTO_SETTLE + 60):
-        if step == plan.AUTO_SETTLE + 2 * plan.AUTO_RECHECK:
+    for step in range(3 * autoplan.AUTO_RECHECK + autoplan.AUTO_SETTLE + 60):
+        if step == autoplan.AUTO_SETTLE + 2 * autoplan.AUTO_RECHECK:
             cost["onebit"] = 0.5
         planner.begin_step(engine)
-        p = planner.plan(1 << 20, "bucket", 0, step, lambda: None)
+        p = plans.plan(1 << 20, "bucket", 0, step, lambda: None)
         ran.append((planner.compressed_steps, p.mode, p.why))
         clock[0] += cost[p.mode]
         planner.end_step(True)
@@ -452,21 +480,22 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     first = [m for s, m in trials if s < 7]
     assert sorted(m for s, m in trials[:3]) == ["fp8", "none", "onebit"]  # a cycle: each round once
     assert sorted(first) == ["fp8"] * 3 + ["none"] + ["onebit"] * 3  # fp32 once: 10 > AUTO_SPAN x 1.0
-    settle = [m for s, m in trials if 7 + plan.AUTO_SETTLE <= s < 7 + plan.AUTO_SETTLE + 6]
+    settle = [m for s, m in trials if 7 + autoplan.AUTO_SETTLE <= s < 7 + autoplan.AUTO_SETTLE + 6]
     assert sorted(settle) == ["fp8"] * 3 + ["onebit"] * 3  # fp32 left out
     starts = [s for (s, _), (p, _) in zip(trials[1:], trials) if s != p + 1]  # where each re-check began
-    assert starts[0] == 7 + plan.AUTO_SETTLE and all(b - a > plan.AUTO_RECHECK for a, b in zip(starts, starts[1:]))
-    assert len(starts) == plan.AUTO_FULL_EVERY
+    assert starts[0] == 7 + autoplan.AUTO_SETTLE
+    assert all(b - a > autoplan.AUTO_RECHECK for a, b in zip(starts, starts[1:]))
+    assert len(starts) == autoplan.AUTO_FULL_EVERY
     counts = [sorted({m for s, m in trials if a <= s < a + 9}) for a in starts]
     assert counts[:3] == [["fp8", "onebit"]] * 3
     assert counts[3] == ["fp8", "none", "onebit"]  # every AUTO_FULL_EVERY-th re-check measures every candidate
     assert [m for s, m in trials if starts[3] <= s < starts[3] + 9].count("none") == 1  # once
     # the third re-check measured onebit's new speed and switched to it; the fourth kept it
     assert ran[-1][1] == "onebit" and ran[-1][2] == "measured"
-    assert planner.rechecks == plan.AUTO_FULL_EVERY and planner.pruned["bucket"] == {("none", "native")}
+    assert planner.rechecks == autoplan.AUTO_FULL_EVERY and planner.pruned["bucket"] == {("none", "native")}
     # and what is left out is saved with the decisions
     sd = planner.state_dict()
-    assert sd["pruned"] == {"bucket": [["none", "native"]]} and sd["rechecks"] == plan.AUTO_FULL_EVERY
-    fresh = plan.Planner(state)
+    assert sd["pruned"] == {"bucket": [["none", "native"]]} and sd["rechecks"] == autoplan.AUTO_FULL_EVERY
+    fresh = plan.Planner(state).auto
     fresh.load_state_dict(sd)
     assert fresh.pruned == planner.pruned and fresh.rechecks == planner.rechecks

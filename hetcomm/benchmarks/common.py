@@ -174,3 +174,11 @@ def plan_summary(state) -> Dict[str, int]:
         k = f"{p.mode}/{p.algorithm}"
         out[k] = out.get(k, 0) + 1
     return out
+
+
+def auto_record(state) -> Optional[Dict]:
+    """What ``compression="auto"`` did in a run (its modes, trial rounds'
+    times, re-checks, buckets and lowrank guard), or None for other modes."""
+    auto = state.stats().get("auto") if state is not None else None
+    return {k: auto[k] for k in ("modes", "round_step_s", "rechecks", "buckets", "lowrank_guard")
+            if k in auto} if auto else None

@@ -32,9 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import modes as mode_table
+from ..autoplan import AUTO_REPEATS, AUTO_SETTLE, AUTO_TOP
 from ..balance import Balancer, ThroughputMeter
 from ..launch import run_distributed, spawn_ranks
-from ..plan import AUTO_REPEATS, AUTO_SETTLE, AUTO_TOP, COMPRESSED
+from ..plan import COMPRESSED
 from . import common
 
 IN, OUT = 256, 10

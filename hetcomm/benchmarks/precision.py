@@ -105,6 +105,7 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
     dist.all_gather(every, flat)
     skipped_per_rank = [None] * world
     dist.all_gather_object(skipped_per_rank, skipped)
+    auto = common.auto_record(state)
     if state is not None:
         state.close()
     return {"config": config, "mode": mode if config != "naive" else "allreduce_hook", "task": task, "optimizer": optim,
@@ -115,7 +116,8 @@ def train(rank: int, world: int, config: str, mode: str = "none", *, task: str =
             "skips_agree": all(k == skipped_per_rank[0] for k in skipped_per_rank), "scales": scales,
             "s_per_step": train_s / steps, "overflow_wires": overflow_wires,
             "last_plans": sorted(common.plan_summary(state)) if state is not None else None,
-            "stats_precisions": state.stats()["precisions"] if state is not None else None}
+            "stats_precisions": state.stats()["precisions"] if state is not None else None,
+            "auto": auto}
 
 
 def _worker(rank: int, world: int, configs: List[str], modes: List[str], task: str, optims: List[str], steps: int,
@@ -129,7 +131,9 @@ def _worker(rank: int, world: int, configs: List[str], modes: List[str], task: s
                 out.append(r)
                 if rank == 0:
                     print(f"  {optim:6s} {config:7s} {r['mode']:15s} loss {r['final_loss']:.4g}  identical "
-                          f"{r['replicas_identical']}  skipped {r['skipped_per_rank']}", file=sys.stderr, flush=True)
+                          f"{r['replicas_identical']}  skipped {r['skipped_per_rank']}"
+                          + (f"  lowrank guard {r['auto']['lowrank_guard']}" if (r["auto"] or {}).get("lowrank_guard")
+                             else ""), file=sys.stderr, flush=True)
     return out
 
 

@@ -135,14 +135,13 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
                 curve.append(point)
             dist.barrier()  # every rank resumes the clock together
     sent = bytes_per_step(steps)
-    auto = state.stats().get("auto") if state is not None else None
+    auto = common.auto_record(state)
     if state is not None:
         state.close()
     if rank != 0:
         return None
     final = curve[-1]
-    extra = {"auto": {k: auto[k] for k in ("modes", "round_step_s", "rechecks", "buckets", "lowrank_guard")
-                      if k in auto}} if auto else {}
+    extra = {"auto": auto} if auto else {}
     return {**extra, "task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr,
             "schedule": schedule, "steps": steps, "device": device,
             "world_size": dist.get_world_size(),
