@@ -112,8 +112,7 @@ class AutoPlanner:
     def __init__(self, plans) -> None:
         self.p = plans
         self.s = plans.s
-        self._algo: Dict[Tuple[int, str], Tuple[str, Optional[float]]] = {}
-        #: compression="auto": per bucket key, the candidates [(mode, algorithm, predicted_s)] ...
+        #: per bucket key, the candidates [(mode, algorithm, predicted_s)] ...
         self.candidates: Dict[str, List[Tuple[str, str, Optional[float]]]] = {}
         #: ... and the index of the chosen one
         self.decided: Dict[str, int] = {}

@@ -164,7 +164,7 @@ class Guard:
     :data:`DROP` it is refused. From DROP up to ADMIT the next window (steps
     100-120) decides, at ADMIT: a window's mean moves by 0.01 with one step's
     share (an fp16 overflow skipped in steps 20-40 took the wide model's
-    reading from 0.983 to 0.972; at 100-120 it read 0.996). An admitted
+    reading from 0.983 to 0.972; at 100-120 it read 0.999). An admitted
     lowrank is refused when a later window reads under DROP. Refused, lowrank
     leaves the candidates for the rest of the run (the language model's share
     only falls as it trains), and buckets that ran it take the best plan the
