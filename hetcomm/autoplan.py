@@ -60,6 +60,7 @@ AUTO_RECHECK = 1000   # compressed steps between later re-checks
 AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
 AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
 AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
+INF = float("inf")     # a round's time where there is none (not measured, or not allowed)
 
 
 def safe_modes(attached: Optional[str], bf16_everywhere: bool, warmed_up: bool = False) -> Tuple[str, ...]:
@@ -264,14 +265,22 @@ class AutoPlanner:
         100 Mbit, where lowrank is admitted, repeating them would cost about
         1.4 s: two more steps each of fp8 and bf16 across nodes and of fp8
         flat, at their measured times)."""
+        _, times = self._gather_round_times(engine)
+        worst = [max(col) for col in zip(*times)]  # inf: a rank has no time for it
+        best = min((w for w in worst if w < INF), default=INF)
+        self._kept = [c for c in range(len(worst)) if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
+
+    def _gather_round_times(self, engine, head: Sequence[int] = ()):
+        """Every rank all-gathers ``head`` and its best step time of each
+        trial round: (the ranks' heads, each rank's seconds per round, inf
+        where it has none)."""
         import torch
 
-        rounds = self._rounds()
-        row = [int(self._step_times[c][0] * 1e9) if self._step_times.get(c) else -1 for c in range(rounds)]
+        row = list(head) + [int(min(self._step_times[c]) * 1e9) if self._step_times.get(c) else -1
+                            for c in range(self._rounds())]
         gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
-        worst = [max(col) if min(col) >= 0 else -1 for col in zip(*gathered.tolist())]
-        best = min((w for w in worst if w >= 0), default=-1)
-        self._kept = [c for c in range(rounds) if worst[c] < 0 or best < 0 or worst[c] <= AUTO_SPAN * best]
+        times = [[t / 1e9 if t >= 0 else INF for t in r[len(head):]] for r in gathered.tolist()]
+        return gathered[:, :len(head)], times
 
     def end_step(self, compressed: bool) -> None:
         """After the step's last bucket was submitted."""
@@ -315,18 +324,13 @@ class AutoPlanner:
         """Every rank all-gathers its step time per trial round (and a
         fingerprint of its candidates); the round whose slowest rank was
         fastest gives every bucket its plan."""
-        import torch
-
         keys = sorted(self.candidates)
         rounds = self._rounds()
         names = ";".join(f"{k}:" + ",".join(f"{m}/{a}" for m, a, _ in self.candidates[k]) for k in keys)
-        row = [zlib.crc32(names.encode())]
-        row += [int(min(self._step_times[c]) * 1e9) if self._step_times.get(c) else -1 for c in range(rounds)]
-        gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
-        if (gathered[:, 0] != gathered[0, 0]).any():
+        fingerprints, times = self._gather_round_times(engine, [zlib.crc32(names.encode())])
+        if (fingerprints != fingerprints[0]).any():
             raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
                              "(different topologies or options): construct HookState alike on every rank")
-        times = [[t / 1e9 if t >= 0 else float("inf") for t in r[1:]] for r in gathered.tolist()]
         self.round_times = [max(c) for c in zip(*times)]
         best = choose([self._masked(r) for r in times], 0 if self._rechecking and self._allowed(0) else None)
         changed = 0
@@ -364,7 +368,7 @@ class AutoPlanner:
                        for k in self._order if self._order[k])
 
     def _masked(self, times: Sequence[float]) -> List[float]:
-        return [t if self._allowed(c) else float("inf") for c, t in enumerate(times)]
+        return [t if self._allowed(c) else INF for c, t in enumerate(times)]
 
     def _read_guard(self, engine) -> None:
         """After a window of share readings: every rank all-gathers its mean
@@ -392,7 +396,7 @@ class AutoPlanner:
         if self.trial_start is not None:
             return  # the running trial decides on the new state
         times = self._masked(self.round_times) if self._order else []
-        if any(t < float("inf") for t in times):
+        if any(t < INF for t in times):
             best = choose([times])
             for k in self._order:
                 self.decided[k] = self._candidate_in_round(k, best)
