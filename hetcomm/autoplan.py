@@ -35,6 +35,11 @@
    Refused (then or later), it leaves the candidates, and buckets that ran it
    take the fastest round without it.
 
+6. Saved (:meth:`AutoPlanner.state_dict`): the choices, each bucket's
+   candidates, the last trial's round order and times, a running trial's
+   progress; with the share readings (``hetcomm.lowrank_share``) a resumed
+   run goes on as the one that saved it, inside a trial or a window too.
+
 A bucket's error-feedback state belongs to the plan that made it: when a
 bucket's compressed plan changes, what its residuals still owe is folded into
 a *carry* that the next step's reduction adds (see
@@ -123,7 +128,8 @@ class AutoPlanner:
         self.next_check = 0
         #: per bucket key, this rank's comm-thread seconds of each candidate in the last trial
         self.measured: Dict[str, List[float]] = {}
-        self._restored: Dict[str, Tuple[str, str]] = {}
+        self._restored: Dict[str, Tuple[str, str]] = {}  # a state saved without its candidates: key -> choice
+        self._unverified: set = set()  # keys whose saved candidates the first plan compares with the fresh ones
         self._times: Dict[str, Dict[int, List[float]]] = {}  # comm-thread seconds per bucket and candidate
         self._step_times: Dict[int, List[float]] = {}  # trial round -> step seconds
         self._order: Dict[str, List[int]] = {}  # bucket key -> candidate indices in trial-round order
@@ -192,6 +198,9 @@ class AutoPlanner:
 
     def plan(self, numel: int, key: str, index: int, layout_of) -> BucketPlan:
         """A compressed step's plan under compression="auto"."""
+        if key in self._unverified:
+            self._unverified.discard(key)
+            self._verify(key, self._candidates(numel, layout_of))
         if key not in self.candidates:
             cands = self.candidates[key] = self._candidates(numel, layout_of)
             restored = self._restored.pop(key, None)
@@ -210,6 +219,30 @@ class AutoPlanner:
             return BucketPlan(mode, algo, "trial", predicted_s=predicted)
         mode, algo, predicted = cands[self.decided.get(key, 0)]
         return BucketPlan(mode, algo, "measured" if key in self.decided else "predicted", predicted_s=predicted)
+
+    def _verify(self, key: str, fresh: List[Tuple[str, str, Optional[float]]]) -> None:
+        """A resumed bucket's first plan: its saved candidates against those
+        planned now. The same (the same topology and options): the saved
+        trial, times and choices go on as in the run that saved them.
+        Others (another cluster): the bucket keeps its choice among them (it
+        is verified again) and the saved trial's rounds, which named the
+        other candidates, are dropped: a running trial starts again, and an
+        admission of lowrank then starts a re-check (:meth:`_repick`)."""
+        if [c[:2] for c in fresh] == [c[:2] for c in self.candidates[key]]:
+            return
+        j = self.decided.get(key)
+        chosen = None if j is None else self.candidates[key][j][:2]
+        if chosen is not None and chosen not in [c[:2] for c in fresh]:
+            fresh.append((*chosen, None))
+        self.candidates[key] = fresh
+        if chosen is not None:
+            self.decided[key] = [c[:2] for c in fresh].index(chosen)
+        self.round_times = []
+        if self.trial_start is not None:
+            self.trial_start = None
+            self._start_trial()
+        else:
+            self._order = {k: self._order_of(k) for k in self.candidates}
 
     def _order_of(self, key: str, prune: bool = False) -> List[int]:
         """The candidates of ``key`` in trial order: the current choice first
@@ -409,9 +442,18 @@ class AutoPlanner:
 
     # ---- what is saved ----------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The choices, and what a resumed run needs to go on as this one
+        would: each bucket's candidates, the last trial's round order and
+        times (lowrank admitted later takes the fastest round they allow),
+        a running trial's progress and step times, the guard."""
         out = {"decided": {k: list(self.candidates[k][j][:2]) for k, j in self.decided.items()},
                "compressed_steps": self.compressed_steps, "next_check": self.next_check,
-               "rechecks": self.rechecks, "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v}}
+               "rechecks": self.rechecks, "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v},
+               "candidates": {k: [list(c) for c in v] for k, v in self.candidates.items()},
+               "order": {k: list(v) for k, v in self._order.items()}, "round_times": list(self.round_times)}
+        if self.trial_start is not None:
+            out["trial"] = {"start": self.trial_start, "rechecking": self._rechecking, "kept": self._kept,
+                            "step_times": {c: list(v) for c, v in self._step_times.items()}}
         if self.guard is not None:
             out["guard"] = self.guard.state_dict()
         return out
@@ -421,8 +463,23 @@ class AutoPlanner:
         self.next_check = int(sd.get("next_check", 0))
         self.rechecks = int(sd.get("rechecks", 0))
         self.pruned = {str(k): {tuple(c) for c in v} for k, v in sd.get("pruned", {}).items()}
-        self._restored = {str(k): tuple(v) for k, v in sd.get("decided", {}).items()}
         self.candidates, self.decided, self.trial_start, self._times, self._order = {}, {}, None, {}, {}
+        self._restored, self._unverified, self.round_times, self._step_times, self._kept = {}, set(), [], {}, None
+        saved = sd.get("candidates")
+        if saved is None:  # (a state saved before its candidates were): the choices, verified by a new trial
+            self._restored = {str(k): tuple(v) for k, v in sd.get("decided", {}).items()}
+        else:  # as saved; each bucket's first plan compares them with its candidates then (_verify)
+            self.candidates = {str(k): [(str(m), str(a), t) for m, a, t in v] for k, v in saved.items()}
+            self.decided = {str(k): [c[:2] for c in self.candidates[k]].index(tuple(v))
+                            for k, v in sd.get("decided", {}).items()}
+            self._order = {str(k): [int(j) for j in v] for k, v in sd.get("order", {}).items()}
+            self.round_times = [float(t) for t in sd.get("round_times", [])]
+            self._unverified = set(self.candidates)
+            trial = sd.get("trial")
+            if trial is not None:
+                self.trial_start, self._rechecking = int(trial["start"]), bool(trial["rechecking"])
+                self._kept = None if trial["kept"] is None else [int(c) for c in trial["kept"]]
+                self._step_times = {int(c): [float(t) for t in v] for c, v in trial["step_times"].items()}
         self._guard_sd = sd.get("guard", {})
         if self.guard is not None:
             self.guard.load_state_dict(self._guard_sd)

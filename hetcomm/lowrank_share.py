@@ -92,6 +92,20 @@ class LowrankShare:
         self._window: list = []  # this window's per-step shares so far
         self._gen = torch.Generator().manual_seed(0)
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to read as this one would: the open
+        window's shares, the last reading, the warning, the random stream of
+        the range finder."""
+        return {"window": list(self._window), "last": None if self.last is None else dict(self.last),
+                "warned": self.warned, "generator": self._gen.get_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._window = [float(x) for x in sd.get("window", [])]
+        self.last = None if sd.get("last") is None else dict(sd["last"])
+        self.warned = bool(sd.get("warned", False))
+        if sd.get("generator") is not None:
+            self._gen.set_state(sd["generator"])
+
     @staticmethod
     def due(step: int) -> bool:
         start = window_of(step)

@@ -162,7 +162,27 @@ class Negotiation:
                          self.topology.num_nodes, self.topology.ranks_per_node(), self.compression)
         if self.compression == "auto-precision":
             self.resolved_compression = "bf16" if bf16_everywhere else "fp16"
+        self._warn_gradient_sign_under_momentum()
         self._negotiated = True
+
+    def _warn_gradient_sign_under_momentum(self) -> None:
+        """onebit of the *gradient* under an optimizer that keeps a momentum
+        of it (seen where the state follows its rate: ``follow_lr``, as
+        Lightning's strategy does for an SGD): measured to miss fp32's
+        quality (README "Limits"); the ``hetcomm`` logger says so once, on
+        rank 0, naming the fixes."""
+        opt = self._lr_source() if self._lr_source is not None else None
+        if self.compression != "onebit" or self._attached is not None or opt is None or self._rank() != 0:
+            return
+        groups = getattr(opt, "param_groups", [])
+        momentum = max((float(g.get("momentum", 0) or 0) for g in groups), default=0.0)
+        kind = f"SGD with momentum {momentum:g}" if momentum > 0 else \
+            type(opt).__name__ if any("betas" in g for g in groups) else None
+        if kind is not None:
+            log.warning("hetcomm: compression='onebit' compresses the gradient, and the optimizer (%s) keeps a "
+                        "momentum of it: measured in hetcomm bench train, that misses fp32's quality (over twice "
+                        "fp32's loss on the regression task). Compress the momentum instead, "
+                        "state.attach_optimizer(opt, total_steps=N), or use compression='auto'", kind)
 
     def _detect_topology(self, device: Optional[torch.device] = None) -> None:
         # A fixed ring or hierarchy needs the nodes only; the links are measured for the planner's predictions

@@ -311,7 +311,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, lowrank Q matrices, compressed momentum, the last step's
-        bucket layout and the step counter of this rank (waits for queued work)."""
+        bucket layout, the step counter, auto's trial and choices and lowrank's
+        share readings of this rank (waits for queued work)."""
         self._drain()
         return {
             "version": _STATE_DICT_VERSION,
@@ -323,6 +324,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             "world_size": self._world(),
             **self._buckets.state_dict(),
             "auto": self._planner.auto.state_dict(),
+            "lowrank_share": self._lowrank_share.state_dict(),
             "clip_sketch": self._sketch.on,
             "lrs": self._lrs,
             "momentum_beta": self._beta,
@@ -370,8 +372,10 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         if same_place:
             if sd.get("resolved_compression") is not None:
                 self.resolved_compression = sd["resolved_compression"]
-            self._buckets.load_state_dict(sd, keyed_elsewhere=bool(sd.get("auto", {}).get("decided")))
+            auto = sd.get("auto", {})  # auto's choices, or its running trial, per bucket key
+            self._buckets.load_state_dict(sd, keyed_elsewhere=bool(auto.get("decided") or auto.get("candidates")))
             self._planner.auto.load_state_dict(sd.get("auto", {}))
+            self._lowrank_share.load_state_dict(sd.get("lowrank_share", {}))
         else:  # another rank's state: only its model's shapes (checked at the first step); the rest afresh
             self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
             self._planner.auto.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks

@@ -57,13 +57,15 @@ def _rank_predict(first):
 
 
 def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False,
-              batch=8, guard=None, cut=True):
+              batch=8, guard=None, cut=True, ckpt=None):
     """``guard``: settings of :mod:`hetcomm.lowrank_share` (FIRST and SPAN of
     lowrank's first share window, every step read; no later window unless
     LATER is set), auto's modes fp32 and the guarded lowrank, which is the
     fastest round whenever a choice may take it. ``cut``: False, every trial
     round runs AUTO_REPEATS steps, whatever the first cycle measured.
-    ``batch``: samples a rank, or a list of them per step."""
+    ``batch``: samples a rank, or a list of them per step. ``ckpt``:
+    (folder, first step, step to save after): a run resumed from the
+    folder's checkpoint when its first step is not 0, saving one there."""
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if guard:
         from hetcomm import lowrank_share
@@ -76,7 +78,8 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
 
         def choose(times, current=None, hysteresis=autoplan.AUTO_HYSTERESIS):  # lowrank's round is the last
             return len(times[0]) - 1 if all(r[-1] < INF for r in times) else real(times, current, hysteresis)
-        autoplan.choose = choose
+        autoplan.choose = choose if not hasattr(real, "forced") else real
+        choose.forced = True
     if two_nodes:
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     if first:
@@ -93,11 +96,18 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     if attach:  # True, the run's total_steps (a warm-up of a fifth of them), or attach_optimizer's keywords
         state.attach_optimizer(opt, **(attach if isinstance(attach, dict) else {} if attach is True
                                        else {"total_steps": attach}))
+    folder, start, save_at = ckpt or (None, 0, -1)
+    path = folder and os.path.join(folder, f"rank{rank}.pt")
+    if start:
+        ck = torch.load(path, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["hetcomm"])
     probe = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     gap = []  # sum over steps of (exact mean gradient - what the hook delivered)
     total = None
     wires = []
-    for step in range(steps):
+    for step in range(start, steps):
         n = batch[step] if isinstance(batch, list) else batch
         x = torch.randn(n, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
         y = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(step))
@@ -116,6 +126,8 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         gap.append(float(total.abs().max()))
         wires.append(sorted({p.mode for p in state.last_plans.values()}))
         opt.step()
+        if step + 1 == save_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()}, path)
     stats = state.stats()
     return {"params": models.flat_params(model), "plans": stats["plans"], "auto": stats["auto"], "gap": gap,
             "scale": float(models.flat_grads(model).abs().max()), "wires": wires,
@@ -178,6 +190,52 @@ def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window(tmp_path):
     assert all(w == ["none"] for w in r0["wires"][11:23]) and all(w == ["lowrank"] for w in r0["wires"][23:]), \
         r0["wires"]
     assert torch.equal(r0["params"], r1["params"])
+
+
+def _resume_inside_a_window(rank, world, cache_dir, ckpt_dir, save_at):
+    # the big model: its 1024 x 1024 matrix is read by the randomized range finder (lowrank_share's generator)
+    args = (rank, world, 22, None, None, 0.01, True, False, cache_dir, False, 8,
+            {"FIRST": 12, "SPAN": 4, "ADMIT": 0.5, "DROP": 0.0})
+    whole = _auto_run(*args)
+    _auto_run(*args, ckpt=(ckpt_dir, 0, save_at))
+    return whole, _auto_run(*args, ckpt=(ckpt_dir, save_at, -1))
+
+
+@pytest.mark.parametrize("save_at", [4, 14, 17])
+def test_auto_resumed_inside_its_trial_or_its_guards_window_goes_on_bit_for_bit(tmp_path, save_at):
+    # the trial's three rounds (fp32 on two algorithms, lowrank) take turns in steps 2-10; the guard's window reads
+    # steps 12-16, and at step 17 the ranks agree that it admits lowrank. A run saved after step 3 (inside the
+    # trial), 13 (inside the window) or 16 (the window closed, not yet agreed on) and resumed must go on as the
+    # whole run: the trial's rounds, the window's readings (and the random stream that estimates them), the
+    # trial's times that pick the round once lowrank is admitted.
+    for whole, resumed in run_ranks(_resume_inside_a_window, 2, str(tmp_path), str(tmp_path), save_at):
+        assert whole["saved_guard"]["state"] == "admitted" and whole["saved_guard"]["changed_at"][0] == 16
+        assert resumed["wires"] == whole["wires"][save_at:], (resumed["wires"], whole["wires"])
+        assert resumed["saved_guard"] == whole["saved_guard"] and resumed["share"] == whole["share"]
+        assert torch.equal(resumed["params"], whole["params"])
+
+
+def _resume_with_other_candidates(rank, world, cache_dir, ckpt_dir, save_at):
+    saved = _auto_run(rank, world, save_at, None, None, 0.01, False, False, cache_dir, ckpt=(ckpt_dir, 0, save_at))
+    resumed = _auto_run(rank, world, save_at + 20, ("none", "topk"), None, 0.01, False, False, cache_dir,
+                        ckpt=(ckpt_dir, save_at, -1))
+    return saved, resumed
+
+
+@pytest.mark.parametrize("save_at", [4, 20])
+def test_auto_resumed_with_other_candidates_keeps_its_choice_or_runs_its_trial_again(tmp_path, save_at):
+    # saved with auto's default candidates (fp32, bf16, fp8, lowrank guarded), resumed with fp32 and top-k:
+    # inside the first trial (step 4) the saved rounds name other candidates, so the trial starts again with
+    # these (top-k runs in it); after the decision (step 20) each bucket keeps its choice until a re-check
+    res = run_ranks(_resume_with_other_candidates, 2, str(tmp_path), str(tmp_path), save_at)
+    (saved, resumed), (_, other) = res
+    assert torch.equal(resumed["params"], other["params"])
+    if save_at == 4:
+        assert ["topk"] in resumed["wires"] and all(p["why"] == "measured" for p in resumed["plans"].values())
+        assert {c["mode"] for b in resumed["auto"]["buckets"].values() for c in b["candidates"]} <= {"none", "topk"}
+    else:
+        assert resumed["wires"][0] == saved["wires"][-1] and "topk" not in resumed["wires"][0]
+        assert resumed["wires"] == [resumed["wires"][0]] * 20
 
 
 def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
@@ -283,21 +341,28 @@ def test_hetcomm_algo_still_forces_the_algorithm_under_auto(tmp_path):
                 (c["mode"], c["algorithm"]) == ("none", "native")
 
 
-def _run_then_resume(rank, world, ckpt_dir, opt_name):
+def _run_then_resume(rank, world, ckpt_dir, opt_name, choices_only):
     """24 steps saving at 20 (after the trial: without an attached optimizer
     it has 5 rounds, lowrank's included, in steps 2-16), then a fresh DDP
     model and HookState resumed from that checkpoint for the last 4 (as a
-    restarted job builds them)."""
-    return (_train_span(rank, world, ckpt_dir, 0, 24, 20, "small", "auto", opt_name),
-            _train_span(rank, world, ckpt_dir, 20, 24, -1, "small", "auto", opt_name))
+    restarted job builds them). ``choices_only``: the checkpoint as an
+    earlier hetcomm saved it, auto's choices without its candidates."""
+    whole = _train_span(rank, world, ckpt_dir, 0, 24, 20, "small", "auto", opt_name)
+    if choices_only:
+        path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+        ck = torch.load(path, weights_only=False)
+        for k in ("candidates", "order", "round_times"):
+            del ck["hetcomm"]["auto"][k]
+        torch.save(ck, path)
+    return whole, _train_span(rank, world, ckpt_dir, 20, 24, -1, "small", "auto", opt_name)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd-attach", "sgd"])
-def test_auto_resumes_its_decisions_bit_for_bit(tmp_path, opt_name):
+@pytest.mark.parametrize("opt_name,choices_only", [("sgd-attach", False), ("sgd", False), ("sgd", True)])
+def test_auto_resumes_its_decisions_bit_for_bit(tmp_path, opt_name, choices_only):
     # Also when every bucket was decided dense and no tensor state was saved:
     # the decisions are per bucket, so the first resumed step still regroups.
-    for a, b in run_ranks(_run_then_resume, 2, str(tmp_path), opt_name):
-        assert torch.equal(a["params"], b["params"])
+    for a, b in run_ranks(_run_then_resume, 2, str(tmp_path), opt_name, choices_only):
+        assert torch.equal(a["params"], b["params"]) and b["plans"] == a["plans"]
 
 
 def _held_carry_run(rank, world, cache_dir, last_trial):

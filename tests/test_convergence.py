@@ -752,3 +752,43 @@ def test_follow_lr_rejects_what_it_cannot_follow_and_agrees_across_ranks():
         assert "follow_lr must be called before the first step" in errs[3]
         assert "learning rate followed (follow_lr, or attach_optimizer) differs" in errs[4]
         assert "rank 0: 'yes', rank 1: 'no'" in errs[4]
+
+
+def _onebit_gradient_warnings(rank, world):
+    """Which optimizers make a followed onebit-of-the-gradient state warn."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hetcomm").addHandler(handler)
+    out = {}
+    cases = {"sgd-m": ("onebit", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False),
+             "adamw": ("onebit", lambda p: torch.optim.AdamW(p, lr=1e-3), False),
+             "sgd": ("onebit", lambda p: torch.optim.SGD(p, lr=0.1), False),
+             "sgd-m attached": ("onebit", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), True),
+             "topk sgd-m": ("topk", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False)}
+    for name, (mode, make, attach) in cases.items():
+        model = models.mlp()
+        ddp, state = DDP(model), hetcomm.HookState(mode)
+        opt = make(model.parameters())
+        state.follow_lr(opt)
+        if attach:
+            state.attach_optimizer(opt)
+        ddp.register_comm_hook(state, hetcomm.hook)
+        del records[:]
+        for step in range(3):
+            models.train_step(ddp, opt, rank, step, 8)
+        out[name] = [r.getMessage() for r in records if "keeps a momentum of it" in r.getMessage()]
+        state.close()
+    return out
+
+
+def test_onebit_of_the_gradient_under_a_momentum_warns_once_naming_the_fixes():
+    r0, r1 = run_ranks(_onebit_gradient_warnings, 2)
+    assert all(not w for w in r1.values())  # rank 0 speaks for the ranks
+    for name in ("sgd-m", "adamw"):
+        assert len(r0[name]) == 1, r0
+        assert "attach_optimizer(opt, total_steps=N)" in r0[name][0] and "compression='auto'" in r0[name][0]
+    assert "SGD with momentum 0.9" in r0["sgd-m"][0] and "(AdamW)" in r0["adamw"][0]
+    assert not r0["sgd"] and not r0["sgd-m attached"] and not r0["topk sgd-m"]

@@ -60,6 +60,7 @@ def test_lightning_strategy_rejects_what_attach_optimizer_does_not_take():
         HetcommDDPStrategy("onebit", attach_optimizer={"warmup": "fp8"})
     with pytest.raises(ValueError, match="attach_optimizer must be True, False or a dict"):
         HetcommDDPStrategy("onebit", attach_optimizer="yes")
+    assert HetcommDDPStrategy()._compression == "auto"  # the modes measured safe with the fit's optimizer
     assert HetcommDDPStrategy("onebit", attach_optimizer={"exact_every": 0})._attach
     assert HetcommDDPStrategy("onebit", attach_optimizer={"warmup_fraction": 0.05})._attach_options == {
         "warmup_fraction": 0.05}  # passed to attach_optimizer with the trainer's total_steps
@@ -101,11 +102,12 @@ def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     assert clipped["clip"] == {"calls": n, "estimated_steps": n - clipped["start_iter"]}, clipped
     assert clipped["followed_lrs"] == [pytest.approx(0.025 * (1 + math.cos(math.pi * (n - 1) / n)), rel=1e-9)]
     assert first["followed_lrs"] == [0.05]  # no schedule: the rate never moved
-    # without attach_optimizer the strategy has error feedback follow the fit's SGD (HookState.follow_lr)
+    # without attach_optimizer, with the strategy's default compression (auto: its trial, its choices), error
+    # feedback follows the fit's SGD (HookState.follow_lr)
     (tmp_path / "grad").mkdir()
-    grad = fit("--epochs", "1", "--cosine", "--no-attach", "--out", str(tmp_path / "grad"))
+    grad = fit("--epochs", "1", "--cosine", "--no-attach", "--compression", "auto", "--out", str(tmp_path / "grad"))
     m = grad["global_step"]
-    assert grad["replicas_identical"] and grad["hook_steps"] == m and grad["start_iter"] == 1  # the default
+    assert grad["replicas_identical"] and grad["hook_steps"] == m and grad["start_iter"] == 2  # auto's earliest
     assert grad["followed_lrs"] == [pytest.approx(0.025 * (1 + math.cos(math.pi * (m - 1) / m)), rel=1e-9)]
     # resumed on 3 processes from the 2-process checkpoint (rank 2 takes rank 0's file): the count and the warm-up
     # carry on (the fit's length moved, its start_iter stays), each rank's error feedback starts afresh

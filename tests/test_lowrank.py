@@ -398,6 +398,15 @@ def test_top_share_is_the_energy_in_the_top_singular_values_and_leaves_the_calle
     assert [s for s in range(1000) if lowrank_share.LowrankShare.closes(s)] == [40, 120, 220, 420, 820]
 
 
+def test_next_close_is_the_first_window_end_at_or_after_a_step():
+    from hetcomm import lowrank_share
+
+    ends = [s for s in range(7000) if lowrank_share.LowrankShare.closes(s)]  # ... 3220, 6420
+    assert ends[:6] == [40, 120, 220, 420, 820, 1620]
+    for step in range(5000):  # what auto's log line names, against the windows the guard reads
+        assert lowrank_share.next_close(step) == next(e for e in ends if e >= step), step
+
+
 def test_a_reading_stops_at_its_budget_and_skips_a_non_finite_step(monkeypatch):
     from hetcomm import lowrank_share
 

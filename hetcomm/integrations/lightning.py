@@ -1,4 +1,4 @@
-"""PyTorch Lightning: ``Trainer(strategy=hetcomm.integrations.lightning.HetcommDDPStrategy("onebit"))``.
+"""PyTorch Lightning: ``Trainer(strategy=hetcomm.integrations.lightning.HetcommDDPStrategy())``.
 
 Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers comm hooks only on
 CUDA and needs the hook's state before the process group exists. This
@@ -45,7 +45,12 @@ class HetcommDDPStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy`` with hetcomm's hook on every bucket.
 
     Args:
-        compression: :class:`hetcomm.HookState`'s ``compression``.
+        compression: :class:`hetcomm.HookState`'s ``compression``; by
+            default "auto", which chooses among the modes measured to reach
+            fp32's quality with the fit's optimizer (onebit compresses the
+            gradient unless the optimizer is attached, and a momentum of
+            the gradient misses fp32's quality: "onebit" wants
+            ``attach_optimizer=True``).
         attach_optimizer: compress the optimizer's momentum
             (:meth:`HookState.attach_optimizer`; SGD with momentum, Adam or
             AdamW, one optimizer), with the fit's length as ``total_steps``
@@ -70,7 +75,7 @@ class HetcommDDPStrategy(DDPStrategy):
 
     strategy_name = "hetcomm_ddp"
 
-    def __init__(self, compression: str = "onebit", *, attach_optimizer: Union[bool, Mapping[str, Any]] = False,
+    def __init__(self, compression: str = "auto", *, attach_optimizer: Union[bool, Mapping[str, Any]] = False,
                  follow_lr: Optional[bool] = None, hook_options: Optional[Dict[str, Any]] = None,
                  **kwargs: Any) -> None:
         if "ddp_comm_hook" in kwargs or "ddp_comm_state" in kwargs or "ddp_comm_wrapper" in kwargs:
