@@ -8,6 +8,10 @@ matrices; printed: each rank's mean per window. Where `lowrank_share.ADMIT`
 and `DROP` come from (bench/README "lowrank in auto, under a guard").
 
     python bench/lowrank_share_windows.py sgd lm:0 lm:1 wide:0 classify:0 regress:0
+
+``--early`` (first): the windows a first reading could take instead, every
+5th step of 5-15, 10-20, 15-25, 20-30 and 20-40 (bench/README "Could the
+first reading come earlier?").
 """
 import sys
 
@@ -20,11 +24,12 @@ from hetcomm.launch import spawn_ranks
 from hetcomm.lowrank_share import top_share
 
 WINDOWS = [list(range(20, 41, 5)), list(range(100, 121, 5)), list(range(200, 221, 5))]
-STEPS = sorted(s for w in WINDOWS for s in w)
+EARLY = [list(range(a, b + 1, 5)) for a, b in ((5, 15), (10, 20), (15, 25), (20, 30), (20, 40))]
 RANKS = (4, 8, 16)
 
 
-def body(rank, world, name, seed, optim):
+def body(rank, world, name, seed, optim, windows=WINDOWS):
+    steps = sorted({s for w in windows for s in w})
     task = tasks.TASKS[name]()
     task.seed = seed
     model = task.model()
@@ -36,7 +41,7 @@ def body(rank, world, name, seed, optim):
     energy = {}  # (step, r) -> [top, total]
 
     def hook(st, bucket):  # this rank's gradient, before it is reduced
-        if now["step"] in STEPS:
+        if now["step"] in steps:
             for g in bucket.gradients():
                 if g.dim() >= 2:
                     m = g.reshape(g.shape[0], -1)
@@ -49,21 +54,24 @@ def body(rank, world, name, seed, optim):
         return hetcomm.hook(st, bucket)
 
     ddp.register_comm_hook(state, hook)
-    for step in range(max(STEPS) + 1):
+    for step in range(max(steps) + 1):
         now["step"] = step
         x, y = task.batch_for(step, rank)
         opt.zero_grad()
         task.loss(ddp(x), y).backward()
         opt.step()
     state.close()
-    return {r: [sum(energy[s, r][0] / energy[s, r][1] for s in w) / len(w) for w in WINDOWS] for r in RANKS}
+    return {r: [sum(energy[s, r][0] / energy[s, r][1] for s in w) / len(w) for w in windows] for r in RANKS}
 
 
 if __name__ == "__main__":
-    optim = sys.argv[1]
-    for case in sys.argv[2:]:
+    args = sys.argv[1:]
+    windows = EARLY if args[0] == "--early" else WINDOWS
+    args = args[1:] if args[0] == "--early" else args
+    optim = args[0]
+    for case in args[1:]:
         name, seed = case.split(":")
-        res = spawn_ranks(body, 2, name, int(seed), optim, timeout=1200)
+        res = spawn_ranks(body, 2, name, int(seed), optim, windows, timeout=1200)
         for r in RANKS:
-            print(name, "seed", seed, optim, "rank", r, "windows 20-40 / 100-120 / 200-220:",
+            print(name, "seed", seed, optim, "rank", r, "windows", " / ".join(f"{w[0]}-{w[-1]}" for w in windows) + ":",
                   " ".join(f"rank{k} " + "/".join(f"{v:.3f}" for v in res[k][r]) for k in range(2)), flush=True)

@@ -28,7 +28,8 @@ import torch
 
 log = logging.getLogger("hetcomm")
 
-FIRST = 20   # the first window's first step (in the first 10 steps the shares of runs that miss and reach overlap)
+FIRST = 20   # the first window's first step (before 20 the shares of runs that miss and reach overlap: bench/README
+#              "Could the first reading come earlier?")
 SPAN = 20    # a window's steps after its first
 EVERY = 5    # a reading every EVERY steps inside a window
 LATER = 100  # later windows start at LATER, 2 LATER, 4 LATER, ...
