@@ -130,6 +130,7 @@ class AutoPlanner:
         self.measured: Dict[str, List[float]] = {}
         self._restored: Dict[str, Tuple[str, str]] = {}  # a state saved without its candidates: key -> choice
         self._unverified: set = set()  # keys whose saved candidates the first plan compares with the fresh ones
+        self._replanned_at: Optional[int] = None  # the step a mismatch found there began a trial (_verify)
         self._times: Dict[str, Dict[int, List[float]]] = {}  # comm-thread seconds per bucket and candidate
         self._step_times: Dict[int, List[float]] = {}  # trial round -> step seconds
         self._order: Dict[str, List[int]] = {}  # bucket key -> candidate indices in trial-round order
@@ -224,10 +225,11 @@ class AutoPlanner:
         """A resumed bucket's first plan: its saved candidates against those
         planned now. The same (the same topology and options): the saved
         trial, times and choices go on as in the run that saved them.
-        Others (another cluster): the bucket keeps its choice among them (it
-        is verified again) and the saved trial's rounds, which named the
-        other candidates, are dropped: a running trial starts again, and an
-        admission of lowrank then starts a re-check (:meth:`_repick`)."""
+        Others (another cluster, other options): the bucket keeps its choice
+        among them, the saved trial's rounds and times (which named the
+        other candidates) are dropped, and a trial starts now: the first
+        trial again, or a re-check of the choices against the candidates of
+        now."""
         if [c[:2] for c in fresh] == [c[:2] for c in self.candidates[key]]:
             return
         j = self.decided.get(key)
@@ -238,11 +240,11 @@ class AutoPlanner:
         if chosen is not None:
             self.decided[key] = [c[:2] for c in fresh].index(chosen)
         self.round_times = []
-        if self.trial_start is not None:
-            self.trial_start = None
-            self._start_trial()
+        if self._replanned_at == self.compressed_steps:  # a trial begun this step for another bucket: its rounds
+            self._order[key] = self._order_of(key)
         else:
-            self._order = {k: self._order_of(k) for k in self.candidates}
+            self._replanned_at = self.compressed_steps
+            self._start_trial(full=True)  # what was measured hopeless elsewhere is measured again
 
     def _order_of(self, key: str, prune: bool = False) -> List[int]:
         """The candidates of ``key`` in trial order: the current choice first
@@ -262,13 +264,13 @@ class AutoPlanner:
         order = self._order[key]
         return order[c] if c < len(order) else order[0]
 
-    def _start_trial(self) -> None:
+    def _start_trial(self, full: bool = False) -> None:
         self.trial_start = self.compressed_steps
         self._rechecking = bool(self.decided)
         prune = False
         if self._rechecking:
             self.rechecks += 1
-            prune = self.rechecks % AUTO_FULL_EVERY != 0
+            prune = not full and self.rechecks % AUTO_FULL_EVERY != 0
         self._order = {k: self._order_of(k, prune) for k in self.candidates}
         self._step_times, self._times, self._kept = {}, {}, None
 

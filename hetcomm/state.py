@@ -374,7 +374,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
                 self.resolved_compression = sd["resolved_compression"]
             auto = sd.get("auto", {})  # auto's choices, or its running trial, per bucket key
             self._buckets.load_state_dict(sd, keyed_elsewhere=bool(auto.get("decided") or auto.get("candidates")))
-            self._planner.auto.load_state_dict(sd.get("auto", {}))
+            self._planner.auto.load_state_dict(auto)
             self._lowrank_share.load_state_dict(sd.get("lowrank_share", {}))
         else:  # another rank's state: only its model's shapes (checked at the first step); the rest afresh
             self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})

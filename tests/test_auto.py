@@ -224,18 +224,21 @@ def _resume_with_other_candidates(rank, world, cache_dir, ckpt_dir, save_at):
 
 @pytest.mark.parametrize("save_at", [4, 20])
 def test_auto_resumed_with_other_candidates_keeps_its_choice_or_runs_its_trial_again(tmp_path, save_at):
-    # saved with auto's default candidates (fp32, bf16, fp8, lowrank guarded), resumed with fp32 and top-k:
-    # inside the first trial (step 4) the saved rounds name other candidates, so the trial starts again with
-    # these (top-k runs in it); after the decision (step 20) each bucket keeps its choice until a re-check
+    # saved with auto's default candidates (fp32, bf16, fp8, lowrank guarded), resumed with fp32 and top-k: the
+    # saved rounds name other candidates, so a trial starts at once with these (top-k runs in it): inside the
+    # first trial (step 4) that trial again, after the decision (step 20) a re-check whose first round is each
+    # bucket's kept choice
     res = run_ranks(_resume_with_other_candidates, 2, str(tmp_path), str(tmp_path), save_at)
     (saved, resumed), (_, other) = res
     assert torch.equal(resumed["params"], other["params"])
+    assert ["topk"] in resumed["wires"][:6] and all(p["why"] == "measured" for p in resumed["plans"].values())
+    modes = {c["mode"] for b in resumed["auto"]["buckets"].values() for c in b["candidates"]}
     if save_at == 4:
-        assert ["topk"] in resumed["wires"] and all(p["why"] == "measured" for p in resumed["plans"].values())
-        assert {c["mode"] for b in resumed["auto"]["buckets"].values() for c in b["candidates"]} <= {"none", "topk"}
+        assert modes <= {"none", "topk"}, modes
     else:
-        assert resumed["wires"][0] == saved["wires"][-1] and "topk" not in resumed["wires"][0]
-        assert resumed["wires"] == [resumed["wires"][0]] * 20
+        kept = saved["wires"][-1]
+        assert resumed["wires"][0] == kept and "topk" not in kept and set(kept) <= modes
+        assert resumed["auto"]["rechecks"] == 1  # one, whatever the number of buckets
 
 
 def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
