@@ -17,7 +17,7 @@ from . import modes as mode_table
 from .launch import run_distributed
 
 MODES = tuple(mode_table.MODES)  # every mode of hetcomm.modes
-DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "none", "fp16", "onebit", "onebit+m", "topk", "topk+m"]
+DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "none", "fp16", "onebit", "onebit+m", "topk", "topk+m", "auto"]
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0):
