@@ -50,7 +50,8 @@ def main() -> None:
     if args.resume:
         # resumed on more ranks (torchrun --nnodes MIN:MAX), a rank the saving run lacked takes rank 0's file;
         # strict=False: on another world size the step count goes on and each rank's error feedback starts afresh
-        ck = torch.load(path if os.path.exists(path) else os.path.join(args.ckpt, "rank0.pt"), weights_only=False)
+        # weights_only: the model's, the optimizer's and hetcomm's states are tensors and containers (torch's safe loader)
+        ck = torch.load(path if os.path.exists(path) else os.path.join(args.ckpt, "rank0.pt"), weights_only=True)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         state.load_state_dict(ck["hetcomm"], strict=False)

@@ -99,7 +99,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     folder, start, save_at = ckpt or (None, 0, -1)
     path = folder and os.path.join(folder, f"rank{rank}.pt")
     if start:
-        ck = torch.load(path, weights_only=False)
+        ck = torch.load(path, weights_only=True)  # a HookState's state is tensors and containers: torch's safe loader
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         state.load_state_dict(ck["hetcomm"])

@@ -164,7 +164,7 @@ class HetcommDDPStrategy(DDPStrategy):
         if not os.path.exists(path):  # a rank the saving fit did not have (resumed on more devices): rank 0's
             path = _rank_file(str(checkpoint_path), 0)
         if os.path.exists(path):
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and containers only
             if self.hook_state is not None:
                 self._load_hook_state(state)
             else:
