@@ -203,14 +203,14 @@ class AutoPlanner:
             self._unverified.discard(key)
             self._verify(key, self._candidates(numel, layout_of))
         if key not in self.candidates:
-            cands = self.candidates[key] = self._candidates(numel, layout_of)
+            cands = self._candidates(numel, layout_of)
             restored = self._restored.pop(key, None)
             if restored is not None:
-                if restored not in [c[:2] for c in cands]:  # another cluster now: keep it, verify it again
-                    cands.append((*restored, None))
-                self.decided[key] = [c[:2] for c in cands].index(restored)
-            elif self.trial_start is None:
-                self._start_trial()
+                self._keep(key, cands, restored)
+            else:
+                self.candidates[key] = cands
+                if self.trial_start is None:
+                    self._start_trial()
             self._order.setdefault(key, self._order_of(key))
         cands = self.candidates[key]
         if self._in_trial():
@@ -233,18 +233,27 @@ class AutoPlanner:
         if [c[:2] for c in fresh] == [c[:2] for c in self.candidates[key]]:
             return
         j = self.decided.get(key)
-        chosen = None if j is None else self.candidates[key][j][:2]
-        if chosen is not None and chosen not in [c[:2] for c in fresh]:
-            fresh.append((*chosen, None))
-        self.candidates[key] = fresh
-        if chosen is not None:
-            self.decided[key] = [c[:2] for c in fresh].index(chosen)
+        if j is None:
+            self.candidates[key] = fresh
+        else:
+            self._keep(key, fresh, self.candidates[key][j][:2])
         self.round_times = []
         if self._replanned_at == self.compressed_steps:  # a trial begun this step for another bucket: its rounds
             self._order[key] = self._order_of(key)
         else:
             self._replanned_at = self.compressed_steps
             self._start_trial(full=True)  # what was measured hopeless elsewhere is measured again
+
+    def _keep(self, key: str, cands: List[Tuple[str, str, Optional[float]]], chosen: Tuple[str, str]) -> None:
+        """``key``'s candidates ``cands`` with its earlier choice ``chosen``
+        (mode, algorithm) decided among them; appended where the cost model
+        no longer offers it (another cluster now: the next trial verifies it)."""
+        names = [c[:2] for c in cands]
+        if chosen not in names:
+            cands.append((*chosen, None))
+            names.append(chosen)
+        self.candidates[key] = cands
+        self.decided[key] = names.index(chosen)
 
     def _order_of(self, key: str, prune: bool = False) -> List[int]:
         """The candidates of ``key`` in trial order: the current choice first
