@@ -11,7 +11,9 @@ and `DROP` come from (bench/README "lowrank in auto, under a guard").
 
 ``--early`` (first): the windows a first reading could take instead, every
 5th step of 5-15, 10-20, 15-25, 20-30 and 20-40 (bench/README "Could the
-first reading come earlier?").
+first reading come earlier?"). ``--first``: the first window of 20-30
+read every 5th, every 2nd and every step, against 20-40 every 5th (bench/README
+"The first reading at step 30").
 """
 import sys
 
@@ -25,6 +27,7 @@ from hetcomm.lowrank_share import top_share
 
 WINDOWS = [list(range(20, 41, 5)), list(range(100, 121, 5)), list(range(200, 221, 5))]
 EARLY = [list(range(a, b + 1, 5)) for a, b in ((5, 15), (10, 20), (15, 25), (20, 30), (20, 40))]
+FIRST = [list(range(20, 31, 5)), list(range(20, 31, 2)), list(range(20, 31)), list(range(20, 41, 5))]
 RANKS = (4, 8, 16)
 
 
@@ -66,12 +69,12 @@ def body(rank, world, name, seed, optim, windows=WINDOWS):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    windows = EARLY if args[0] == "--early" else WINDOWS
-    args = args[1:] if args[0] == "--early" else args
+    windows = {"--early": EARLY, "--first": FIRST}.get(args[0], WINDOWS)
+    args = args[1:] if args[0] in ("--early", "--first") else args
     optim = args[0]
     for case in args[1:]:
         name, seed = case.split(":")
         res = spawn_ranks(body, 2, name, int(seed), optim, windows, timeout=1200)
         for r in RANKS:
-            print(name, "seed", seed, optim, "rank", r, "windows", " / ".join(f"{w[0]}-{w[-1]}" for w in windows) + ":",
+            print(name, "seed", seed, optim, "rank", r, "windows", " / ".join(f"{w[0]}-{w[-1]}/{w[1] - w[0]}" for w in windows) + ":",
                   " ".join(f"rank{k} " + "/".join(f"{v:.3f}" for v in res[k][r]) for k in range(2)), flush=True)

@@ -2,12 +2,17 @@
 
     torchrun --nproc_per_node 2 examples/torchrun_train.py --steps 200 --ckpt /tmp/ckpt
     torchrun --nproc_per_node 2 examples/torchrun_train.py --steps 300 --ckpt /tmp/ckpt --resume
+    torchrun --nproc_per_node 2 examples/torchrun_train.py --compression onebit --attach --ckpt /tmp/ckpt1
 
-Trains an MLP on scikit-learn's digits with SGD (momentum 0.9) and onebit
-compression of the momentum; saves model, optimizer and each rank's hetcomm
-state every --save-every steps; --resume continues from the last checkpoint
-exactly as if the run had never stopped (on another number of ranks: from the
-saved step, error feedback afresh). Rank 0 prints a JSON line at the end.
+Trains an MLP on scikit-learn's digits with SGD (momentum 0.9) and hetcomm's
+default, compression="auto" (or --compression MODE; --attach: the momentum
+compressed, attach_optimizer with the run's length, as onebit and topk want
+under a momentum); saves model, optimizer and each rank's hetcomm state every
+--save-every steps; --resume continues from the last checkpoint as if the run
+had never stopped (bit for bit where the plans are fixed: a fixed mode, or
+auto's choices, which follow measured step times, the same; on another number
+of ranks: from the saved step, error feedback afresh). Rank 0 prints a JSON
+line at the end.
 """
 
 import argparse
@@ -25,7 +30,11 @@ from hetcomm.demo import load_digits, make_model
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--compression", default="onebit")
+    p.add_argument("--compression", default="auto")
+    p.add_argument("--total-steps", type=int, default=None,
+                   help="the run's planned length, if --steps stops it sooner (--attach's warm-up is its first fifth)")
+    p.add_argument("--attach", action="store_true",
+                   help="compress the momentum (attach_optimizer, its warm-up the run's first fifth)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--ckpt", required=True, help="checkpoint folder")
@@ -41,7 +50,9 @@ def main() -> None:
     model = make_model(seed=0)
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    state = hetcomm.HookState(args.compression).attach_optimizer(opt)
+    state = hetcomm.HookState(args.compression)
+    if args.attach:
+        state.attach_optimizer(opt, total_steps=args.total_steps or args.steps)
     ddp.register_comm_hook(state, hetcomm.hook)
 
     os.makedirs(args.ckpt, exist_ok=True)
@@ -72,10 +83,14 @@ def main() -> None:
     dist.all_gather_object(every, flat)
     with torch.no_grad():
         acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-    if rank == 0:
+    stats = state.stats()
+    if rank == 0:  # plans: what the last step sent per bucket; lowrank_guard: auto's reading of lowrank's rank
         print(json.dumps({"steps": args.steps, "hook_steps": state.iter, "accuracy": acc,
                           "replicas_identical": all(torch.equal(flat, f) for f in every),
-                          "compression_ratio": state.stats()["last_step"]["compression_ratio"],
+                          "compression_ratio": stats["last_step"]["compression_ratio"],
+                          "plans": sorted(f"{p['mode']}/{p['algorithm']}" for p in stats["plans"].values()),
+                          "lowrank_guard": stats.get("auto", {}).get("lowrank_guard"),
+                          "lowrank_share": stats.get("lowrank_share"),
                           "checksum": float(flat.double().sum())}))
     state.close()
     dist.destroy_process_group()

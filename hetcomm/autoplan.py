@@ -6,9 +6,13 @@
    all-reduce (the "never loses" baseline) are kept.
 2. Trial: the first compressed steps after ``start_iter`` run rounds in turn,
    ``AUTO_REPEATS`` times each; in round c every bucket runs its c-th candidate.
-   After the first cycle (each round once) the ranks agree on the rounds
-   that took over ``AUTO_SPAN`` times the fastest; those run no more (fp32 at
-   100 Mbit: 3 steps of it cost 25 compressed ones; they could not win).
+   In the first trial, after round 0 (each bucket's best predicted
+   candidate), the ranks agree on the rounds whose predicted communication
+   alone is over ``AUTO_SPAN`` times round 0's step; those do not run at all
+   (:meth:`AutoPlanner._skip_hopeless`). After the first cycle (each round
+   once) the ranks agree on the rounds that took over ``AUTO_SPAN`` times the
+   fastest; those run no more (fp32 at 100 Mbit: 3 steps of it cost 25
+   compressed ones; they could not win).
    Each round's *step* time is measured (one period of the training loop:
    what the user waits for, including what the codecs and the intra-node
    traffic take from the compute on a shared CPU); the comm thread also times
@@ -29,7 +33,7 @@
 5. lowrank, offered by default where the gradient alone is compressed, is a
    *guarded* candidate (:class:`hetcomm.lowrank_share.Guard`): the trial
    measures it, but no bucket runs it until the ranks' reading of how much of
-   their gradient its rank carries admits it (steps 20-40; a reading just
+   their gradient its rank carries admits it (steps 20-30; a reading just
    under the bar waits for steps 100-120); then every bucket takes the
    fastest round the last trial measured, lowrank's included.
    Refused (then or later), it leaves the candidates, and buckets that ran it
@@ -135,6 +139,7 @@ class AutoPlanner:
         self._step_times: Dict[int, List[float]] = {}  # trial round -> step seconds
         self._order: Dict[str, List[int]] = {}  # bucket key -> candidate indices in trial-round order
         self._kept: Optional[List[int]] = None  # the rounds the trial repeats after its first cycle (once agreed)
+        self._skipped: Optional[List[int]] = None  # the first trial's rounds its first cycle leaves out (once agreed)
         self._rechecking = False
         self.rechecks = 0                  # re-checks started so far
         #: per bucket key, the (mode, algorithm) pairs a pruned re-check leaves out
@@ -281,22 +286,48 @@ class AutoPlanner:
             self.rechecks += 1
             prune = not full and self.rechecks % AUTO_FULL_EVERY != 0
         self._order = {k: self._order_of(k, prune) for k in self.candidates}
-        self._step_times, self._times, self._kept = {}, {}, None
+        self._step_times, self._times, self._kept, self._skipped = {}, {}, None, None
 
     def _in_trial(self) -> bool:
         if self.trial_start is None:
             return False
-        t, rounds = self.compressed_steps - self.trial_start, self._rounds()
-        return t < rounds or (self._kept is not None and t < rounds + (AUTO_REPEATS - 1) * len(self._kept))
+        t, first = self.compressed_steps - self.trial_start, len(self._cycle())
+        return t < first or (self._kept is not None and t < first + (AUTO_REPEATS - 1) * len(self._kept))
 
     def _rounds(self) -> int:
         return max((len(o) for o in self._order.values()), default=0)
 
+    def _cycle(self) -> List[int]:
+        """The rounds of the trial's first cycle, in turn."""
+        return [c for c in range(self._rounds()) if c not in (self._skipped or ())]
+
     def _round(self) -> int:
         """This step's trial round: rounds take turns, so a drifting load
         (another job, a warming cache) weighs on every candidate alike."""
-        t, rounds = self.compressed_steps - self.trial_start, self._rounds()
-        return t if t < rounds else self._kept[(t - rounds) % len(self._kept)]
+        t, cycle = self.compressed_steps - self.trial_start, self._cycle()
+        return cycle[t] if t < len(cycle) else self._kept[(t - len(cycle)) % len(self._kept)]
+
+    def _skip_hopeless(self, engine) -> None:
+        """The first trial, after its first round (each bucket's best
+        predicted candidate): every rank all-gathers that round's step time;
+        the rounds whose *predicted* communication alone (the cost model's
+        time of each bucket's collective, summed) is over AUTO_SPAN times
+        that round's slowest rank are left out of the trial. A step ends
+        after its buckets' collectives, whose bytes share the links, so such
+        a round cannot be faster than the one measured (the topology probe's
+        bandwidth at 100 Mbit is 0.88-1.0x the link's: the AUTO_SPAN margin
+        is for a probe that misjudged it).
+        fp32 on the wide model at 100 Mbit: one step of 600 ms where fp8's
+        takes 165. Re-checks measure what they keep (the first trial's
+        skipped rounds are pruned, as hopeless, and measured again by the
+        full re-checks)."""
+        _, times = self._gather_round_times(engine)
+        first = max(r[0] for r in times)
+
+        def predicted(c: int) -> float:
+            ts = [self.candidates[k][self._candidate_in_round(k, c)][2] for k in self._order if self._order[k]]
+            return 0.0 if any(t is None for t in ts) else sum(ts)
+        self._skipped = [c for c in range(1, self._rounds()) if first < INF and predicted(c) > AUTO_SPAN * first]
 
     def _cut(self, engine) -> None:
         """After the trial's first cycle: every rank all-gathers its step
@@ -312,7 +343,7 @@ class AutoPlanner:
         _, times = self._gather_round_times(engine)
         worst = [max(col) for col in zip(*times)]  # inf: a rank has no time for it
         best = min((w for w in worst if w < INF), default=INF)
-        self._kept = [c for c in range(len(worst)) if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
+        self._kept = [c for c in self._cycle() if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
 
     def _gather_round_times(self, engine, head: Sequence[int] = ()):
         """Every rank all-gathers ``head`` and its best step time of each
@@ -354,8 +385,11 @@ class AutoPlanner:
             self._last_trial = {}
         if self.guard is not None and self.guard.reading and lowrank_share.LowrankShare.closes(self.s.iter - 1):
             self._read_guard(engine)
+        if self.trial_start is not None and not self._rechecking and self._skipped is None and \
+                self.compressed_steps - self.trial_start == 1 and self._rounds() > 1:
+            self._skip_hopeless(engine)
         if self.trial_start is not None and self._kept is None and \
-                self.compressed_steps - self.trial_start == self._rounds():
+                self.compressed_steps - self.trial_start == len(self._cycle()):
             self._cut(engine)
         if self.trial_start is not None and not self._in_trial():
             self._decide(engine)
@@ -464,6 +498,7 @@ class AutoPlanner:
                "order": {k: list(v) for k, v in self._order.items()}, "round_times": list(self.round_times)}
         if self.trial_start is not None:
             out["trial"] = {"start": self.trial_start, "rechecking": self._rechecking, "kept": self._kept,
+                            "skipped": self._skipped,
                             "step_times": {c: list(v) for c, v in self._step_times.items()}}
         if self.guard is not None:
             out["guard"] = self.guard.state_dict()
@@ -476,6 +511,7 @@ class AutoPlanner:
         self.pruned = {str(k): {tuple(c) for c in v} for k, v in sd.get("pruned", {}).items()}
         self.candidates, self.decided, self.trial_start, self._times, self._order = {}, {}, None, {}, {}
         self._restored, self._unverified, self.round_times, self._step_times, self._kept = {}, set(), [], {}, None
+        self._skipped = None
         saved = sd.get("candidates")
         if saved is None:  # (a state saved before its candidates were): the choices, verified by a new trial
             self._restored = {str(k): tuple(v) for k, v in sd.get("decided", {}).items()}
@@ -490,6 +526,7 @@ class AutoPlanner:
             if trial is not None:
                 self.trial_start, self._rechecking = int(trial["start"]), bool(trial["rechecking"])
                 self._kept = None if trial["kept"] is None else [int(c) for c in trial["kept"]]
+                self._skipped = None if trial.get("skipped") is None else [int(c) for c in trial["skipped"]]
                 self._step_times = {int(c): [float(t) for t in v] for c, v in trial["step_times"].items()}
         self._guard_sd = sd.get("guard", {})
         if self.guard is not None:

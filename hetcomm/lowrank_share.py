@@ -5,16 +5,16 @@ then: the share of each matrix's energy (squared Frobenius norm) in its top
 Error feedback makes the residual nearly all of what lowrank approximates
 (bench/README "Could auto tell where lowrank is safe?"), so only the fresh
 gradient's spectrum says whether the rank is enough. A reading is the mean of
-a *window* of steps: every EVERY-th step of steps FIRST .. FIRST + SPAN, then
-of LATER .. LATER + SPAN, 2 LATER .. 2 LATER + SPAN, 4 LATER ... (one step's
-share moves by up to 0.04 on a model where lowrank is safe). In `hetcomm bench
-train`'s runs (2 ranks, fp8's path, SGD-momentum and AdamW, 2 seeds,
-bench/README "lowrank in auto, under a guard") the first window (steps 20-40) read at rank 4
-0.983-0.997 on the MLPs where lowrank reaches fp32's quality (wide, digits),
-and 0.990-0.996 on the language model at rank 16, which reaches; 0.78-0.88 on
-the language model at rank 4 and 0.92-0.96 at rank 8, which miss; 0.93-0.95
-on the regression at rank 4, which reaches on 2 ranks and misses on 4 with
-AdamW. Later windows: the MLPs 0.99-1.00, the language model at rank 16
+a *window* of steps: every EVERY-th step of steps FIRST .. FIRST + FIRST_SPAN,
+then of LATER .. LATER + SPAN, 2 LATER .. 2 LATER + SPAN, 4 LATER ... (one
+step's share moves by up to 0.04 on a model where lowrank is safe). In `hetcomm bench
+train`'s runs (2 ranks, fp8's path, SGD-momentum and AdamW, 4 seeds,
+bench/README "The first reading at step 30") the first window (steps 20-30)
+read at rank 4 0.983-0.996 on the MLPs where lowrank reaches fp32's quality
+(wide, digits), and 0.991-0.996 on the language model at rank 16, which
+reaches; 0.77-0.85 on the language model at rank 4 and 0.92-0.96 at rank 8,
+which miss; 0.91-0.96 on the regression at rank 4, which reaches on 2 ranks
+and misses on 4 with AdamW. Later windows: the MLPs 0.99-1.00, the language model at rank 16
 0.97-0.98, at rank 8 0.84-0.91. ``compression="auto"`` offers lowrank on that
 reading (:class:`Guard`); a fixed lowrank below :data:`THRESHOLD`
 has the ``hetcomm`` logger warn once, naming the fix. At most BUDGET elements
@@ -30,7 +30,9 @@ log = logging.getLogger("hetcomm")
 
 FIRST = 20   # the first window's first step (before 20 the shares of runs that miss and reach overlap: bench/README
 #              "Could the first reading come earlier?")
-SPAN = 20    # a window's steps after its first
+FIRST_SPAN = 10  # the first window's steps after its first (20-30 separates as 20-40 did: bench/README "The first
+#                  reading at step 30")
+SPAN = 20    # a later window's steps after its first
 EVERY = 5    # a reading every EVERY steps inside a window
 LATER = 100  # later windows start at LATER, 2 LATER, 4 LATER, ...
 THRESHOLD = 0.92
@@ -60,9 +62,14 @@ def top_share(g: torch.Tensor, rank: int, gen: torch.Generator) -> Tuple[float, 
     return float(s2[:rank].sum()), total
 
 
+def span_of(start: int) -> int:
+    """The steps of the window that begins at ``start`` after its first."""
+    return FIRST_SPAN if start == FIRST else SPAN
+
+
 def window_of(step: int) -> Optional[int]:
     """The first step of the window ``step`` lies in, or None."""
-    if FIRST <= step <= FIRST + SPAN:
+    if FIRST <= step <= FIRST + FIRST_SPAN:
         return FIRST
     if step < LATER:
         return None
@@ -72,8 +79,8 @@ def window_of(step: int) -> Optional[int]:
 
 def next_close(step: int) -> int:
     """The last step of the first window that closes at ``step`` or later."""
-    if step <= FIRST + SPAN:
-        return FIRST + SPAN
+    if step <= FIRST + FIRST_SPAN:
+        return FIRST + FIRST_SPAN
     start = LATER
     while start + SPAN < step:
         start *= 2
@@ -116,7 +123,7 @@ class LowrankShare:
     def closes(step: int) -> bool:
         """Whether ``step`` is the last step of a window (every rank knows it)."""
         start = window_of(step)
-        return start is not None and step == start + SPAN
+        return start is not None and step == start + span_of(start)
 
     def add(self, buf: torch.Tensor, layout: torch.Tensor) -> None:
         """The matrices of one lowrank bucket (rows of ``layout`` with a rank)
@@ -158,7 +165,7 @@ class LowrankShare:
                 "read 96-100 %% where lowrank reached fp32's quality, 63-96 %% where it missed, 86-95 %% on a "
                 "regression that reached on 2 ranks and missed on 4: this run may fall short of fp32's quality. "
                 "Raise matrix_approximation_rank (the language model there needs 16 where 4 misses) or use "
-                "compression='fp8' or 'auto'", rank, 100 * share, step - SPAN, step, rank)
+                "compression='fp8' or 'auto'", rank, 100 * share, window_of(step), step, rank)
 
 
 ADMIT = 0.975  # auto keeps lowrank past the first window when the ranks' lowest reading is at least this ...
@@ -173,13 +180,14 @@ class Guard:
     at 100 Mbit: half fp8's step) and misses fp32's quality where the gradient
     is not of low rank (the language model). Auto's trial measures lowrank's
     speed from the run's first steps, but no bucket runs it until the first
-    window's reading (steps 20-40: the lowest of the ranks' means) admits it
+    window's reading (steps 20-30: the lowest of the ranks' means) admits it
     at :data:`ADMIT` (30 steps of lowrank at the language model's start, then
     dense, ended 3 % over fp32's perplexity in one of two seeds). Under
     :data:`DROP` it is refused. From DROP up to ADMIT the next window (steps
     100-120) decides, at ADMIT: a window's mean moves by 0.01 with one step's
-    share (an fp16 overflow skipped in steps 20-40 took the wide model's
-    reading from 0.983 to 0.972; at 100-120 it read 0.999). An admitted
+    share (an fp16 overflow skipped in steps 20-40, the first window then,
+    took the wide model's reading from 0.983 to 0.972; at 100-120 it read
+    0.999). An admitted
     lowrank is refused when a later window reads under DROP. Refused, lowrank
     leaves the candidates for the rest of the run (the language model's share
     only falls as it trains), and buckets that ran it take the best plan the
@@ -209,14 +217,14 @@ class Guard:
             else:
                 log.info("hetcomm: auto's lowrank waits for its next reading: the ranks' lowest share of gradient "
                          "energy in its rank, steps %d-%d, is %.3f (admitted at %.3f or more, refused under %.2f)",
-                         step - SPAN, step, share, ADMIT, DROP)
+                         window_of(step), step, share, ADMIT, DROP)
         elif self.state == "admitted" and share < DROP:
             self.state = "refused"
         if self.state != before:
             self.changed_at = [step, share]
             log.info("hetcomm: auto %s lowrank: the ranks' lowest share of gradient energy in its rank, steps "
                      "%d-%d, is %.3f (admitted at %.3f or more, refused later under %.2f)",
-                     "keeps" if self.state == "admitted" else "drops", step - SPAN, step, share, ADMIT, DROP)
+                     "keeps" if self.state == "admitted" else "drops", window_of(step), step, share, ADMIT, DROP)
         return self.state != before
 
     def state_dict(self) -> dict:

@@ -149,7 +149,7 @@ class Negotiation:
                 # lowrank of the gradient: offered on the reading of its rank's share (hetcomm.lowrank_share.Guard)
                 auto.offer_guarded()
             log.info("hetcomm: compression='auto' chooses per bucket among %s%s", ", ".join(auto.modes),
-                     " (lowrank while the ranks' share readings keep it: steps 20-40 first)"
+                     " (lowrank while the ranks' share readings keep it: steps 20-30 first)"
                      if auto.guard is not None else "")
         if (self.algorithm in ("auto", "ring", "hierarchical") or self.compression == "auto" or
                 self._algorithm_default) and self.topology is None:

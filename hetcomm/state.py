@@ -129,7 +129,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             bf16); fp8 unless an Adam is attached; with no optimizer attached,
             lowrank under a guard: measured in the trial, run only once the
             ranks' reading of how much of their gradient its rank carries
-            (steps 20-40) admits it, dropped when it or a later reading does
+            (steps 20-30) admits it, dropped when it or a later reading does
             not (:class:`hetcomm.lowrank_share.Guard`); onebit and topk only when
             listed here (measured to miss fp32's quality at fp32's learning
             rate or to sit at the tolerance's edge: onebit on digits, topk on
@@ -398,7 +398,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         once this rank has shadowed steps inside DDP's join (its inputs ran out);
         ``lowrank_share`` once lowrank (or auto's guard on it) measured how much
         of this rank's gradient its rank carries (:mod:`hetcomm.lowrank_share`:
-        steps 20-40, 100-120, 200-220, 400-420, ...); ``auto`` under
+        steps 20-30, 100-120, 200-220, 400-420, ...); ``auto`` under
         ``compression="auto"``, with ``lowrank_guard`` (pending, admitted or
         refused; the ranks' last agreed reading and the one that set the
         state) where auto offers lowrank."""

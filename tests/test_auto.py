@@ -46,20 +46,21 @@ def test_safe_modes_follow_the_optimizer():
     assert autoplan.safe_modes(None, True, warmed_up=True) == ("none", "bf16", "fp8")
 
 
-def _rank_predict(first):
-    """A cost model that ranks ``first`` best (the real one for the rest)."""
+def _rank_predict(first, hopeless=None):
+    """A cost model that ranks ``first`` best (the real one for the rest, a
+    microsecond later; ``hopeless``: a wire predicted to take 10 s)."""
     real = plan.planner.predict
 
     def predict(topo, nbytes, algorithm, wire="none"):
-        t = real(topo, nbytes, algorithm, wire)
-        return None if t is None else (0.0 if plan.planner.Wire.of(wire).kind == first else t + 1.0)
+        t, kind = real(topo, nbytes, algorithm, wire), plan.planner.Wire.of(wire).kind
+        return None if t is None else 0.0 if kind == first else 10.0 + t if kind == hopeless else t + 1e-6
     return predict
 
 
 def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False,
-              batch=8, guard=None, cut=True, ckpt=None):
-    """``guard``: settings of :mod:`hetcomm.lowrank_share` (FIRST and SPAN of
-    lowrank's first share window, every step read; no later window unless
+              batch=8, guard=None, cut=True, ckpt=None, hopeless=None):
+    """``guard``: settings of :mod:`hetcomm.lowrank_share` (FIRST and FIRST_SPAN
+    of lowrank's first share window, every step read; no later window unless
     LATER is set), auto's modes fp32 and the guarded lowrank, which is the
     fastest round whenever a choice may take it. ``cut``: False, every trial
     round runs AUTO_REPEATS steps, whatever the first cycle measured.
@@ -83,7 +84,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     if two_nodes:
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     if first:
-        plan.planner.predict = _rank_predict(first)
+        plan.planner.predict = _rank_predict(first, hopeless)
     if not cut:
         autoplan.AUTO_SPAN = INF
     torch.manual_seed(0)
@@ -155,7 +156,7 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
     # admit it at step 15. One sample a rank: every weight gradient is of rank 1 (share 1): admitted. Eight:
     # refused. Either way fp32 pays what lowrank's error feedback owed from its trial round (step 10).
     res = run_ranks(_auto_run, 2, 18, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                    {"FIRST": 12, "SPAN": 2})
+                    {"FIRST": 12, "FIRST_SPAN": 2})
     r0, r1 = res
     assert r0["auto"]["modes"] == ["none", "lowrank"]
     guard = r0["auto"]["lowrank_guard"]
@@ -182,7 +183,7 @@ def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window(tmp_path):
     # lowrank waits, fp32 runs on; one sample a rank in the second (steps 20-22) reads 1: admitted at step 23
     batch = [8] * 20 + [1] * 6
     res = run_ranks(_auto_run, 2, 26, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                    {"FIRST": 12, "SPAN": 2, "LATER": 20, "DROP": 0.0})
+                    {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "DROP": 0.0})
     r0, r1 = res
     guard = r0["auto"]["lowrank_guard"]
     assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]
@@ -195,7 +196,7 @@ def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window(tmp_path):
 def _resume_inside_a_window(rank, world, cache_dir, ckpt_dir, save_at):
     # the big model: its 1024 x 1024 matrix is read by the randomized range finder (lowrank_share's generator)
     args = (rank, world, 22, None, None, 0.01, True, False, cache_dir, False, 8,
-            {"FIRST": 12, "SPAN": 4, "ADMIT": 0.5, "DROP": 0.0})
+            {"FIRST": 12, "FIRST_SPAN": 4, "ADMIT": 0.5, "DROP": 0.0})
     whole = _auto_run(*args)
     _auto_run(*args, ckpt=(ckpt_dir, 0, save_at))
     return whole, _auto_run(*args, ckpt=(ckpt_dir, save_at, -1))
@@ -295,6 +296,31 @@ def test_a_slow_candidate_predicted_first_is_dropped_after_measuring(tmp_path):
         assert all(p["mode"] == "none" for p in r["plans"].values())
         # measured over AUTO_SPAN x fp32's step in the trial's first cycle, top-k runs no more (was 3 steps)
         assert [w for w in r["wires"]].count(["topk"]) == 1, (r["wires"], r["auto"]["round_step_s"])
+
+
+def test_the_first_trial_leaves_out_rounds_whose_predicted_communication_cannot_win(tmp_path):
+    # the cost model (rigged) ranks bf16 first and predicts fp32 at 10 s a bucket: after the first round (bf16,
+    # step 2; a few ms) the ranks agree that no fp32 round can be faster, so the trial runs bf16 alone (steps 2-4);
+    # fp32 is pruned from the next re-check. With the real cost model every candidate runs
+    # (test_auto_agrees_on_every_rank_and_keeps_replicas_identical).
+    # Saved after step 3 (inside the trial, the rounds left out agreed) and resumed: the same wires and parameters.
+    res = run_ranks(_skipping_and_resumed, 2, str(tmp_path), str(tmp_path))
+    for whole, resumed in res:
+        assert whole["wires"][:2] == [["none"]] * 2 and whole["wires"][2:] == [["bf16"]] * 6, whole["wires"]
+        for b in whole["auto"]["buckets"].values():
+            assert b["chosen"]["mode"] == "bf16"
+            assert all(c["pruned"] == (c["mode"] == "none") for c in b["candidates"]), b["candidates"]
+        times = whole["auto"]["round_step_s"]
+        assert times[0] < 1.0 and len(times) > 1 and all(t == float("inf") for t in times[1:]), times
+        assert resumed["wires"] == whole["wires"][4:] and torch.equal(resumed["params"], whole["params"])
+    assert torch.equal(res[0][0]["params"], res[1][0]["params"])
+
+
+def _skipping_and_resumed(rank, world, cache_dir, ckpt_dir):
+    args = (rank, world, 8, ("none", "bf16"), "bf16", 0.01, False, False, cache_dir, False, 8, None, True)
+    whole = _auto_run(*args, hopeless="none")
+    _auto_run(*args, ckpt=(ckpt_dir, 0, 4), hopeless="none")
+    return whole, _auto_run(*args, ckpt=(ckpt_dir, 4, -1), hopeless="none")
 
 
 @pytest.mark.parametrize("world,two_nodes", [(2, False), (4, True)])

@@ -27,14 +27,32 @@ def _torchrun(tmp_path, *args):
     return _last_json(subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path))
 
 
+def _straight_and_resumed(tmp_path, *args):
+    """60 steps straight, and 30 then 30 resumed from the checkpoint."""
+    straight = _torchrun(tmp_path, "--steps", "60", "--save-every", "30", "--ckpt", str(tmp_path / "a"), *args)
+    common = ("--total-steps", "60", "--save-every", "30", "--ckpt", str(tmp_path / "b"), *args)
+    _torchrun(tmp_path, "--steps", "30", *common)
+    return straight, _torchrun(tmp_path, "--steps", "60", *common, "--resume")
+
+
 def test_torchrun_example_resumes_bit_for_bit(tmp_path):
-    straight = _torchrun(tmp_path, "--steps", "60", "--save-every", "30", "--ckpt", str(tmp_path / "a"))
-    _torchrun(tmp_path, "--steps", "30", "--save-every", "30", "--ckpt", str(tmp_path / "b"))
-    resumed = _torchrun(tmp_path, "--steps", "60", "--save-every", "30", "--ckpt", str(tmp_path / "b"), "--resume")
+    # onebit of the momentum, its warm-up the planned run's first fifth (steps 0-11) in both
+    straight, resumed = _straight_and_resumed(tmp_path, "--compression", "onebit", "--attach")
     for r in (straight, resumed):
         assert r["replicas_identical"] and r["hook_steps"] == 60 and r["compression_ratio"] > 10
+        assert r["plans"] == ["onebit/native"]
     assert resumed["checksum"] == straight["checksum"]
     assert straight["accuracy"] > 0.8
+
+
+def test_torchrun_example_resumes_its_default_auto(tmp_path):
+    # the default: auto, saved after step 29, inside the guard's first window (steps 20, 25 and 30 read), which
+    # the resumed run closes with the saved readings (its choices follow measured times: not compared bit for bit)
+    straight, resumed = _straight_and_resumed(tmp_path)
+    for r in (straight, resumed):
+        assert r["replicas_identical"] and r["hook_steps"] == 60 and r["accuracy"] > 0.8
+        assert r["lowrank_guard"]["step"] == 30, r["lowrank_guard"]  # the ranks agreed on a reading of steps 20-30
+        assert r["lowrank_share"]["step"] == 30 and r["lowrank_share"]["readings"] == 3, r["lowrank_share"]
 
 
 def test_mixed_precision_example_skips_together_and_keeps_replicas_identical(tmp_path):

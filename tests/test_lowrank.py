@@ -394,15 +394,15 @@ def test_top_share_is_the_energy_in_the_top_singular_values_and_leaves_the_calle
             assert num / den <= share + 1e-6  # an estimate from below
     assert torch.equal(torch.get_rng_state(), rng)
     due = [s for s in range(1000) if lowrank_share.LowrankShare.due(s)]
-    assert due == [s for first in (20, 100, 200, 400, 800) for s in range(first, first + 21, 5)]
-    assert [s for s in range(1000) if lowrank_share.LowrankShare.closes(s)] == [40, 120, 220, 420, 820]
+    assert due == [20, 25, 30] + [s for first in (100, 200, 400, 800) for s in range(first, first + 21, 5)]
+    assert [s for s in range(1000) if lowrank_share.LowrankShare.closes(s)] == [30, 120, 220, 420, 820]
 
 
 def test_next_close_is_the_first_window_end_at_or_after_a_step():
     from hetcomm import lowrank_share
 
     ends = [s for s in range(7000) if lowrank_share.LowrankShare.closes(s)]  # ... 3220, 6420
-    assert ends[:6] == [40, 120, 220, 420, 820, 1620]
+    assert ends[:6] == [30, 120, 220, 420, 820, 1620]
     for step in range(5000):  # what auto's log line names, against the windows the guard reads
         assert lowrank_share.next_close(step) == next(e for e in ends if e >= step), step
 
@@ -415,7 +415,7 @@ def test_a_reading_stops_at_its_budget_and_skips_a_non_finite_step(monkeypatch):
     layout = torch.tensor([[0, 30, 20, 2], [600, 40, 20, 2]])
     bad = buf.clone()
     bad[5] = float("inf")
-    for name, value in (("FIRST", 1), ("SPAN", 2), ("EVERY", 1), ("LATER", 10)):  # windows 1-3, 10-12, 20-22, ...
+    for name, value in (("FIRST", 1), ("FIRST_SPAN", 2), ("SPAN", 2), ("EVERY", 1), ("LATER", 10)):  # windows 1-3, 10-12, 20-22, ...
         monkeypatch.setattr(lowrank_share, name, value)
     monkeypatch.setattr(lowrank_share, "BUDGET", 600)  # the first matrix only
     quiet, reading = lowrank_share.LowrankShare(), lowrank_share.LowrankShare()
@@ -448,7 +448,7 @@ def _share_run(rank, world, batch, steps):
 
     from hetcomm import lowrank_share
 
-    lowrank_share.FIRST, lowrank_share.SPAN, lowrank_share.LATER = 4, 0, 8
+    lowrank_share.FIRST, lowrank_share.FIRST_SPAN, lowrank_share.SPAN, lowrank_share.LATER = 4, 0, 0, 8
     records = []
     handler = logging.Handler()
     handler.emit = records.append

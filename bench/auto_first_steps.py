@@ -1,0 +1,43 @@
+"""auto's first steps on the wide model, each step's time and rank 0's INFO log
+(the trial's rounds, the guard's reading), run once per rank under
+torch.distributed's env:// variables (bench/README "The first reading at
+step 30, and a trial without what cannot win"):
+
+    hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- python bench/auto_first_steps.py 40
+"""
+import logging
+import sys
+import time
+
+import torch.distributed as dist
+from torch import nn
+
+import hetcomm
+from hetcomm.benchmarks import tasks, train
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+    task = tasks.TASKS["wide"]()
+    model = task.model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = train.make_optimizer("sgd", ddp.parameters(), train.task_lr(task, "sgd"))
+    state = hetcomm.HookState("auto")
+    ddp.register_comm_hook(state, hetcomm.hook)
+    times = []
+    for step in range(int(sys.argv[1]) if len(sys.argv) > 1 else 40):
+        t = time.perf_counter()
+        x, y = task.batch_for(step, rank)
+        opt.zero_grad()
+        task.loss(ddp(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    if rank == 0:
+        print("step ms:", " ".join(f"{1000 * t:.0f}" for t in times))
+        print("cumulative s at 10/20/30/40:", [round(sum(times[:n]), 2) for n in (10, 20, 30, 40)])
+        plans = {k: (p["mode"], p["algorithm"]) for k, p in state.stats()["plans"].items()}
+        print("plans", plans, "guard", state.stats()["auto"].get("lowrank_guard"))
+    state.close()
+    dist.destroy_process_group()
