@@ -9,10 +9,10 @@ default, compression="auto" (or --compression MODE; --attach: the momentum
 compressed, attach_optimizer with the run's length, as onebit and topk want
 under a momentum); saves model, optimizer and each rank's hetcomm state every
 --save-every steps; --resume continues from the last checkpoint as if the run
-had never stopped (bit for bit where the plans are fixed: a fixed mode, or
-auto's choices, which follow measured step times, the same; on another number
-of ranks: from the saved step, error feedback afresh). Rank 0 prints a JSON
-line at the end.
+had never stopped (bit for bit with a fixed mode; with auto, whose choices
+follow measured step times, wherever the resumed run measures the same
+choices; on another number of ranks: from the saved step, error feedback
+afresh). Rank 0 prints a JSON line at the end.
 """
 
 import argparse
