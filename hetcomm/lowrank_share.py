@@ -187,12 +187,11 @@ class Guard:
     100-120) decides, at ADMIT: a window's mean moves by 0.01 with one step's
     share (an fp16 overflow skipped in steps 20-40, the first window then,
     took the wide model's reading from 0.983 to 0.972; at 100-120 it read
-    0.999). An admitted
-    lowrank is refused when a later window reads under DROP. Refused, lowrank
-    leaves the candidates for the rest of the run (the language model's share
-    only falls as it trains), and buckets that ran it take the best plan the
-    last trial measured without it; its error feedback is carried into that
-    plan, nothing dropped."""
+    0.999). An admitted lowrank is refused when a later window reads under
+    DROP. Refused, lowrank leaves the candidates for the rest of the run (the
+    language model's share only falls as it trains), and buckets that ran it
+    take the best plan the last trial measured without it; its error feedback
+    is carried into that plan, nothing dropped."""
 
     def __init__(self) -> None:
         self.state = "pending"  # pending (measured in trials, run by no bucket), admitted, refused
