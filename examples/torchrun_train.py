@@ -3,16 +3,20 @@
     torchrun --nproc_per_node 2 examples/torchrun_train.py --steps 200 --ckpt /tmp/ckpt
     torchrun --nproc_per_node 2 examples/torchrun_train.py --steps 300 --ckpt /tmp/ckpt --resume
     torchrun --nproc_per_node 2 examples/torchrun_train.py --compression onebit --attach --ckpt /tmp/ckpt1
+    torchrun --nproc_per_node 2 examples/torchrun_train.py --optim adamw --precisions bf16,fp16 --ckpt /tmp/ckpt2
 
-Trains an MLP on scikit-learn's digits with SGD (momentum 0.9) and hetcomm's
-default, compression="auto" (or --compression MODE; --attach: the momentum
-compressed, attach_optimizer with the run's length, as onebit and topk want
-under a momentum); saves model, optimizer and each rank's hetcomm state every
---save-every steps; --resume continues from the last checkpoint as if the run
-had never stopped (bit for bit with a fixed mode; with auto, whose choices
-follow measured step times, wherever the resumed run measures the same
-choices; on another number of ranks: from the saved step, error feedback
-afresh). Rank 0 prints a JSON line at the end.
+Trains an MLP on scikit-learn's digits with SGD (momentum 0.9; --optim adamw:
+hetcomm.optim.AdamW) and hetcomm's default, compression="auto" (or
+--compression MODE; --attach: the momentum compressed, attach_optimizer with
+the run's length, as onebit and topk want under a momentum); --precisions: rank
+r computes in the r-th entry (cycled) under hetcomm.amp.GradScaler, as if the
+ranks were different GPUs, and --overflow-at makes the fp16 ranks' loss overflow
+at that step (every rank skips it). Saves model, optimizer, the scaler and each
+rank's hetcomm state every --save-every steps; --resume continues from the last
+checkpoint as if the run had never stopped (bit for bit with a fixed mode; with
+auto, whose choices follow measured step times, wherever the resumed run
+measures the same choices; on another number of ranks: from the saved step,
+error feedback afresh). Rank 0 prints a JSON line at the end.
 """
 
 import argparse
@@ -35,13 +39,17 @@ def main() -> None:
                    help="the run's planned length, if --steps stops it sooner (--attach's warm-up is its first fifth)")
     p.add_argument("--attach", action="store_true",
                    help="compress the momentum (attach_optimizer, its warm-up the run's first fifth)")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--lr", type=float, default=None, help="default 0.05 (sgd), 3e-3 (adamw)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--ckpt", required=True, help="checkpoint folder")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--clip", type=float, default=None,
                    help="clip the gradient at this norm (by the reduced gradient's: state.clip_grad_norm_)")
+    p.add_argument("--precisions", default=None,
+                   help="comma-separated fp32 / bf16 / fp16, rank r takes entry r (cycled); default: no autocast")
+    p.add_argument("--overflow-at", type=int, default=-1, help="the fp16 ranks' loss overflows at this step")
     args = p.parse_args()
 
     dist.init_process_group("gloo")  # torchrun's env:// variables
@@ -49,11 +57,20 @@ def main() -> None:
     x, y, x_test, y_test = load_digits()
     model = make_model(seed=0)
     ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    if args.optim == "sgd":
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr or 0.05, momentum=0.9)
+    else:
+        opt = hetcomm.optim.AdamW(ddp.parameters(), lr=args.lr or 3e-3)
     state = hetcomm.HookState(args.compression)
     if args.attach:
         state.attach_optimizer(opt, total_steps=args.total_steps or args.steps)
     ddp.register_comm_hook(state, hetcomm.hook)
+    scaler = None  # without --precisions: fp32, no scaler, as most users start
+    if args.precisions:
+        names = args.precisions.split(",")
+        scaler = hetcomm.amp.GradScaler(state, "cpu", precision=names[rank % len(names)])
+    taken = [0]  # the optimizer steps taken (a non-finite gradient on any rank skips the step on every rank)
+    opt.register_step_post_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
 
     os.makedirs(args.ckpt, exist_ok=True)
     path = os.path.join(args.ckpt, f"rank{rank}.pt")  # every rank its own file: residuals are per rank
@@ -66,21 +83,39 @@ def main() -> None:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         state.load_state_dict(ck["hetcomm"], strict=False)
-        start = ck["step"]
+        if scaler is not None:
+            scaler.load_state_dict(ck["scaler"])  # the loss scale as the saving run left it (an fp16 backoff)
+        start, taken[0] = ck["step"], ck["optimizer_steps"]
     for step in range(start, args.steps):
         g = torch.Generator().manual_seed(step * world + rank)  # this rank's batch of this step
         idx = torch.randint(0, len(y), (args.batch,), generator=g)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        if scaler is None:
+            torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        else:
+            with scaler.autocast():  # bf16, fp16 or nothing, as this rank's precision says
+                loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
+            if step == args.overflow_at and scaler.precision == "fp16":
+                loss = loss * 1e9  # an fp16 overflow on this rank
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # checks (the hook reduced the gradients unscaled); clip_grad_norm_ after it
         if args.clip is not None:
             state.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         if (step + 1) % args.save_every == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict(),
-                        "step": step + 1}, path)
+                        "scaler": scaler.state_dict() if scaler is not None else None, "step": step + 1,
+                        "optimizer_steps": taken[0]}, path)
     flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
-    every = [None] * world
+    every, mine = [None] * world, [None] * world
     dist.all_gather_object(every, flat)
+    share = state.stats().get("lowrank_share")
+    dist.all_gather_object(mine, {"optimizer_steps": taken[0], "loss_scale": scaler.loss_scale() if scaler else None,
+                                  "share_readings": share and share.get("readings")})
     with torch.no_grad():
         acc = (model(x_test).argmax(1) == y_test).float().mean().item()
     stats = state.stats()
@@ -90,7 +125,8 @@ def main() -> None:
                           "compression_ratio": stats["last_step"]["compression_ratio"],
                           "plans": sorted(f"{p['mode']}/{p['algorithm']}" for p in stats["plans"].values()),
                           "lowrank_guard": stats.get("auto", {}).get("lowrank_guard"),
-                          "lowrank_share": stats.get("lowrank_share"),
+                          "lowrank_share": stats.get("lowrank_share"), "precisions": stats.get("precisions"),
+                          "ranks": mine,
                           "checksum": float(flat.double().sum())}))
     state.close()
     dist.destroy_process_group()

@@ -45,14 +45,30 @@ def test_torchrun_example_resumes_bit_for_bit(tmp_path):
     assert straight["accuracy"] > 0.8
 
 
-def test_torchrun_example_resumes_its_default_auto(tmp_path):
+def test_torchrun_example_resumes_mixed_precision_and_adamw_bit_for_bit(tmp_path):
+    # a bf16 rank next to an fp16 one whose loss overflows at step 25 (both skip it, the fp16 rank backs off),
+    # hetcomm's AdamW with its momentum in onebit; the checkpoint after step 29 holds the backed-off scale
+    straight, resumed = _straight_and_resumed(tmp_path, "--optim", "adamw", "--compression", "onebit", "--attach",
+                                              "--precisions", "bf16,fp16", "--overflow-at", "25")
+    for r in (straight, resumed):
+        assert r["replicas_identical"] and r["hook_steps"] == 60 and r["precisions"] == ["bf16", "fp16"]
+        assert [k["optimizer_steps"] for k in r["ranks"]] == [59, 59]  # step 25 skipped on both ranks
+        assert [k["loss_scale"] for k in r["ranks"]] == [1.0, 2.0 ** 15]  # 2**16 halved once, as saved
+    assert resumed["checksum"] == straight["checksum"]
+    assert straight["accuracy"] > 0.8
+
+
+def test_torchrun_example_resumes_its_default_auto_through_an_overflow(tmp_path):
     # the default: auto, saved after step 29, inside the guard's first window (steps 20, 25 and 30 read), which
-    # the resumed run closes with the saved readings (its choices follow measured times: not compared bit for bit)
-    straight, resumed = _straight_and_resumed(tmp_path)
+    # the resumed run closes with the saved readings; the fp16 rank's overflow at step 25 skips the step on both
+    # ranks and leaves that rank's reading out (its choices follow measured times: not compared bit for bit)
+    straight, resumed = _straight_and_resumed(tmp_path, "--precisions", "bf16,fp16", "--overflow-at", "25")
     for r in (straight, resumed):
         assert r["replicas_identical"] and r["hook_steps"] == 60 and r["accuracy"] > 0.8
         assert r["lowrank_guard"]["step"] == 30, r["lowrank_guard"]  # the ranks agreed on a reading of steps 20-30
-        assert r["lowrank_share"]["step"] == 30 and r["lowrank_share"]["readings"] == 3, r["lowrank_share"]
+        assert [k["share_readings"] for k in r["ranks"]] == [3, 2], r["ranks"]
+        assert [k["optimizer_steps"] for k in r["ranks"]] == [59, 59]
+        assert [k["loss_scale"] for k in r["ranks"]] == [1.0, 2.0 ** 15]
 
 
 def test_mixed_precision_example_skips_together_and_keeps_replicas_identical(tmp_path):
