@@ -2,9 +2,16 @@
 optimizer's momentum, a checkpoint that resumes with each rank's hetcomm state.
 
     python examples/lightning_train.py --epochs 3 --out /tmp/pl
+    python examples/lightning_train.py --epochs 3 --precisions 16-mixed,bf16-mixed --overflow-at 30 --out /tmp/pl16
 
 Prints a JSON line (rank 0) with the hook's step count, the bytes it reduced
-and whether the replicas are identical.
+and whether the replicas are identical. --precisions: rank r's Lightning
+precision is entry r (cycled), as if the ranks were different GPUs: "16-mixed"
+(fp16 autocast and loss scaling, which Lightning itself runs on CUDA only: here
+its MixedPrecision plugin on the CPU), "bf16-mixed" or "32-true"; the strategy
+hands the mixed ones' scalers to hetcomm.amp.GradScaler (a 32-true rank among
+them is refused: every rank or none runs one). --overflow-at N: the loss overflows at step
+N on the fp16 ranks.
 """
 
 import argparse
@@ -24,16 +31,21 @@ from hetcomm.integrations.lightning import HetcommDDPStrategy
 
 
 class Digits(pl.LightningModule):
-    def __init__(self, lr: float, cosine: bool = False) -> None:
+    def __init__(self, lr: float, cosine: bool = False, overflow_at: int = -1) -> None:
         super().__init__()
-        self.net, self.lr, self.cosine = make_model(seed=0), lr, cosine
+        self.net, self.lr, self.cosine, self.overflow_at = make_model(seed=0), lr, cosine, overflow_at
+        self.taken = 0  # optimizer steps this process took (an overflow on any rank skips the step on every rank)
 
     def training_step(self, batch, _):
         x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        if self.global_step == self.overflow_at and self.trainer.precision == "16-mixed":
+            loss = loss * 1e9  # scaled, its fp16 backward overflows on this rank
+        return loss
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        opt.register_step_post_hook(lambda *_: setattr(self, "taken", self.taken + 1))
         if not self.cosine:
             return opt
         # stepped after every optimizer step; hetcomm's error feedback follows the rate it sets
@@ -57,6 +69,9 @@ def main() -> None:
                    help="compress the gradient (the strategy's error feedback then follows the optimizer's rate)")
     p.add_argument("--clip", type=float, default=None,
                    help="Trainer(gradient_clip_val=...): clipped by the reduced gradient's norm through hetcomm")
+    p.add_argument("--precisions", default=None,
+                   help="comma-separated 16-mixed / bf16-mixed / 32-true, rank r takes entry r (cycled); default: 32-true")
+    p.add_argument("--overflow-at", type=int, default=-1, help="the 16-mixed ranks' loss overflows at this step")
     args = p.parse_args()
 
     x, y, x_test, y_test = load_digits()
@@ -65,26 +80,39 @@ def main() -> None:
     strategy = HetcommDDPStrategy(args.compression, process_group_backend="gloo",  # None: attach_optimizer's default
                                   attach_optimizer=False if args.no_attach else
                                   {"warmup_compression": args.warmup_compression})
+    # Lightning starts a process per rank running this script again (LOCAL_RANK set); Trainer(precision="16-mixed")
+    # on a CPU falls back to bf16, its plugin itself runs fp16 there too
+    plugins = None
+    if args.precisions:
+        names = args.precisions.split(",")
+        name = names[int(os.environ.get("LOCAL_RANK", 0)) % len(names)]
+        plugins = None if name == "32-true" else [pl.plugins.precision.MixedPrecision(name, "cpu")]
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=args.out, gradient_clip_val=args.clip)
-    model = Digits(args.lr, args.cosine)
+                         enable_model_summary=False, default_root_dir=args.out, gradient_clip_val=args.clip,
+                         plugins=plugins)
+    model = Digits(args.lr, args.cosine, args.overflow_at)
     ckpt = os.path.join(args.out, "last.ckpt")
     trainer.fit(model, loader, ckpt_path=ckpt if args.resume else None)
     trainer.save_checkpoint(ckpt)
     state = strategy.hook_state
     flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
-    every = [None] * trainer.world_size
+    every, taken = [None] * trainer.world_size, [None] * trainer.world_size
     dist.all_gather_object(every, flat)
+    dist.all_gather_object(taken, model.taken)
     with torch.no_grad():
         acc = (model.net(x_test).argmax(1) == y_test).float().mean().item()
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
     if trainer.global_rank == 0:
         stats = state.stats()
         result = {"hook_steps": state.iter, "global_step": trainer.global_step, "accuracy": acc,
                   "start_iter": state.start_iter, "clip": stats.get("clip"),
                   "followed_lrs": state.state_dict()["lrs"],  # the rate error feedback is in units of
                   "bytes_sent": stats["total"]["bytes_sent"], "fp32_bytes": stats["total"]["fp32_bytes"],
-                  "replicas_identical": all(torch.equal(flat, f) for f in every)}
+                  "replicas_identical": all(torch.equal(flat, f) for f in every), "optimizer_steps": taken,
+                  "checksum": float(flat.double().sum()),
+                  "scaler": scaler and type(scaler).__module__ + "." + type(scaler).__name__,
+                  "loss_scale": scaler and scaler.get_scale(), "precisions": stats.get("precisions")}
         print(json.dumps(result))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)

@@ -102,13 +102,16 @@ def test_lightning_strategy_rejects_what_attach_optimizer_does_not_take():
         HetcommDDPStrategy("onebit", follow_lr="yes")
 
 
+def _lightning_fit(tmp_path, *args):
+    script = os.path.join(ROOT, "examples", "lightning_train.py")
+    return _last_json(subprocess.run([sys.executable, script, "--out", str(tmp_path), *args], capture_output=True,
+                                     text=True, timeout=600, env=ENV, cwd=tmp_path))
+
+
 @pytest.mark.skipif(not _lightning_available(), reason="PyTorch Lightning is not installed")
 def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
-    script = os.path.join(ROOT, "examples", "lightning_train.py")
-
     def fit(*args):
-        return _last_json(subprocess.run([sys.executable, script, "--out", str(tmp_path), *args], capture_output=True,
-                                         text=True, timeout=600, env=ENV, cwd=tmp_path))
+        return _lightning_fit(tmp_path, *args)
 
     first = fit("--epochs", "2")
     # Lightning alone never calls a comm hook on CPU; here every step went through hetcomm.
@@ -156,3 +159,19 @@ def test_lightning_fit_runs_the_hook_on_cpu_and_resumes(tmp_path):
     assert resumed["global_step"] == first["global_step"] * 3 // 2
     assert resumed["hook_steps"] == resumed["global_step"] and resumed["replicas_identical"]
     assert resumed["accuracy"] > 0.85
+
+
+@pytest.mark.skipif(not _lightning_available(), reason="PyTorch Lightning is not installed")
+def test_lightning_mixed_precision_scales_through_hetcomm_and_resumes_its_scale(tmp_path):
+    # rank 0 in Lightning's 16-mixed, rank 1 in bf16-mixed (as a V100 next to an A100): the strategy hands the
+    # plugins' scalers to hetcomm.amp.GradScaler (torch's would hand the hook gradients times 2**16), the fp16
+    # rank's overflow at step 30 skips that step on both ranks and halves its scale, which the resumed fit restores
+    mixed = ("--precisions", "16-mixed,bf16-mixed", "--overflow-at", "30")
+    first = _lightning_fit(tmp_path, "--epochs", "2", *mixed)
+    assert first["scaler"] == "hetcomm.amp.GradScaler" and first["precisions"] == ["fp16", "bf16"]
+    n = first["global_step"]
+    assert first["hook_steps"] == n and first["optimizer_steps"] == [n - 1, n - 1] and first["replicas_identical"]
+    assert first["loss_scale"] == 2.0 ** 15
+    resumed = _lightning_fit(tmp_path, "--epochs", "3", "--resume", *mixed)
+    assert resumed["global_step"] == n * 3 // 2 and resumed["optimizer_steps"] == [n // 2, n // 2]
+    assert resumed["loss_scale"] == 2.0 ** 15 and resumed["replicas_identical"] and resumed["accuracy"] > 0.85

@@ -7,7 +7,9 @@ rank, with the same arguments), registers :func:`hetcomm.hook` on any device,
 optionally attaches the optimizer (momentum compression), and saves / restores
 each rank's hetcomm state next to Lightning's checkpoint
 (``<checkpoint>.hetcomm-rank<r>.pt``: residuals are per rank, Lightning's file
-is written by rank 0 alone).
+is written by rank 0 alone). Under ``precision="16-mixed"`` or ``"bf16-mixed"``
+the precision plugin's scaler is a :class:`hetcomm.amp.GradScaler` (the hook
+reduces unscaled gradients; ranks may differ in precision).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 
+from .. import amp
 from ..hooks import hook
 from ..state import HookState
 
@@ -104,6 +107,7 @@ class HetcommDDPStrategy(DDPStrategy):
         # Called by configure_ddp once the model is wrapped: the group exists.
         self.hook_state = HookState(self._compression, **self._hook_options)
         self.model.register_comm_hook(self.hook_state, hook)
+        self._scale_through_hetcomm()
         if self._pending is not None:
             self._load_hook_state(self._pending)
             self._pending = None
@@ -125,6 +129,32 @@ class HetcommDDPStrategy(DDPStrategy):
             opt = self.optimizers[0] if len(self.optimizers) == 1 else None
             if self._follow_lr or isinstance(opt, torch.optim.SGD):
                 self.hook_state.follow_lr(opt)
+
+    def _scale_through_hetcomm(self) -> None:
+        """``precision="16-mixed"`` / ``"bf16-mixed"`` (Lightning's
+        ``MixedPrecision``): its scaler becomes a :class:`hetcomm.amp.GradScaler`
+        of this rank's precision, with torch's settings. torch's would hand the
+        hook gradients times the loss scale, and error feedback and a
+        compressed momentum kept across a backoff (or a growth) would then mix
+        two scales; a bf16 rank gets one too (scale 1), so ranks in fp16 and
+        bf16 skip the same overflow steps and agree on each other's precision.
+        Before the checkpoint's scaler state is restored (Lightning restores
+        it after ``setup``)."""
+        plugin = self.precision_plugin
+        kind = {"16-mixed": "fp16", "bf16-mixed": "bf16"}.get(getattr(plugin, "precision", None))
+        held = getattr(plugin, "scaler", None)
+        if kind is None or not hasattr(plugin, "scaler") or isinstance(held, amp.GradScaler):
+            return
+        device = "cuda" if str(getattr(plugin, "device", "cuda")).startswith("cuda") else str(plugin.device)
+        if held is None:  # bf16-mixed: Lightning runs no scaler; hetcomm's keeps the scale at 1
+            plugin.scaler = amp.GradScaler(self.hook_state, device, precision=kind)
+            return
+        if not held.is_enabled():
+            return  # a scaler the user disabled: the gradients reach the hook unscaled
+        plugin.scaler = amp.GradScaler(self.hook_state, device, precision=kind, init_scale=held.get_scale(),
+                                       growth_factor=held.get_growth_factor(),
+                                       backoff_factor=held.get_backoff_factor(),
+                                       growth_interval=held.get_growth_interval())
 
     def _clip_through_hetcomm(self) -> None:
         """``Trainer(gradient_clip_val=C)`` (by norm) clips by the reduced
