@@ -117,7 +117,10 @@ class BucketSteps:
                 level = logging.INFO if self._scaler is not None else logging.WARNING
                 log.log(level, "hetcomm: %d step(s) so far had non-finite gradients on some rank; they were reduced "
                         "exactly in fp32 (every rank sees the NaN/Inf, as with allreduce_hook) and left the "
-                        "error-feedback state untouched (next note at %d)", nonfinite, 1 << nonfinite.bit_length())
+                        "error-feedback state untouched (next note at %d)%s", nonfinite, 1 << nonfinite.bit_length(),
+                        "" if self._scaler is not None else
+                        ". If these are fp16 loss-scaling overflows, use hetcomm.amp.GradScaler: torch's hands this "
+                        "hook gradients times its scale, and error feedback then mixes two scales after each backoff")
             self._nonfinite_seen = nonfinite
         if self._scaler is not None:
             # this rank's buckets hold s g: reduce g (the scale joins the divisor); a scaler dropped: s = 1
