@@ -4,6 +4,7 @@ torch.distributed's env:// variables (bench/README "The first reading at
 step 30, and a trial without what cannot win"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- python bench/auto_first_steps.py 40
+    ... -- python bench/auto_first_steps.py 40 2     (start_iter 2: the trial from step 2, auto's default before)
 """
 import logging
 import sys
@@ -24,7 +25,7 @@ if __name__ == "__main__":
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = train.make_optimizer("sgd", ddp.parameters(), train.task_lr(task, "sgd"))
-    state = hetcomm.HookState("auto")
+    state = hetcomm.HookState("auto", start_iter=int(sys.argv[2]) if len(sys.argv) > 2 else None)
     ddp.register_comm_hook(state, hetcomm.hook)
     times = []
     for step in range(int(sys.argv[1]) if len(sys.argv) > 1 else 40):

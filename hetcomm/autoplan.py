@@ -6,6 +6,9 @@
    all-reduce (the "never loses" baseline) are kept.
 2. Trial: the first compressed steps after ``start_iter`` run rounds in turn,
    ``AUTO_REPEATS`` times each; in round c every bucket runs its c-th candidate.
+   (From step 1, in the buckets DDP rebuilt in that step's forward; where it
+   rebuilds them later, ``static_graph=True``, a first trial begun in the
+   old buckets starts again in the new: :meth:`AutoPlanner._drop_replaced`.)
    In the first trial, after round 0 (each bucket's best predicted
    candidate), the ranks agree on the rounds whose predicted communication
    alone is over ``AUTO_SPAN`` times round 0's step; those do not run at all
@@ -57,7 +60,7 @@ import time
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import lowrank_share, planner
+from . import buckets, lowrank_share, planner
 from .plan import AUTO_MODES, DENSE, BucketPlan
 
 log = logging.getLogger("hetcomm")
@@ -208,6 +211,7 @@ class AutoPlanner:
             self._unverified.discard(key)
             self._verify(key, self._candidates(numel, layout_of))
         if key not in self.candidates:
+            self._drop_replaced(key)
             cands = self._candidates(numel, layout_of)
             restored = self._restored.pop(key, None)
             if restored is not None:
@@ -225,6 +229,26 @@ class AutoPlanner:
             return BucketPlan(mode, algo, "trial", predicted_s=predicted)
         mode, algo, predicted = cands[self.decided.get(key, 0)]
         return BucketPlan(mode, algo, "measured" if key in self.decided else "predicted", predicted_s=predicted)
+
+    def _drop_replaced(self, key: str) -> None:
+        """A bucket first seen now whose parameters other buckets held: DDP
+        rebuilt its buckets after auto began (``static_graph=True`` rebuilds
+        them in the third step, not the second). What was planned and
+        measured for the old buckets goes; a first trial that ran in them
+        starts again, in the new ones (its rounds timed other buckets)."""
+        held = set(buckets.sig_of(key))
+        gone = [k for k in self.candidates if held.intersection(buckets.sig_of(k))]
+        if not gone:
+            return
+        for k in gone:
+            for per_key in (self.candidates, self.decided, self._order, self.measured, self.pruned, self._times):
+                per_key.pop(k, None)
+        self._step_trial = {i: kj for i, kj in self._step_trial.items() if kj[0] not in gone}
+        log.info("hetcomm: auto: DDP rebuilt its buckets at step %d; %s", self.s.iter,
+                 "the trial starts again in them" if self.trial_start is not None and not self.decided else
+                 "they are planned afresh")
+        if self.trial_start is not None and not self.decided:
+            self._start_trial()
 
     def _verify(self, key: str, fresh: List[Tuple[str, str, Optional[float]]]) -> None:
         """A resumed bucket's first plan: its saved candidates against those

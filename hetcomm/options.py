@@ -71,14 +71,14 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
         matrix_approximation_rank = rank
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-    if start_iter is None:  # the default: the first step exact; auto's trial in DDP's final buckets
-        start_iter = MIN_START_ITER if compression == "auto" else 1
+    if start_iter is None:  # the default: the first step exact (auto: its trial then runs in DDP's rebuilt buckets)
+        start_iter = MIN_START_ITER
     if not _is_int(start_iter) or start_iter < 0:
         raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
     if error_feedback and compression == "auto" and start_iter < MIN_START_ITER:
         raise ValueError(
             f"start_iter must be >= {MIN_START_ITER} with compression='auto' (got {start_iter}): its trial of the "
-            "codecs runs in DDP's final buckets, rebuilt after the first iteration")
+            "codecs runs in DDP's buckets as rebuilt in the second iteration")
     if chunk_size is not None and (not _is_int(chunk_size) or not 0 < chunk_size <= 2**30 or chunk_size % 32):
         raise ValueError(f"chunk_size must be None or a positive multiple of 32 up to 2**30, got {chunk_size!r}")
     if not _is_int(min_compress_numel) or min_compress_numel < 0:

@@ -25,7 +25,11 @@ log = logging.getLogger("hetcomm")
 DENSE = ("none", "fp16", "bf16")
 COMPRESSED = ("fp8", "onebit", "topk", "lowrank")
 AUTO_MODES = DENSE + COMPRESSED
-MIN_START_ITER = 2  # DDP rebuilds its buckets after step 0: error feedback starts at step 2 at the earliest
+# DDP rebuilds its buckets in step 1's forward (static_graph=True: step 2's): auto's trial starts at step 1 at the
+# earliest, and starts again in buckets rebuilt after it began (AutoPlanner._drop_replaced); what error feedback owed
+# the old buckets is adopted by the new (BucketStates.adopt)
+MIN_START_ITER = 1
+WARMUP_FROM = 2  # attach_optimizer's warm-up in fp8 from step 2 (step 1 exact), as every warm-up was measured
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ class Planner:
             return self._dense(numel, "none", "small bucket")
         if not s._compressed_at(step):
             wire = s._warmup_compression
-            if MIN_START_ITER <= step < s.start_iter and wire != "none":  # DDP's buckets are final from step 2
+            if WARMUP_FROM <= step < s.start_iter and wire != "none":
                 algo, _, predicted = self.algorithm(numel, self._wire(wire, numel, layout_of))
                 return BucketPlan(wire, algo, "warm-up", predicted_s=predicted)
             return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)

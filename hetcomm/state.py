@@ -71,13 +71,14 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             ``find_unused_parameters``) or the user's. Creating it is a
             collective: construct the state on every rank.
         start_iter: steps reduced in fp32 before compression starts. None
-            (the default): 1, and 2 for ``"auto"`` (whose trial needs DDP's
-            final buckets, rebuilt after the first iteration). The first
-            step exact sets an Adam's second moment from the true gradient;
-            0 compresses that step too (what a rebuilt bucket's parameters
-            were owed is adopted, lowrank's Q starts afresh): as good with
-            SGD, 40-120 % more steps with AdamW (bench/README "Compressed from
-            the first step"). ``"auto"`` needs >= 2.
+            (the default): 1. The first step exact sets an Adam's second
+            moment from the true gradient; 0 compresses that step too (what
+            a rebuilt bucket's parameters were owed is adopted, lowrank's Q
+            starts afresh): as good with SGD, 40-120 % more steps with AdamW
+            (bench/README "Compressed from the first step"). ``"auto"``
+            needs >= 1: its trial measures DDP's buckets as rebuilt in the
+            second step (with ``static_graph=True`` in the third: a trial
+            begun before starts again).
         error_feedback: keep what compression did not send and add it to the
             next step's gradient (default True). ``False`` exists to show why
             it matters.

@@ -60,7 +60,7 @@ def _rank_predict(first, hopeless=None):
 
 
 def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False,
-              batch=8, guard=None, cut=True, ckpt=None, hopeless=None):
+              batch=8, guard=None, cut=True, ckpt=None, hopeless=None, static_graph=False):
     """``guard``: settings of :mod:`hetcomm.lowrank_share` (FIRST and FIRST_SPAN
     of lowrank's first share window, every step read; no later window unless
     LATER is set), auto's modes fp32 and the guarded lowrank, which is the
@@ -76,7 +76,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         for k, v in {"EVERY": 1, "LATER": 10_000, **guard}.items():
             setattr(lowrank_share, k, v)
         autoplan.safe_modes = lambda *a, **k: ("none",)
-        cut = False  # steps 2-10
+        cut = False  # steps 1-9
         real = autoplan.choose
 
         def choose(times, current=None, hysteresis=autoplan.AUTO_HYSTERESIS):  # lowrank's round is the last
@@ -92,7 +92,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)) if big \
         else models.mlp(hidden=96)
-    ddp = DDP(model, bucket_cap_mb=25 if big else 0.02)
+    ddp = DDP(model, bucket_cap_mb=25 if big else 0.02, static_graph=static_graph)
     state = hetcomm.HookState("auto", candidates=candidates, topk_ratio=topk_ratio, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
@@ -100,6 +100,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         state.attach_optimizer(opt, **(attach if isinstance(attach, dict) else {} if attach is True
                                        else {"total_steps": attach}))
     folder, start, save_at = ckpt or (None, 0, -1)
+    # ``static_graph``: DDP rebuilds its buckets in step 2's forward, not step 1's
     path = folder and os.path.join(folder, f"rank{rank}.pt")
     if start:
         ck = torch.load(path, weights_only=True)  # a HookState's state is tensors and containers: torch's safe loader
@@ -109,7 +110,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     probe = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     gap = []  # sum over steps of (exact mean gradient - what the hook delivered)
     total = None
-    wires = []
+    wires, layouts = [], []
     for step in range(start, steps):
         n = batch[step] if isinstance(batch, list) else batch
         x = torch.randn(n, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
@@ -128,12 +129,13 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         total = diff if total is None else total + diff
         gap.append(float(total.abs().max()))
         wires.append(sorted({p.mode for p in state.last_plans.values()}))
+        layouts.append(sorted(state.last_plans))
         opt.step()
         if step + 1 == save_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()}, path)
     stats = state.stats()
     return {"params": models.flat_params(model), "plans": stats["plans"], "auto": stats["auto"], "gap": gap,
-            "scale": float(models.flat_grads(model).abs().max()), "wires": wires,
+            "scale": float(models.flat_grads(model).abs().max()), "wires": wires, "layouts": layouts,
             "share": stats.get("lowrank_share"), "saved_guard": state.state_dict()["auto"].get("guard")}
 
 
@@ -153,10 +155,10 @@ def test_auto_agrees_on_every_rank_and_keeps_replicas_identical(tmp_path):
 
 @pytest.mark.parametrize("batch", [8, 1])
 def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gradient(tmp_path, batch):
-    # fp32 and lowrank (rank 4) for auto; its first trial (steps 2-10) measures lowrank fastest, but buckets
+    # fp32 and lowrank (rank 4) for auto; its first trial (steps 1-9) measures lowrank fastest, but buckets
     # run fp32 until the ranks' shares of gradient energy in the top 4 singular values, read in steps 12-14,
     # admit it at step 15. One sample a rank: every weight gradient is of rank 1 (share 1): admitted. Eight:
-    # refused. Either way fp32 pays what lowrank's error feedback owed from its trial round (step 10).
+    # refused. Either way fp32 pays what lowrank's error feedback owed from its trial round (step 9).
     res = run_ranks(_auto_run, 2, 18, None, None, 0.01, False, False, str(tmp_path), False, batch,
                     {"FIRST": 12, "FIRST_SPAN": 2})
     r0, r1 = res
@@ -166,11 +168,11 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
     assert guard["changed_at"] == [14, guard["share"]]
     assert guard["share"] == pytest.approx(min(r0["share"]["share"], r1["share"]["share"]), abs=1e-8)
     assert r0["share"]["readings"] == 3 and (batch == 1 or r0["share"]["share"] != r1["share"]["share"])
-    assert r0["wires"][10] == ["lowrank"] and all(w == ["none"] for w in r0["wires"][11:15]), r0["wires"]
+    assert r0["wires"][9] == ["lowrank"] and all(w == ["none"] for w in r0["wires"][10:15]), r0["wires"]
     tol = 1e-4 * r0["scale"] * 18
     for r in res:
-        paid = max(r["gap"][11:15])
-        assert paid < tol and r["gap"][10] > 100 * paid, r["gap"]  # owed, then paid
+        paid = max(r["gap"][10:15])
+        assert paid < tol and r["gap"][9] > 100 * paid, r["gap"]  # owed, then paid
     if batch == 1:
         assert guard["state"] == "admitted" and guard["share"] > 0.999
         assert all(w == ["lowrank"] for w in r0["wires"][15:]), r0["wires"]
@@ -206,7 +208,7 @@ def _resume_inside_a_window(rank, world, cache_dir, ckpt_dir, save_at):
 
 @pytest.mark.parametrize("save_at", [4, 14, 17])
 def test_auto_resumed_inside_its_trial_or_its_guards_window_goes_on_bit_for_bit(tmp_path, save_at):
-    # the trial's three rounds (fp32 on two algorithms, lowrank) take turns in steps 2-10; the guard's window reads
+    # the trial's three rounds (fp32 on two algorithms, lowrank) take turns in steps 1-9; the guard's window reads
     # steps 12-16, and at step 17 the ranks agree that it admits lowrank. A run saved after step 3 (inside the
     # trial), 13 (inside the window) or 16 (the window closed, not yet agreed on) and resumed must go on as the
     # whole run: the trial's rounds, the window's readings (and the random stream that estimates them), the
@@ -302,49 +304,68 @@ def test_a_slow_candidate_predicted_first_is_dropped_after_measuring(tmp_path):
 
 def test_the_first_trial_leaves_out_rounds_whose_predicted_communication_cannot_win(tmp_path):
     # the cost model (rigged) ranks bf16 first and predicts fp32 at 10 s a bucket: after the first round (bf16,
-    # step 2; a few ms) the ranks agree that no fp32 round can be faster, so the trial runs bf16 alone (steps 2-4);
+    # step 1; a few ms) the ranks agree that no fp32 round can be faster, so the trial runs bf16 alone (steps 1-3);
     # fp32 is pruned from the next re-check. With the real cost model every candidate runs
     # (test_auto_agrees_on_every_rank_and_keeps_replicas_identical).
-    # Saved after step 3 (inside the trial, the rounds left out agreed) and resumed: the same wires and parameters.
+    # Saved after step 2 (inside the trial, the rounds left out agreed) and resumed: the same wires and parameters.
     res = run_ranks(_skipping_and_resumed, 2, str(tmp_path), str(tmp_path))
     for whole, resumed in res:
-        assert whole["wires"][:2] == [["none"]] * 2 and whole["wires"][2:] == [["bf16"]] * 6, whole["wires"]
+        assert whole["wires"][:1] == [["none"]] and whole["wires"][1:] == [["bf16"]] * 7, whole["wires"]
         for b in whole["auto"]["buckets"].values():
             assert b["chosen"]["mode"] == "bf16"
             assert all(c["pruned"] == (c["mode"] == "none") for c in b["candidates"]), b["candidates"]
         times = whole["auto"]["round_step_s"]
         assert times[0] < 1.0 and len(times) > 1 and all(t == float("inf") for t in times[1:]), times
-        assert resumed["wires"] == whole["wires"][4:] and torch.equal(resumed["params"], whole["params"])
+        assert resumed["wires"] == whole["wires"][3:] and torch.equal(resumed["params"], whole["params"])
     assert torch.equal(res[0][0]["params"], res[1][0]["params"])
 
 
 def _skipping_and_resumed(rank, world, cache_dir, ckpt_dir):
     args = (rank, world, 8, ("none", "bf16"), "bf16", 0.01, False, False, cache_dir, False, 8, None, True)
     whole = _auto_run(*args, hopeless="none")
-    _auto_run(*args, ckpt=(ckpt_dir, 0, 4), hopeless="none")
-    return whole, _auto_run(*args, ckpt=(ckpt_dir, 4, -1), hopeless="none")
+    _auto_run(*args, ckpt=(ckpt_dir, 0, 3), hopeless="none")
+    return whole, _auto_run(*args, ckpt=(ckpt_dir, 3, -1), hopeless="none")
+
+
+def _plain_and_static(rank, world, cache_dir):
+    args = (rank, world, 10, ("none", "bf16"), "bf16", 0.01, False, False, cache_dir, False, 8, None, True)
+    return [_auto_run(*args, hopeless="none", static_graph=static) for static in (False, True)]
+
+
+def test_the_first_trial_runs_from_step_1_and_again_in_buckets_rebuilt_after_it(tmp_path):
+    # DDP rebuilds its buckets in step 1's forward: the trial (bf16, the rigged cost model's first; fp32 left out)
+    # runs from step 1 in the final buckets. With static_graph=True the rebuild comes in step 2's: the trial begun
+    # in step 1's buckets starts again, and auto plans the rebuilt buckets alone (nothing kept for the old one)
+    for plain, static in run_ranks(_plain_and_static, 2, str(tmp_path)):
+        for r in (plain, static):
+            assert r["wires"][0] == ["none"] and r["wires"][1:] == [["bf16"]] * 9, r["wires"]
+            assert sorted(r["auto"]["buckets"]) == r["layouts"][-1], (sorted(r["auto"]["buckets"]), r["layouts"])
+            assert all(b["chosen"]["mode"] == "bf16" for b in r["auto"]["buckets"].values())
+        assert plain["layouts"][1] == plain["layouts"][-1] and len(plain["layouts"][-1]) > 1
+        assert static["layouts"][1] != static["layouts"][2] == static["layouts"][-1]
+        assert torch.equal(plain["params"], static["params"])  # bf16 and fp32 steps alike, whatever the buckets
 
 
 @pytest.mark.parametrize("world,two_nodes", [(2, False), (4, True)])
 def test_a_plan_change_delivers_the_error_feedback_it_owed(tmp_path, world, two_nodes):
     # Trial rounds in turn (the cost model rigged to rank onebit first): onebit
-    # flat, [onebit hierarchical on two nodes,] fp32, from step 2 on. At each
+    # flat, [onebit hierarchical on two nodes,] fp32, from step 1 on. At each
     # switch the old plan's residuals (worker and server, flat or per node
     # shard) are folded into the next reduction, so once fp32 runs the sum of
     # delivered gradients equals the sum of exact ones.
-    steps = 2 + 3 * 4
+    steps = 1 + 3 * 4
     res = run_ranks(_auto_run, world, steps, ("none", "onebit"), "onebit", 0.01, False, False, str(tmp_path),
                     two_nodes, 8, None, False)
     (b, *_) = res[0]["auto"]["buckets"].values()
     cands = [(c["mode"], c["algorithm"]) for c in b["candidates"]]
     assert cands[:2 if two_nodes else 1] == [("onebit", "native"), ("onebit", "hierarchical")][:2 if two_nodes else 1]
     assert all(len(b["candidates"]) == len(cands) for b in res[0]["auto"]["buckets"].values())
-    exact = [s for s in range(2, 2 + 3 * len(cands)) if cands[(s - 2) % len(cands)][0] == "none"]  # fp32 rounds
+    exact = [s for s in range(1, 1 + 3 * len(cands)) if cands[(s - 1) % len(cands)][0] == "none"]  # fp32 rounds
     assert len(exact) >= 3
     for r in res:
         tol = 1e-4 * r["scale"] * steps
-        assert r["gap"][1] < 1e-6                      # warm-up: exact
-        assert r["gap"][2] > 100 * tol                 # onebit owes something
+        assert r["gap"][0] < 1e-6                      # the first step: exact
+        assert r["gap"][1] > 100 * tol                 # onebit owes something
         assert max(r["gap"][s] for s in exact) < tol, r["gap"]  # paid back at each switch to fp32
     for r in res[1:]:
         assert torch.equal(r["params"], res[0]["params"])
@@ -374,7 +395,7 @@ def test_hetcomm_algo_still_forces_the_algorithm_under_auto(tmp_path):
 
 def _run_then_resume(rank, world, ckpt_dir, opt_name, choices_only):
     """24 steps saving at 20 (after the trial: without an attached optimizer
-    it has 5 rounds, lowrank's included, in steps 2-16), then a fresh DDP
+    it has 5 rounds, lowrank's included, in steps 1-15), then a fresh DDP
     model and HookState resumed from that checkpoint for the last 4 (as a
     restarted job builds them). ``choices_only``: the checkpoint as an
     earlier hetcomm saved it, auto's choices without its candidates."""
@@ -397,7 +418,7 @@ def test_auto_resumes_its_decisions_bit_for_bit(tmp_path, opt_name, choices_only
 
 
 def _held_carry_run(rank, world, cache_dir, last_trial):
-    # Rank 0's gradient is exactly zero from step 2 on, so its top-k residual
+    # Rank 0's gradient is exactly zero from step 1 on, so its top-k residual
     # (and the carry folded from it when the bucket switches to fp32) is zero;
     # rank 1's is not. Rank 1's gradients are NaN from the last trial step on
     # for two steps (skipped, as GradScaler skips them), so both ranks hold
@@ -418,7 +439,7 @@ def _held_carry_run(rank, world, cache_dir, last_trial):
         x = torch.randn(8, models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
         y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
-        scale = 0.0 if rank == 0 and step >= 2 else (float("nan") if rank == 1 and step in nan_steps else 1.0)
+        scale = 0.0 if rank == 0 and step >= 1 else (float("nan") if rank == 1 and step in nan_steps else 1.0)
         (torch.nn.functional.cross_entropy(ddp(x), y) * scale).backward()
         g = models.flat_grads(model).double()
         if step not in nan_steps:
@@ -437,7 +458,7 @@ def _held_carry_run(rank, world, cache_dir, last_trial):
 
 
 def test_a_held_back_carry_stays_owed_on_every_rank(tmp_path):
-    last_trial = 2 + autoplan.AUTO_REPEATS * 2 - 1  # the rounds alternate top-k, fp32 from step 2 on
+    last_trial = 1 + autoplan.AUTO_REPEATS * 2 - 1  # the rounds alternate top-k, fp32 from step 1 on
     res = run_ranks(_held_carry_run, 2, str(tmp_path), last_trial, timeout=120.0, pg_timeout=20.0)
     for r in res:
         assert r["plans"] == {"none"}
@@ -451,7 +472,7 @@ def _momentum_run(rank, world, cache_dir, compression, candidates, weight_decay)
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.02)
     kwargs = {"candidates": candidates} if compression == "auto" else {}
-    state = hetcomm.HookState(compression, min_compress_numel=0, start_iter=2, **kwargs)  # auto's start, both
+    state = hetcomm.HookState(compression, min_compress_numel=0, start_iter=2, **kwargs)  # the same start, both
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay)
     state.attach_optimizer(opt)
@@ -568,7 +589,7 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
         if step == autoplan.AUTO_SETTLE + 2 * autoplan.AUTO_RECHECK:
             cost["onebit"] = 0.5
         planner.begin_step(engine)
-        p = plans.plan(1 << 20, "bucket", 0, step, lambda: None)
+        p = plans.plan(1 << 20, "0", 0, step, lambda: None)
         ran.append((planner.compressed_steps, p.mode, p.why))
         clock[0] += cost[p.mode]
         planner.end_step(True)
@@ -588,10 +609,10 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     assert [m for s, m in trials if starts[3] <= s < starts[3] + 9].count("none") == 1  # once
     # the third re-check measured onebit's new speed and switched to it; the fourth kept it
     assert ran[-1][1] == "onebit" and ran[-1][2] == "measured"
-    assert planner.rechecks == autoplan.AUTO_FULL_EVERY and planner.pruned["bucket"] == {("none", "native")}
+    assert planner.rechecks == autoplan.AUTO_FULL_EVERY and planner.pruned["0"] == {("none", "native")}
     # and what is left out is saved with the decisions
     sd = planner.state_dict()
-    assert sd["pruned"] == {"bucket": [["none", "native"]]} and sd["rechecks"] == autoplan.AUTO_FULL_EVERY
+    assert sd["pruned"] == {"0": [["none", "native"]]} and sd["rechecks"] == autoplan.AUTO_FULL_EVERY
     fresh = plan.Planner(state).auto
     fresh.load_state_dict(sd)
     assert fresh.pruned == planner.pruned and fresh.rechecks == planner.rechecks

@@ -57,7 +57,7 @@ def test_bad_options_are_value_errors_naming_the_option(kwargs, option):
         hetcomm.HookState(**kwargs)
 
 
-def test_start_iter_below_2_is_fine_for_every_codec_but_auto():
+def test_start_iter_0_is_fine_for_every_codec_but_auto():
     assert hetcomm.HookState("onebit", start_iter=0, error_feedback=False).start_iter == 0
     assert hetcomm.HookState("topk", start_iter=0).start_iter == 0  # DDP's rebuilt buckets adopt what is owed
     assert hetcomm.HookState("auto", start_iter=0, error_feedback=False).start_iter == 0
@@ -161,8 +161,9 @@ def test_auto_options_are_checked():
         with pytest.raises(ValueError, match="candidates must be"):
             hetcomm.HookState("auto", candidates=bad)
     with pytest.raises(ValueError, match="start_iter"):
-        hetcomm.HookState("auto", start_iter=1)
+        hetcomm.HookState("auto", start_iter=0)
     s = hetcomm.HookState("auto")
+    assert s.start_iter == 1  # the trial from step 1: DDP's buckets were rebuilt in its forward
     assert s.algorithm == "auto"  # auto compression chooses the algorithm too
     assert hetcomm.HookState("onebit").algorithm == "native"
 
@@ -314,7 +315,7 @@ def test_a_start_suffix_sets_a_hetcomm_modes_start_iter():
     assert (state.compression, state.start_iter) == ("topk", 0)
     state.close()
     for bad, rule in (("torch-powersgd-s0", "-sN .* is for hetcomm's modes"),
-                      ("auto-s0", "start_iter must be >= 2 with compression='auto'")):
+                      ("auto-s0", "start_iter must be >= 1 with compression='auto'")):
         with pytest.raises(ValueError, match=rule):
             hetcomm.modes.get(bad).comm_hook()
 
