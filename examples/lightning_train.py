@@ -10,8 +10,8 @@ precision is entry r (cycled), as if the ranks were different GPUs: "16-mixed"
 (fp16 autocast and loss scaling, which Lightning itself runs on CUDA only: here
 its MixedPrecision plugin on the CPU), "bf16-mixed" or "32-true"; the strategy
 hands the mixed ones' scalers to hetcomm.amp.GradScaler (a 32-true rank among
-them is refused: every rank or none runs one). --overflow-at N: the loss overflows at step
-N on the fp16 ranks.
+them is refused: every rank or none runs one). --overflow-at N: the loss
+overflows at step N on the fp16 ranks.
 """
 
 import argparse

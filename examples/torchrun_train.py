@@ -126,6 +126,7 @@ def main() -> None:
                           "plans": sorted(f"{p['mode']}/{p['algorithm']}" for p in stats["plans"].values()),
                           "lowrank_guard": stats.get("auto", {}).get("lowrank_guard"),
                           "lowrank_share": stats.get("lowrank_share"), "precisions": stats.get("precisions"),
+                          "clip": stats.get("clip"),
                           "ranks": mine,
                           "checksum": float(flat.double().sum())}))
     state.close()

@@ -61,14 +61,17 @@ def test_torchrun_example_resumes_mixed_precision_and_adamw_bit_for_bit(tmp_path
 def test_torchrun_example_resumes_its_default_auto_through_an_overflow(tmp_path):
     # the default: auto, saved after step 29, inside the guard's first window (steps 20, 25 and 30 read), which
     # the resumed run closes with the saved readings; the fp16 rank's overflow at step 25 skips the step on both
-    # ranks and leaves that rank's reading out (its choices follow measured times: not compared bit for bit)
-    straight, resumed = _straight_and_resumed(tmp_path, "--precisions", "bf16,fp16", "--overflow-at", "25")
+    # ranks and leaves that rank's reading out (its choices follow measured times: not compared bit for bit);
+    # clipped by the reduced gradient's norm after the scaler's unscale_, as torch's AMP recipe clips
+    straight, resumed = _straight_and_resumed(tmp_path, "--precisions", "bf16,fp16", "--overflow-at", "25",
+                                              "--clip", "1.0")
     for r in (straight, resumed):
         assert r["replicas_identical"] and r["hook_steps"] == 60 and r["accuracy"] > 0.8
         assert r["lowrank_guard"]["step"] == 30, r["lowrank_guard"]  # the ranks agreed on a reading of steps 20-30
         assert [k["share_readings"] for k in r["ranks"]] == [3, 2], r["ranks"]
         assert [k["optimizer_steps"] for k in r["ranks"]] == [59, 59]
         assert [k["loss_scale"] for k in r["ranks"]] == [1.0, 2.0 ** 15]
+    assert straight["clip"]["calls"] == 60 and resumed["clip"]["calls"] == 30  # every step this process ran
 
 
 def test_mixed_precision_example_skips_together_and_keeps_replicas_identical(tmp_path):
