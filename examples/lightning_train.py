@@ -10,8 +10,12 @@ precision is entry r (cycled), as if the ranks were different GPUs: "16-mixed"
 (fp16 autocast and loss scaling, which Lightning itself runs on CUDA only: here
 its MixedPrecision plugin on the CPU), "bf16-mixed" or "32-true"; the strategy
 hands the mixed ones' scalers to hetcomm.amp.GradScaler (a 32-true rank among
-them is refused: every rank or none runs one). --overflow-at N: the loss
-overflows at step N on the fp16 ranks.
+them is refused: every rank or none runs one). --device-precisions: each rank
+in its device's precision (HetcommDDPStrategy(precision_per_device=True) under
+Trainer(precision="bf16-mixed")), the devices' precisions given per rank as
+--precisions gives Lightning's (through HETCOMM_PRECISION, as a V100 would say
+fp16 and an A100 bf16). --overflow-at N: the loss overflows at step N on the
+fp16 ranks.
 """
 
 import argparse
@@ -71,21 +75,28 @@ def main() -> None:
                    help="Trainer(gradient_clip_val=...): clipped by the reduced gradient's norm through hetcomm")
     p.add_argument("--precisions", default=None,
                    help="comma-separated 16-mixed / bf16-mixed / 32-true, rank r takes entry r (cycled); default: 32-true")
+    p.add_argument("--device-precisions", default=None,
+                   help="comma-separated fp16 / bf16: what rank r's device computes fastest (precision_per_device)")
     p.add_argument("--overflow-at", type=int, default=-1, help="the 16-mixed ranks' loss overflows at this step")
     args = p.parse_args()
 
     x, y, x_test, y_test = load_digits()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device_precisions:  # this rank's device, as hetcomm.amp.precision_for would read it on a GPU
+        devices = args.device_precisions.split(",")
+        os.environ["HETCOMM_PRECISION"] = devices[local_rank % len(devices)]
     strategy = HetcommDDPStrategy(args.compression, process_group_backend="gloo",  # None: attach_optimizer's default
                                   attach_optimizer=False if args.no_attach else
-                                  {"warmup_compression": args.warmup_compression})
+                                  {"warmup_compression": args.warmup_compression},
+                                  precision_per_device=bool(args.device_precisions))
     # Lightning starts a process per rank running this script again (LOCAL_RANK set); Trainer(precision="16-mixed")
     # on a CPU falls back to bf16, its plugin itself runs fp16 there too
     plugins = None
-    if args.precisions:
-        names = args.precisions.split(",")
-        name = names[int(os.environ.get("LOCAL_RANK", 0)) % len(names)]
+    if args.precisions or args.device_precisions:
+        names = (args.precisions or "bf16-mixed").split(",")  # per device: the strategy sets each rank's
+        name = names[local_rank % len(names)]
         plugins = None if name == "32-true" else [pl.plugins.precision.MixedPrecision(name, "cpu")]
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,

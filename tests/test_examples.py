@@ -103,6 +103,29 @@ def test_lightning_strategy_rejects_what_attach_optimizer_does_not_take():
         "warmup_fraction": 0.05}  # passed to attach_optimizer with the trainer's total_steps
     with pytest.raises(ValueError, match=r"follow_lr must be True, False or None \(follow an SGD\)"):
         HetcommDDPStrategy("onebit", follow_lr="yes")
+    with pytest.raises(ValueError, match="precision_per_device must be True or False"):
+        HetcommDDPStrategy(precision_per_device="bf16")
+
+
+@pytest.mark.skipif(not _lightning_available(), reason="PyTorch Lightning is not installed")
+def test_lightning_precision_per_device_names_what_it_cannot_do(monkeypatch):
+    import torch
+    from hetcomm.integrations.lightning import HetcommDDPStrategy, amp
+
+    try:
+        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    except ImportError:
+        from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+    strategy = HetcommDDPStrategy(precision_per_device=True, parallel_devices=[torch.device("cpu")])
+    with pytest.raises(ValueError, match="needs Trainer\\(precision='16-mixed' or 'bf16-mixed'\\), got precision "
+                                         "'32-true'"):
+        strategy._device_precision(Precision(), None)
+    monkeypatch.setenv(amp.ENV_PRECISION, "fp32")  # a device with neither bf16 nor fast fp16
+    with pytest.raises(ValueError, match="rank 0's device cpu computes neither bf16 natively nor fp16 fast"):
+        strategy._device_precision(MixedPrecision("bf16-mixed", "cpu"), "bf16")
+    monkeypatch.setenv(amp.ENV_PRECISION, "fp16")
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert strategy._device_precision(plugin, "bf16") == "fp16" and plugin.precision == "16-mixed"
 
 
 def _lightning_fit(tmp_path, *args):
@@ -178,3 +201,10 @@ def test_lightning_mixed_precision_scales_through_hetcomm_and_resumes_its_scale(
     resumed = _lightning_fit(tmp_path, "--epochs", "3", "--resume", *mixed)
     assert resumed["global_step"] == n * 3 // 2 and resumed["optimizer_steps"] == [n // 2, n // 2]
     assert resumed["loss_scale"] == 2.0 ** 15 and resumed["replicas_identical"] and resumed["accuracy"] > 0.85
+    # HetcommDDPStrategy(precision_per_device=True) under Trainer(precision="bf16-mixed"): each rank takes its
+    # device's precision (here told by HETCOMM_PRECISION, fp16 as on a V100, bf16 as on an A100): the same fit
+    (tmp_path / "per_device").mkdir()
+    per_device = _lightning_fit(tmp_path / "per_device", "--epochs", "2", "--device-precisions", "fp16,bf16",
+                                "--overflow-at", "30")
+    assert per_device["precisions"] == ["fp16", "bf16"] and per_device["optimizer_steps"] == [n - 1, n - 1]
+    assert per_device["loss_scale"] == 2.0 ** 15 and per_device["checksum"] == first["checksum"]

@@ -72,6 +72,14 @@ class HetcommDDPStrategy(DDPStrategy):
             followed anyway.
         hook_options: the other :class:`HookState` arguments (``start_iter``,
             ``algorithm``, ``topk_ratio``, ...).
+        precision_per_device: with ``Trainer(precision="16-mixed")`` or
+            ``"bf16-mixed"``, each rank computes in its own device's
+            precision instead (:func:`hetcomm.amp.precision_for`: bf16 where
+            native, as on an A100 or H100; fp16 with loss scaling on a V100
+            or T4; ``HETCOMM_PRECISION`` overrides it on a rank), under
+            :class:`hetcomm.amp.GradScaler`: a mixed cluster's every
+            generation at its fastest. A rank whose device has neither (it
+            would compute in fp32) is a ``ValueError`` naming it.
         **kwargs: ``DDPStrategy``'s own (``process_group_backend``,
             ``find_unused_parameters``, ...).
     """
@@ -80,7 +88,7 @@ class HetcommDDPStrategy(DDPStrategy):
 
     def __init__(self, compression: str = "auto", *, attach_optimizer: Union[bool, Mapping[str, Any]] = False,
                  follow_lr: Optional[bool] = None, hook_options: Optional[Dict[str, Any]] = None,
-                 **kwargs: Any) -> None:
+                 precision_per_device: bool = False, **kwargs: Any) -> None:
         if "ddp_comm_hook" in kwargs or "ddp_comm_state" in kwargs or "ddp_comm_wrapper" in kwargs:
             raise ValueError("HetcommDDPStrategy registers hetcomm's hook itself: do not pass ddp_comm_hook, "
                              "ddp_comm_state or ddp_comm_wrapper")
@@ -89,6 +97,8 @@ class HetcommDDPStrategy(DDPStrategy):
                              f"keyword arguments, got {attach_optimizer!r}")
         if follow_lr is not None and not isinstance(follow_lr, bool):
             raise ValueError(f"follow_lr must be True, False or None (follow an SGD), got {follow_lr!r}")
+        if not isinstance(precision_per_device, bool):
+            raise ValueError(f"precision_per_device must be True or False, got {precision_per_device!r}")
         unknown = set(attach_optimizer) - set(_ATTACH_KEYWORDS) if isinstance(attach_optimizer, Mapping) else set()
         if unknown:
             raise ValueError(f"attach_optimizer: unknown keyword(s) {sorted(unknown)}; HookState.attach_optimizer "
@@ -98,6 +108,7 @@ class HetcommDDPStrategy(DDPStrategy):
         self._attach = bool(attach_optimizer) or isinstance(attach_optimizer, Mapping)
         self._attach_options = dict(attach_optimizer) if isinstance(attach_optimizer, Mapping) else {}
         self._follow_lr = follow_lr
+        self._per_device = precision_per_device
         self._hook_options = dict(hook_options or {})
         self._pending: Optional[Dict[str, Any]] = None
         #: The HookState, once fit has set up DDP (None before).
@@ -139,14 +150,18 @@ class HetcommDDPStrategy(DDPStrategy):
         two scales; a bf16 rank gets one too (scale 1), so ranks in fp16 and
         bf16 skip the same overflow steps and agree on each other's precision.
         Before the checkpoint's scaler state is restored (Lightning restores
-        it after ``setup``)."""
+        it after ``setup``). ``precision_per_device``: the plugin's precision
+        is first set to this rank's device's."""
         plugin = self.precision_plugin
-        kind = {"16-mixed": "fp16", "bf16-mixed": "bf16"}.get(getattr(plugin, "precision", None))
+        names = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
+        kind = names.get(getattr(plugin, "precision", None))
+        if self._per_device:
+            kind = self._device_precision(plugin, kind)
         held = getattr(plugin, "scaler", None)
         if kind is None or not hasattr(plugin, "scaler") or isinstance(held, amp.GradScaler):
             return
         device = "cuda" if str(getattr(plugin, "device", "cuda")).startswith("cuda") else str(plugin.device)
-        if held is None:  # bf16-mixed: Lightning runs no scaler; hetcomm's keeps the scale at 1
+        if held is None or kind == "bf16":  # bf16: no scaler in Lightning; hetcomm's keeps the scale at 1
             plugin.scaler = amp.GradScaler(self.hook_state, device, precision=kind)
             return
         if not held.is_enabled():
@@ -155,6 +170,20 @@ class HetcommDDPStrategy(DDPStrategy):
                                        growth_factor=held.get_growth_factor(),
                                        backoff_factor=held.get_backoff_factor(),
                                        growth_interval=held.get_growth_interval())
+
+    def _device_precision(self, plugin, kind: Optional[str]) -> str:
+        """``precision_per_device``: this rank's device's precision, set on
+        Lightning's ``MixedPrecision`` plugin (whose autocast reads it)."""
+        if kind is None:
+            raise ValueError(f"HetcommDDPStrategy(precision_per_device=True) needs Trainer(precision='16-mixed' or "
+                             f"'bf16-mixed'), got precision {getattr(plugin, 'precision', None)!r}")
+        mine = amp.precision_for(self.root_device)
+        if mine == "fp32":
+            raise ValueError(f"HetcommDDPStrategy(precision_per_device=True): rank {self.global_rank}'s device "
+                             f"{self.root_device} computes neither bf16 natively nor fp16 fast (it would run fp32); "
+                             f"set {amp.ENV_PRECISION}=fp16 or bf16 there, or leave precision_per_device off")
+        plugin.precision = {"fp16": "16-mixed", "bf16": "bf16-mixed"}[mine]
+        return mine
 
     def _clip_through_hetcomm(self) -> None:
         """``Trainer(gradient_clip_val=C)`` (by norm) clips by the reduced
