@@ -68,7 +68,9 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     round runs AUTO_REPEATS steps, whatever the first cycle measured.
     ``batch``: samples a rank, or a list of them per step. ``ckpt``:
     (folder, first step, step to save after): a run resumed from the
-    folder's checkpoint when its first step is not 0, saving one there."""
+    folder's checkpoint when its first step is not 0, saving one there.
+    ``static_graph``: DDP's (its buckets rebuilt in step 2's forward, not
+    step 1's)."""
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if guard:
         from hetcomm import lowrank_share
@@ -100,7 +102,6 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         state.attach_optimizer(opt, **(attach if isinstance(attach, dict) else {} if attach is True
                                        else {"total_steps": attach}))
     folder, start, save_at = ckpt or (None, 0, -1)
-    # ``static_graph``: DDP rebuilds its buckets in step 2's forward, not step 1's
     path = folder and os.path.join(folder, f"rank{rank}.pt")
     if start:
         ck = torch.load(path, weights_only=True)  # a HookState's state is tensors and containers: torch's safe loader
