@@ -236,18 +236,17 @@ class AutoPlanner:
         them in the third step, not the second). What was planned and
         measured for the old buckets goes; a first trial that ran in them
         starts again, in the new ones (its rounds timed other buckets)."""
-        held = set(buckets.sig_of(key))
-        gone = [k for k in self.candidates if held.intersection(buckets.sig_of(k))]
+        gone = buckets.overlapping(buckets.sig_of(key), self.candidates)
         if not gone:
             return
         for k in gone:
             for per_key in (self.candidates, self.decided, self._order, self.measured, self.pruned, self._times):
                 per_key.pop(k, None)
         self._step_trial = {i: kj for i, kj in self._step_trial.items() if kj[0] not in gone}
+        again = self.trial_start is not None and not self.decided
         log.info("hetcomm: auto: DDP rebuilt its buckets at step %d; %s", self.s.iter,
-                 "the trial starts again in them" if self.trial_start is not None and not self.decided else
-                 "they are planned afresh")
-        if self.trial_start is not None and not self.decided:
+                 "the trial starts again in them" if again else "they are planned afresh")
+        if again:
             self._start_trial()
 
     def _verify(self, key: str, fresh: List[Tuple[str, str, Optional[float]]]) -> None:

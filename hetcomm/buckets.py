@@ -44,6 +44,13 @@ def sig_of(key: str) -> Signature:
     return tuple(int(n) for n in key.split(","))
 
 
+def overlapping(sig: Signature, keys) -> List[str]:
+    """The keys among ``keys``, other than ``sig``'s own, whose buckets hold
+    one of ``sig``'s parameters: buckets of a layout DDP has since rebuilt."""
+    mine, own = set(sig), key_of(sig)
+    return [k for k in keys if k != own and not mine.isdisjoint(sig_of(k))]
+
+
 class Bucket(NamedTuple):
     """What the hook needs of a bucket: DDP's GradBucket, or a regrouped one."""
     index: int
@@ -263,9 +270,7 @@ class BucketStates:
         so every rank adopts alike."""
         if any(key in store for store in self._stores()):
             return
-        mine = set(sig)
-        owners = {k for store in self._stores() for k in store
-                  if k != key and not mine.isdisjoint(sig_of(k))}
+        owners = {k for store in self._stores() for k in overlapping(sig, store)}
         for old in sorted(owners):
             self._release(old, device, world, rank, node_of)
         pieces = [self._loose.pop(n, None) for n in sig]
