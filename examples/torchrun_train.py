@@ -113,12 +113,12 @@ def main() -> None:
     flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
     every, mine = [None] * world, [None] * world
     dist.all_gather_object(every, flat)
-    share = state.stats().get("lowrank_share")
+    stats = state.stats()
+    share = stats.get("lowrank_share")
     dist.all_gather_object(mine, {"optimizer_steps": taken[0], "loss_scale": scaler.loss_scale() if scaler else None,
                                   "share_readings": share and share.get("readings")})
     with torch.no_grad():
         acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-    stats = state.stats()
     if rank == 0:  # plans: what the last step sent per bucket; lowrank_guard: auto's reading of lowrank's rank
         print(json.dumps({"steps": args.steps, "hook_steps": state.iter, "accuracy": acc,
                           "replicas_identical": all(torch.equal(flat, f) for f in every),
