@@ -15,7 +15,8 @@ in its device's precision (HetcommDDPStrategy(precision_per_device=True) under
 Trainer(precision="bf16-mixed")), the devices' precisions given per rank as
 --precisions gives Lightning's (through HETCOMM_PRECISION, as a V100 would say
 fp16 and an A100 bf16). --overflow-at N: the loss overflows at step N on the
-fp16 ranks.
+fp16 ranks. --lbfgs: torch.optim.LBFGS (with --no-attach; Lightning runs it
+in 32-true and bf16-mixed, not under a loss scaler).
 """
 
 import argparse
@@ -33,11 +34,14 @@ except ImportError:
 from hetcomm.demo import load_digits, make_model
 from hetcomm.integrations.lightning import HetcommDDPStrategy
 
+LBFGS_ITERS = 3  # --lbfgs: backward passes (each through the hook) per optimizer step
+
 
 class Digits(pl.LightningModule):
-    def __init__(self, lr: float, cosine: bool = False, overflow_at: int = -1) -> None:
+    def __init__(self, lr: float, cosine: bool = False, overflow_at: int = -1, lbfgs: bool = False) -> None:
         super().__init__()
         self.net, self.lr, self.cosine, self.overflow_at = make_model(seed=0), lr, cosine, overflow_at
+        self.lbfgs = lbfgs
         self.taken = 0  # optimizer steps this process took (an overflow on any rank skips the step on every rank)
 
     def training_step(self, batch, _):
@@ -48,7 +52,11 @@ class Digits(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.lbfgs:  # a fixed count of closures a step, the same on every rank (the loss is each rank's own:
+            # tolerance_change 0 never stops one rank early on it; no line search, which would read it too)
+            opt = torch.optim.LBFGS(self.parameters(), lr=self.lr, max_iter=LBFGS_ITERS, tolerance_change=0.0)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         opt.register_step_post_hook(lambda *_: setattr(self, "taken", self.taken + 1))
         if not self.cosine:
             return opt
@@ -78,6 +86,8 @@ def main() -> None:
     p.add_argument("--device-precisions", default=None,
                    help="comma-separated fp16 / bf16: what rank r's device computes fastest (precision_per_device)")
     p.add_argument("--overflow-at", type=int, default=-1, help="the 16-mixed ranks' loss overflows at this step")
+    p.add_argument("--lbfgs", action="store_true",
+                   help=f"torch.optim.LBFGS (max_iter {LBFGS_ITERS}) instead of SGD with momentum; with --no-attach")
     args = p.parse_args()
 
     x, y, x_test, y_test = load_digits()
@@ -102,7 +112,7 @@ def main() -> None:
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.out, gradient_clip_val=args.clip,
                          plugins=plugins)
-    model = Digits(args.lr, args.cosine, args.overflow_at)
+    model = Digits(args.lr, args.cosine, args.overflow_at, args.lbfgs)
     ckpt = os.path.join(args.out, "last.ckpt")
     trainer.fit(model, loader, ckpt_path=ckpt if args.resume else None)
     trainer.save_checkpoint(ckpt)

@@ -146,6 +146,14 @@ class GradScaler(torch.amp.GradScaler):
         """``torch.autocast`` in this rank's precision (disabled for fp32)."""
         return torch.autocast(self._device, dtype=DTYPES[self.precision], enabled=self.precision != "fp32")
 
+    def scale(self, outputs):
+        state = self._state()
+        if state is None or state._closed:
+            raise RuntimeError("hetcomm.amp.GradScaler: its HookState is closed (a finished run's); the new "
+                               "HookState takes a new GradScaler(new_state, ...): load_state_dict(this one's "
+                               "state_dict()) carries the scale over")
+        return super().scale(outputs)
+
     def _ready(self) -> None:
         if self._scale is None:  # scale() never called (a bf16 rank calling loss.backward() itself)
             self._lazy_init_scale_growth_tracker(torch.device(self._device))

@@ -149,12 +149,15 @@ def _exact(rank, world):
     out["state_dict"], out["loaded_scale"] = sd, other.get_scale()
 
     errors = out["errors"] = {}
-    fresh = hetcomm.HookState("none")
+    fresh, done = hetcomm.HookState("none"), hetcomm.HookState("none")
+    done_scaler = hetcomm.amp.GradScaler(done, "cpu", precision="fp16")
+    done.close()  # a finished run's state: its scaler is not the next run's
     for name, make in (("state", lambda: hetcomm.amp.GradScaler(None)),
                        ("precision", lambda: hetcomm.amp.GradScaler(fresh, "cpu", precision="fp8")),
                        ("device", lambda: hetcomm.amp.GradScaler(fresh, "xpu")),
                        ("enabled", lambda: hetcomm.amp.GradScaler(fresh, "cpu", precision="fp16", enabled=False)),
-                       ("late", lambda: hetcomm.amp.GradScaler(state, "cpu"))):  # after the first step
+                       ("late", lambda: hetcomm.amp.GradScaler(state, "cpu")),  # after the first step
+                       ("closed", lambda: done_scaler.scale(torch.ones(())))):
         try:
             make()
         except (ValueError, RuntimeError) as e:
@@ -202,6 +205,7 @@ def test_misuse_is_a_clear_error(exact_runs):
         assert "device must be" in errors["device"]
         assert "enabled=False" in errors["enabled"]
         assert "before the first step" in errors["late"]
+        assert "its HookState is closed" in errors["closed"] and "load_state_dict" in errors["closed"]
 
 
 def test_precision_for_follows_the_device_and_the_environment(monkeypatch):

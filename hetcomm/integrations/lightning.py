@@ -118,22 +118,29 @@ class HetcommDDPStrategy(DDPStrategy):
         # Called by configure_ddp once the model is wrapped: the group exists.
         self.hook_state = HookState(self._compression, **self._hook_options)
         self.model.register_comm_hook(self.hook_state, hook)
-        self._scale_through_hetcomm()
         if self._pending is not None:
             self._load_hook_state(self._pending)
             self._pending = None
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
+        # validate / test / predict wrap no DDP and run no hook; hook_state is still the last fit's (closed)
+        fitting = trainer.state.fn == "fit"
+        self._scale_through_hetcomm(fitting)
         self._clip_through_hetcomm()
-        if self._attach and self.hook_state is not None:
+        if not fitting:
+            self._pending = None  # validate(ckpt_path=...)'s hetcomm state is no later fit's
+            return
+        if self.hook_state is None:
+            return
+        if self._attach:
             if len(self.optimizers) != 1:
                 raise ValueError(f"HetcommDDPStrategy(attach_optimizer=True) needs exactly one optimizer, got "
                                  f"{len(self.optimizers)}")
             steps = trainer.estimated_stepping_batches  # the whole fit's optimizer steps (inf: no limit set)
             total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
             self.hook_state.attach_optimizer(self.optimizers[0], **{"total_steps": total, **self._attach_options})
-        elif self.hook_state is not None and self._follow_lr is not False:
+        elif self._follow_lr is not False:
             if self._follow_lr and len(self.optimizers) != 1:
                 raise ValueError(f"HetcommDDPStrategy(follow_lr=True) needs exactly one optimizer, got "
                                  f"{len(self.optimizers)}")
@@ -141,27 +148,38 @@ class HetcommDDPStrategy(DDPStrategy):
             if self._follow_lr or isinstance(opt, torch.optim.SGD):
                 self.hook_state.follow_lr(opt)
 
-    def _scale_through_hetcomm(self) -> None:
+    def _scale_through_hetcomm(self, fitting: bool) -> None:
         """``precision="16-mixed"`` / ``"bf16-mixed"`` (Lightning's
         ``MixedPrecision``): its scaler becomes a :class:`hetcomm.amp.GradScaler`
         of this rank's precision, with torch's settings. torch's would hand the
         hook gradients times the loss scale, and error feedback and a
         compressed momentum kept across a backoff (or a growth) would then mix
         two scales; a bf16 rank gets one too (scale 1), so ranks in fp16 and
-        bf16 skip the same overflow steps and agree on each other's precision.
-        Before the checkpoint's scaler state is restored (Lightning restores
-        it after ``setup``). ``precision_per_device``: the plugin's precision
-        is first set to this rank's device's."""
+        bf16 skip the same overflow steps and agree on each other's precision
+        (but not next to an LBFGS, which Lightning refuses beside a scaler: a
+        bf16 fit with it runs as Lightning runs it). In ``setup``, once the
+        optimizers exist and before the checkpoint's scaler state is restored
+        (Lightning restores it after ``setup``); a later fit's new HookState
+        takes over the scaler with its scale. ``precision_per_device``: the
+        plugin's precision is first set to this rank's device's (in
+        ``validate``, ``test`` and ``predict`` too)."""
         plugin = self.precision_plugin
         names = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
         kind = names.get(getattr(plugin, "precision", None))
         if self._per_device:
             kind = self._device_precision(plugin, kind)
         held = getattr(plugin, "scaler", None)
-        if kind is None or not hasattr(plugin, "scaler") or isinstance(held, amp.GradScaler):
+        if not fitting or self.hook_state is None or kind is None or not hasattr(plugin, "scaler"):
             return
         device = "cuda" if str(getattr(plugin, "device", "cuda")).startswith("cuda") else str(plugin.device)
+        if isinstance(held, amp.GradScaler):  # a later fit: its scale and growth carry on, for the new state
+            if held._state() is not self.hook_state:
+                plugin.scaler = amp.GradScaler(self.hook_state, device, precision=held.precision)
+                plugin.scaler.load_state_dict(held.state_dict())
+            return
         if held is None or kind == "bf16":  # bf16: no scaler in Lightning; hetcomm's keeps the scale at 1
+            if any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers):
+                return  # every rank holds the same optimizers, so every rank goes without: they agree
             plugin.scaler = amp.GradScaler(self.hook_state, device, precision=kind)
             return
         if not held.is_enabled():
@@ -224,9 +242,9 @@ class HetcommDDPStrategy(DDPStrategy):
             path = _rank_file(str(checkpoint_path), 0)
         if os.path.exists(path):
             state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and containers only
-            if self.hook_state is not None:
+            if self.hook_state is not None and not self.hook_state._closed:  # the running fit's
                 self._load_hook_state(state)
-            else:
+            else:  # Lightning restores before setup: the fit's new HookState takes it (a last fit's is closed)
                 self._pending = state
         return checkpoint
 

@@ -1,0 +1,75 @@
+"""Run by tests/test_examples.py: Lightning's Trainer used as in a notebook,
+fit, save, validate the checkpoint, then fit on from it. Rank 0 in 16-mixed, rank 1 in bf16-mixed, the
+strategy's defaults (auto, error feedback following the SGD's rate); the fp16
+rank's loss overflows at step 10 and again at step 30, in the second fit.
+
+    python tests/lightning_refit.py OUT_DIR
+
+Prints a JSON line (rank 0)."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    import pytorch_lightning as pl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from lightning_train import Digits  # noqa: E402
+
+from hetcomm.demo import load_digits  # noqa: E402
+from hetcomm.integrations.lightning import HetcommDDPStrategy  # noqa: E402
+
+
+class Validated(Digits):
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_acc", (self.net(x).argmax(1) == y).float().mean(), sync_dist=True)
+
+
+def main() -> None:
+    x, y, x_test, y_test = load_digits()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_test, y_test), batch_size=128)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    strategy = HetcommDDPStrategy(process_group_backend="gloo")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=sys.argv[1],
+                         plugins=[pl.plugins.precision.MixedPrecision(("16-mixed", "bf16-mixed")[rank], "cpu")])
+    model = Validated(0.05, overflow_at=10)
+    trainer.fit(model, loader)
+    first_state, first_steps = strategy.hook_state, trainer.global_step
+    ckpt = os.path.join(sys.argv[1], "first.ckpt")
+    trainer.save_checkpoint(ckpt)
+    validated = trainer.validate(model, val, ckpt_path=ckpt, verbose=False)[0]["val_acc"]
+    model.overflow_at = first_steps + 7
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, loader, ckpt_path=ckpt)
+    state = strategy.hook_state
+    flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    every, taken = [None] * trainer.world_size, [None] * trainer.world_size
+    dist.all_gather_object(every, flat)
+    dist.all_gather_object(taken, model.taken)
+    with torch.no_grad():
+        acc = (model.net(x_test).argmax(1) == y_test).float().mean().item()
+    scaler = trainer.precision_plugin.scaler
+    if trainer.global_rank == 0:
+        print(json.dumps({
+            "first_steps": first_steps, "global_step": trainer.global_step, "validated": validated,
+            "new_state": state is not first_state, "hook_steps": [first_state.iter, state.iter],
+            "precisions": state.stats().get("precisions"), "scaler_of_the_state": scaler._state() is state,
+            "loss_scale": scaler.get_scale(), "optimizer_steps": taken, "followed_lrs": state.state_dict()["lrs"],
+            "replicas_identical": all(torch.equal(flat, f) for f in every), "accuracy": acc}))
+    state.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
