@@ -68,6 +68,11 @@ class BucketSteps:
 
     def _submit(self, grad_bucket) -> torch.futures.Future:
         buf = grad_bucket.buffer()
+        if buf.layout != torch.strided:
+            raise ValueError(
+                f"hetcomm.hook: this bucket holds a sparse gradient ({buf.layout}: an nn.Embedding or EmbeddingBag "
+                "with sparse=True); hetcomm reduces dense buckets only: construct it with sparse=False (its gradient "
+                "is then reduced, and compressed, as the others)")
         if not buf.is_floating_point():
             raise ValueError(f"hetcomm.hook: bucket dtype must be floating point, got {buf.dtype}")
         engine = self._ensure_engine(buf.device)

@@ -93,6 +93,13 @@ def test_non_float_bucket_is_a_value_error():
         hetcomm.hook(hetcomm.HookState(), _FakeBucket(torch.zeros(4, dtype=torch.int64)))
 
 
+def test_sparse_bucket_is_a_value_error_naming_sparse_false():
+    # DDP hands an nn.Embedding(sparse=True)'s gradient over as a sparse bucket (every rank alike)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,))
+    with pytest.raises(ValueError, match="sparse gradient .*construct it with sparse=False"):
+        hetcomm.hook(hetcomm.HookState(), _FakeBucket(sparse))
+
+
 def test_hook_needs_a_hookstate():
     with pytest.raises(ValueError, match="state must be a hetcomm.HookState"):
         hetcomm.hook(object(), _FakeBucket(torch.zeros(4)))
