@@ -8,7 +8,7 @@ Importing hetcomm never initialises CUDA.
 
 import torch  # noqa: F401  (loads libtorch before the extension, which has no rpath to it)
 
-from . import _C, amp, modes, ops, optim
+from . import _C, amp, checkpoint, modes, ops, optim
 from .hooks import hook
 from .state import HookState
 
@@ -22,4 +22,4 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-__all__ = ["HookState", "hook", "amp", "modes", "ops", "optim", "build_info", "__version__"]
+__all__ = ["HookState", "hook", "amp", "checkpoint", "modes", "ops", "optim", "build_info", "__version__"]

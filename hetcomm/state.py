@@ -357,7 +357,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
                 f"state_dict was saved by rank {sd['rank']} of {sd['world_size']}, this is rank {self._rank()} of "
                 f"{self._world()}: load each rank's own state, or after a change of world size (an elastic "
                 "restart) load_state_dict(sd, strict=False): the step count and warm-up carry on, error feedback "
-                "starts afresh")
+                "starts afresh. (torch.distributed.checkpoint keeps one copy of what every rank saves under one key: "
+                "save hetcomm.checkpoint.PerRank(state) there, each rank's state under a key of its own)")
         if not same_place:
             log.warning("hetcomm: state saved by rank %d of %d loaded on rank %d of %d (strict=False): step %d and "
                         "start_iter kept; error feedback, compressed momenta, lowrank's Q and auto's decisions "

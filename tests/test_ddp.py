@@ -556,6 +556,69 @@ def test_resume_across_nodes_continues_bit_for_bit(tmp_path):
             assert straight["plans"] == resumed["plans"] == [(case[1], "hierarchical")], (case, straight["plans"])
 
 
+def _dcp_span(rank, world, ckpt_dir, start, stop, save_at, how):
+    """onebit of the momentum through torch.distributed.checkpoint: the model,
+    the optimizer (DCP's own state_dict helpers) and the hook state, ``how``
+    "per_rank" (hetcomm.checkpoint.PerRank) or "plain" (the HookState itself
+    in DCP's state_dict: DCP keeps one rank's copy of its entries)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, ddp_kwargs = _model("small")
+    ddp = DDP(model, **ddp_kwargs)
+    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state.attach_optimizer(opt)
+
+    def saved():
+        model_sd, opt_sd = get_state_dict(ddp, opt)
+        return {"model": model_sd, "opt": opt_sd,
+                "hetcomm": hetcomm.checkpoint.PerRank(state) if how == "per_rank" else state}
+
+    if start > 0:
+        sd = saved()
+        error = None
+        try:
+            dcp.load(sd, checkpoint_id=ckpt_dir)
+        except ValueError as e:
+            error = str(e)
+        failed = torch.tensor([error is not None], dtype=torch.int64)
+        torch.distributed.all_reduce(failed)  # a rank whose load failed trains no step: nor do the others
+        if failed.item():
+            state.close()
+            return {"error": error}
+        set_state_dict(ddp, opt, model_state_dict=sd["model"], optim_state_dict=sd["opt"])
+    for step in range(start, stop):
+        models.train_step(ddp, opt, rank, step, 16)
+        if step + 1 == save_at:
+            dcp.save(saved(), checkpoint_id=ckpt_dir)
+    state.close()
+    return {"params": models.flat_params(model), "iter": state.iter}
+
+
+def _dcp_runs(rank, world, ckpt_dir):
+    out = {}
+    for how in ("per_rank", "plain"):
+        folder = os.path.join(ckpt_dir, how)
+        out[how] = (_dcp_span(rank, world, folder, 0, 12, 6, how), _dcp_span(rank, world, folder, 6, 12, -1, how))
+    return out
+
+
+def test_resume_through_torch_distributed_checkpoint_per_rank(tmp_path):
+    runs = run_ranks(_dcp_runs, 2, str(tmp_path))
+    for r in runs:
+        straight, resumed = r["per_rank"]
+        assert resumed["iter"] == straight["iter"] == 12
+        assert torch.equal(resumed["params"], straight["params"])
+        assert torch.equal(straight["params"], runs[0]["per_rank"][0]["params"])  # replicas identical
+    # the HookState saved as it is: DCP kept one rank's entries for both, and the other rank's load names the rank
+    # that saved them and the fix
+    errors = [r["plain"][1].get("error") for r in runs]
+    assert sum(e is not None for e in errors) == 1, errors
+    assert "hetcomm.checkpoint.PerRank" in next(e for e in errors if e), errors
+
+
 def _train_no_resume_state(rank, world, ckpt_dir):
     # Same as a resumed run but the hetcomm state is not restored: the run
     # differs (the residuals matter), so the bit-for-bit test above can fail.

@@ -100,6 +100,21 @@ def test_sparse_bucket_is_a_value_error_naming_sparse_false():
         hetcomm.hook(hetcomm.HookState(), _FakeBucket(sparse))
 
 
+def test_checkpoint_per_rank_round_trips_and_names_what_it_lacks():
+    s = hetcomm.HookState("onebit")
+    saved = hetcomm.checkpoint.PerRank(s).state_dict()
+    assert list(saved) == ["rank0"] and isinstance(saved["rank0"], bytes)
+    fresh = hetcomm.HookState("onebit")
+    hetcomm.checkpoint.PerRank(fresh).load_state_dict(saved)
+    assert fresh.state_dict().keys() == s.state_dict().keys()
+    with pytest.raises(ValueError, match="no 'rank0' entry of bytes .*keys \\['rank1'\\]"):
+        hetcomm.checkpoint.PerRank(fresh).load_state_dict({"rank1": saved["rank0"]})
+    with pytest.raises(ValueError, match="compression"):  # another mode's state, as HookState.load_state_dict says
+        hetcomm.checkpoint.PerRank(hetcomm.HookState("topk")).load_state_dict(saved)
+    with pytest.raises(ValueError, match="state must be a hetcomm.HookState"):
+        hetcomm.checkpoint.PerRank(object())
+
+
 def test_hook_needs_a_hookstate():
     with pytest.raises(ValueError, match="state must be a hetcomm.HookState"):
         hetcomm.hook(object(), _FakeBucket(torch.zeros(4)))
