@@ -65,6 +65,20 @@ class Digits(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def gathered(trainer, model: Digits, x_test: torch.Tensor, y_test: torch.Tensor) -> dict:
+    """Whether every rank holds the same parameters, each rank's optimizer
+    steps, this rank's test accuracy and its parameters' sum (a collective:
+    every rank calls it)."""
+    flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    every, taken = [None] * trainer.world_size, [None] * trainer.world_size
+    dist.all_gather_object(every, flat)
+    dist.all_gather_object(taken, model.taken)
+    with torch.no_grad():
+        acc = (model.net(x_test).argmax(1) == y_test).float().mean().item()
+    return {"replicas_identical": all(torch.equal(flat, f) for f in every), "optimizer_steps": taken,
+            "accuracy": acc, "checksum": float(flat.double().sum())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=3)
@@ -117,21 +131,14 @@ def main() -> None:
     trainer.fit(model, loader, ckpt_path=ckpt if args.resume else None)
     trainer.save_checkpoint(ckpt)
     state = strategy.hook_state
-    flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
-    every, taken = [None] * trainer.world_size, [None] * trainer.world_size
-    dist.all_gather_object(every, flat)
-    dist.all_gather_object(taken, model.taken)
-    with torch.no_grad():
-        acc = (model.net(x_test).argmax(1) == y_test).float().mean().item()
+    ranks = gathered(trainer, model, x_test, y_test)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if trainer.global_rank == 0:
         stats = state.stats()
-        result = {"hook_steps": state.iter, "global_step": trainer.global_step, "accuracy": acc,
+        result = {**ranks, "hook_steps": state.iter, "global_step": trainer.global_step,
                   "start_iter": state.start_iter, "clip": stats.get("clip"),
                   "followed_lrs": state.state_dict()["lrs"],  # the rate error feedback is in units of
                   "bytes_sent": stats["total"]["bytes_sent"], "fp32_bytes": stats["total"]["fp32_bytes"],
-                  "replicas_identical": all(torch.equal(flat, f) for f in every), "optimizer_steps": taken,
-                  "checksum": float(flat.double().sum()),
                   "scaler": scaler and type(scaler).__module__ + "." + type(scaler).__name__,
                   "loss_scale": scaler and scaler.get_scale(), "precisions": stats.get("precisions")}
         print(json.dumps(result))
