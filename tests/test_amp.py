@@ -222,3 +222,31 @@ def test_precision_for_follows_the_device_and_the_environment(monkeypatch):
     monkeypatch.setenv(ENV_PRECISION, "fp8")
     with pytest.raises(ValueError, match=ENV_PRECISION):
         precision_for("cpu")
+
+
+def test_accelerates_fp16_scaler_is_handed_to_hetcomm_with_its_settings(tmp_path):
+    # Accelerate(mixed_precision="fp16") runs on GPUs only: its torch GradScaler, held by the accelerator and by
+    # each prepared optimizer, stood in for by one on the CPU
+    import types
+
+    from hetcomm.integrations.accelerate import _scale_through_hetcomm
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        held = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25,
+                                    growth_interval=7)
+        opt, other = types.SimpleNamespace(scaler=held), types.SimpleNamespace(scaler=None)
+        accelerator = types.SimpleNamespace(scaler=held, device=torch.device("cpu"), _optimizers=[opt, other])
+        state = hetcomm.HookState("none")
+        _scale_through_hetcomm(accelerator, state)
+        new = accelerator.scaler
+        assert isinstance(new, hetcomm.amp.GradScaler) and opt.scaler is new and other.scaler is None
+        assert (new.get_scale(), new.get_growth_factor(), new.get_backoff_factor(), new.get_growth_interval()) == \
+            (1024.0, 3.0, 0.25, 7)
+        assert state.precision == "fp16"  # the hook divides by its scale
+        _scale_through_hetcomm(accelerator, state)  # once: hetcomm's stays
+        assert accelerator.scaler is new
+        state.close()
+    finally:
+        torch.distributed.destroy_process_group()

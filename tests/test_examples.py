@@ -21,9 +21,9 @@ def _last_json(out: subprocess.CompletedProcess) -> dict:
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def _torchrun(tmp_path, *args):
+def _torchrun(tmp_path, *args, script="torchrun_train.py"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "examples", "torchrun_train.py"), *args]
+           os.path.join(ROOT, "examples", script), *args]
     return _last_json(subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path))
 
 
@@ -239,3 +239,18 @@ def test_lightning_validate_and_a_second_fit_after_a_fit(tmp_path):
     assert out["scaler_of_the_state"] and out["precisions"] == ["fp16", "bf16"]
     assert out["loss_scale"] == 2.0 ** 14 and out["optimizer_steps"] == [2 * n - 2, 2 * n - 2]
     assert out["replicas_identical"] and out["accuracy"] > 0.7
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="Hugging Face Accelerate is not installed")
+def test_accelerate_example_resumes_bit_for_bit_through_save_state(tmp_path):
+    # hetcomm.integrations.accelerate.register: the hook on Accelerate's DDP model, onebit of the momentum, 2
+    # micro-batches a step (accelerator.accumulate: one reduction a step), save_state after step 20 with each rank's
+    # hetcomm state beside Accelerate's files (its own register_for_checkpointing saves the main process's alone)
+    common = ("--steps", "40", "--save-at", "20", "--out", str(tmp_path))
+    straight = _torchrun(tmp_path, *common, script="accelerate_train.py")
+    resumed = _torchrun(tmp_path, *common, "--resume", script="accelerate_train.py")
+    for r in (straight, resumed):
+        assert r["hook_steps"] == 40 and r["replicas_identical"] and r["plans"] == ["onebit/native"]
+        assert {"hetcomm-rank0.pt", "hetcomm-rank1.pt", "optimizer.bin"} <= set(r["files"])
+    assert resumed["checksum"] == straight["checksum"]
+    assert straight["accuracy"] > 0.6

@@ -1,0 +1,89 @@
+"""Hugging Face Accelerate: ``hetcomm.integrations.accelerate.register(accelerator, model, state)``.
+
+After ``model, optimizer, ... = accelerator.prepare(...)`` on several
+processes (the model then is a ``DistributedDataParallel``)::
+
+    state = hetcomm.HookState("auto")
+    hetcomm.integrations.accelerate.register(accelerator, model, state)
+    state.attach_optimizer(optimizer.optimizer)   # optional: the optimizer Accelerate wraps
+
+registers :func:`hetcomm.hook` on the model and makes Accelerate's
+``save_state`` / ``load_state`` carry each rank's hook state: Accelerate saves
+what ``register_for_checkpointing`` holds from the main process alone, and a
+HookState is each rank's own (error feedback), so it goes to
+``<dir>/hetcomm-rank<r>.pt`` from every rank instead (a rank the saving run
+lacked loads rank 0's with ``strict=False``: the step count and warm-up carry
+on). Under ``Accelerator(mixed_precision="fp16")`` Accelerate's GradScaler
+becomes a :class:`hetcomm.amp.GradScaler` with its settings: torch's hands the
+hook gradients times the loss scale (README, "Mixed cluster").
+``accelerator.accumulate(model)`` (DDP's ``no_sync``) needs nothing more; clip
+with ``state.clip_grad_norm_`` (after ``accelerator.unscale_gradients()``),
+not ``accelerator.clip_grad_norm_``, when the momentum is compressed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import amp
+from ..hooks import hook
+from ..state import HookState
+
+
+def _rank_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"hetcomm-rank{rank}.pt")
+
+
+def register(accelerator: Any, model: Any, state: HookState) -> HookState:
+    """Register ``state`` with ``hook`` on Accelerate's prepared ``model`` and
+    with ``accelerator``'s checkpoints and loss scaler (module docstring).
+    Returns ``state``."""
+    if not isinstance(state, HookState):
+        raise ValueError(f"state must be a hetcomm.HookState, got {type(state).__name__}")
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(f"model must be what accelerator.prepare returned on several processes, a "
+                         f"DistributedDataParallel, got {type(model).__name__} (one process: no hook to register)")
+    model.register_comm_hook(state, hook)
+    rank = accelerator.process_index
+
+    def save(models, weights, output_dir: str) -> None:  # on every process, into the folder each one made
+        torch.save(state.state_dict(), _rank_file(output_dir, rank))
+
+    def load(models, input_dir: str) -> None:
+        path = _rank_file(input_dir, rank)
+        strict = os.path.exists(path)
+        if not strict:  # a rank the saving run did not have (resumed on more processes): rank 0's
+            path = _rank_file(input_dir, 0)
+        if not os.path.exists(path):
+            raise ValueError(f"hetcomm: {input_dir} holds no hetcomm-rank*.pt: it was saved without "
+                             "hetcomm.integrations.accelerate.register (or by another state)")
+        state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=strict)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+    _scale_through_hetcomm(accelerator, state)
+    return state
+
+
+def _scale_through_hetcomm(accelerator: Any, state: HookState) -> None:
+    """fp16: Accelerate's torch GradScaler, held by the accelerator and by each
+    prepared optimizer, becomes a hetcomm.amp.GradScaler with its settings
+    (its state, saved by ``save_state``, loads into it as into torch's)."""
+    held = getattr(accelerator, "scaler", None)
+    if held is None or isinstance(held, amp.GradScaler) or not held.is_enabled():
+        return
+    device = "cuda" if str(accelerator.device).startswith("cuda") else str(accelerator.device.type)
+    scaler = amp.GradScaler(state, device, precision="fp16", init_scale=held.get_scale(),
+                            growth_factor=held.get_growth_factor(), backoff_factor=held.get_backoff_factor(),
+                            growth_interval=held.get_growth_interval())
+    accelerator.scaler = scaler
+    for opt in getattr(accelerator, "_optimizers", []):
+        if getattr(opt, "scaler", None) is held:
+            opt.scaler = scaler
+
+
+__all__ = ["register"]
