@@ -11,11 +11,12 @@ registers :func:`hetcomm.hook` on the model and makes Accelerate's
 ``save_state`` / ``load_state`` carry each rank's hook state: Accelerate saves
 what ``register_for_checkpointing`` holds from the main process alone, and a
 HookState is each rank's own (error feedback), so it goes to
-``<dir>/hetcomm-rank<r>.pt`` from every rank instead (a rank the saving run
-lacked loads rank 0's with ``strict=False``: the step count and warm-up carry
-on). Under ``Accelerator(mixed_precision="fp16")`` Accelerate's GradScaler
-becomes a :class:`hetcomm.amp.GradScaler` with its settings: torch's hands the
-hook gradients times the loss scale (README, "Mixed cluster").
+``<dir>/hetcomm-rank<r>.pt`` from every rank instead (loaded with
+``strict=False``: on another number of processes the step count and warm-up
+carry on, a rank the saving run lacked taking rank 0's file). Under
+``Accelerator(mixed_precision="fp16")`` Accelerate's GradScaler becomes a
+:class:`hetcomm.amp.GradScaler` with its settings: torch's hands the hook
+gradients times the loss scale (README, "Mixed cluster").
 ``accelerator.accumulate(model)`` (DDP's ``no_sync``) needs nothing more; clip
 with ``state.clip_grad_norm_`` (after ``accelerator.unscale_gradients()``),
 not ``accelerator.clip_grad_norm_``, when the momentum is compressed.
@@ -55,13 +56,14 @@ def register(accelerator: Any, model: Any, state: HookState) -> HookState:
 
     def load(models, input_dir: str) -> None:
         path = _rank_file(input_dir, rank)
-        strict = os.path.exists(path)
-        if not strict:  # a rank the saving run did not have (resumed on more processes): rank 0's
+        if not os.path.exists(path):  # a rank the saving run did not have (resumed on more processes): rank 0's
             path = _rank_file(input_dir, 0)
         if not os.path.exists(path):
             raise ValueError(f"hetcomm: {input_dir} holds no hetcomm-rank*.pt: it was saved without "
                              "hetcomm.integrations.accelerate.register (or by another state)")
-        state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=strict)
+        # strict=False: on as many processes each rank's own state to the bit; on another number the step count
+        # and warm-up carry on and each rank's error feedback starts afresh (as Lightning's strategy loads)
+        state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=False)
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
