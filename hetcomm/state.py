@@ -151,7 +151,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
     the same overflow steps.
 
     Save ``state_dict()`` per rank (residuals are per rank) next to the model
-    and optimizer to resume a run bit for bit.
+    and optimizer to resume a run bit for bit (``torch.distributed.checkpoint``:
+    :class:`hetcomm.checkpoint.PerRank`; Lightning: its strategy; Accelerate:
+    :func:`hetcomm.integrations.accelerate.register`).
     """
 
     def __init__(
