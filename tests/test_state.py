@@ -115,6 +115,15 @@ def test_checkpoint_per_rank_round_trips_and_names_what_it_lacks():
         hetcomm.checkpoint.PerRank(object())
 
 
+def test_accelerate_register_names_what_it_needs():
+    from hetcomm.integrations.accelerate import register
+
+    with pytest.raises(ValueError, match="state must be a hetcomm.HookState"):
+        register(object(), torch.nn.Linear(2, 2), object())
+    with pytest.raises(ValueError, match="a DistributedDataParallel, got Linear: .*num_processes > 1"):
+        register(object(), torch.nn.Linear(2, 2), hetcomm.HookState())
+
+
 def test_hook_needs_a_hookstate():
     with pytest.raises(ValueError, match="state must be a hetcomm.HookState"):
         hetcomm.hook(object(), _FakeBucket(torch.zeros(4)))

@@ -47,7 +47,8 @@ def register(accelerator: Any, model: Any, state: HookState) -> HookState:
         raise ValueError(f"state must be a hetcomm.HookState, got {type(state).__name__}")
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"model must be what accelerator.prepare returned on several processes, a "
-                         f"DistributedDataParallel, got {type(model).__name__} (one process: no hook to register)")
+                         f"DistributedDataParallel, got {type(model).__name__}: on one process there is nothing "
+                         f"to reduce (guard hetcomm with `if accelerator.num_processes > 1`)")
     model.register_comm_hook(state, hook)
     rank = accelerator.process_index
 
