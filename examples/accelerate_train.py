@@ -6,8 +6,8 @@
 
 (``accelerate launch --num_processes 2 --cpu`` starts it as well.) Trains an
 MLP on scikit-learn's digits with SGD (momentum 0.9), its momentum in onebit
-(``attach_optimizer`` on the optimizer Accelerate wraps, a fifth of the run as
-warm-up) unless --compression/--no-attach say otherwise, in micro-batches of
+(``attach_optimizer`` on Accelerate's prepared optimizer, a fifth of the run
+as warm-up) unless --compression/--no-attach say otherwise, in micro-batches of
 --batch accumulated over --accumulate (``accelerator.accumulate``: DDP's
 no_sync). --save-at N: ``save_state`` after step N into <out>/state (each
 rank's hetcomm state beside Accelerate's files); --resume: ``load_state`` from
@@ -47,7 +47,7 @@ def main() -> None:
     model, opt = accelerator.prepare(model, opt)
     state = hetcomm.integrations.accelerate.register(accelerator, model, hetcomm.HookState(args.compression))
     if not args.no_attach:
-        state.attach_optimizer(opt.optimizer, total_steps=args.steps)  # the torch optimizer Accelerate wraps
+        state.attach_optimizer(opt, total_steps=args.steps)  # (it takes the torch optimizer Accelerate wraps)
     folder = os.path.join(args.out, "state")
     start = 0
     if args.resume:

@@ -22,6 +22,16 @@ EXACT_EVERY = 16
 WARMUP_FRACTION = 0.2
 
 
+def _unwrapped(optimizer):
+    """The torch optimizer a framework's wrapper steps (Hugging Face
+    Accelerate's ``AcceleratedOptimizer`` holds it as ``.optimizer``): the
+    hook reads the momentum and the rates from the optimizer itself."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and type(optimizer).__name__ == "AcceleratedOptimizer":
+        return inner
+    return optimizer
+
+
 class OptimizerLink:
     """HookState's link to the user's optimizer (the attributes are HookState's)."""
 
@@ -111,6 +121,7 @@ class OptimizerLink:
         """
         if self._negotiated:
             raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
+        optimizer = _unwrapped(optimizer)
         self._check_lr_source(optimizer, "attach_optimizer")
         from . import optim
 
@@ -192,6 +203,7 @@ class OptimizerLink:
         """
         if self._negotiated:
             raise RuntimeError("follow_lr must be called before the first step, on every rank")
+        optimizer = _unwrapped(optimizer)
         self._check_lr_source(optimizer, "follow_lr")
         groups = getattr(optimizer, "param_groups", None)
         if not isinstance(groups, list) or not groups or not all(

@@ -5,7 +5,7 @@ processes (the model then is a ``DistributedDataParallel``)::
 
     state = hetcomm.HookState("auto")
     hetcomm.integrations.accelerate.register(accelerator, model, state)
-    state.attach_optimizer(optimizer.optimizer)   # optional: the optimizer Accelerate wraps
+    state.attach_optimizer(optimizer)   # optional (it takes the torch optimizer Accelerate wraps)
 
 registers :func:`hetcomm.hook` on the model and makes Accelerate's
 ``save_state`` / ``load_state`` carry each rank's hook state: Accelerate saves
