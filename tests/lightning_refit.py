@@ -1,7 +1,10 @@
 """Run by tests/test_examples.py: Lightning's Trainer used as in a notebook,
-fit, save, validate the checkpoint, then fit on from it. Rank 0 in 16-mixed, rank 1 in bf16-mixed, the
-strategy's defaults (auto, error feedback following the SGD's rate); the fp16
-rank's loss overflows at step 10 and again at step 30, in the second fit.
+validate, fit, save, validate the checkpoint, then fit on from it.
+``HetcommDDPStrategy(precision_per_device=True)`` under
+``Trainer(precision="bf16-mixed")``, rank 0's device fp16 (as a V100's) and
+rank 1's bf16 (through HETCOMM_PRECISION), otherwise the strategy's defaults
+(auto, error feedback following the SGD's rate); the fp16 rank's loss
+overflows at step 10 and again at step 30, in the second fit.
 
     python tests/lightning_refit.py OUT_DIR
 
@@ -29,6 +32,7 @@ from hetcomm.integrations.lightning import HetcommDDPStrategy  # noqa: E402
 class Validated(Digits):
     def validation_step(self, batch, _):
         x, y = batch
+        self.seen_precision = self.trainer.precision  # what this rank's plugin computes in
         self.log("val_acc", (self.net(x).argmax(1) == y).float().mean(), sync_dist=True)
 
 
@@ -37,13 +41,15 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_test, y_test), batch_size=128)
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    strategy = HetcommDDPStrategy(process_group_backend="gloo")
+    os.environ["HETCOMM_PRECISION"] = ("fp16", "bf16")[int(os.environ.get("LOCAL_RANK", 0))]
+    strategy = HetcommDDPStrategy(process_group_backend="gloo", precision_per_device=True)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=sys.argv[1],
-                         plugins=[pl.plugins.precision.MixedPrecision(("16-mixed", "bf16-mixed")[rank], "cpu")])
+                         default_root_dir=sys.argv[1], precision="bf16-mixed")
     model = Validated(0.05, overflow_at=10)
+    trainer.validate(model, val, verbose=False)  # before any fit: each rank in its device's precision already
+    before_fit = [None] * trainer.world_size
+    dist.all_gather_object(before_fit, model.seen_precision)
     trainer.fit(model, loader)
     first_state, first_steps = strategy.hook_state, trainer.global_step
     ckpt = os.path.join(sys.argv[1], "first.ckpt")
@@ -57,7 +63,7 @@ def main() -> None:
     scaler = trainer.precision_plugin.scaler
     if trainer.global_rank == 0:
         print(json.dumps({
-            **ranks, "first_steps": first_steps, "global_step": trainer.global_step, "validated": validated,
+            **ranks, "validated_in": before_fit, "first_steps": first_steps, "global_step": trainer.global_step, "validated": validated,
             "new_state": state is not first_state, "hook_steps": [first_state.iter, state.iter],
             "precisions": state.stats().get("precisions"), "scaler_of_the_state": scaler._state() is state,
             "loss_scale": scaler.get_scale(), "followed_lrs": state.state_dict()["lrs"]}))

@@ -225,8 +225,9 @@ def test_lightning_bf16_fit_with_lbfgs_runs_as_lightning_runs_it(tmp_path):
 
 @pytest.mark.skipif(not _lightning_available(), reason="PyTorch Lightning is not installed")
 def test_lightning_validate_and_a_second_fit_after_a_fit(tmp_path):
-    # fit, save, validate the checkpoint, fit on from it (a notebook's order) with the strategy's defaults, rank 0
-    # in 16-mixed and rank 1 in bf16-mixed, the fp16 loss overflowing once in each fit. validate runs no hook (it
+    # validate, fit, save, validate the checkpoint, fit on from it (a notebook's order), each rank in its device's
+    # precision (precision_per_device: fp16 on rank 0, bf16 on rank 1; before, a validate ahead of the first fit
+    # ran both in the Trainer's bf16), the fp16 loss overflowing once in each fit. validate runs no hook (it
     # raised in follow_lr on the last fit's state); the second fit's new HookState takes the checkpoint's hetcomm
     # state (it went into the last fit's closed one: the count restarted) and the scaler with its backed-off scale
     # (it stayed bound to the closed state: its gradients reached the hook scaled, the replicas parted and the
@@ -234,6 +235,7 @@ def test_lightning_validate_and_a_second_fit_after_a_fit(tmp_path):
     out = _last_json(subprocess.run([sys.executable, os.path.join(ROOT, "tests", "lightning_refit.py"), str(tmp_path)],
                                     capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path))
     n = out["first_steps"]
+    assert out["validated_in"] == ["16-mixed", "bf16-mixed"]
     assert n > 10 and out["global_step"] == 2 * n and out["validated"] > 0.5
     assert out["new_state"] and out["hook_steps"] == [n, 2 * n] and out["followed_lrs"] == [0.05]
     assert out["scaler_of_the_state"] and out["precisions"] == ["fp16", "bf16"]
