@@ -11,7 +11,8 @@ as warm-up) unless --compression/--no-attach say otherwise, in micro-batches of
 --batch accumulated over --accumulate (``accelerator.accumulate``: DDP's
 no_sync). --save-at N: ``save_state`` after step N into <out>/state (each
 rank's hetcomm state beside Accelerate's files); --resume: ``load_state`` from
-there (saved after step --save-at) and on to --steps. Rank 0 prints a JSON line at the end.
+there (saved after step --save-at) and on to --steps. Rank 0 prints a JSON
+line at the end.
 """
 
 import argparse
