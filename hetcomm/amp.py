@@ -135,6 +135,17 @@ class GradScaler(torch.amp.GradScaler):
         state._attach_scaler(self)
         self._reduced_at = state._steps_done  # at the last update(): a larger count means DDP reduced since
 
+    @classmethod
+    def taking_over(cls, state: Any, held: torch.amp.GradScaler, device: Any, precision: str) -> "GradScaler":
+        """A scaler of ``state`` going on from ``held`` (torch's, as a
+        framework's precision plugin makes it, or a hetcomm one of an earlier
+        state): its scale, growth settings and growth tracker, through its
+        ``state_dict``. ``device``: a ``torch.device`` or its name (its
+        type counts)."""
+        scaler = cls(state, torch.device(device).type, precision=precision)
+        scaler.load_state_dict(held.state_dict())
+        return scaler
+
     # ---- what the hook reads -------------------------------------------------
     def loss_scale(self) -> float:
         """This rank's scale of the coming backward (1 for bf16 / fp32), on the

@@ -20,7 +20,8 @@ load with ``strict=False`` (:meth:`hetcomm.HookState.load_state_dict`).
 from __future__ import annotations
 
 import io
-from typing import Any, Dict
+import os
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -55,4 +56,15 @@ class PerRank:
         self.state.load_state_dict(sd, strict=self.strict)
 
 
-__all__ = ["PerRank"]
+def read_rank_file(path_of: Callable[[int], str], rank: int) -> Optional[Dict[str, Any]]:
+    """The state a framework's checkpoint saved for ``rank`` in the file
+    ``path_of(rank)``, or rank 0's where the saving run had no such rank
+    (resumed on more processes; load it with ``strict=False``); None where
+    neither file exists. Tensors and containers only (torch's safe loader)."""
+    for path in (path_of(rank), path_of(0)):
+        if os.path.exists(path):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    return None
+
+
+__all__ = ["PerRank", "read_rank_file"]

@@ -31,6 +31,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import amp
+from ..checkpoint import read_rank_file
 from ..hooks import hook
 from ..state import HookState
 
@@ -56,15 +57,13 @@ def register(accelerator: Any, model: Any, state: HookState) -> HookState:
         torch.save(state.state_dict(), _rank_file(output_dir, rank))
 
     def load(models, input_dir: str) -> None:
-        path = _rank_file(input_dir, rank)
-        if not os.path.exists(path):  # a rank the saving run did not have (resumed on more processes): rank 0's
-            path = _rank_file(input_dir, 0)
-        if not os.path.exists(path):
+        saved = read_rank_file(lambda r: _rank_file(input_dir, r), rank)
+        if saved is None:
             raise ValueError(f"hetcomm: {input_dir} holds no hetcomm-rank*.pt: it was saved without "
                              "hetcomm.integrations.accelerate.register (or by another state)")
         # strict=False: on as many processes each rank's own state to the bit; on another number the step count
         # and warm-up carry on and each rank's error feedback starts afresh (as Lightning's strategy loads)
-        state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=False)
+        state.load_state_dict(saved, strict=False)
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
@@ -79,10 +78,7 @@ def _scale_through_hetcomm(accelerator: Any, state: HookState) -> None:
     held = getattr(accelerator, "scaler", None)
     if held is None or isinstance(held, amp.GradScaler) or not held.is_enabled():
         return
-    device = "cuda" if str(accelerator.device).startswith("cuda") else str(accelerator.device.type)
-    scaler = amp.GradScaler(state, device, precision="fp16", init_scale=held.get_scale(),
-                            growth_factor=held.get_growth_factor(), backoff_factor=held.get_backoff_factor(),
-                            growth_interval=held.get_growth_interval())
+    scaler = amp.GradScaler.taking_over(state, held, accelerator.device, "fp16")
     accelerator.scaler = scaler
     for opt in getattr(accelerator, "_optimizers", []):
         if getattr(opt, "scaler", None) is held:

@@ -22,6 +22,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 import torch
 
 from .. import amp
+from ..checkpoint import read_rank_file
 from ..hooks import hook
 from ..state import HookState
 
@@ -38,6 +39,10 @@ except ImportError:  # the standalone package
 #: HookState.attach_optimizer's keyword arguments (what attach_optimizer={...} may hold)
 _ATTACH_KEYWORDS = tuple(n for n, p in inspect.signature(HookState.attach_optimizer).parameters.items()
                          if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+#: Lightning's MixedPrecision plugin precisions -> hetcomm.amp's
+_PLUGIN_PRECISIONS = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
 
 
 def _rank_file(filepath: str, rank: int) -> str:
@@ -164,30 +169,25 @@ class HetcommDDPStrategy(DDPStrategy):
         plugin's precision is first set to this rank's device's (in
         ``validate``, ``test`` and ``predict`` too)."""
         plugin = self.precision_plugin
-        names = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
-        kind = names.get(getattr(plugin, "precision", None))
+        kind = _PLUGIN_PRECISIONS.get(getattr(plugin, "precision", None))
         if self._per_device:
             kind = self._device_precision(plugin, kind)
         held = getattr(plugin, "scaler", None)
         if not fitting or self.hook_state is None or kind is None or not hasattr(plugin, "scaler"):
             return
-        device = "cuda" if str(getattr(plugin, "device", "cuda")).startswith("cuda") else str(plugin.device)
+        device = getattr(plugin, "device", "cuda")
         if isinstance(held, amp.GradScaler):  # a later fit: its scale and growth carry on, for the new state
             if held._state() is not self.hook_state:
-                plugin.scaler = amp.GradScaler(self.hook_state, device, precision=held.precision)
-                plugin.scaler.load_state_dict(held.state_dict())
+                plugin.scaler = amp.GradScaler.taking_over(self.hook_state, held, device, held.precision)
             return
         if held is None or kind == "bf16":  # bf16: no scaler in Lightning; hetcomm's keeps the scale at 1
             if any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers):
                 return  # every rank holds the same optimizers, so every rank goes without: they agree
-            plugin.scaler = amp.GradScaler(self.hook_state, device, precision=kind)
+            plugin.scaler = amp.GradScaler(self.hook_state, torch.device(device).type, precision=kind)
             return
         if not held.is_enabled():
             return  # a scaler the user disabled: the gradients reach the hook unscaled
-        plugin.scaler = amp.GradScaler(self.hook_state, device, precision=kind, init_scale=held.get_scale(),
-                                       growth_factor=held.get_growth_factor(),
-                                       backoff_factor=held.get_backoff_factor(),
-                                       growth_interval=held.get_growth_interval())
+        plugin.scaler = amp.GradScaler.taking_over(self.hook_state, held, device, kind)
 
     def _device_precision(self, plugin, kind: Optional[str]) -> str:
         """``precision_per_device``: this rank's device's precision, set on
@@ -200,7 +200,7 @@ class HetcommDDPStrategy(DDPStrategy):
             raise ValueError(f"HetcommDDPStrategy(precision_per_device=True): rank {self.global_rank}'s device "
                              f"{self.root_device} computes neither bf16 natively nor fp16 fast (it would run fp32); "
                              f"set {amp.ENV_PRECISION}=fp16 or bf16 there, or leave precision_per_device off")
-        plugin.precision = {"fp16": "16-mixed", "bf16": "bf16-mixed"}[mine]
+        plugin.precision = next(name for name, p in _PLUGIN_PRECISIONS.items() if p == mine)
         return mine
 
     def _clip_through_hetcomm(self) -> None:
@@ -237,11 +237,8 @@ class HetcommDDPStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        path = _rank_file(str(checkpoint_path), self.global_rank)
-        if not os.path.exists(path):  # a rank the saving fit did not have (resumed on more devices): rank 0's
-            path = _rank_file(str(checkpoint_path), 0)
-        if os.path.exists(path):
-            state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and containers only
+        state = read_rank_file(lambda r: _rank_file(str(checkpoint_path), r), self.global_rank)
+        if state is not None:
             if self.hook_state is not None and not self.hook_state._closed:  # the running fit's
                 self._load_hook_state(state)
             else:  # Lightning restores before setup: the fit's new HookState takes it (a last fit's is closed)
