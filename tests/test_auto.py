@@ -151,7 +151,10 @@ def test_auto_agrees_on_every_rank_and_keeps_replicas_identical(tmp_path):
             {k: (p["mode"], p["algorithm"]) for k, p in r0["plans"].items()}
     for b in r0["auto"]["buckets"].values():
         cands = [(c["mode"], c["algorithm"]) for c in b["candidates"]]
-        assert ("none", "native") in cands and b["chosen"] and all(c["comm_s"] for c in b["candidates"])
+        # every candidate measured, but a round the first cycle left out as hopeless (its predicted communication
+        # over 2x the first round's step: the probe's reading of loopback moves 10x with the machine's load), which
+        # is pruned
+        assert ("none", "native") in cands and b["chosen"] and all(c["comm_s"] or c["pruned"] for c in b["candidates"])
 
 
 @pytest.mark.parametrize("batch", [8, 1])
