@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, buckets, clip, ddpfind, options
+from .lowrank_share import THRESHOLD, LowrankShare
 from .options import COMPRESSED
 
 log = logging.getLogger("hetcomm")
@@ -108,6 +109,8 @@ class BucketSteps:
         self._joined = self._shadow_join()  # a walk up this thread's stack: microseconds, once a step
         self._step_open = True
         self._planner.auto.begin_step(engine)
+        if self._rank_ladder.pending and LowrankShare.closes(self.iter - 1):
+            self._choose_rank(engine)
         self._buckets.begin_step(engine.carry_holds())
         if self._optimizer is not None:
             self._follow_momentum()
@@ -144,6 +147,28 @@ class BucketSteps:
                     "one step only)")
             engine.submit_batch_size(self._local_batch)
             self._local_batch = None
+
+    def _choose_rank(self, engine) -> None:
+        """After a window of share readings at each rank lowrank may choose
+        (:class:`hetcomm.lowrank_share.RankLadder`): every rank all-gathers
+        its means (or -1: none, e.g. every step of it overflowed, and the next
+        window decides); the lowest per rank decides, the same everywhere."""
+        step = self.iter - 1
+        ladder = self._rank_ladder
+        last = self._lowrank_share.last
+        read = last is not None and last["step"] == step and len(last.get("ladder", ())) == len(ladder.ranks)
+        own = [int(v * 1e9) for v in last["ladder"]] if read else [-1] * len(ladder.ranks)
+        gathered = engine.submit_config(torch.tensor([step] + own, dtype=torch.int64)).wait()
+        if (gathered[:, 0] != step).any():
+            raise ValueError(f"hetcomm: lowrank's ranks are at different steps ({gathered[:, 0].tolist()}) when "
+                             "choosing its rank: every rank must run the same steps")
+        if (gathered[:, 1:] < 0).any():
+            return
+        lowest = (gathered[:, 1:].min(dim=0).values.double() / 1e9).tolist()
+        rank = ladder.choose(lowest, step)
+        share = lowest[ladder.ranks.index(rank)]
+        if share < THRESHOLD and engine.rank == 0 and not self._lowrank_share.warned:
+            self._lowrank_share.warn(rank, share, step)
 
     def _follow_momentum(self) -> None:
         """Follows a momentum that a schedule moves (``OneCycleLR``'s
@@ -338,7 +363,7 @@ class BucketSteps:
         # a bucket of a new layout (DDP's rebuild) takes over what the old buckets' error feedback owed
         self._buckets.adopt(bucket.sig, key, numel, buf.device, engine.size, engine.rank, node_of)
         def layout_of() -> torch.Tensor:  # lowrank's, cached per bucket
-            return self._buckets.lowrank_parts(bucket, key, self.matrix_approximation_rank)
+            return self._buckets.lowrank_parts(bucket, key, self._rank_ladder.rank)
 
         p = self._planner.plan(numel, key, bucket.index, self.iter, layout_of)
         self._step_plans[key] = p
@@ -348,7 +373,11 @@ class BucketSteps:
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
         if self._lowrank_share.due(self.iter) and (p.mode == "lowrank" or (
                 self._planner.auto.reads_share(numel) and self._compressed_at(self.iter))):
-            self._lowrank_share.add(buf, layout_of())  # how much of the gradient lowrank's rank can carry
+            if p.mode == "lowrank" and self._rank_ladder.pending:  # at every rank it may choose, at once
+                ranks = self._rank_ladder.ranks
+                self._lowrank_share.add(buf, buckets.matrix_layout(bucket, ranks[0]), ranks)
+            else:
+                self._lowrank_share.add(buf, layout_of())  # how much of the gradient lowrank's rank can carry
         residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,
                                                           world=engine.size, rank=engine.rank, node_of=node_of)
         momentum = None
@@ -396,7 +425,7 @@ class BucketSteps:
                 self.last_bucket_event = (self.iter, event)
             self._step_open = False
             self._planner.auto.end_step(self._compressed_at(self.iter))
-            self._lowrank_share.end_step(self.iter, self.matrix_approximation_rank, engine.rank,
+            self._lowrank_share.end_step(self.iter, self._rank_ladder.rank, engine.rank,
                                          warn=self._planner.auto.guard is None)
             self.last_plans, self._step_plans = self._step_plans, {}
             self.iter += 1

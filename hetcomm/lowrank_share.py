@@ -41,17 +41,19 @@ OVERSAMPLE, POWER_STEPS = 10, 2
 BUDGET = 1 << 22  # elements read a step (and one matrix at least): a large model's first ones in DDP's order
 
 
-def top_share(g: torch.Tensor, rank: int, gen: torch.Generator) -> Tuple[float, float]:
-    """(energy in the top ``rank`` singular values, total energy) of the
-    matrix ``g``; above EXACT_UP_TO in both dimensions a randomized range
-    finder (Halko et al.) with a private generator, so the caller's random
-    stream is untouched. Its estimate is from below."""
+def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, float]:
+    """([energy in the top r singular values for r in ``ranks``], total
+    energy) of the matrix ``g``; above EXACT_UP_TO in both dimensions a
+    randomized range finder (Halko et al.) for the largest r, with a private
+    generator, so the caller's random stream is untouched. Its estimates are
+    from below."""
+    top = max(ranks)
     if min(g.shape) <= EXACT_UP_TO:
         s2 = torch.linalg.svdvals(g.double()).pow(2)  # their sum is the energy
-        return float(s2[:rank].sum()), float(s2.sum())
+        return [float(s2[:r].sum()) for r in ranks], float(s2.sum())
     total = float(g.double().pow(2).sum())
     g = g.float()  # float32 products: a share, not a bit-exact quantity
-    k = min(rank + OVERSAMPLE, min(g.shape))
+    k = min(top + OVERSAMPLE, min(g.shape))
     omega = torch.randn(g.shape[1], k, generator=gen).to(g.device)
     y = g @ omega
     for _ in range(POWER_STEPS):
@@ -59,7 +61,21 @@ def top_share(g: torch.Tensor, rank: int, gen: torch.Generator) -> Tuple[float, 
         y = g @ (g.t() @ y)
     basis = torch.linalg.qr(y)[0]
     s2 = torch.linalg.svdvals((basis.t() @ g).double()).pow(2)
-    return float(s2[:rank].sum()), total
+    return [float(s2[:r].sum()) for r in ranks], total
+
+
+def top_share(g: torch.Tensor, rank: int, gen: torch.Generator) -> Tuple[float, float]:
+    """(energy in the top ``rank`` singular values, total energy) of ``g``
+    (:func:`top_shares` at one rank)."""
+    nums, total = top_shares(g, [rank], gen)
+    return nums[0], total
+
+
+def compressed_at(rows: int, cols: int, rank: int) -> bool:
+    """Whether lowrank approximates a rows x cols matrix at ``rank`` (P and Q
+    less than half its size, PowerSGD's rule; else it is sent dense)."""
+    r = min(rank, rows, cols)
+    return rows * cols > 2 * (rows + cols) * r
 
 
 def span_of(start: int) -> int:
@@ -92,12 +108,15 @@ class LowrankShare:
     lowrank-sized) buckets."""
 
     def __init__(self) -> None:
-        self.last: Optional[dict] = None  # {"step", "share", "rank", "readings"}: the last closed window's
+        # {"step", "share", "rank", "readings"}: the last closed window's; read at several ranks (a lowrank whose
+        # rank is not yet chosen: RankLadder), also "ladder": the share at each of them, "share" at the last
+        self.last: Optional[dict] = None
         self.warned = False
-        self._num = self._den = 0.0
+        self._nums: list = []  # this step's energy in the top r singular values, per rank read
+        self._den = 0.0
         self._read = 0
         self._open = False
-        self._window: list = []  # this window's per-step shares so far
+        self._window: list = []  # this window's per-step shares (one per rank read) so far
         self._gen = torch.Generator().manual_seed(0)
 
     def state_dict(self) -> dict:
@@ -108,7 +127,8 @@ class LowrankShare:
                 "warned": self.warned, "generator": self._gen.get_state()}
 
     def load_state_dict(self, sd: dict) -> None:
-        self._window = [float(x) for x in sd.get("window", [])]
+        self._window = [[float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)]
+                        for x in sd.get("window", [])]
         self.last = None if sd.get("last") is None else dict(sd["last"])
         self.warned = bool(sd.get("warned", False))
         if sd.get("generator") is not None:
@@ -125,18 +145,22 @@ class LowrankShare:
         start = window_of(step)
         return start is not None and step == start + span_of(start)
 
-    def add(self, buf: torch.Tensor, layout: torch.Tensor) -> None:
+    def add(self, buf: torch.Tensor, layout: torch.Tensor, ranks: Optional[list] = None) -> None:
         """The matrices of one lowrank bucket (rows of ``layout`` with a rank)
-        in this rank's gradient ``buf``, before it is reduced."""
+        in this rank's gradient ``buf``, before it is reduced; at each of
+        ``ranks`` (a matrix lowrank would send dense at one carries all of it
+        there), or at the layout's own."""
         for off, rows, cols, rank in layout.tolist():
             if rank and (self._read == 0 or self._read + rows * cols <= BUDGET):  # one matrix at least
                 self._read += rows * cols
                 g = buf.narrow(0, off, rows * cols).view(rows, cols)
                 if not bool(torch.isfinite(g).all()):  # an overflow step (GradScaler skips it): no reading
-                    self._num = self._den = float("nan")
+                    self._den = float("nan")
                     return
-                num, den = top_share(g, rank, self._gen)
-                self._num += num
+                at = [rank] if ranks is None else [min(r, rows, cols) for r in ranks]
+                nums, den = top_shares(g, at, self._gen)
+                nums = [n if ranks is None or compressed_at(rows, cols, r) else den for n, r in zip(nums, at)]
+                self._nums = [a + b for a, b in zip(self._nums, nums)] if self._nums else nums
                 self._den += den
                 self._open = True
 
@@ -144,28 +168,35 @@ class LowrankShare:
         """After the step's buckets: its share joins the window; a window's
         last step closes it (its mean is :attr:`last`). ``warn``: a fixed
         lowrank warns below THRESHOLD (auto's guard decides instead)."""
-        num, den, read = self._num, self._den, self._open
-        self._num = self._den = 0.0
+        nums, den, read = self._nums, self._den, self._open
+        self._nums, self._den = [], 0.0
         self._read = 0
         self._open = False
         if read and den > 0:  # something read, and the gradient finite
-            self._window.append(num / den)
+            self._window.append([n / den for n in nums])
         if not self.closes(step):
             return
         shares, self._window = self._window, []
-        if not shares:
+        if not shares or len({len(s) for s in shares}) != 1:  # (a resumed window read at other ranks: none)
             return
-        share = sum(shares) / len(shares)
+        means = [sum(col) / len(shares) for col in zip(*shares)]
+        share = means[-1]  # at the rank in use (a ladder's reading: at its largest, run until it chooses)
         self.last = {"step": step, "share": share, "rank": rank, "readings": len(shares)}
-        if warn and share < THRESHOLD and not self.warned and world_rank == 0:
-            self.warned = True
-            log.warning(
-                "hetcomm: lowrank at matrix_approximation_rank=%d carries %.0f %% of this rank's gradient energy in "
-                "steps %d-%d (its top %d singular values, over the compressed matrices). In hetcomm bench train it "
-                "read 96-100 %% where lowrank reached fp32's quality, 63-96 %% where it missed, 86-95 %% on a "
-                "regression that reached on 2 ranks and missed on 4: this run may fall short of fp32's quality. "
-                "Raise matrix_approximation_rank (the language model there needs 16 where 4 misses) or use "
-                "compression='fp8' or 'auto'", rank, 100 * share, window_of(step), step, rank)
+        if len(means) > 1:
+            self.last["ladder"] = means
+        if warn and len(means) == 1 and share < THRESHOLD and not self.warned and world_rank == 0:
+            self.warn(rank, share, step)
+
+    def warn(self, rank: int, share: float, step: int) -> None:
+        """Once a run: lowrank's rank carries under THRESHOLD of the gradient."""
+        self.warned = True
+        log.warning(
+            "hetcomm: lowrank at matrix_approximation_rank=%d carries %.0f %% of this rank's gradient energy in "
+            "steps %d-%d (its top %d singular values, over the compressed matrices). In hetcomm bench train it "
+            "read 96-100 %% where lowrank reached fp32's quality, 63-96 %% where it missed, 86-95 %% on a "
+            "regression that reached on 2 ranks and missed on 4: this run may fall short of fp32's quality. "
+            "Raise matrix_approximation_rank (the language model there needs 16 where 4 misses) or use "
+            "compression='fp8' or 'auto'", rank, 100 * share, window_of(step), step, rank)
 
 
 ADMIT = 0.975  # auto keeps lowrank past the first window when the ranks' lowest reading is at least this ...
@@ -232,3 +263,71 @@ class Guard:
     def load_state_dict(self, sd: dict) -> None:
         self.state = str(sd.get("state", "pending"))
         self.share, self.step, self.changed_at = sd.get("share"), sd.get("step"), sd.get("changed_at")
+
+
+DEFAULT_RANK = 4  # lowrank's first rung, and auto's lowrank candidate's rank (PowerSGD's hook: 1)
+RUNGS = (1, 2, 4)  # a lowrank left at its default chooses among DEFAULT_RANK times these
+
+
+class RankLadder:
+    """``compression="lowrank"`` with ``matrix_approximation_rank`` left at
+    its default: the rank, chosen by measurement, the same on every rank.
+
+    Until the first window's reading (steps 20-30, :class:`LowrankShare`)
+    lowrank runs at the ladder's top rank (16): rank 4 on the language model
+    falls behind from its first steps (bench/README "lowrank's rank on the
+    language model": perplexity 7.75 at step 20 against fp32's 6.78, and 30
+    steps of it at the start ended 3 % over fp32's in one of four runs). The
+    window reads each rank's share of gradient energy at 4, 8 and 16 at once
+    (one spectrum); the ranks all-gather them, and the lowest per rung
+    decides: the smallest rung at :data:`ADMIT` or more (the bar auto's guard
+    admits rank 4 at; the runs that reach fp32's quality read 0.983 or more
+    there, those that miss 0.964 or less), else the top. Without a reading
+    on some rank (every step of the window overflowed) the next window
+    decides. Chosen, the rank stays: each matrix's Q keeps its first columns
+    (its warm start); a rank under THRESHOLD warns once, as a fixed one does.
+    A rank given (``matrix_approximation_rank=N``) is fixed, as in PowerSGD's
+    hook."""
+
+    def __init__(self, given: Optional[int]) -> None:
+        self.ranks = [given] if given is not None else [DEFAULT_RANK * f for f in RUNGS]
+        self.state = "fixed" if given is not None else "pending"  # pending, chosen, fixed
+        self.rank = self.ranks[-1]
+        self.shares: Optional[list] = None  # the ranks' lowest share per rung, when chosen
+        self.step: Optional[int] = None     # ... and the last step of its window
+
+    @property
+    def pending(self) -> bool:
+        return self.state == "pending"
+
+    def choose(self, shares: list, step: int) -> int:
+        """The agreed readings (the ranks' lowest per rung): the rank, from now on."""
+        self.rank = next((r for r, s in zip(self.ranks, shares) if s >= ADMIT), self.ranks[-1])
+        self.state, self.shares, self.step = "chosen", list(shares), step
+        log.info("hetcomm: lowrank takes rank %d: the ranks' lowest share of gradient energy in the top %s singular "
+                 "values, steps %d-%d, is %s (a rank is taken at %.3f or more; else the largest)", self.rank,
+                 "/".join(map(str, self.ranks)), window_of(step), step, " / ".join(f"{s:.3f}" for s in shares),
+                 ADMIT)
+        return self.rank
+
+    def describe(self) -> dict:
+        return {"state": self.state, "rank": self.rank, "ranks": list(self.ranks), "shares": self.shares,
+                "step": self.step}
+
+    def state_dict(self) -> dict:
+        return self.describe()
+
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        """A saved choice (agreed by the ranks: any rank's file holds it);
+        a state saved under another ladder (a rank given now, or not then)
+        leaves this one as constructed. None: a state saved before lowrank
+        chose its rank, when its default was a fixed DEFAULT_RANK: it goes on
+        at that rank."""
+        if sd is None and self.pending:
+            self.state, self.rank = "chosen", DEFAULT_RANK
+            return
+        if not sd or [int(r) for r in sd.get("ranks", [])] != self.ranks:
+            return
+        self.state, self.rank = str(sd["state"]), int(sd["rank"])
+        self.shares = None if sd.get("shares") is None else [float(s) for s in sd["shares"]]
+        self.step = None if sd.get("step") is None else int(sd["step"])

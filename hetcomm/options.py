@@ -59,14 +59,14 @@ def chunk_for(chunk_size: Optional[int], mode: str) -> int:
 
 def validate(compression: str, start_iter: Optional[int], error_feedback: bool, chunk_size: Optional[int],
              min_compress_numel: int,
-             topk_ratio: float, topk_exact: bool, matrix_approximation_rank: int, algorithm: Optional[str],
+             topk_ratio: float, topk_exact: bool, matrix_approximation_rank: Optional[int], algorithm: Optional[str],
              transport: str, timeout: Optional[timedelta], process_group: Any, rank: Optional[int],
              candidates: Optional[Sequence[str]], lowrank_wire: str) -> Dict[str, Any]:
     """The options after their rules, or a ValueError naming the argument."""
     if rank is not None:
         warnings.warn("HookState(rank=...) is deprecated: it is lowrank's matrix_approximation_rank (rank reads "
                       "like the process rank); pass matrix_approximation_rank=...", DeprecationWarning, stacklevel=3)
-        if matrix_approximation_rank not in (4, rank):
+        if matrix_approximation_rank not in (None, rank):
             raise ValueError("pass matrix_approximation_rank or its deprecated alias rank, not both")
         matrix_approximation_rank = rank
     if compression not in COMPRESSIONS:
@@ -85,9 +85,10 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
         raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
     if not _is_number(topk_ratio) or not 0.0 < float(topk_ratio) <= 1.0:
         raise ValueError(f"topk_ratio must be a number in (0, 1], got {topk_ratio!r}")
-    if not _is_int(matrix_approximation_rank) or matrix_approximation_rank < 1:
-        raise ValueError(f"matrix_approximation_rank (lowrank's rank) must be an int >= 1, got "
-                         f"{matrix_approximation_rank!r}")
+    if matrix_approximation_rank is not None and (not _is_int(matrix_approximation_rank) or
+                                                  matrix_approximation_rank < 1):
+        raise ValueError(f"matrix_approximation_rank (lowrank's rank) must be None (lowrank chooses 4, 8 or 16 by "
+                         f"measurement) or an int >= 1, got {matrix_approximation_rank!r}")
     if lowrank_wire not in LOWRANK_WIRES:
         raise ValueError(f"lowrank_wire must be one of {LOWRANK_WIRES}, got {lowrank_wire!r}")
     if not isinstance(error_feedback, bool):
@@ -151,7 +152,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("min_compress_numel", s.min_compress_numel),
         ("topk_ratio", float_bits(s.topk_ratio)),
         ("topk_exact", int(s.topk_exact)),
-        ("matrix_approximation_rank", s.matrix_approximation_rank),
+        ("matrix_approximation_rank", s._rank_given or 0),  # 0: lowrank chooses it (RankLadder)
         ("lowrank_wire", LOWRANK_WIRES.index(s.lowrank_wire)),
         # a compressed mode's default decides by the nodes (negotiation.across_nodes), "native" given does not
         ("algorithm", -1 if s._algorithm_default else (("auto",) + ALGORITHMS).index(s.algorithm)),

@@ -15,7 +15,7 @@ from . import buckets, clip, options, plan
 from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
 from .attach import OptimizerLink
 from .hooks import BucketSteps
-from .lowrank_share import LowrankShare
+from .lowrank_share import DEFAULT_RANK, LowrankShare, RankLadder
 from .negotiation import Negotiation
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
@@ -91,7 +91,12 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         topk_exact: exact top-k selection (default) or, with ``False``, the
             sampled-threshold selection of DGC (about k entries, faster).
         matrix_approximation_rank: lowrank's rank r (P and Q have r columns),
-            as in PyTorch's PowerSGD; ``rank`` is its deprecated old name.
+            fixed, as in PyTorch's PowerSGD; ``rank`` is its deprecated old
+            name. ``None`` (default): ``compression="lowrank"`` runs rank 16
+            until step 30, then the smallest of 4, 8, 16 that carries 97.5 %
+            of every rank's gradient energy in steps 20-30, else 16
+            (:class:`hetcomm.lowrank_share.RankLadder`; ``stats()
+            ["lowrank_rank"]``); auto's lowrank candidate has rank 4.
         lowrank_wire: what lowrank's two all-reduces send: ``"bf16"``
             (default), half of ``"fp32"``'s bytes. The bf16 sums are rounded;
             each rank's error feedback keeps what its share of the rounded
@@ -167,7 +172,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         min_compress_numel: int = 8192,
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
-        matrix_approximation_rank: int = 4,
+        matrix_approximation_rank: Optional[int] = None,
         lowrank_wire: Literal["fp32", "bf16"] = "bf16",
         algorithm: Optional[Algorithm] = None,
         transport: Literal["auto", "pg"] = "auto",
@@ -185,7 +190,11 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self.min_compress_numel: int = opts["min_compress_numel"]
         self.topk_ratio: float = opts["topk_ratio"]
         self.topk_exact: bool = opts["topk_exact"]
-        self.matrix_approximation_rank: int = opts["matrix_approximation_rank"]
+        self._rank_given: Optional[int] = opts["matrix_approximation_rank"]
+        #: lowrank's rank: the given one, else (compression="lowrank") chosen by measurement; auto's candidate: 4
+        self.matrix_approximation_rank: int = self._rank_given or DEFAULT_RANK
+        self._rank_ladder = RankLadder(None if self._rank_given is None and self.compression == "lowrank" else
+                                       self.matrix_approximation_rank)
         self.lowrank_wire: str = opts["lowrank_wire"]
         self.algorithm: str = opts["algorithm"]
         #: algorithm left to its default with a compressed mode: the first step decides from the nodes
@@ -328,6 +337,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             **self._buckets.state_dict(),
             "auto": self._planner.auto.state_dict(),
             "lowrank_share": self._lowrank_share.state_dict(),
+            "lowrank_rank": self._rank_ladder.state_dict(),
             "clip_sketch": self._sketch.on,
             "lrs": self._lrs,
             "momentum_beta": self._beta,
@@ -383,6 +393,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         else:  # another rank's state: only its model's shapes (checked at the first step); the rest afresh
             self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
             self._planner.auto.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
+        self._rank_ladder.load_state_dict(sd.get("lowrank_rank"))  # agreed by the ranks
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
         # the beta the saved momentum was kept with (a scheduled momentum moves it); attach_optimizer takes it too
@@ -402,7 +413,11 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         once this rank has shadowed steps inside DDP's join (its inputs ran out);
         ``lowrank_share`` once lowrank (or auto's guard on it) measured how much
         of this rank's gradient its rank carries (:mod:`hetcomm.lowrank_share`:
-        steps 20-30, 100-120, 200-220, 400-420, ...); ``auto`` under
+        steps 20-30, 100-120, 200-220, 400-420, ...); ``lowrank_rank`` under
+        ``compression="lowrank"`` (the rank in use; with
+        ``matrix_approximation_rank`` left to lowrank, whether it is chosen
+        yet, the ranks' lowest shares at 4 / 8 / 16 and the step they were
+        read at); ``auto`` under
         ``compression="auto"``, with ``lowrank_guard`` (pending, admitted or
         refused; the ranks' last agreed reading and the one that set the
         state) where auto offers lowrank."""
@@ -416,6 +431,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             out["join_steps"] = self._join_steps
         if self._lowrank_share.last is not None:
             out["lowrank_share"] = dict(self._lowrank_share.last)
+        if self.compression == "lowrank":
+            out["lowrank_rank"] = self._rank_ladder.describe()
         if self._sketch.calls:
             out["clip"] = {"calls": self._sketch.calls, "estimated_steps": self._sketch.estimated_steps}
         if self.compression == "auto":

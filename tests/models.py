@@ -105,3 +105,10 @@ def first_error(ddp, opt, rank, state=None):
     except Exception as e:
         return str(e)
     return None
+
+
+def fixed_rank(mode: str) -> dict:
+    """HookState options for ``mode``'s tests of shorter runs than lowrank's
+    first share window: lowrank at rank 4, fixed (left to its default it runs
+    rank 16 until it chooses, at step 30)."""
+    return {"matrix_approximation_rank": 4} if mode == "lowrank" else {}

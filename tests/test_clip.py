@@ -36,7 +36,7 @@ def _clipped(rank, world, mode, attach, scaled=False, algorithm="native", min_nu
     model = models.mlp(hidden=96)
     ddp = models.ddp(model, rank, device, bucket_cap_mb=0.02)  # several buckets
     state = hetcomm.HookState(mode, min_compress_numel=min_numel, start_iter=START, topk_ratio=0.05,
-                              algorithm=algorithm)
+                              algorithm=algorithm, **models.fixed_rank(mode))
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if attach:

@@ -66,7 +66,7 @@ SIZES = [3, 8, 5]
 def _weighted_grads(rank, world, mode, device="cpu"):
     model = models.mlp()
     ddp = models.ddp(model, rank, device, bucket_cap_mb=0.01)
-    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=2)
+    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=2, **models.fixed_rank(mode))
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     grads, params = [], []
@@ -213,7 +213,7 @@ def test_replicas_bit_identical_after_50_steps_on_4_ranks(mode):
 
 
 REPLICA_CASES = [("none", {}), ("fp16", {}), ("bf16", {}), ("fp8", {}), ("onebit", {}), ("topk", {}),
-                 ("lowrank", {}), ("lowrank", {"lowrank_wire": "fp32"}), ("auto", {}), ("none", {"algorithm": "ring"}),
+                 ("lowrank", {}), ("lowrank", {"lowrank_wire": "fp32", "matrix_approximation_rank": 4}), ("auto", {}), ("none", {"algorithm": "ring"}),
                  ("none", {"algorithm": "tree"}), ("none", {"algorithm": "halving_doubling"}), ("none", {"algorithm": "auto"}),
                  ("onebit", {"transport": "pg"}), ("topk", {"topk_exact": False})]
 
@@ -430,7 +430,7 @@ def _compressed_from_step_zero(rank, world, mode, adopt, device):
     model = models.mlp()
     local = models.mlp().to(dev)  # the same weights, reduced exactly by hand: the reference
     ddp = models.ddp(model, rank, device, bucket_cap_mb=0.01)  # buckets of a layer or so: rebuilt after step 0
-    state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0)
+    state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0, **models.fixed_rank(mode))
     if not adopt:  # what start_iter=0 would do without adoption: the first layout's error feedback is dropped
         state._buckets.adopt = lambda *args: None
     ddp.register_comm_hook(state, hetcomm.hook)

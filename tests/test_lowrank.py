@@ -489,3 +489,132 @@ def test_lowrank_reads_how_much_of_the_gradient_its_rank_carries_and_warns_once_
         assert r["share"]["share"] == pytest.approx(r["reference"], abs=1e-6) and r["reference"] < 0.5
     assert len(r0["warnings"]) == 1 and "matrix_approximation_rank=1" in r0["warnings"][0]
     assert r1["warnings"] == []
+
+
+def test_top_shares_reads_every_rank_of_one_spectrum_and_a_matrix_sent_dense_carries_all(monkeypatch):
+    from hetcomm import lowrank_share
+
+    spectrum = [10.0 * 0.8 ** i for i in range(30)]
+    gen = torch.Generator().manual_seed(3)
+    for rows, cols in ((90, 50), (400, 300)):  # exact; the range finder (for the largest rank, 16 + 10 columns)
+        g = _planted(rows, cols, spectrum, rows).float()
+        nums, den = lowrank_share.top_shares(g, [4, 8, 16], gen)
+        for r, num in zip((4, 8, 16), nums):
+            want = sum(s * s for s in spectrum[:r]) / sum(s * s for s in spectrum)
+            assert num / den == pytest.approx(want, abs=1e-6 if min(rows, cols) <= 256 else 2e-3), (rows, r)
+    # a 40 x 12 matrix is approximated at rank 4 (2 * 52 * 4 < 480) but sent dense at 8 and 16: there its share is 1
+    assert lowrank_share.compressed_at(40, 12, 4) and not lowrank_share.compressed_at(40, 12, 8)
+    m = _planted(40, 12, [1.0] * 12, 5).float()
+    for name, value in (("FIRST", 1), ("FIRST_SPAN", 0), ("EVERY", 1)):
+        monkeypatch.setattr(lowrank_share, name, value)
+    reading = lowrank_share.LowrankShare()
+    reading.add(m.reshape(-1), torch.tensor([[0, 40, 12, 4]]), [4, 8, 16])
+    reading.end_step(1, 16, 0)
+    assert reading.last["ladder"] == [pytest.approx(4 / 12, abs=1e-6), 1.0, 1.0] and not reading.warned
+
+
+def test_the_rank_ladder_takes_the_smallest_rank_that_carries_enough_and_keeps_q_s_first_columns():
+    from hetcomm import buckets, lowrank_share
+
+    admit = lowrank_share.ADMIT
+    for shares, want in (([admit, 1.0, 1.0], 4), ([admit - 1e-3, admit, 1.0], 8), ([0.5, 0.7, 0.9], 16)):
+        ladder = lowrank_share.RankLadder(None)
+        assert ladder.pending and ladder.rank == 16 and ladder.ranks == [4, 8, 16]  # the top until it chooses
+        assert ladder.choose(shares, 30) == want and ladder.rank == want and not ladder.pending
+        again = lowrank_share.RankLadder(None)
+        again.load_state_dict(ladder.state_dict())
+        assert again.describe() == ladder.describe()
+        given = lowrank_share.RankLadder(2)  # a rank given is fixed, and a ladder's saved choice does not move it
+        given.load_state_dict(ladder.state_dict())
+        assert given.state == "fixed" and given.rank == 2
+    legacy = lowrank_share.RankLadder(None)  # a state saved before the ladder ran lowrank's default, rank 4: on at 4
+    legacy.load_state_dict(None)
+    assert legacy.state == "chosen" and legacy.rank == 4 and legacy.shares is None
+    # Q at rank 16 -> 4: each matrix keeps its first 4 columns (orthonormal already: Gram-Schmidt keeps them);
+    # -> 8: its 4 and 4 drawn from the bucket's stream, then orthonormal; the dense part holds no Q
+    old = torch.tensor([[0, 64, 32, 4], [2048, 1, 10, 0], [2058, 48, 48, 4]])
+    new = torch.tensor([[0, 64, 32, 8], [2048, 1, 10, 0], [2058, 48, 48, 8]])
+    q = torch.randn(_C.lowrank_q_numel(old))
+    _C.orthonormalize_blocks(q, [(0, 32, 4), (128, 48, 4)], 0.0)
+    wider = buckets._q_at(q, old, new, "k")
+    assert torch.equal(wider, buckets._q_at(q, old, new, "k"))  # the same on every rank
+    for (o_off, n_off, cols) in ((0, 0, 32), (128, 256, 48)):
+        before = q[o_off:o_off + cols * 4].view(cols, 4)
+        after = wider[n_off:n_off + cols * 8].view(cols, 8)
+        torch.testing.assert_close(after[:, :4], before, atol=1e-6, rtol=0)
+        torch.testing.assert_close(after.t() @ after, torch.eye(8), atol=1e-5, rtol=0)
+    narrower = buckets._q_at(wider, new, old, "k")
+    torch.testing.assert_close(narrower, q, atol=1e-6, rtol=0)
+
+
+def _ladder_run(rank, world, subspace, steps, ckpt=None, save_at=None, resume=False):
+    """Default lowrank (the rank chosen) on a Linear(64, 128) whose inputs lie
+    in a ``subspace``-dimensional subspace (its weight gradient has at most
+    that rank); share windows of steps 4-6, 20-22 (every step). ``ckpt``: saved
+    after ``save_at`` steps; ``resume``: the run goes on from it."""
+    from hetcomm import lowrank_share
+
+    lowrank_share.FIRST, lowrank_share.FIRST_SPAN, lowrank_share.EVERY, lowrank_share.LATER = 4, 2, 1, 20
+    lowrank_share.SPAN = 2
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 128)
+    ddp = DDP(model)
+    state = hetcomm.HookState("lowrank", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
+    basis = torch.randn(subspace, 64, generator=torch.Generator().manual_seed(7))
+    first = 0
+    if resume:
+        saved = torch.load(f"{ckpt}/{rank}.pt", weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["hetcomm"])
+        first = save_at
+    ranks, sent = [], []
+    for step in range(first, steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(32, subspace, generator=g) @ basis, torch.randn(32, 128, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        ranks.append(state.stats()["lowrank_rank"]["rank"])
+        sent.append(state.stats()["last_step"]["bytes_sent"])
+        if ckpt is not None and not resume and step + 1 == save_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()},
+                       f"{ckpt}/{rank}.pt")
+    out = {"ranks": ranks, "sent": sent, "ladder": state.stats()["lowrank_rank"], "share": state.stats().get("lowrank_share"),
+           "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    state.close()
+    return out
+
+
+@pytest.mark.parametrize("subspace, chosen", [(3, 4), (64, 16)])
+def test_default_lowrank_runs_its_top_rank_then_the_one_its_reading_chose_and_resumes_bit_for_bit(tmp_path, subspace,
+                                                                                                   chosen):
+    runs = run_ranks(_ladder_run, 2, subspace, 24)
+    r0 = runs[0]
+    assert torch.equal(runs[1]["params"], r0["params"])  # replicas identical
+    assert r0["ladder"]["state"] == "chosen" and r0["ladder"]["rank"] == chosen and r0["ladder"]["step"] == 6
+    shares = r0["ladder"]["shares"]  # the ranks' lowest, at 4 / 8 / 16
+    if chosen == 4:  # a gradient of rank 3: all of it in the top 4
+        assert shares[0] > 0.999
+    else:  # 64 samples of noise a rank: even 16 carries under the bar
+        assert shares[2] < lowrank_share_admit()
+    assert r0["ranks"][:6] == [16] * 6 and r0["ranks"][7:] == [chosen] * 17  # chosen at step 7's start
+    if chosen == 4:  # P and Q a quarter of rank 16's, the bias (dense) the same
+        assert r0["sent"][10] < 0.4 * r0["sent"][3]
+    assert r0["share"]["step"] == 22 and r0["share"]["rank"] == chosen and "ladder" not in r0["share"]
+    # resumed inside the window (after step 5: two of its readings saved) and after the choice (step 9)
+    for save_at in (5, 9):
+        ckpt = tmp_path / f"c{save_at}"
+        ckpt.mkdir()
+        run_ranks(_ladder_run, 2, subspace, save_at, str(ckpt), save_at)
+        resumed = run_ranks(_ladder_run, 2, subspace, 24, str(ckpt), save_at, True)
+        assert torch.equal(resumed[0]["params"], r0["params"]), save_at
+        assert resumed[0]["ladder"] == r0["ladder"]
+
+
+def lowrank_share_admit():
+    from hetcomm import lowrank_share
+
+    return lowrank_share.ADMIT

@@ -109,8 +109,13 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     algorithm = cfg.get("algorithm", "default")
     # "default": HookState's own (auto chooses the algorithm too; a compressed mode goes across nodes only); a
     # mode's own @ALGO stands either way
-    own = mode_table.get(base).options.get("algorithm")
+    options = mode_table.get(base).options
+    own = options.get("algorithm")
     overrides = {} if base in TORCH_MODES or own is not None or algorithm == "default" else {"algorithm": algorithm}
+    if options.get("compression") == "lowrank" and "matrix_approximation_rank" not in options:
+        # PowerSGD's rank, side by side with its hook: a run's own lowrank reads its rank at step 30 (these runs
+        # are shorter, and their random labels' gradient would take the ladder's top, 16)
+        overrides["matrix_approximation_rank"] = mode_table.POWERSGD_RANK
     hook_state, inner, state = mode_table.get(base).comm_hook(**overrides)
     tl = _Timeline(inner)
 
@@ -119,7 +124,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
 
     ddp.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    attached = mode_table.get(base).options.get("compression") in ATTACHED
+    attached = options.get("compression") in ATTACHED
     if attached:
         # momentum compression, as the README asks of SGD-momentum users of
         # onebit and top-k (auto then offers fp8 of the momentum; 1-bit and
