@@ -27,7 +27,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from . import _C, lowrank_share
+from . import _C
+from .lowrank_layout import matrix_layout, q_at, q_blocks, q_generator
 
 log = logging.getLogger("hetcomm")
 
@@ -363,7 +364,7 @@ class BucketStates:
         layout = matrix_layout(bucket, rank)
         q = self.lowrank_q.get(key)
         if cached is not None and q is not None:
-            self.lowrank_q[key] = _q_at(q, cached[1], layout, key)
+            self.lowrank_q[key] = q_at(q, cached[1], layout, key)
         self.layouts[key] = (rank, layout)
         return layout
 
@@ -375,8 +376,8 @@ class BucketStates:
         if q is None or q.numel() != n:
             # The same random start on every rank (the key is the same everywhere), each matrix's Q
             # orthonormal, as every later step's (see LowrankStep::finish)
-            q = torch.randn(n, generator=_q_generator(key))
-            _C.orthonormalize_blocks(q, _q_blocks(layout), 0.0)
+            q = torch.randn(n, generator=q_generator(key))
+            _C.orthonormalize_blocks(q, q_blocks(layout), 0.0)
             q = self.lowrank_q[key] = q.to(device)
         elif q.device != device:  # restored from a checkpoint on another device
             q = self.lowrank_q[key] = q.to(device)
@@ -401,64 +402,3 @@ class BucketStates:
                     del store[key]
         self.prev_touched, self.touched = self.touched, set()
 
-
-def matrix_layout(bucket: Bucket, rank: int) -> torch.Tensor:
-    """int64 [k, 4] rows (offset, rows, cols, rank) of the bucket's tensors:
-    a matrix is approximated at ``rank`` only where P and Q are less than half
-    its size (PowerSGD's rule), else sent dense (rank 0)."""
-    buf, numel = bucket.buffer, bucket.buffer.numel()
-    rows, offset = [], 0
-    for g in bucket.grads:
-        n = g.numel()
-        off = (g.data_ptr() - buf.data_ptr()) // buf.element_size() if g.numel() else offset
-        if g.dim() >= 2:
-            r_rows, cols = g.shape[0], n // g.shape[0]
-            if lowrank_share.compressed_at(r_rows, cols, rank):
-                rows.append([off, r_rows, cols, min(rank, r_rows, cols)])
-                offset += n
-                continue
-        rows.append([off, 1, n, 0])
-        offset += n
-    spans = sorted((o, c * rr) for o, rr, c, _ in rows)
-    contiguous = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    if offset != numel or not contiguous or not spans or spans[0][0] != 0:
-        rows = [[0, 1, numel, 0]]  # unknown layout: send it all dense
-    return torch.tensor(rows, dtype=torch.int64)
-
-
-def _q_generator(key: str) -> torch.Generator:
-    """A bucket's random stream for Q's columns: the same on every rank (the key is)."""
-    return torch.Generator().manual_seed(sum(key.encode()) + 7919 * len(key))
-
-
-def _q_blocks(layout: torch.Tensor) -> List[Tuple[int, int, int]]:
-    """Each approximated matrix's Q inside the flat Q: (offset, cols, rank)."""
-    blocks, offset = [], 0
-    for _, _, cols, rank in layout.tolist():
-        if rank:
-            blocks.append((offset, cols, rank))
-            offset += cols * rank
-    return blocks
-
-
-def _q_at(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, key: str) -> torch.Tensor:
-    """The bucket's Q (cols x rank per matrix, flat) for the layout ``new``
-    from the one it has for ``old``: a matrix keeps its first min(old, new)
-    columns, more are drawn from the bucket's random stream, then each
-    matrix's Q is orthonormal (the same bits on every rank: Q is)."""
-    device, q = q.device, q.detach().cpu()
-    gen = _q_generator(key)
-    out = torch.empty(_C.lowrank_q_numel(new))
-    olds = old.tolist() if len(old) == len(new) else [[-1, 0, 0, 0]] * len(new)  # (another split: nothing kept)
-    at_old, at_new = 0, 0
-    for (o_off, _, o_cols, o_rank), (n_off, _, n_cols, n_rank) in zip(olds, new.tolist()):
-        keep = min(o_rank, n_rank) if (o_off, o_cols) == (n_off, n_cols) else 0
-        if n_rank:
-            block = torch.randn(n_cols, n_rank, generator=gen)
-            if keep:
-                block[:, :keep] = q.narrow(0, at_old, o_cols * o_rank).view(o_cols, o_rank)[:, :keep]
-            out.narrow(0, at_new, n_cols * n_rank).copy_(block.reshape(-1))
-            at_new += n_cols * n_rank
-        at_old += o_cols * o_rank
-    _C.orthonormalize_blocks(out, _q_blocks(new), 0.0)
-    return out.to(device)

@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _C, buckets, clip, ddpfind, options
+from . import _C, buckets, clip, ddpfind, lowrank_layout, options
 from .lowrank_share import THRESHOLD, LowrankShare
 from .options import COMPRESSED
 
@@ -375,7 +375,7 @@ class BucketSteps:
                 self._planner.auto.reads_share(numel) and self._compressed_at(self.iter))):
             if p.mode == "lowrank" and self._rank_ladder.pending:  # at every rank it may choose, at once
                 ranks = self._rank_ladder.ranks
-                self._lowrank_share.add(buf, buckets.matrix_layout(bucket, ranks[0]), ranks)
+                self._lowrank_share.add(buf, lowrank_layout.matrix_layout(bucket, ranks[0]), ranks)
             else:
                 self._lowrank_share.add(buf, layout_of())  # how much of the gradient lowrank's rank can carry
         residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,

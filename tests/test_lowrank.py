@@ -514,7 +514,7 @@ def test_top_shares_reads_every_rank_of_one_spectrum_and_a_matrix_sent_dense_car
 
 
 def test_the_rank_ladder_takes_the_smallest_rank_that_carries_enough_and_keeps_q_s_first_columns():
-    from hetcomm import buckets, lowrank_share
+    from hetcomm import lowrank_layout, lowrank_share
 
     admit = lowrank_share.ADMIT
     for shares, want in (([admit, 1.0, 1.0], 4), ([admit - 1e-3, admit, 1.0], 8), ([0.5, 0.7, 0.9], 16)):
@@ -536,14 +536,14 @@ def test_the_rank_ladder_takes_the_smallest_rank_that_carries_enough_and_keeps_q
     new = torch.tensor([[0, 64, 32, 8], [2048, 1, 10, 0], [2058, 48, 48, 8]])
     q = torch.randn(_C.lowrank_q_numel(old))
     _C.orthonormalize_blocks(q, [(0, 32, 4), (128, 48, 4)], 0.0)
-    wider = buckets._q_at(q, old, new, "k")
-    assert torch.equal(wider, buckets._q_at(q, old, new, "k"))  # the same on every rank
+    wider = lowrank_layout.q_at(q, old, new, "k")
+    assert torch.equal(wider, lowrank_layout.q_at(q, old, new, "k"))  # the same on every rank
     for (o_off, n_off, cols) in ((0, 0, 32), (128, 256, 48)):
         before = q[o_off:o_off + cols * 4].view(cols, 4)
         after = wider[n_off:n_off + cols * 8].view(cols, 8)
         torch.testing.assert_close(after[:, :4], before, atol=1e-6, rtol=0)
         torch.testing.assert_close(after.t() @ after, torch.eye(8), atol=1e-5, rtol=0)
-    narrower = buckets._q_at(wider, new, old, "k")
+    narrower = lowrank_layout.q_at(wider, new, old, "k")
     torch.testing.assert_close(narrower, q, atol=1e-6, rtol=0)
 
 
