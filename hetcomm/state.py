@@ -93,8 +93,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         matrix_approximation_rank: lowrank's rank r (P and Q have r columns),
             fixed, as in PyTorch's PowerSGD; ``rank`` is its deprecated old
             name. ``None`` (default): ``compression="lowrank"`` runs rank 16
-            until step 30, then the smallest of 4, 8, 16 that carries 97.5 %
-            of every rank's gradient energy in steps 20-30, else 16
+            until step 30, then the smallest of 4, 8, 16 that carries 99 % of
+            every rank's gradient energy in steps 20-30, else 16
             (:class:`hetcomm.lowrank_share.RankLadder`; ``stats()
             ["lowrank_rank"]``); auto's lowrank candidate has rank 4.
         lowrank_wire: what lowrank's two all-reduces send: ``"bf16"``

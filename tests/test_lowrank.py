@@ -516,8 +516,8 @@ def test_top_shares_reads_every_rank_of_one_spectrum_and_a_matrix_sent_dense_car
 def test_the_rank_ladder_takes_the_smallest_rank_that_carries_enough_and_keeps_q_s_first_columns():
     from hetcomm import lowrank_layout, lowrank_share
 
-    admit = lowrank_share.ADMIT
-    for shares, want in (([admit, 1.0, 1.0], 4), ([admit - 1e-3, admit, 1.0], 8), ([0.5, 0.7, 0.9], 16)):
+    bar = lowrank_share.RUNG_BAR
+    for shares, want in (([bar, 1.0, 1.0], 4), ([bar - 1e-3, bar, 1.0], 8), ([0.5, 0.7, 0.9], 16)):
         ladder = lowrank_share.RankLadder(None)
         assert ladder.pending and ladder.rank == 16 and ladder.ranks == [4, 8, 16]  # the top until it chooses
         assert ladder.choose(shares, 30) == want and ladder.rank == want and not ladder.pending
@@ -599,7 +599,7 @@ def test_default_lowrank_runs_its_top_rank_then_the_one_its_reading_chose_and_re
     if chosen == 4:  # a gradient of rank 3: all of it in the top 4
         assert shares[0] > 0.999
     else:  # 64 samples of noise a rank: even 16 carries under the bar
-        assert shares[2] < lowrank_share_admit()
+        assert shares[2] < lowrank_share_bar()
     assert r0["ranks"][:6] == [16] * 6 and r0["ranks"][7:] == [chosen] * 17  # chosen at step 7's start
     if chosen == 4:  # P and Q a quarter of rank 16's, the bias (dense) the same
         assert r0["sent"][10] < 0.4 * r0["sent"][3]
@@ -614,7 +614,7 @@ def test_default_lowrank_runs_its_top_rank_then_the_one_its_reading_chose_and_re
         assert resumed[0]["ladder"] == r0["ladder"]
 
 
-def lowrank_share_admit():
+def lowrank_share_bar():
     from hetcomm import lowrank_share
 
-    return lowrank_share.ADMIT
+    return lowrank_share.RUNG_BAR
