@@ -285,9 +285,9 @@ class RankLadder:
     steps of it at the start ended 3 % over fp32's in one of four runs). The
     window reads each rank's share of gradient energy at 4, 8 and 16 at once
     (one spectrum); the ranks all-gather them, and the lowest per rung
-    decides: the smallest rung at :data:`RUNG_BAR` or more, else the top. Without a reading
-    on some rank (every step of the window overflowed) the next window
-    decides. Chosen, the rank stays: each matrix's Q keeps its first columns
+    decides: the smallest rung at :data:`RUNG_BAR` or more, else the top.
+    Without a reading on some rank (every step of the window overflowed)
+    the next window decides. Chosen, the rank stays: each matrix's Q keeps its first columns
     (its warm start); a rank under THRESHOLD warns once, as a fixed one does.
     A rank given (``matrix_approximation_rank=N``) is fixed, as in PowerSGD's
     hook."""
