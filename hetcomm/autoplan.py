@@ -475,18 +475,11 @@ class AutoPlanner:
         """After a window of share readings: every rank all-gathers its mean
         (or -1: none, e.g. a non-finite gradient); the lowest decides, the
         same on every rank."""
-        import torch
-
         step = self.s.iter - 1
         last = self.s._lowrank_share.last
-        own = int(last["share"] * 1e9) if last is not None and last["step"] == step else -1
-        gathered = engine.submit_config(torch.tensor([step, own], dtype=torch.int64)).wait()
-        if (gathered[:, 0] != step).any():
-            raise ValueError(f"hetcomm: compression='auto' ranks are at different steps ({gathered[:, 0].tolist()}) "
-                             "when reading lowrank's share: every rank must run the same steps")
-        if (gathered[:, 1] < 0).any():
-            return
-        if self.guard.update(int(gathered[:, 1].min()) / 1e9, step):
+        own = last["share"] if last is not None and last["step"] == step else None
+        lowest = lowrank_share.agreed_lowest(engine, step, [own], "compression='auto'")
+        if lowest is not None and self.guard.update(lowest[0], step):
             self._repick()
 
     def _repick(self) -> None:

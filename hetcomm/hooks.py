@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, buckets, clip, ddpfind, lowrank_layout, options
-from .lowrank_share import THRESHOLD, LowrankShare
+from .lowrank_share import THRESHOLD, LowrankShare, agreed_lowest
 from .options import COMPRESSED
 
 log = logging.getLogger("hetcomm")
@@ -157,14 +157,9 @@ class BucketSteps:
         ladder = self._rank_ladder
         last = self._lowrank_share.last
         read = last is not None and last["step"] == step and len(last.get("ladder", ())) == len(ladder.ranks)
-        own = [int(v * 1e9) for v in last["ladder"]] if read else [-1] * len(ladder.ranks)
-        gathered = engine.submit_config(torch.tensor([step] + own, dtype=torch.int64)).wait()
-        if (gathered[:, 0] != step).any():
-            raise ValueError(f"hetcomm: lowrank's ranks are at different steps ({gathered[:, 0].tolist()}) when "
-                             "choosing its rank: every rank must run the same steps")
-        if (gathered[:, 1:] < 0).any():
+        lowest = agreed_lowest(engine, step, last["ladder"] if read else [None] * len(ladder.ranks), "lowrank's")
+        if lowest is None:
             return
-        lowest = (gathered[:, 1:].min(dim=0).values.double() / 1e9).tolist()
         rank = ladder.choose(lowest, step)
         share = lowest[ladder.ranks.index(rank)]
         if share < THRESHOLD and engine.rank == 0 and not self._lowrank_share.warned:
