@@ -182,7 +182,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
              c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, Algo algo,
              c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry,
-             c10::optional<at::Tensor> update_denominator, bool pipeline, const std::string& lowrank_wire) {
+             c10::optional<at::Tensor> update_denominator, bool pipeline, const std::string& lowrank_wire, bool hold) {
             BucketJob job;
             job.index = index;
             job.buffer = buffer;
@@ -202,13 +202,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             job.carry = opt(carry);
             job.update_denominator = opt(update_denominator);
             job.pipeline = pipeline;
+            job.hold = hold;
             return wrap_future(e.submit_bucket(std::move(job)));
           },
           py::arg("index"), py::arg("buffer"), py::arg("codec"), py::arg("chunk"), py::arg("topk_ratio"),
           py::arg("topk_exact"), py::arg("residual"), py::arg("server_residual"), py::arg("last"),
           py::arg("layout") = py::none(), py::arg("q_state") = py::none(), py::arg("algorithm") = Algo::kNative,
           py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none(),
-          py::arg("update_denominator") = py::none(), py::arg("pipeline") = false, py::arg("lowrank_wire") = "fp32")
+          py::arg("update_denominator") = py::none(), py::arg("pipeline") = false, py::arg("lowrank_wire") = "fp32",
+          py::arg("hold") = false)
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("set_loss_scale", &Engine::set_loss_scale, py::arg("scale"))
       .def(

@@ -111,6 +111,8 @@ class BucketSteps:
         self._planner.auto.begin_step(engine)
         if self._rank_ladder.pending and LowrankShare.closes(self.iter - 1):
             self._choose_rank(engine)
+        if self._rounds.pending:
+            self._rounds.open_step(self.iter, engine)
         self._buckets.begin_step(engine.carry_holds())
         if self._optimizer is not None:
             self._follow_momentum()
@@ -411,7 +413,8 @@ class BucketSteps:
                                    server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
                                    algorithm=_ALGOS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
                                    carry=carry, update_denominator=denominator, pipeline=True,
-                                   lowrank_wire=self.lowrank_wire)
+                                   lowrank_wire=self.lowrank_wire,
+                                   hold=p.mode == "lowrank" and self._rounds.hold(self.iter))
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event

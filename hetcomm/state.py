@@ -15,6 +15,7 @@ from . import buckets, clip, options, plan
 from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
 from .attach import OptimizerLink
 from .hooks import BucketSteps
+from .lowrank_rounds import RoundsTrial
 from .lowrank_share import DEFAULT_RANK, LowrankShare, RankLadder
 from .negotiation import Negotiation
 
@@ -195,6 +196,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self.matrix_approximation_rank: int = self._rank_given or DEFAULT_RANK
         self._rank_ladder = RankLadder(None if self._rank_given is None and self.compression == "lowrank" else
                                        self.matrix_approximation_rank)
+        #: lowrank's rounds a step, pipelined or together: measured (hetcomm.lowrank_rounds)
+        self._rounds = RoundsTrial(self.compression == "lowrank", self.start_iter)
         self.lowrank_wire: str = opts["lowrank_wire"]
         self.algorithm: str = opts["algorithm"]
         #: algorithm left to its default with a compressed mode: the first step decides from the nodes
@@ -338,6 +341,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             "auto": self._planner.auto.state_dict(),
             "lowrank_share": self._lowrank_share.state_dict(),
             "lowrank_rank": self._rank_ladder.state_dict(),
+            "lowrank_rounds": self._rounds.state_dict(),
             "clip_sketch": self._sketch.on,
             "lrs": self._lrs,
             "momentum_beta": self._beta,
@@ -394,6 +398,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
             self._planner.auto.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
         self._rank_ladder.load_state_dict(sd.get("lowrank_rank"))  # agreed by the ranks
+        if self.compression == "lowrank":
+            self._rounds.load_state_dict(sd.get("lowrank_rounds"))  # agreed by the ranks
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
         # the beta the saved momentum was kept with (a scheduled momentum moves it); attach_optimizer takes it too
@@ -433,6 +439,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             out["lowrank_share"] = dict(self._lowrank_share.last)
         if self.compression == "lowrank":
             out["lowrank_rank"] = self._rank_ladder.describe()
+            out["lowrank_rounds"] = self._rounds.describe()
         if self._sketch.calls:
             out["clip"] = {"calls": self._sketch.calls, "estimated_steps": self._sketch.estimated_steps}
         if self.compression == "auto":

@@ -1,6 +1,8 @@
 """Low-rank (PowerSGD-style) compression: against a pure-torch reference of
 the same algorithm, the uncompressed limit, and many buckets inside DDP."""
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -268,8 +270,9 @@ def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(
 
 def _engine_steps(rank, world, kinds, pipeline, device, steps=2, wires=None):
     """Buckets of ``kinds`` ("lowrank": LAYOUT with its own Q and residual; "dense": N floats reduced exactly)
-    through the engine on ``device``, ``steps`` steps; per step the inputs, outputs, residuals and collective
-    calls (tensors on the CPU)."""
+    through the engine on ``device``, ``steps`` steps (``pipeline``: True, False or "hold": pipelined, each
+    lowrank bucket waiting for the next before its first all-reduce); per step the inputs, outputs, residuals
+    and collective calls (tensors on the CPU)."""
     dev = models.rank_device(rank, device)
     engine = hetcomm._C.Engine(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
@@ -286,7 +289,7 @@ def _engine_steps(rank, world, kinds, pipeline, device, steps=2, wires=None):
             futs.append(engine.submit_bucket(
                 b, buf, _C.Codec.lowrank if lowrank else _C.Codec.none, 2048, 0.01, True, res[b] if lowrank else None,
                 None, b == len(kinds) - 1, layout=lay if lowrank else None, q_state=qs[b] if lowrank else None,
-                pipeline=pipeline, lowrank_wire=wires[b] if wires else "fp32"))
+                pipeline=bool(pipeline), lowrank_wire=wires[b] if wires else "fp32", hold=pipeline == "hold"))
         for f in futs:
             f.wait()
         out.append({"xs": xs, "outs": [b.cpu() for b in bufs], "res": [r.to("cpu", copy=True) for r in res],
@@ -295,13 +298,14 @@ def _engine_steps(rank, world, kinds, pipeline, device, steps=2, wires=None):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_next_ones_first(world, device):
+@pytest.mark.parametrize("world,pipeline", [(2, True), (3, True), (2, "hold"), (3, "hold")])
+def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_next_ones_first(world, pipeline, device):
     kinds = ["lowrank", "lowrank", "dense", "lowrank", "lowrank", "lowrank"]
-    piped = run_ranks(_engine_steps, world, kinds, True, device.type)
+    piped = run_ranks(_engine_steps, world, kinds, pipeline, device.type)
     alone = run_ranks(_engine_steps, world, kinds, False, device.type)
-    # Runs of k lowrank buckets cost k + 1 all-reduces (3 and 4 here), the dense bucket 1; alone, 2 a lowrank bucket.
-    assert [s["collectives"] for s in piped[0]] == [3 + 1 + 4] * 2
+    # Runs of k lowrank buckets cost k + 1 all-reduces (3 and 4 here), the dense bucket 1; alone, 2 a lowrank
+    # bucket. Held (hetcomm.lowrank_rounds: together), a run costs 2: the dense bucket ends the first run's wait.
+    assert [s["collectives"] for s in piped[0]] == [3 + 1 + 4 if pipeline is True else 2 + 1 + 2] * 2
     assert [s["collectives"] for s in alone[0]] == [2 * 5 + 1] * 2
     for r in piped[1:]:  # replicas bit-identical
         assert all(torch.equal(a, b) for s, s0 in zip(r, piped[0]) for a, b in zip(s["outs"], s0["outs"]))
@@ -324,6 +328,41 @@ def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_nex
             assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
 
 
+def _held_with_an_overflow(rank, world, device):
+    dev = models.rank_device(rank, device)
+    engine = hetcomm._C.Engine(dist.group.WORLD, dev)
+    lay = torch.tensor(LAYOUT)
+    qs, res = [_q_state(LAYOUT).to(dev) for _ in range(2)], [torch.zeros(N, device=dev) for _ in range(2)]
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(N, generator=g) for _ in range(2)]
+    if rank == world - 1:
+        xs[0][7] = float("inf")  # the held bucket, on one rank
+    bufs = [x.to(dev, copy=True) for x in xs]
+    futs = [engine.submit_bucket(b, bufs[b], _C.Codec.lowrank, 2048, 0.01, True, res[b], None, b == 1, layout=lay,
+                                 q_state=qs[b], pipeline=True, hold=True) for b in range(2)]
+    for f in futs:
+        f.wait()
+    out = xs, [b.cpu() for b in bufs], [r.cpu() for r in res], engine.stats()["last_step"]["collectives"]
+    engine.close()
+    return out
+
+
+def test_held_lowrank_buckets_send_their_rounds_together_and_an_overflow_reduces_its_bucket_exactly(device):
+    # Two held buckets (the step's buckets together): one all-reduce of both P's, where bucket 0's sum is not
+    # finite (one rank's Inf): it is reduced exactly (every rank sees the Inf, its residual untouched), and
+    # bucket 1 ends its lowrank step alone: 3 all-reduces
+    ranks = run_ranks(_held_with_an_overflow, 3, device.type)
+    xs0 = [r[0][0] for r in ranks]
+    xs1 = [r[0][1] for r in ranks]
+    want1, want_res1, _ = _reference_step(xs1, [3.0] * 3, [torch.zeros(N)] * 3, _initial_qs(LAYOUT), LAYOUT)
+    for k, (_, outs, res, calls) in enumerate(ranks):
+        assert calls == 3
+        torch.testing.assert_close(outs[0], sum(xs0) / 3)  # exact, the Inf included
+        assert torch.isinf(outs[0][7]) and torch.equal(res[0], torch.zeros(N))
+        torch.testing.assert_close(outs[1], want1, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res[1], want_res1[k], rtol=1e-4, atol=1e-5)
+
+
 def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire(device):
     # bf16, bf16, fp32, bf16: the second bf16 bucket's first all-reduce carries the first one's second; the fp32
     # bucket cannot join a bf16 one (nor the last bf16 the fp32), so each of those sends its second alone first.
@@ -343,7 +382,7 @@ def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire(device):
         assert (dense_owed.abs().max() > 0) == (wire == "bf16")  # only a rounded sum leaves the dense part owed
 
 
-def _parked_then(rank, world, then, device):
+def _parked_then(rank, world, then, device, hold=False):
     dev = models.rank_device(rank, device)
     engine = hetcomm._C.Engine(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
@@ -351,7 +390,7 @@ def _parked_then(rank, world, then, device):
     x = torch.randn(N, generator=torch.Generator().manual_seed(rank))
     buf = x.to(dev, copy=True)
     fut = engine.submit_bucket(0, buf, _C.Codec.lowrank, 2048, 0.01, True, torch.zeros(N, device=dev), None, False,
-                               layout=lay, q_state=q, pipeline=True)  # not the step's last: it waits for the next one
+                               layout=lay, q_state=q, pipeline=True, hold=hold)  # not the step's last: it waits
     if then == "sum":
         engine.submit_sum(torch.ones(1, device=dev)).wait()
     else:
@@ -360,11 +399,12 @@ def _parked_then(rank, world, then, device):
     return x, buf.cpu()
 
 
-@pytest.mark.parametrize("then", ["sum", "close"])
-def test_a_parked_lowrank_bucket_ends_its_step_before_any_other_job_and_at_close(then, device):
-    # A step interrupted after a bucket that waits for the next one: the next job of another kind, or close(),
-    # ends its step alone (no hang), with the same result as the pure-torch step
-    results = run_ranks(_parked_then, 2, then, device.type)
+@pytest.mark.parametrize("then,hold", [("sum", False), ("close", False), ("sum", True), ("close", True)])
+def test_a_parked_lowrank_bucket_ends_its_step_before_any_other_job_and_at_close(then, hold, device):
+    # A step interrupted after a bucket that waits for the next one (after its first all-reduce, or held before
+    # it): the next job of another kind, or close(), ends its step alone (no hang), with the same result as the
+    # pure-torch step
+    results = run_ranks(_parked_then, 2, then, device.type, hold)
     want, _, _ = _reference_step([x for x, _ in results], [2.0, 2.0], [torch.zeros(N)] * 2, _initial_qs(LAYOUT), LAYOUT)
     for _, buf in results:
         torch.testing.assert_close(buf, want, rtol=1e-4, atol=1e-5)
@@ -618,3 +658,52 @@ def lowrank_share_bar():
     from hetcomm import lowrank_share
 
     return lowrank_share.RUNG_BAR
+
+
+class _Gathers:
+    """An engine stand-in whose all-gather returns this rank's row under the other ranks' given rows."""
+
+    def __init__(self, others):
+        self.others, self.rows = others, []
+
+    def submit_config(self, row):
+        self.rows.append(row.tolist())
+        gathered = torch.stack([row] + [torch.tensor(o, dtype=torch.int64) for o in self.others])
+        return types.SimpleNamespace(wait=lambda: gathered)
+
+
+def test_lowrank_rounds_measure_both_schedules_in_turns_and_the_slowest_ranks_medians_decide(monkeypatch):
+    from hetcomm import lowrank_rounds
+    clock = [0.0]
+    monkeypatch.setattr(lowrank_rounds.time, "monotonic", lambda: clock[0])
+    trial = lowrank_rounds.RoundsTrial(True, start_iter=1)
+    # A B B A from step 11: pipelined 11, 14, 15, 18, ...; together 12, 13, 16, 17, ...
+    assert [s for s in range(9, 33) if trial.hold(s)] == [12, 13, 16, 17, 20, 21, 24, 25, 28, 29]
+    other = [31, int(0.050e9), int(0.020e9)]  # the other rank: together 20 ms, pipelined 50 ms
+    engine = _Gathers([other])
+    for step in range(1, 32):
+        trial.open_step(step, engine)
+        clock[0] += 0.030 if trial.hold(step) else 0.040  # this rank: together 30 ms, pipelined 40 ms
+    assert trial.times["pipelined"] == pytest.approx([0.040] * 10) and trial.times["together"] == pytest.approx([0.030] * 10)
+    assert engine.rows == [[31, 40_000_000, 30_000_000]]  # one all-gather, at step 31
+    assert trial.choice == "together" and trial.medians == pytest.approx({"pipelined": 0.050, "together": 0.030})
+    assert all(trial.hold(s) for s in (32, 1000))  # every step from now on
+    # the slowest rank's medians decide: a rank where together is slower turns the choice
+    again = lowrank_rounds.RoundsTrial(True)
+    again.load_state_dict({**trial.state_dict(), "choice": None, "medians": None})
+    again._decide(_Gathers([[31, int(0.041e9), int(0.045e9)]]), 31)
+    assert again.choice == "pipelined" and again.medians == pytest.approx({"pipelined": 0.041, "together": 0.045})
+    # a rank with no time for an arm: pipelined (the engine's default); ranks at different steps: an error
+    empty = lowrank_rounds.RoundsTrial(True)
+    empty._decide(_Gathers([[31, -1, 5]]), 31)
+    assert empty.choice == "pipelined" and not empty.hold(20)
+    with pytest.raises(ValueError, match="different steps"):
+        lowrank_rounds.RoundsTrial(True)._decide(_Gathers([[30, 1, 1]]), 31)
+    # resumed: the choice and the times; a state from before the trial ran pipelined and stays so
+    resumed = lowrank_rounds.RoundsTrial(True)
+    resumed.load_state_dict(trial.state_dict())
+    assert resumed.choice == "together" and resumed.times == trial.times
+    old = lowrank_rounds.RoundsTrial(True)
+    old.load_state_dict(None)
+    assert old.choice == "pipelined" and not old.pending
+    assert not lowrank_rounds.RoundsTrial(False).pending  # other modes: nothing to measure

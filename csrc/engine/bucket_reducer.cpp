@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 
 #include "collectives/algorithms.h"
 #include "collectives/lowrank.h"
@@ -259,23 +260,76 @@ void BucketReducer::sum_by(Algo algo, at::Tensor& b) {
     collectives::allreduce_hierarchical(*transport_, b, node_of_);
 }
 
-void BucketReducer::flush(std::unique_ptr<ParkedBucket>& out) {
-  out = std::move(parked_);
-  if (!out) return;
+namespace {
+
+// Sums the tensors behind ps in one all-reduce of their concatenation (sum),
+// each getting its part back.
+void sum_together(const std::vector<at::Tensor*>& ps, const std::function<void(at::Tensor&)>& sum) {
+  if (ps.size() == 1) {
+    sum(*ps[0]);
+    return;
+  }
+  std::vector<at::Tensor> parts;
+  for (at::Tensor* p : ps) parts.push_back(*p);
+  at::Tensor both = at::cat(parts);
+  sum(both);
+  int64_t o = 0;
+  for (at::Tensor* p : ps) {
+    p->copy_(both.narrow(0, o, p->numel()));
+    o += p->numel();
+  }
+}
+
+}  // namespace
+
+void BucketReducer::reduce_group(Parked& group) {
+  Transport& t = *transport_;
+  const Algo algo = group.front()->job.algo;
+  const auto sum = [this, algo](at::Tensor& b) { sum_by(algo, b); };
+  std::vector<at::Tensor*> firsts;
+  for (auto& p : group) firsts.push_back(&p->step->first());
+  sum_together(firsts, sum);
+  // every rank holds the same sums, so the same buckets end here alike
+  std::vector<ParkedBucket*> finite;
+  for (auto& p : group) {
+    if (p->step->after_first(t))
+      finite.push_back(p.get());
+    else
+      reduce_nonfinite(p->job, divisor_ * loss_scale_);
+  }
+  if (finite.empty()) return;
+  std::vector<at::Tensor*> seconds;
+  for (ParkedBucket* p : finite) seconds.push_back(&p->step->second());
+  sum_together(seconds, sum);
+  for (ParkedBucket* p : finite) p->step->finish();
+}
+
+void BucketReducer::flush(Parked& out) {
   const WireMark mark = wire_mark();
-  sum_by(out->job.algo, out->step->second());
-  out->step->finish();
+  if (parked_) {
+    sum_by(parked_->job.algo, parked_->step->second());
+    parked_->step->finish();
+    out.push_back(std::move(parked_));
+  }
+  if (!held_.empty()) {
+    reduce_group(held_);
+    for (auto& p : held_) out.push_back(std::move(p));
+    held_.clear();
+  }
   add_wire_since(mark);
 }
 
 void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
   Transport& t = *transport_;
   // one all-reduce for both: the same algorithm and the same wire dtype
-  const bool joins = parked_ && parked_->job.algo == job.algo && parked_->job.lowrank_wire == job.lowrank_wire;
-  if (joins) {
-    out.earlier = std::move(parked_);
-  } else if (parked_) {
-    flush(out.earlier);  // its own second all-reduce first
+  const auto same = [&job](const ParkedBucket& p) {
+    return p.job.algo == job.algo && p.job.lowrank_wire == job.lowrank_wire;
+  };
+  const bool holds = job.hold && !job.last;
+  const bool joins = parked_ && same(*parked_) && !holds;
+  const bool groups = !held_.empty() && same(*held_.front());
+  if ((parked_ && !joins) || (!held_.empty() && !groups)) {
+    flush(out.earlier);  // their own rounds first
     out.earlier_done = true;
   }
   const auto started = std::chrono::steady_clock::now();
@@ -285,14 +339,29 @@ void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
   // lowrank's error feedback keeps what this rank's share of the sum (its batch weight, not the loss scale) missed
   auto step = std::make_unique<collectives::LowrankStep>(job.buffer, divisor, job.layout, job.q_state, job.residual,
                                                          codec_, 1.0 / divisor_, job.lowrank_wire);
+  if (holds) {  // P is computed (behind backward); its all-reduce waits for the next bucket
+    held_.push_back(std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)}));
+    out.parked = true;
+    end_bucket(job, started, mark);
+    return;
+  }
+  if (!held_.empty()) {  // the held buckets and this one: two rounds together
+    held_.push_back(std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)}));
+    reduce_group(held_);
+    std::unique_ptr<ParkedBucket> own = std::move(held_.back());
+    held_.pop_back();
+    for (auto& p : held_) out.earlier.push_back(std::move(p));
+    held_.clear();
+    out.earlier_done = true;
+    t.synchronize();
+    end_bucket(job, started, mark);
+    return;
+  }
   if (joins) {
-    at::Tensor& second = out.earlier->step->second();
-    at::Tensor& first = step->first();
-    at::Tensor both = at::cat({second, first});
-    sum_by(job.algo, both);
-    second.copy_(both.narrow(0, 0, second.numel()));
-    first.copy_(both.narrow(0, second.numel(), first.numel()));
-    out.earlier->step->finish();
+    at::Tensor& second = parked_->step->second();
+    sum_together({&second, &step->first()}, [this, &job](at::Tensor& b) { sum_by(job.algo, b); });
+    parked_->step->finish();
+    out.earlier.push_back(std::move(parked_));
     out.earlier_done = true;
   } else {
     sum_by(job.algo, step->first());

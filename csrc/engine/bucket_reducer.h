@@ -50,6 +50,10 @@ struct BucketJob {
   // The hook's buckets: the step's next bucket will come (DDP hands over
   // every one), so a lowrank bucket may wait for it (see BucketReducer::pipelines).
   bool pipeline = false;
+  // A pipelined lowrank bucket that is not the step's last: its first
+  // all-reduce waits for the step's next bucket, and the step's buckets then
+  // send two rounds together (BucketReducer::reduce_pipelined).
+  bool hold = false;
 };
 
 // A lowrank bucket between its two all-reduces: it waits for the next bucket
@@ -59,10 +63,14 @@ struct ParkedBucket {
   std::unique_ptr<collectives::LowrankStep> step;
 };
 
+// Buckets whose futures are still open, in the order they came.
+using Parked = std::vector<std::unique_ptr<ParkedBucket>>;
+
 struct PipelineOutcome {
-  // The bucket parked before this job (its future is still open), and whether
-  // its step is done. Released by the engine, under the GIL.
-  std::unique_ptr<ParkedBucket> earlier;
+  // The buckets parked or held before this job whose steps it ended (their
+  // futures are still open), and whether those steps are done. Released by
+  // the engine, under the GIL.
+  Parked earlier;
   bool earlier_done = false;
   bool parked = false;  // this job waits for the next one: its future stays open
 };
@@ -93,12 +101,18 @@ class BucketReducer {
   static bool pipelines(const BucketJob& job);
   // A pipelined job: the parked bucket's second all-reduce joins this job's
   // first (same algorithm; else the parked one ends on its own first), then
-  // this job parks unless it is the step's last. Only the comm thread calls
-  // it, so every rank sends the same all-reduces in the same order.
+  // this job parks unless it is the step's last. A job with hold (not the
+  // step's last) computes its P and waits before its first all-reduce; the
+  // next job without hold then sends every held bucket's first all-reduce
+  // with its own, and their second ones together: the step's B buckets cost
+  // two rounds, not B + 1, where nothing of backward is left to overlap
+  // (the hook decides by measuring both). Only the comm thread calls it, so
+  // every rank sends the same all-reduces in the same order.
   void reduce_pipelined(BucketJob& job, PipelineOutcome& out);
-  // Ends the parked bucket's step on its own (its second all-reduce) before
-  // any other job: out holds it (undefined if none was parked).
-  void flush(std::unique_ptr<ParkedBucket>& out);
+  // Ends the parked or held buckets' steps before any other job (a parked
+  // one: its second all-reduce; held ones: both rounds): out gets them, in
+  // the order they came (none if none waited).
+  void flush(Parked& out);
   // All-gathers an int64 vector: returns [world, numel].
   at::Tensor gather_config(const at::Tensor& config);
   // Sums a small floating-point vector over the ranks (exact, in its dtype;
@@ -144,7 +158,11 @@ class BucketReducer {
   ReduceTotals step_start_, last_step_;
   std::vector<std::pair<int64_t, double>> step_buckets_, last_step_buckets_;
   mutable std::mutex snap_mu_;
+  // Both rounds of the held buckets and group (the last of it may be a job
+  // that did not wait): its first all-reduces in one, then its second ones.
+  void reduce_group(Parked& group);
   std::unique_ptr<ParkedBucket> parked_;
+  Parked held_;  // before their first all-reduce (hold); never together with parked_
 };
 
 }  // namespace hetcomm

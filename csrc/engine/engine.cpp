@@ -3,7 +3,9 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <stdexcept>
 
 #include "ops/codecs.h"
@@ -117,10 +119,10 @@ void Engine::close() {
   if (!worker_.closed()) {
     try {
       worker_.post([this] {
-        if (!parked_fut_) return;
+        if (parked_futs_.empty()) return;
         // A parked bucket made the comm stream already (run_pipelined, on the caller's thread)
         CommStreamScope scope(this, transport_->device().is_cuda());
-        std::unique_ptr<ParkedBucket> parked;
+        Parked parked;
         bool done = false;
         std::exception_ptr error = refusal();
         if (!error) {
@@ -135,7 +137,7 @@ void Engine::close() {
         }
         py::gil_scoped_acquire gil;
         settle_parked(parked, done, error);
-        parked.reset();
+        parked.clear();
       });
     } catch (const std::runtime_error&) {  // closed meanwhile by another thread
     }
@@ -155,16 +157,20 @@ std::exception_ptr Engine::refusal() const {
       std::runtime_error("hetcomm: not run because an earlier collective failed: " + failure_));
 }
 
-void Engine::settle_parked(const std::unique_ptr<ParkedBucket>& parked, bool done, const std::exception_ptr& error) {
-  if (!parked_fut_) return;
-  FuturePtr fut = std::move(parked_fut_);
-  if (done && parked) {
-    fut->markCompleted(torch::jit::toIValue(py::cast(parked->job.buffer), c10::PyObjectType::get()));
-  } else {
-    fut->setError(error ? error
-                        : std::make_exception_ptr(std::runtime_error(
-                              "hetcomm: a lowrank bucket waited for the step's next bucket, which never came")));
+void Engine::settle_parked(const Parked& parked, bool done, const std::exception_ptr& error) {
+  // parked_futs_ came in the buckets' order: the first parked.size() are theirs; an error fails every open one
+  const size_t n = error ? parked_futs_.size() : std::min(parked.size(), parked_futs_.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (!error && done) {
+      parked_futs_[i]->markCompleted(torch::jit::toIValue(py::cast(parked[i]->job.buffer), c10::PyObjectType::get()));
+    } else {
+      parked_futs_[i]->setError(error ? error
+                                      : std::make_exception_ptr(std::runtime_error(
+                                            "hetcomm: a lowrank bucket waited for the step's next bucket, which "
+                                            "never came")));
+    }
   }
+  parked_futs_.erase(parked_futs_.begin(), parked_futs_.begin() + static_cast<std::ptrdiff_t>(n));
 }
 
 FuturePtr Engine::run_pipelined(BucketJob job) {
@@ -188,11 +194,11 @@ FuturePtr Engine::run_pipelined(BucketJob job) {
     }
     py::gil_scoped_acquire gil;  // as in execute(): nothing of the jobs outlives this hold
     settle_parked(out.earlier, out.earlier_done, error);
-    out.earlier.reset();
+    out.earlier.clear();
     if (error) {
       fut->setError(error);
     } else if (out.parked) {
-      parked_fut_ = fut;
+      parked_futs_.push_back(fut);
     } else {
       fut->markCompleted(torch::jit::toIValue(py::cast(job.buffer), c10::PyObjectType::get()));
     }
@@ -254,11 +260,11 @@ void Engine::execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, cons
                      const std::function<void()>& release) {
   at::Tensor result;
   std::exception_ptr error = refusal();
-  std::unique_ptr<ParkedBucket> parked;
+  Parked parked;
   bool parked_done = false;
   if (!error) {
     try {
-      reducer_.flush(parked);  // a parked bucket's step ends before any other job
+      reducer_.flush(parked);  // a parked or held bucket's step ends before any other job
       parked_done = true;
       result = fn();
       if (after) after();
@@ -273,7 +279,7 @@ void Engine::execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, cons
   // freeing one may let the GIL go for a moment.
   if (release) release();
   settle_parked(parked, parked_done, error);
-  parked.reset();
+  parked.clear();
   if (error) {
     fut->setError(error);
   } else {

@@ -95,11 +95,12 @@ class Engine {
   void execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, const std::function<void()>& after,
                const std::function<void()>& release);
   // A job of BucketReducer::reduce_pipelined: its future may stay open
-  // (parked_fut_) until a later job ends its step.
+  // (parked_futs_) until a later job ends its step.
   FuturePtr run_pipelined(BucketJob job);
-  // Under the GIL: completes the parked bucket's future with its buffer if
-  // its step is done, else with `error` (or a note that it never ended).
-  void settle_parked(const std::unique_ptr<ParkedBucket>& parked, bool done, const std::exception_ptr& error);
+  // Under the GIL: completes the futures of the parked buckets whose steps
+  // ended (the first parked.size() open ones) with their buffers if done,
+  // else with `error` (which fails every open one) or a note that it never ended.
+  void settle_parked(const Parked& parked, bool done, const std::exception_ptr& error);
   // The first error of a job (failure_), and the error later jobs fail with, unrun (nullptr while none failed).
   void record_failure(const std::exception& e);
   std::exception_ptr refusal() const;
@@ -124,7 +125,7 @@ class Engine {
   BucketReducer reducer_;
   mutable std::mutex mu_;
   std::string failure_;
-  FuturePtr parked_fut_;  // comm thread only
+  std::vector<FuturePtr> parked_futs_;  // comm thread only, in the buckets' order
   Worker worker_;  // last: its thread stops before the members it uses go away
 };
 

@@ -136,13 +136,16 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
             dist.barrier()  # every rank resumes the clock together
     sent = bytes_per_step(steps)
     auto = common.auto_record(state)
-    ladder = state.stats().get("lowrank_rank") if state is not None else None  # lowrank's rank, as it chose
+    stats = state.stats() if state is not None else {}
+    ladder = stats.get("lowrank_rank")  # lowrank's rank, as it chose
+    rounds = stats.get("lowrank_rounds")  # and its rounds a step
     if state is not None:
         state.close()
     if rank != 0:
         return None
     final = curve[-1]
-    extra = {**({"auto": auto} if auto else {}), **({"lowrank_rank": ladder} if ladder else {})}
+    extra = {**({"auto": auto} if auto else {}), **({"lowrank_rank": ladder} if ladder else {}),
+             **({"lowrank_rounds": rounds} if rounds else {})}
     return {**extra, "task": task.name, "optimizer": optim, "mode": mode, "seed": task.seed, "lr": lr,
             "schedule": schedule, "steps": steps, "device": device,
             "world_size": dist.get_world_size(),

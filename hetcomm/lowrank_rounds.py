@@ -1,0 +1,107 @@
+"""lowrank's rounds a step: pipelined or together, chosen by measuring both.
+
+Each lowrank bucket needs two all-reduces (P with the dense parts, then Q^T),
+and every round waits for the slowest rank and the link's latency. Pipelined
+(the engine's default), a bucket's first all-reduce goes out as soon as DDP
+hands it over, behind the rest of backward, and its second goes with the next
+bucket's first: B buckets cost B + 1 rounds. Together, every bucket but the
+step's last computes its P and waits; the last sends the step's first
+all-reduces in one, then their second ones in one: two rounds, and nothing
+behind backward. Which is faster depends on how much backward is left when
+the first bucket comes: on the wide model at 100 Mbit (DDP's default buckets:
+two, where fc1's backward after the first is about 1 ms) together took
+31-32 ms a step against 36-38 pipelined (bench/README "lowrank's rounds
+together"); on a model whose buckets come far apart, pipelining hides rounds.
+
+So a lowrank run measures both in turns, steps 11-30 after its first
+compressed step (``start_iter``, 1 by default), in turns A B B A (steps 11
+and 14 pipelined, 12 and 13 together, ...): a machine's speed drifts, and
+measured one window after the other, or odd steps against even ones, two
+identical schedules differed by 13-15 % on the 2 x 2 testbed. Each rank takes
+the median of each one's step times (the time between the steps' first
+buckets, so an evaluation between two steps counts once at most), and at
+step 31 the ranks all-gather them; the slowest rank's medians decide, the
+same on every rank. The choice changes which sums are added in which order, not what is
+computed (on 2 ranks not a bit). ``state_dict()`` keeps it and the times so
+far, so a resumed run decides from the same measurements.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+TRIAL = (11, 31)  #: steps [a, b) after start_iter - 1, in turns; decided when step b opens
+ARMS = ("pipelined", "together")  # in turns A B B A from TRIAL[0]
+
+
+class RoundsTrial:
+    """Whether lowrank's buckets wait for the step's last one (``hold``)."""
+
+    def __init__(self, on: bool, start_iter: int = 1) -> None:
+        self.base = start_iter - 1
+        self.choice: Optional[str] = None if on else "pipelined"
+        self.times: Dict[str, List[float]] = {arm: [] for arm in ARMS}
+        self.medians: Optional[Dict[str, float]] = None  # the ranks' slowest, when decided
+        self._opened: Optional[tuple] = None  # (step, monotonic time) of the last step's first bucket
+
+    @property
+    def pending(self) -> bool:
+        return self.choice is None
+
+    def hold(self, step: int) -> bool:
+        """Whether the buckets of ``step`` (all but its last) wait for the last."""
+        if self.choice is not None:
+            return self.choice == "together"
+        return self._arm(step) == "together"
+
+    def _arm(self, step: int) -> Optional[str]:
+        if not self.base + TRIAL[0] <= step < self.base + TRIAL[1]:
+            return None
+        return ARMS[(step - self.base - TRIAL[0]) % 4 in (1, 2)]
+
+    def open_step(self, step: int, engine) -> None:
+        """At each step's first bucket: the last step's time goes to its arm;
+        when the step after them opens the ranks decide."""
+        if self.choice is not None:
+            return
+        now = time.monotonic()
+        arm = self._arm(step - 1)
+        if arm is not None and self._opened is not None and self._opened[0] == step - 1:
+            self.times[arm].append(now - self._opened[1])
+        self._opened = (step, now)
+        if step >= self.base + TRIAL[1]:
+            self._decide(engine, step)
+
+    def _decide(self, engine, step: int) -> None:
+        own = [int(1e9 * statistics.median(self.times[arm])) if self.times[arm] else -1 for arm in ARMS]
+        gathered = engine.submit_config(torch.tensor([step] + own, dtype=torch.int64)).wait()
+        if (gathered[:, 0] != step).any():
+            raise ValueError(f"hetcomm: lowrank's ranks are at different steps ({gathered[:, 0].tolist()}) when "
+                             "choosing its rounds: every rank must run the same steps")
+        if (gathered[:, 1:] < 0).any():  # some rank measured an arm not at all (e.g. resumed inside it): keep pipelining
+            self.choice = "pipelined"
+            return
+        slowest = gathered[:, 1:].max(dim=0).values.double() / 1e9
+        self.medians = dict(zip(ARMS, slowest.tolist()))
+        self.choice = "together" if self.medians["together"] < self.medians["pipelined"] else "pipelined"
+
+    def describe(self) -> dict:
+        return {"state": "measuring" if self.choice is None else "chosen", "rounds": self.choice,
+                "median_s": self.medians}
+
+    def state_dict(self) -> dict:
+        return {"choice": self.choice, "times": {k: list(v) for k, v in self.times.items()},
+                "medians": self.medians}
+
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        """A state saved before the trial existed ran pipelined: it stays so."""
+        if sd is None:
+            self.choice = "pipelined"
+            return
+        self.choice = sd["choice"]
+        self.times = {arm: [float(t) for t in sd["times"].get(arm, [])] for arm in ARMS}
+        self.medians = sd.get("medians")
+        self._opened = None
