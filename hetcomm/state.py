@@ -326,8 +326,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, lowrank Q matrices, compressed momentum, the last step's
-        bucket layout, the step counter, auto's trial and choices and lowrank's
-        share readings of this rank (waits for queued work)."""
+        bucket layout, the step counter, auto's trial and choices, lowrank's
+        share readings, chosen rank and rounds of this rank (waits for queued work)."""
         self._drain()
         return {
             "version": _STATE_DICT_VERSION,
@@ -423,7 +423,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         ``compression="lowrank"`` (the rank in use; with
         ``matrix_approximation_rank`` left to lowrank, whether it is chosen
         yet, the ranks' lowest shares at 4 / 8 / 16 and the step they were
-        read at); ``auto`` under
+        read at) and ``lowrank_rounds`` (its buckets' rounds a step, pipelined
+        or together, as measured in steps 11-30: :mod:`hetcomm.lowrank_rounds`); ``auto`` under
         ``compression="auto"``, with ``lowrank_guard`` (pending, admitted or
         refused; the ranks' last agreed reading and the one that set the
         state) where auto offers lowrank."""

@@ -192,10 +192,11 @@ def lowrank_inputs(draw):
 
 
 @common
-@given(lowrank_inputs(), st.booleans(), st.sampled_from(["sum", "bucket", "close"]))
-def fuzz_engine_pipelined(inputs, last, then):
-    """The hook's lowrank buckets (pipeline=True): one that is not the step's last waits for the next job, which
-    ends its step whatever kind it is; nothing hangs, whatever the input. An engine of its own per example (a
+@given(lowrank_inputs(), st.booleans(), st.booleans(), st.sampled_from(["sum", "bucket", "close"]))
+def fuzz_engine_pipelined(inputs, last, hold, then):
+    """The hook's lowrank buckets (pipeline=True): one that is not the step's last waits for the next job (after
+    its first all-reduce, or before it: hold), which ends its step whatever kind it is; nothing hangs, whatever
+    the input. An engine of its own per example (a
     failed job latches its engine)."""
     buf, layout, q, res = inputs
     engine = _C.Engine(dist.group.WORLD)
@@ -205,7 +206,7 @@ def fuzz_engine_pipelined(inputs, last, then):
     def run():
         fut = engine.submit_bucket(0, buf, _C.Codec.lowrank, 32, 0.01, True, res, None, last,
                                    layout=torch.tensor(layout, dtype=torch.int64).reshape(-1, 4), q_state=q,
-                                   pipeline=True)
+                                   pipeline=True, hold=hold)
         try:
             if then == "sum":
                 engine.submit_sum(torch.ones(1)).wait()
