@@ -144,7 +144,8 @@ def _many_buckets(rank, world, steps):
         models.train_step(ddp, opt, rank, step, 16)
     st = state.stats()
     return {"params": models.flat_params(model), "buckets": st["last_step"]["buckets"],
-            "ratio": st["last_step"]["compression_ratio"], "q": sorted(state.state_dict()["lowrank_q"])}
+            "ratio": st["last_step"]["compression_ratio"], "q": sorted(state.state_dict()["lowrank_q"]),
+            "rounds": st["lowrank_rounds"], "calls": st["last_step"]["collectives"]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -153,6 +154,11 @@ def test_lowrank_many_buckets_on_gloo_replicas_identical(world):
     assert results[0]["buckets"] >= 4
     assert results[0]["ratio"] > 3
     assert len(results[0]["q"]) >= 2
+    # steps 11-30 ran both schedules in turns, the ranks chose one together (hetcomm.lowrank_rounds): B + 1
+    # all-reduces a step pipelined, 2 together
+    rounds = results[0]["rounds"]
+    assert rounds["state"] == "chosen" and all(r["rounds"] == rounds for r in results)
+    assert results[0]["calls"] == (2 if rounds["rounds"] == "together" else results[0]["buckets"] + 1)
     for r in results[1:]:
         assert torch.equal(r["params"], results[0]["params"])
     assert not results[0]["params"].isnan().any()
