@@ -21,9 +21,10 @@ identical schedules differed by 13-15 % on the 2 x 2 testbed. Each rank takes
 the median of each one's step times (the time between the steps' first
 buckets, so an evaluation between two steps counts once at most), and at
 step 31 the ranks all-gather them; the slowest rank's medians decide, the
-same on every rank. The choice changes which sums are added in which order, not what is
-computed (on 2 ranks not a bit). ``state_dict()`` keeps it and the times so
-far, so a resumed run decides from the same measurements.
+same on every rank. The choice changes the order in which the sums' terms
+are added, not what is computed (on 2 ranks not a bit). ``state_dict()``
+keeps it and the times so far, so a resumed run decides from the same
+measurements.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class RoundsTrial:
         if (gathered[:, 0] != step).any():
             raise ValueError(f"hetcomm: lowrank's ranks are at different steps ({gathered[:, 0].tolist()}) when "
                              "choosing its rounds: every rank must run the same steps")
-        if (gathered[:, 1:] < 0).any():  # some rank measured an arm not at all (e.g. resumed inside it): keep pipelining
+        if (gathered[:, 1:] < 0).any():  # some rank has no step of one measured: the engine's default
             self.choice = "pipelined"
             return
         slowest = gathered[:, 1:].max(dim=0).values.double() / 1e9
