@@ -23,8 +23,10 @@ buckets, so an evaluation between two steps counts once at most), and at
 step 31 the ranks all-gather them; the slowest rank's medians decide, the
 same on every rank. The choice changes the order in which the sums' terms
 are added, not what is computed (on 2 ranks not a bit). ``state_dict()``
-keeps it and the times so far, so a resumed run decides from the same
-measurements.
+keeps it and the times so far: a run resumed after step 31 runs the same
+schedule; one saved inside the trial decides from the saved times and those
+it measures after the resume, so on more than 2 ranks its sums may round
+differently from the uninterrupted run's if the two decide differently.
 """
 from __future__ import annotations
 
