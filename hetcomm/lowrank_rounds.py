@@ -34,7 +34,7 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
-import torch
+from .lowrank_share import agreed_lowest
 
 TRIAL = (11, 31)  #: steps [a, b) after start_iter - 1, in turns; decided when step b opens
 ARMS = ("pipelined", "together")  # in turns A B B A from TRIAL[0]
@@ -79,16 +79,12 @@ class RoundsTrial:
             self._decide(engine, step)
 
     def _decide(self, engine, step: int) -> None:
-        own = [int(1e9 * statistics.median(self.times[arm])) if self.times[arm] else -1 for arm in ARMS]
-        gathered = engine.submit_config(torch.tensor([step] + own, dtype=torch.int64)).wait()
-        if (gathered[:, 0] != step).any():
-            raise ValueError(f"hetcomm: lowrank's ranks are at different steps ({gathered[:, 0].tolist()}) when "
-                             "choosing its rounds: every rank must run the same steps")
-        if (gathered[:, 1:] < 0).any():  # some rank has no step of one measured: the engine's default
+        own = [statistics.median(self.times[arm]) if self.times[arm] else None for arm in ARMS]
+        slowest = agreed_lowest(engine, step, own, "lowrank's", highest=True, what="choosing its rounds")
+        if slowest is None:  # some rank has no step of one measured: the engine's default
             self.choice = "pipelined"
             return
-        slowest = gathered[:, 1:].max(dim=0).values.double() / 1e9
-        self.medians = dict(zip(ARMS, slowest.tolist()))
+        self.medians = dict(zip(ARMS, slowest))
         self.choice = "together" if self.medians["together"] < self.medians["pipelined"] else "pipelined"
 
     def describe(self) -> dict:

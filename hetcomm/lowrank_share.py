@@ -199,20 +199,22 @@ class LowrankShare:
             "compression='fp8' or 'auto'", rank, 100 * share, window_of(step), step, rank)
 
 
-def agreed_lowest(engine, step: int, own: list, who: str) -> Optional[list]:
-    """The ranks' lowest of each of ``own`` (this rank's window means, or
-    None where it has none, e.g. every step of the window overflowed),
-    all-gathered after the window that closed at ``step``; None where some
-    rank has none. ``who`` names the caller in the error for ranks at
-    different steps."""
+def agreed_lowest(engine, step: int, own: list, who: str, highest: bool = False,
+                  what: str = "reading lowrank's share") -> Optional[list]:
+    """The ranks' lowest (``highest``: highest) of each of ``own`` (this
+    rank's non-negative measurements, e.g. window means, or None where it has
+    none, e.g. every step of the window overflowed), all-gathered after the
+    steps that closed at ``step``; None where some rank has none. ``who`` and
+    ``what`` name the caller in the error for ranks at different steps."""
     row = [step] + [-1 if v is None else int(v * 1e9) for v in own]
     gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
     if (gathered[:, 0] != step).any():
-        raise ValueError(f"hetcomm: {who} ranks are at different steps ({gathered[:, 0].tolist()}) when reading "
-                         "lowrank's share: every rank must run the same steps")
+        raise ValueError(f"hetcomm: {who} ranks are at different steps ({gathered[:, 0].tolist()}) when {what}: "
+                         "every rank must run the same steps")
     if (gathered[:, 1:] < 0).any():
         return None
-    return (gathered[:, 1:].min(dim=0).values.double() / 1e9).tolist()
+    values = gathered[:, 1:].max(dim=0).values if highest else gathered[:, 1:].min(dim=0).values
+    return (values.double() / 1e9).tolist()
 
 
 ADMIT = 0.975  # auto keeps lowrank past the first window when the ranks' lowest reading is at least this ...
