@@ -8,13 +8,12 @@ step 30, and a trial without what cannot win"):
 """
 import logging
 import sys
-import time
 
 import torch.distributed as dist
 from torch import nn
 
 import hetcomm
-from hetcomm.benchmarks import tasks, train
+from hetcomm.benchmarks import common, tasks, train
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
@@ -27,14 +26,7 @@ if __name__ == "__main__":
     opt = train.make_optimizer("sgd", ddp.parameters(), train.task_lr(task, "sgd"))
     state = hetcomm.HookState("auto", start_iter=int(sys.argv[2]) if len(sys.argv) > 2 else None)
     ddp.register_comm_hook(state, hetcomm.hook)
-    times = []
-    for step in range(int(sys.argv[1]) if len(sys.argv) > 1 else 40):
-        t = time.perf_counter()
-        x, y = task.batch_for(step, rank)
-        opt.zero_grad()
-        task.loss(ddp(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t)
+    times = common.timed_steps(ddp, opt, task, rank, int(sys.argv[1]) if len(sys.argv) > 1 else 40)
     if rank == 0:
         print("step ms:", " ".join(f"{1000 * t:.0f}" for t in times))
         print("cumulative s at 10/20/30/40:", [round(sum(times[:n]), 2) for n in (10, 20, 30, 40)])

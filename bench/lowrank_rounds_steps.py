@@ -12,14 +12,13 @@ lowrank, rank 0 prints the last step's transport calls and
 """
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import hetcomm
-from hetcomm.benchmarks import tasks, train
+from hetcomm.benchmarks import common, tasks, train
 
 LOWRANK = {"lowrank4": {"matrix_approximation_rank": 4}, "lowrank16": {"matrix_approximation_rank": 16},
            "lowrank4n": {"matrix_approximation_rank": 4, "algorithm": "native"}}
@@ -49,14 +48,7 @@ if __name__ == "__main__":
     else:
         state = hetcomm.HookState("lowrank", **LOWRANK[mode])
         ddp.register_comm_hook(state, hetcomm.hook)
-    times = []
-    for step in range(80):
-        t = time.perf_counter()
-        x, y = task.batch_for(step, rank)
-        opt.zero_grad()
-        task.loss(ddp(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t)
+    times = common.timed_steps(ddp, opt, task, rank, 80)
     if rank == 0:
         print(f"{sys.argv[1]}: {1000 * statistics.median(times[35:]):.1f} ms a step")
         if state is not None:

@@ -76,6 +76,20 @@ def median_time(fn: Callable[[], object], iters: int, warmup: int, device: str =
     return times[len(times) // 2]
 
 
+def timed_steps(ddp, opt: torch.optim.Optimizer, task, rank: int, steps: int) -> List[float]:
+    """Seconds of each of ``steps`` training steps of ``ddp`` on ``task``'s
+    batches for ``rank`` (the bench scripts that time a run step by step)."""
+    times = []
+    for step in range(steps):
+        t = time.perf_counter()
+        x, y = task.batch_for(step, rank)
+        opt.zero_grad()
+        task.loss(ddp(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def memory_bandwidth(nbytes: int = 256 << 20, iters: int = 5, device: str = "cpu") -> float:
     """Read+write GB/s of a large copy_ into an existing buffer (torch's
     threads on the CPU; a device-to-device copy on CUDA)."""
