@@ -348,32 +348,29 @@ void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
   if (!held_.empty()) {  // the held buckets and this one: two rounds together
     held_.push_back(std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)}));
     reduce_group(held_);
-    std::unique_ptr<ParkedBucket> own = std::move(held_.back());
-    held_.pop_back();
+    held_.pop_back();  // this job's own step: done
     for (auto& p : held_) out.earlier.push_back(std::move(p));
     held_.clear();
     out.earlier_done = true;
-    t.synchronize();
-    end_bucket(job, started, mark);
-    return;
-  }
-  if (joins) {
-    at::Tensor& second = parked_->step->second();
-    sum_together({&second, &step->first()}, [this, &job](at::Tensor& b) { sum_by(job.algo, b); });
-    parked_->step->finish();
-    out.earlier.push_back(std::move(parked_));
-    out.earlier_done = true;
   } else {
-    sum_by(job.algo, step->first());
-  }
-  if (!step->after_first(t)) {
-    reduce_nonfinite(job, divisor);
-  } else if (job.last) {
-    sum_by(job.algo, step->second());
-    step->finish();
-  } else {
-    parked_ = std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)});
-    out.parked = true;
+    if (joins) {
+      at::Tensor& second = parked_->step->second();
+      sum_together({&second, &step->first()}, [this, &job](at::Tensor& b) { sum_by(job.algo, b); });
+      parked_->step->finish();
+      out.earlier.push_back(std::move(parked_));
+      out.earlier_done = true;
+    } else {
+      sum_by(job.algo, step->first());
+    }
+    if (!step->after_first(t)) {
+      reduce_nonfinite(job, divisor);
+    } else if (job.last) {
+      sum_by(job.algo, step->second());
+      step->finish();
+    } else {
+      parked_ = std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)});
+      out.parked = true;
+    }
   }
   t.synchronize();
   end_bucket(job, started, mark);
