@@ -35,9 +35,11 @@
    ``AUTO_FULL_EVERY``-th, which measures every candidate again.
 5. lowrank, offered by default where the gradient alone is compressed, is a
    *guarded* candidate (:class:`hetcomm.lowrank_share.Guard`): the trial
-   measures it, but no bucket runs it until the ranks' reading of how much of
-   their gradient its rank carries admits it (steps 20-30; a reading just
-   under the bar waits for steps 100-120); then every bucket takes the
+   measures it; until the ranks' first reading of how much of their
+   gradient its rank carries (steps 20-30) it runs only at rank 16
+   (provisionally, where ``matrix_approximation_rank`` is left to hetcomm;
+   given, not at all), then only once a reading admits it (a reading just
+   under the bar waits for steps 100-120); admitted, every bucket takes the
    fastest round the last trial measured, lowrank's included.
    Refused (then or later), it leaves the candidates, and buckets that ran it
    take the fastest round without it.
@@ -179,14 +181,15 @@ class AutoPlanner:
         if not any(m == "none" and a == "native" for m, a, _ in top) and "none" in self.modes:
             native = planner.predict(s.topology, numel * 4, "native", "none")
             top.append(("none", "native", native))
-        if guarded and bool((layout_of()[:, 3] > 0).any()):  # on top of the rest, where it has a matrix to compress
+        # on top of the rest, where it has a matrix to compress at its rank (it may run provisionally at another)
+        if guarded and bool((layout_of(self.s.matrix_approximation_rank)[:, 3] > 0).any()):
             top += [(m, a, t) for t, m, a in guarded]
         return top
 
     def offer_guarded(self) -> None:
         """Negotiation: lowrank joins the candidates under its guard."""
         self.modes += ("lowrank",)
-        self.guard = lowrank_share.Guard()
+        self.guard = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK if self.s._rank_given is None else None)
         self.guard.load_state_dict(self._guard_sd)
 
     def reads_share(self, numel: int) -> bool:
@@ -202,8 +205,14 @@ class AutoPlanner:
         return self._guarded(cand[0]) and not self.guard.reading
 
     def _blocked(self, cand: Tuple) -> bool:
-        """A candidate no bucket may run outside a trial (lowrank not admitted)."""
-        return self._guarded(cand[0]) and self.guard.state != "admitted"
+        """A candidate no bucket may run outside a trial (lowrank neither
+        admitted nor provisional)."""
+        return self._guarded(cand[0]) and not self.guard.runs()
+
+    def lowrank_rank(self) -> Optional[int]:
+        """The rank lowrank runs at now where it is not the HookState's
+        (auto's, before its first reading), else None."""
+        return self.guard.provisional_rank if self.guard is not None and self.guard.provisional else None
 
     def plan(self, numel: int, key: str, index: int, layout_of) -> BucketPlan:
         """A compressed step's plan under compression="auto"."""
@@ -357,7 +366,7 @@ class AutoPlanner:
         time of each round; the rounds whose slowest rank took over
         AUTO_SPAN times the fastest round's run no more (their one time
         still counts in the decision, which they cannot win). The fastest
-        may be lowrank's while it waits for its reading: the decision among
+        may be lowrank's while it waits for its reading (a rank given): the decision among
         the others then rests on one step each until the re-check
         AUTO_SETTLE steps later measures them again (on the wide model at
         100 Mbit, where lowrank is admitted, repeating them would cost about
@@ -479,8 +488,11 @@ class AutoPlanner:
         last = self.s._lowrank_share.last
         own = last["share"] if last is not None and last["step"] == step else None
         lowest = lowrank_share.agreed_lowest(engine, step, [own], "compression='auto'")
-        if lowest is not None and self.guard.update(lowest[0], step):
-            self._repick()
+        if lowest is None:
+            return
+        was = self.guard.runs()
+        if self.guard.update(lowest[0], step) or self.guard.runs() != was:  # (a first reading between the bars
+            self._repick()                                                  # ends the provisional lowrank)
 
     def _repick(self) -> None:
         """The guard admitted or refused lowrank: every bucket takes the

@@ -119,7 +119,10 @@ class BucketStates:
         self._holds = 0  # the engine's carry-hold count at the start of this step
         #: the plan (wire format, hierarchical?) each bucket's residuals belong to
         self.plan_of: Dict[str, Tuple[str, bool]] = {}
-        self.layouts: Dict[str, torch.Tensor] = {}
+        #: lowrank's layout of each bucket and the rank it was made at: (rank, layout)
+        self.layouts: Dict[str, Tuple[int, torch.Tensor]] = {}
+        #: a restored state's rank of each bucket's Q, until the bucket's first layout (lowrank_parts)
+        self._q_ranks: Dict[str, int] = {}
         #: top-k under an attached Adam: (variance versions, its update's denominator), derived (not saved)
         self.denominators: Dict[str, Tuple[tuple, torch.Tensor]] = {}
         #: HookState.clip_grad_norm_'s sketch: each bucket's random signs (+-1.0), derived from its key (not saved)
@@ -148,6 +151,7 @@ class BucketStates:
             "momentum": {k: t.clone() for k, t in self.momentum.items()},
             "carry": {k: t.clone() for k, t in self.carry.items()},
             "plans": {k: [m, h] for k, (m, h) in self.plan_of.items()},
+            "lowrank_ranks": {k: r for k, (r, _) in self.layouts.items() if k in self.lowrank_q},
         }
 
     def load_state_dict(self, sd: Dict[str, Any], keyed_elsewhere: bool = False) -> None:
@@ -165,6 +169,7 @@ class BucketStates:
         self._loose = {}
         self.plan_of = {str(k): (str(m), bool(h)) for k, (m, h) in sd.get("plans", {}).items()}
         self.layouts, self.denominators, self.sketch_signs = {}, {}, {}
+        self._q_ranks = {str(k): int(r) for k, r in sd.get("lowrank_ranks", {}).items()}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
         self.step_layout = layout
         self.replay_layout = layout if layout and (self.has_state() or keyed_elsewhere) else None
@@ -356,12 +361,16 @@ class BucketStates:
     def lowrank_parts(self, bucket: Bucket, key: str, rank: int) -> torch.Tensor:
         """int64 [k, 4] rows (offset, rows, cols, rank) of the bucket's tensors
         at ``rank``, cached per bucket; rank 0 = sent dense. Asked at another
-        rank than before (lowrank's chosen rank, :class:`RankLadder`), the
-        bucket's Q keeps its first columns."""
+        rank than before (lowrank's chosen rank, :class:`RankLadder`; auto's
+        candidate after its first reading), the bucket's Q keeps its first
+        columns, also when the rank was the saved state's."""
         cached = self.layouts.get(key)
         if cached is not None and cached[0] == rank:
             return cached[1]
         layout = matrix_layout(bucket, rank)
+        saved = self._q_ranks.pop(key, rank)
+        if cached is None and saved != rank:  # a resumed run whose first layout is at another rank than its Q
+            cached = (saved, matrix_layout(bucket, saved))
         q = self.lowrank_q.get(key)
         if cached is not None and q is not None:
             self.lowrank_q[key] = q_at(q, cached[1], layout, key)

@@ -111,8 +111,9 @@ class BucketSteps:
         self._planner.auto.begin_step(engine)
         if self._rank_ladder.pending and LowrankShare.closes(self.iter - 1):
             self._choose_rank(engine)
-        if self._rounds.pending:
-            self._rounds.open_step(self.iter, engine)
+        if self._rounds.pending:  # a step counts where it ran lowrank and no other compressed plan
+            modes = {p.mode for p in self.last_plans.values() if p.compressed}
+            self._rounds.open_step(self.iter, engine, modes == {"lowrank"})
         self._buckets.begin_step(engine.carry_holds())
         if self._optimizer is not None:
             self._follow_momentum()
@@ -359,8 +360,13 @@ class BucketSteps:
         node_of = self.topology.node_ids if self.topology is not None else []
         # a bucket of a new layout (DDP's rebuild) takes over what the old buckets' error feedback owed
         self._buckets.adopt(bucket.sig, key, numel, buf.device, engine.size, engine.rank, node_of)
-        def layout_of() -> torch.Tensor:  # lowrank's, cached per bucket
-            return self._buckets.lowrank_parts(bucket, key, self._rank_ladder.rank)
+        # lowrank's rank this step: auto's candidate runs at its provisional rank until its first reading
+        at_rank = self._planner.auto.lowrank_rank() or self._rank_ladder.rank
+
+        def layout_of(rank: Optional[int] = None) -> torch.Tensor:  # lowrank's, cached per bucket (another rank's not)
+            if rank is None or rank == at_rank:
+                return self._buckets.lowrank_parts(bucket, key, at_rank)
+            return lowrank_layout.matrix_layout(bucket, rank)
 
         p = self._planner.plan(numel, key, bucket.index, self.iter, layout_of)
         self._step_plans[key] = p
@@ -372,9 +378,9 @@ class BucketSteps:
                 self._planner.auto.reads_share(numel) and self._compressed_at(self.iter))):
             if p.mode == "lowrank" and self._rank_ladder.pending:  # at every rank it may choose, at once
                 ranks = self._rank_ladder.ranks
-                self._lowrank_share.add(buf, lowrank_layout.matrix_layout(bucket, ranks[0]), ranks)
-            else:
-                self._lowrank_share.add(buf, layout_of())  # how much of the gradient lowrank's rank can carry
+                self._lowrank_share.add(buf, layout_of(ranks[0]), ranks)
+            else:  # how much of the gradient lowrank's rank can carry (auto's: at its rank after the reading)
+                self._lowrank_share.add(buf, layout_of(self._rank_ladder.rank))
         residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,
                                                           world=engine.size, rank=engine.rank, node_of=node_of)
         momentum = None

@@ -13,7 +13,9 @@ two, where fc1's backward after the first is about 1 ms) together took
 31-32 ms a step against 36-38 pipelined (bench/README "lowrank's rounds
 together"); on a model whose buckets come far apart, pipelining hides rounds.
 
-So a lowrank run measures both in turns, steps 11-30 after its first
+So a lowrank run (and an auto run that offers lowrank: there the steps
+where its buckets ran another compressed plan are not counted) measures
+both in turns, steps 11-30 after its first
 compressed step (``start_iter``, 1 by default), in turns A B B A (steps 11
 and 14 pipelined, 12 and 13 together, ...): a machine's speed drifts, and
 measured one window after the other, or odd steps against even ones, two
@@ -65,14 +67,16 @@ class RoundsTrial:
             return None
         return ARMS[(step - self.base - TRIAL[0]) % 4 in (1, 2)]
 
-    def open_step(self, step: int, engine) -> None:
-        """At each step's first bucket: the last step's time goes to its arm;
-        when the step after them opens the ranks decide."""
+    def open_step(self, step: int, engine, counts: bool = True) -> None:
+        """At each step's first bucket: the last step's time goes to its arm
+        (``counts``: it ran lowrank, and no other compressed plan: under
+        auto, a step of its trial's other rounds or of another plan does
+        not); when the step after them opens the ranks decide."""
         if self.choice is not None:
             return
         now = time.monotonic()
         arm = self._arm(step - 1)
-        if arm is not None and self._opened is not None and self._opened[0] == step - 1:
+        if arm is not None and counts and self._opened is not None and self._opened[0] == step - 1:
             self.times[arm].append(now - self._opened[1])
         self._opened = (step, now)
         if step >= self.base + TRIAL[1]:
@@ -81,11 +85,16 @@ class RoundsTrial:
     def _decide(self, engine, step: int) -> None:
         own = [statistics.median(self.times[arm]) if self.times[arm] else None for arm in ARMS]
         slowest = agreed_lowest(engine, step, own, "lowrank's", highest=True, what="choosing its rounds")
-        if slowest is None:  # some rank has no step of one measured: the engine's default
+        if slowest is None:  # some rank has no step of one measured (auto ran no lowrank): the engine's default
             self.choice = "pipelined"
             return
         self.medians = dict(zip(ARMS, slowest))
         self.choice = "together" if self.medians["together"] < self.medians["pipelined"] else "pipelined"
+
+    def settle(self) -> None:
+        """Nothing to measure (auto without lowrank among its modes): pipelined."""
+        if self.choice is None:
+            self.choice = "pipelined"
 
     def describe(self) -> dict:
         return {"state": "measuring" if self.choice is None else "chosen", "rounds": self.choice,

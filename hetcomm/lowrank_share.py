@@ -217,6 +217,7 @@ def agreed_lowest(engine, step: int, own: list, who: str, highest: bool = False,
     return (values.double() / 1e9).tolist()
 
 
+PROVISIONAL_RANK = 16  # auto's lowrank before its first reading (RankLadder's top: 4 x RUNGS[-1])
 ADMIT = 0.975  # auto keeps lowrank past the first window when the ranks' lowest reading is at least this ...
 DROP = 0.93    # ... and takes it back when a later window's reads under this; a first reading from DROP up to
 #                ADMIT leaves the decision to the next window (at ADMIT, or refused)
@@ -228,10 +229,15 @@ class Guard:
     lowrank at rank 4 is the fastest plan where the link binds (the wide model
     at 100 Mbit: half fp8's step) and misses fp32's quality where the gradient
     is not of low rank (the language model). Auto's trial measures lowrank's
-    speed from the run's first steps, but no bucket runs it until the first
-    window's reading (steps 20-30: the lowest of the ranks' means) admits it
-    at :data:`ADMIT` (30 steps of lowrank at the language model's start, then
-    dense, ended 3 % over fp32's perplexity in one of two seeds). Under
+    speed from the run's first steps; until the first window's reading
+    (steps 20-30: the lowest of the ranks' means, at rank 4) lowrank runs only
+    at ``provisional_rank`` (:data:`PROVISIONAL_RANK`, 16: where
+    ``matrix_approximation_rank`` is left to hetcomm), the rank at which
+    :class:`RankLadder` starts every task, measured to reach fp32's quality
+    from its first steps (bench/README "lowrank chooses its rank"; rank 4 at
+    the language model's start, then dense, ended 3 % over fp32's perplexity
+    in one of four runs). With a rank given, no bucket runs it before the
+    reading. The reading admits rank 4 at :data:`ADMIT`. Under
     :data:`DROP` it is refused. From DROP up to ADMIT the next window (steps
     100-120) decides, at ADMIT: a window's mean moves by 0.01 with one step's
     share (an fp16 overflow skipped in steps 20-40, the first window then,
@@ -242,8 +248,9 @@ class Guard:
     take the best plan the last trial measured without it; its error feedback
     is carried into that plan, nothing dropped."""
 
-    def __init__(self) -> None:
-        self.state = "pending"  # pending (measured in trials, run by no bucket), admitted, refused
+    def __init__(self, provisional_rank: Optional[int] = None) -> None:
+        self.provisional_rank = provisional_rank
+        self.state = "pending"  # pending (measured in trials; run only provisionally), admitted, refused
         self.share: Optional[float] = None  # the last agreed reading (pending with one: it was between the bars)
         self.step: Optional[int] = None     # ... and the last step of its window
         self.changed_at: Optional[list] = None  # [step, share] of the reading that set the state
@@ -251,6 +258,16 @@ class Guard:
     @property
     def reading(self) -> bool:
         return self.state != "refused"
+
+    @property
+    def provisional(self) -> bool:
+        """Whether lowrank may run at :attr:`provisional_rank` now: pending,
+        before any reading was agreed."""
+        return self.provisional_rank is not None and self.state == "pending" and self.share is None
+
+    def runs(self) -> bool:
+        """Whether a bucket may run lowrank outside a trial now."""
+        return self.state == "admitted" or self.provisional
 
     def update(self, share: float, step: int) -> bool:
         """An agreed reading; True when it admits or refuses lowrank now."""

@@ -148,8 +148,11 @@ class Negotiation:
             if not self.candidates and self._attached is None:
                 # lowrank of the gradient: offered on the reading of its rank's share (hetcomm.lowrank_share.Guard)
                 auto.offer_guarded()
+            if "lowrank" not in auto.modes:
+                self._rounds.settle()  # no lowrank buckets: nothing to hold
             log.info("hetcomm: compression='auto' chooses per bucket among %s%s", ", ".join(auto.modes),
-                     " (lowrank while the ranks' share readings keep it: steps 20-30 first)"
+                     " (lowrank while the ranks' share readings keep it: steps 20-30 first%s)" % (
+                         f", at rank {auto.guard.provisional_rank} until then" if auto.guard.provisional else "")
                      if auto.guard is not None else "")
         if (self.algorithm in ("auto", "ring", "hierarchical") or self.compression == "auto" or
                 self._algorithm_default) and self.topology is None:

@@ -107,7 +107,7 @@ class Planner:
 
     def plan(self, numel: int, key: str, index: int, step: int, layout_of) -> BucketPlan:
         """The plan of one bucket (``index`` in this step, state key ``key``).
-        ``layout_of()`` gives lowrank's layout of the bucket."""
+        ``layout_of()`` gives lowrank's layout of the bucket (``layout_of(r)``: at rank r)."""
         s = self.s
         mode = s.resolved_compression
         if mode in DENSE:

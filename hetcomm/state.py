@@ -97,7 +97,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             until step 30, then the smallest of 4, 8, 16 that carries 99 % of
             every rank's gradient energy in steps 20-30, else 16
             (:class:`hetcomm.lowrank_share.RankLadder`; ``stats()
-            ["lowrank_rank"]``); auto's lowrank candidate has rank 4.
+            ["lowrank_rank"]``); auto's lowrank candidate has rank 4 (16
+            until its first reading: ``candidates``).
         lowrank_wire: what lowrank's two all-reduces send: ``"bf16"``
             (default), half of ``"fp32"``'s bytes. The bf16 sums are rounded;
             each rank's error feedback keeps what its share of the rounded
@@ -134,10 +135,13 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             (``"none"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"onebit"``, ``"topk"``,
             ``"lowrank"``). Default: fp32 and bf16 (fp16 where a device lacks
             bf16); fp8 unless an Adam is attached; with no optimizer attached,
-            lowrank under a guard: measured in the trial, run only once the
-            ranks' reading of how much of their gradient its rank carries
-            (steps 20-30) admits it, dropped when it or a later reading does
-            not (:class:`hetcomm.lowrank_share.Guard`); onebit and topk only when
+            lowrank under a guard: measured in the trial, run at rank 16
+            until the ranks' first reading of how much of their gradient
+            rank 4 carries (steps 20-30), then at rank 4 once a reading
+            admits it, dropped when it or a later reading does not
+            (:class:`hetcomm.lowrank_share.Guard`; with
+            ``matrix_approximation_rank`` given, at that rank and only once
+            admitted); onebit and topk only when
             listed here (measured to miss fp32's quality at fp32's learning
             rate or to sit at the tolerance's edge: onebit on digits, topk on
             the language model). Listed here, lowrank is unguarded.
@@ -197,7 +201,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self._rank_ladder = RankLadder(None if self._rank_given is None and self.compression == "lowrank" else
                                        self.matrix_approximation_rank)
         #: lowrank's rounds a step, pipelined or together: measured (hetcomm.lowrank_rounds)
-        self._rounds = RoundsTrial(self.compression == "lowrank", self.start_iter)
+        self._rounds = RoundsTrial(self.compression in ("lowrank", "auto"), self.start_iter)
         self.lowrank_wire: str = opts["lowrank_wire"]
         self.algorithm: str = opts["algorithm"]
         #: algorithm left to its default with a compressed mode: the first step decides from the nodes
@@ -398,7 +402,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
             self._planner.auto.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
         self._rank_ladder.load_state_dict(sd.get("lowrank_rank"))  # agreed by the ranks
-        if self.compression == "lowrank":
+        if self.compression in ("lowrank", "auto"):
             self._rounds.load_state_dict(sd.get("lowrank_rounds"))  # agreed by the ranks
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
@@ -423,11 +427,13 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         ``compression="lowrank"`` (the rank in use; with
         ``matrix_approximation_rank`` left to lowrank, whether it is chosen
         yet, the ranks' lowest shares at 4 / 8 / 16 and the step they were
-        read at) and ``lowrank_rounds`` (its buckets' rounds a step, pipelined
-        or together, as measured in steps 11-30: :mod:`hetcomm.lowrank_rounds`); ``auto`` under
+        read at); ``lowrank_rounds`` under ``"lowrank"`` and ``"auto"`` (lowrank's
+        buckets' rounds a step, pipelined or together, as measured in steps
+        11-30: :mod:`hetcomm.lowrank_rounds`); ``auto`` under
         ``compression="auto"``, with ``lowrank_guard`` (pending, admitted or
         refused; the ranks' last agreed reading and the one that set the
-        state) where auto offers lowrank."""
+        state) where auto offers lowrank, and ``lowrank_rank`` (the rank its
+        lowrank runs at now) where lowrank is among its modes."""
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:
             out.update(self._engine.stats())
@@ -440,6 +446,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             out["lowrank_share"] = dict(self._lowrank_share.last)
         if self.compression == "lowrank":
             out["lowrank_rank"] = self._rank_ladder.describe()
+        if self.compression in ("lowrank", "auto"):
             out["lowrank_rounds"] = self._rounds.describe()
         if self._sketch.calls:
             out["clip"] = {"calls": self._sketch.calls, "estimated_steps": self._sketch.estimated_steps}
@@ -450,6 +457,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
                            "buckets": pl.describe()}
             if pl.guard is not None:
                 out["auto"]["lowrank_guard"] = pl.guard.state_dict()
+            if "lowrank" in pl.modes:  # the rank its lowrank runs at now (16 until the guard's first reading)
+                out["auto"]["lowrank_rank"] = pl.lowrank_rank() or self._rank_ladder.rank
         return out
 
     def close(self) -> None:

@@ -60,7 +60,7 @@ def _rank_predict(first, hopeless=None):
 
 
 def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False,
-              batch=8, guard=None, cut=True, ckpt=None, hopeless=None, static_graph=False):
+              batch=8, guard=None, cut=True, ckpt=None, hopeless=None, static_graph=False, given_rank=None):
     """``guard``: settings of :mod:`hetcomm.lowrank_share` (FIRST and FIRST_SPAN
     of lowrank's first share window, every step read; no later window unless
     LATER is set), auto's modes fp32 and the guarded lowrank, which is the
@@ -70,7 +70,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     (folder, first step, step to save after): a run resumed from the
     folder's checkpoint when its first step is not 0, saving one there.
     ``static_graph``: DDP's (its buckets rebuilt in step 2's forward, not
-    step 1's)."""
+    step 1's). ``given_rank``: HookState's ``matrix_approximation_rank``."""
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if guard:
         from hetcomm import lowrank_share
@@ -95,7 +95,8 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)) if big \
         else models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=25 if big else 0.02, static_graph=static_graph)
-    state = hetcomm.HookState("auto", candidates=candidates, topk_ratio=topk_ratio, min_compress_numel=0)
+    state = hetcomm.HookState("auto", candidates=candidates, topk_ratio=topk_ratio, min_compress_numel=0,
+                              matrix_approximation_rank=given_rank)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     if attach:  # True, the run's total_steps (a warm-up of a fifth of them), or attach_optimizer's keywords
@@ -111,7 +112,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     probe = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     gap = []  # sum over steps of (exact mean gradient - what the hook delivered)
     total = None
-    wires, layouts = [], []
+    wires, layouts, ranks = [], [], []
     for step in range(start, steps):
         n = batch[step] if isinstance(batch, list) else batch
         x = torch.randn(n, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
@@ -131,19 +132,22 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         gap.append(float(total.abs().max()))
         wires.append(sorted({p.mode for p in state.last_plans.values()}))
         layouts.append(sorted(state.last_plans))
+        ranks.append(sorted({state._buckets.layouts[k][0] for k, p in state.last_plans.items() if p.mode == "lowrank"}))
         opt.step()
         if step + 1 == save_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()}, path)
     stats = state.stats()
     return {"params": models.flat_params(model), "plans": stats["plans"], "auto": stats["auto"], "gap": gap,
-            "scale": float(models.flat_grads(model).abs().max()), "wires": wires, "layouts": layouts,
-            "share": stats.get("lowrank_share"), "saved_guard": state.state_dict()["auto"].get("guard")}
+            "scale": float(models.flat_grads(model).abs().max()), "wires": wires, "layouts": layouts, "ranks": ranks,
+            "share": stats.get("lowrank_share"), "saved_guard": state.state_dict()["auto"].get("guard"),
+            "rounds": stats["lowrank_rounds"], "rounds_counted": {k: len(v) for k, v in state._rounds.times.items()}}
 
 
 def test_auto_agrees_on_every_rank_and_keeps_replicas_identical(tmp_path):
     res = run_ranks(_auto_run, 4, 18, None, None, 0.01, False, True, str(tmp_path))
     r0 = res[0]
     assert r0["auto"]["modes"] == ["none", "bf16", "fp8"]  # SGD-momentum attached
+    assert r0["rounds"] == {"state": "chosen", "rounds": "pipelined", "median_s": None}  # no lowrank: nothing to hold
     assert all(p["why"] == "measured" for p in r0["plans"].values()) and len(r0["plans"]) > 1
     for r in res[1:]:
         assert torch.equal(r["params"], r0["params"])
@@ -157,38 +161,49 @@ def test_auto_agrees_on_every_rank_and_keeps_replicas_identical(tmp_path):
         assert ("none", "native") in cands and b["chosen"] and all(c["comm_s"] or c["pruned"] for c in b["candidates"])
 
 
-@pytest.mark.parametrize("batch", [8, 1])
-def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gradient(tmp_path, batch):
-    # fp32 and lowrank (rank 4) for auto; its first trial (steps 1-9) measures lowrank fastest, but buckets
-    # run fp32 until the ranks' shares of gradient energy in the top 4 singular values, read in steps 12-14,
-    # admit it at step 15. One sample a rank: every weight gradient is of rank 1 (share 1): admitted. Eight:
-    # refused. Either way fp32 pays what lowrank's error feedback owed from its trial round (step 9).
+@pytest.mark.parametrize("batch, given_rank", [(8, None), (1, None), (8, 4)])
+def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gradient(tmp_path, batch, given_rank):
+    # fp32 and lowrank (rank 4) for auto; its first trial (steps 1-9) measures lowrank fastest, and from step 10
+    # lowrank runs provisionally at rank 16 until the ranks' shares of gradient energy in the top 4 singular
+    # values, read in steps 12-14, admit rank 4 at step 15. One sample a rank: every weight gradient is of rank 1
+    # (share 1): admitted. Eight: refused, and fp32 pays what lowrank's error feedback owed. With the rank given
+    # (matrix_approximation_rank=4), nothing runs provisionally: fp32 until the reading, paying what the trial's
+    # lowrank round (step 9) owed.
     res = run_ranks(_auto_run, 2, 18, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                    {"FIRST": 12, "FIRST_SPAN": 2})
+                    {"FIRST": 12, "FIRST_SPAN": 2}, True, None, None, False, given_rank)
     r0, r1 = res
     assert r0["auto"]["modes"] == ["none", "lowrank"]
     guard = r0["auto"]["lowrank_guard"]
     assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"] and guard["step"] == 14
     assert guard["changed_at"] == [14, guard["share"]]
     assert guard["share"] == pytest.approx(min(r0["share"]["share"], r1["share"]["share"]), abs=1e-8)
-    assert r0["share"]["readings"] == 3 and (batch == 1 or r0["share"]["share"] != r1["share"]["share"])
-    assert r0["wires"][9] == ["lowrank"] and all(w == ["none"] for w in r0["wires"][10:15]), r0["wires"]
+    assert r0["share"]["readings"] == 3 and r0["share"]["rank"] == 4
+    assert batch == 1 or r0["share"]["share"] != r1["share"]["share"]
     tol = 1e-4 * r0["scale"] * 18
-    for r in res:
-        paid = max(r["gap"][10:15])
-        assert paid < tol and r["gap"][9] > 100 * paid, r["gap"]  # owed, then paid
+    if given_rank is None:
+        assert r0["wires"][9:15] == [["lowrank"]] * 6 and r0["ranks"][9:15] == [[16]] * 6, r0["wires"]
+        last_owed = 14
+    else:
+        assert r0["wires"][9] == ["lowrank"] and r0["ranks"][9] == [4], r0["wires"]
+        assert all(w == ["none"] for w in r0["wires"][10:15]), r0["wires"]
+        last_owed = 9
     if batch == 1:
         assert guard["state"] == "admitted" and guard["share"] > 0.999
-        assert all(w == ["lowrank"] for w in r0["wires"][15:]), r0["wires"]
+        assert all(w == ["lowrank"] for w in r0["wires"][15:]) and r0["ranks"][15:] == [[4]] * 3, r0["wires"]
+        assert r0["auto"]["lowrank_rank"] == 4
     else:
         assert guard["state"] == "refused" and guard["share"] < lowrank_share.DROP
-        assert all(w == ["none"] for w in r0["wires"][15:]), r0["wires"]
+        assert all(w == ["none"] for w in r0["wires"][last_owed + 1:]), r0["wires"]
+        for r in res:
+            paid = max(r["gap"][last_owed + 1:])
+            assert paid < tol and r["gap"][last_owed] > 100 * paid, r["gap"]  # owed, then paid
     assert torch.equal(r0["params"], r1["params"])
 
 
 def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window(tmp_path):
-    # eight samples a rank in the first window (steps 12-14), its reading between the bars (DROP 0 here):
-    # lowrank waits, fp32 runs on; one sample a rank in the second (steps 20-22) reads 1: admitted at step 23
+    # eight samples a rank in the first window (steps 12-14), its reading between the bars (DROP 0 here): the
+    # provisional lowrank (rank 16, from the trial's decision at step 10) ends and fp32 runs; one sample a rank in
+    # the second (steps 20-22) reads 1: rank 4 admitted at step 23
     batch = [8] * 20 + [1] * 6
     res = run_ranks(_auto_run, 2, 26, None, None, 0.01, False, False, str(tmp_path), False, batch,
                     {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "DROP": 0.0})
@@ -196,9 +211,28 @@ def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window(tmp_path):
     guard = r0["auto"]["lowrank_guard"]
     assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]
     assert guard["state"] == "admitted" and guard["changed_at"] == [22, guard["share"]] and guard["share"] > 0.999
-    assert all(w == ["none"] for w in r0["wires"][11:23]) and all(w == ["lowrank"] for w in r0["wires"][23:]), \
+    assert r0["wires"][10:15] == [["lowrank"]] * 5 and r0["ranks"][10:15] == [[16]] * 5, r0["wires"]
+    assert all(w == ["none"] for w in r0["wires"][15:23]) and all(w == ["lowrank"] for w in r0["wires"][23:]), \
         r0["wires"]
+    assert r0["ranks"][23:] == [[4]] * 3
     assert torch.equal(r0["params"], r1["params"])
+
+
+def test_auto_measures_lowrank_rounds_on_the_steps_that_ran_lowrank(tmp_path):
+    # one sample a rank: lowrank runs from the trial's decision (step 10), provisionally at rank 16, then at rank 4
+    # admitted at step 15; steps 11-30 hold its buckets for the step's last one or pipeline them in turns (A B B A),
+    # each counted, and at step 31 the ranks agree on the rounds. With eight samples a rank lowrank is refused at
+    # step 15: steps 11-14 counted, two of each, and fp32's steps after them not
+    for batch, counted in ((1, 10), (8, 2)):
+        res = run_ranks(_auto_run, 2, 34, None, None, 0.01, False, False, str(tmp_path), False, batch,
+                        {"FIRST": 12, "FIRST_SPAN": 2})
+        r0, r1 = res
+        assert r0["rounds_counted"] == r1["rounds_counted"] == {"pipelined": counted, "together": counted}
+        assert r0["rounds"]["state"] == "chosen" and r0["rounds"] == r1["rounds"]
+        assert r0["rounds"]["rounds"] in ("pipelined", "together") and set(r0["rounds"]["median_s"]) == \
+            {"pipelined", "together"}
+        assert all(w == (["lowrank"] if batch == 1 else ["none"]) for w in r0["wires"][15:]), r0["wires"]
+        assert torch.equal(r0["params"], r1["params"])
 
 
 def _resume_inside_a_window(rank, world, cache_dir, ckpt_dir, save_at):

@@ -650,8 +650,10 @@ def test_default_lowrank_runs_its_top_rank_then_the_one_its_reading_chose_and_re
     if chosen == 4:  # P and Q a quarter of rank 16's, the bias (dense) the same
         assert r0["sent"][10] < 0.4 * r0["sent"][3]
     assert r0["share"]["step"] == 22 and r0["share"]["rank"] == chosen and "ladder" not in r0["share"]
-    # resumed inside the window (after step 5: two of its readings saved) and after the choice (step 9)
-    for save_at in (5, 9):
+    # resumed inside the window (after step 5: two of its readings saved), with the window closed and the choice
+    # not yet made (after step 6: the resumed run chooses, and its Q keeps the first columns of the saved rank-16
+    # Q), and after the choice (step 9)
+    for save_at in (5, 7, 9):
         ckpt = tmp_path / f"c{save_at}"
         ckpt.mkdir()
         run_ranks(_ladder_run, 2, subspace, save_at, str(ckpt), save_at)
@@ -713,3 +715,11 @@ def test_lowrank_rounds_measure_both_schedules_in_turns_and_the_slowest_ranks_me
     old.load_state_dict(None)
     assert old.choice == "pipelined" and not old.pending
     assert not lowrank_rounds.RoundsTrial(False).pending  # other modes: nothing to measure
+    # auto: a step that ran another compressed plan is not counted (steps 12 and 15 here)
+    mixed = lowrank_rounds.RoundsTrial(True)
+    for step in range(1, 17):
+        mixed.open_step(step, engine, counts=step - 1 not in (12, 15))
+        clock[0] += 0.030 if mixed.hold(step) else 0.040
+    assert mixed.times["pipelined"] == pytest.approx([0.040, 0.040]) and mixed.times["together"] == pytest.approx([0.030])
+    mixed.settle()  # auto without lowrank: pipelined, nothing gathered
+    assert mixed.choice == "pipelined" and len(engine.rows) == 1
