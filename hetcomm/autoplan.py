@@ -40,7 +40,9 @@
    (provisionally, where ``matrix_approximation_rank`` is left to hetcomm;
    given, not at all), then only once a reading admits it (a reading just
    under the bar waits for steps 100-120); admitted, every bucket takes the
-   fastest round the last trial measured, lowrank's included.
+   fastest round the last trial measured, lowrank's included. A round with
+   the guarded lowrank wins only at ``LOWRANK_MARGIN`` (0.7) times the best
+   round without it or less: an approximation must buy a clear speed-up.
    Refused (then or later), it leaves the candidates, and buckets that ran it
    take the fastest round without it.
 
@@ -75,6 +77,12 @@ AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faste
 AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
 AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
 INF = float("inf")     # a round's time where there is none (not measured, or not allowed)
+# the guarded lowrank's round wins only at this fraction of the best round's time without it, or less: lowrank is
+# an approximation that can cost steps where fp8 is all but exact (digits at 100 Mbit, where their steps took about
+# as long: lowrank 220 steps to fp32's accuracy against fp8's 120 on one AdamW seed of three, more steps on two of six
+# before), and it won where the link binds by far more (the wide model at 100 Mbit: 0.3-0.45x fp8's step). A
+# threshold between the two, not fitted (bench/README "auto's lowrank at rank 16 until its reading")
+LOWRANK_MARGIN = 0.7
 
 
 def safe_modes(attached: Optional[str], bf16_everywhere: bool, warmed_up: bool = False) -> Tuple[str, ...]:
@@ -442,7 +450,7 @@ class AutoPlanner:
             raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
                              "(different topologies or options): construct HookState alike on every rank")
         self.round_times = [max(c) for c in zip(*times)]
-        best = choose([self._masked(r) for r in times], 0 if self._rechecking and self._allowed(0) else None)
+        best = choose([self._judged(r) for r in times], 0 if self._rechecking and self._allowed(0) else None)
         changed = 0
         for k in keys:
             j = self._candidate_in_round(k, best)
@@ -460,8 +468,7 @@ class AutoPlanner:
             per_bucket = self._times.get(k, {})
             self.measured[k] = [min(per_bucket[i]) if per_bucket.get(i) else None
                                 for i in range(len(self.candidates[k]))]
-        waits = self.guard is not None and self.guard.state == "pending" and \
-            min(range(len(times[0])), key=lambda c: (self.round_times[c], c)) != best
+        waits = not self._allowed(min(range(len(times[0])), key=lambda c: (self.round_times[c], c)))
         log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s; buckets: %s%s", best,
                  ", ".join(f"{1000 * t:.4g}" for t in self.round_times),
                  f" - re-planned {changed} bucket(s)" if self._rechecking and changed else "",
@@ -477,8 +484,14 @@ class AutoPlanner:
         return not any(self._blocked(self.candidates[k][self._candidate_in_round(k, c)])
                        for k in self._order if self._order[k])
 
-    def _masked(self, times: Sequence[float]) -> List[float]:
-        return [t if self._allowed(c) else INF for c, t in enumerate(times)]
+    def _judged(self, times: Sequence[float]) -> List[float]:
+        """Round times as a decision weighs them: inf where a round runs a
+        blocked candidate; a round that runs the guarded lowrank, its time
+        over LOWRANK_MARGIN."""
+        def guarded(c: int) -> bool:
+            return any(self._guarded(self.candidates[k][self._candidate_in_round(k, c)][0])
+                       for k in self._order if self._order[k])
+        return [INF if not self._allowed(c) else t / LOWRANK_MARGIN if guarded(c) else t for c, t in enumerate(times)]
 
     def _read_guard(self, engine) -> None:
         """After a window of share readings: every rank all-gathers its mean
@@ -501,7 +514,7 @@ class AutoPlanner:
         run) a re-check starts, from fp32 where buckets ran lowrank."""
         if self.trial_start is not None:
             return  # the running trial decides on the new state
-        times = self._masked(self.round_times) if self._order else []
+        times = self._judged(self.round_times) if self._order else []
         if any(t < INF for t in times):
             best = choose([times])
             for k in self._order:

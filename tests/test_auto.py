@@ -654,3 +654,37 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     fresh = plan.Planner(state).auto
     fresh.load_state_dict(sd)
     assert fresh.pruned == planner.pruned and fresh.rechecks == planner.rechecks
+
+
+def test_the_guarded_lowrank_wins_only_by_its_margin():
+    """The planner alone: a round with the guarded lowrank is chosen only
+    where its time is at most LOWRANK_MARGIN times the best round's without
+    it (an approximation must buy a clear speed-up); a round it may not run
+    yet (a rank given, no reading) is never chosen; lowrank listed in
+    candidates= (unguarded) is timed as it is."""
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(_rank_given=None, iter=0)
+    planner = plan.Planner(state).auto
+    planner.modes = ("none", "fp8")
+    planner.offer_guarded()
+    planner.candidates = {"k": [("fp8", "native", None), ("none", "native", None), ("lowrank", "native", None)]}
+    planner._order = {"k": [0, 1, 2]}
+    m = autoplan.LOWRANK_MARGIN
+    assert planner.guard.provisional  # before the first reading lowrank runs (at rank 16)
+    for lowrank, chosen in ((0.9, 0), (m + 0.01, 0), (m - 0.01, 2), (0.3, 2)):
+        times = [1.0, 3.0, lowrank]
+        assert autoplan.choose([planner._judged(times)]) == chosen, lowrank
+    planner.guard.update(0.95, 30)  # between the bars: lowrank waits for the next reading
+    assert not planner.guard.runs() and autoplan.choose([planner._judged([1.0, 3.0, 0.3])]) == 0
+    planner.guard.update(0.99, 120)
+    assert planner.guard.state == "admitted" and autoplan.choose([planner._judged([1.0, 3.0, 0.3])]) == 2
+    given = plan.Planner(SimpleNamespace(_rank_given=4, iter=0)).auto  # a rank given: not before admission
+    given.modes = ("none", "fp8")
+    given.offer_guarded()
+    given.candidates, given._order = planner.candidates, planner._order
+    assert not given.guard.provisional and autoplan.choose([given._judged([1.0, 3.0, 0.3])]) == 0
+    listed = plan.Planner(SimpleNamespace(_rank_given=None, iter=0)).auto  # candidates=(..., "lowrank")
+    listed.modes = ("none", "fp8", "lowrank")
+    listed.candidates, listed._order = planner.candidates, planner._order
+    assert autoplan.choose([listed._judged([1.0, 3.0, 0.9])]) == 2
