@@ -318,6 +318,11 @@ class AutoPlanner:
         order = self._order[key]
         return order[c] if c < len(order) else order[0]
 
+    def _round_candidates(self, c: int) -> List[Tuple[str, str, Optional[float]]]:
+        """What trial round ``c`` runs: each bucket's candidate (buckets with
+        candidates to try)."""
+        return [self.candidates[k][self._candidate_in_round(k, c)] for k in self._order if self._order[k]]
+
     def _start_trial(self, full: bool = False) -> None:
         self.trial_start = self.compressed_steps
         self._rechecking = bool(self.decided)
@@ -365,7 +370,7 @@ class AutoPlanner:
         first = max(r[0] for r in times)
 
         def predicted(c: int) -> float:
-            ts = [self.candidates[k][self._candidate_in_round(k, c)][2] for k in self._order if self._order[k]]
+            ts = [cand[2] for cand in self._round_candidates(c)]
             return 0.0 if any(t is None for t in ts) else sum(ts)
         self._skipped = [c for c in range(1, self._rounds()) if first < INF and predicted(c) > AUTO_SPAN * first]
 
@@ -481,16 +486,14 @@ class AutoPlanner:
     # ---- the guard on lowrank ----------------------------------------------------------
     def _allowed(self, c: int) -> bool:
         """Whether trial round ``c`` ran no blocked candidate on any bucket."""
-        return not any(self._blocked(self.candidates[k][self._candidate_in_round(k, c)])
-                       for k in self._order if self._order[k])
+        return not any(self._blocked(cand) for cand in self._round_candidates(c))
 
     def _judged(self, times: Sequence[float]) -> List[float]:
         """Round times as a decision weighs them: inf where a round runs a
         blocked candidate; a round that runs the guarded lowrank, its time
         over LOWRANK_MARGIN."""
         def guarded(c: int) -> bool:
-            return any(self._guarded(self.candidates[k][self._candidate_in_round(k, c)][0])
-                       for k in self._order if self._order[k])
+            return any(self._guarded(cand[0]) for cand in self._round_candidates(c))
         return [INF if not self._allowed(c) else t / LOWRANK_MARGIN if guarded(c) else t for c, t in enumerate(times)]
 
     def _read_guard(self, engine) -> None:

@@ -151,6 +151,11 @@ class BucketSteps:
             engine.submit_batch_size(self._local_batch)
             self._local_batch = None
 
+    def _lowrank_rank(self) -> int:
+        """lowrank's rank now: auto's candidate runs at its provisional rank
+        until its first reading; else the ladder's (or the given) rank."""
+        return self._planner.auto.lowrank_rank() or self._rank_ladder.rank
+
     def _choose_rank(self, engine) -> None:
         """After a window of share readings at each rank lowrank may choose
         (:class:`hetcomm.lowrank_share.RankLadder`): every rank all-gathers
@@ -360,8 +365,7 @@ class BucketSteps:
         node_of = self.topology.node_ids if self.topology is not None else []
         # a bucket of a new layout (DDP's rebuild) takes over what the old buckets' error feedback owed
         self._buckets.adopt(bucket.sig, key, numel, buf.device, engine.size, engine.rank, node_of)
-        # lowrank's rank this step: auto's candidate runs at its provisional rank until its first reading
-        at_rank = self._planner.auto.lowrank_rank() or self._rank_ladder.rank
+        at_rank = self._lowrank_rank()
 
         def layout_of(rank: Optional[int] = None) -> torch.Tensor:  # lowrank's, cached per bucket (another rank's not)
             if rank is None or rank == at_rank:

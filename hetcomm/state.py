@@ -458,7 +458,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             if pl.guard is not None:
                 out["auto"]["lowrank_guard"] = pl.guard.state_dict()
             if "lowrank" in pl.modes:  # the rank its lowrank runs at now (16 until the guard's first reading)
-                out["auto"]["lowrank_rank"] = pl.lowrank_rank() or self._rank_ladder.rank
+                out["auto"]["lowrank_rank"] = self._lowrank_rank()
         return out
 
     def close(self) -> None:
