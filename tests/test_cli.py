@@ -328,6 +328,9 @@ def test_bench_train_seeds_compare_means(tmp_path):
             ratios = [r[time_key] / powersgd[r["seed"]][time_key] for r in both]
             assert summary[mode][key] == (pytest.approx(sum(ratios) / len(ratios)) if ratios else None)
         assert summary[mode]["vs_powersgd_seeds"] == len(both)
+        summed = [(r["time_to_target_s"], powersgd[r["seed"]]["time_to_target_s"]) for r in both]
+        assert summary[mode]["summed_vs_powersgd"] == (
+            pytest.approx(sum(a for a, _ in summed) / sum(b for _, b in summed)) if summed else None)
     assert "over 2 seeds" in out.stdout
 
 

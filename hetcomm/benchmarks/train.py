@@ -221,8 +221,11 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
     of fp32's mean, in how many seeds the run reached its own seed's target,
     the mean time to target over the seeds that reached it, and the mean of
     the per-seed ratios to PowerSGD's time (over the seeds where both reached;
-    with their count), by the first touch of the target and by the stay."""
+    with their count), by the first touch of the target and by the stay; also
+    the ratio of the summed times over those seeds (first touch), which one
+    seed's luck moves less than the mean of ratios."""
     out = []
+    powersgd = {(r["task"], r["optimizer"], r["seed"]): r for r in runs if r["mode"] == "torch-powersgd"}
     keys = list(dict.fromkeys((r["task"], r["optimizer"], r["mode"]) for r in runs))
     for task_name, optim, mode in keys:
         group = [r for r in runs if (r["task"], r["optimizer"], r["mode"]) == (task_name, optim, mode)]
@@ -231,6 +234,8 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
         times = [r["time_to_target_s"] for r in group if r["reached"]]
         ratios = [r["vs_powersgd"] for r in group if r.get("vs_powersgd") is not None]
         stayed = [r["stay_vs_powersgd"] for r in group if r.get("stay_vs_powersgd") is not None]
+        pairs = [(r["time_to_target_s"], powersgd[(task_name, optim, r["seed"])]["time_to_target_s"])
+                 for r in group if r.get("vs_powersgd") is not None]
         mean, ref_mean = finals.mean().item(), sum(ref) / len(ref)
         out.append({"task": task_name, "optimizer": optim, "mode": mode, "seeds": len(group),
                     "final_mean": mean, "final_std": finals.std().item() if len(group) > 1 else 0.0,
@@ -240,6 +245,7 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
                     "time_to_target_s": sum(times) / len(times) if times else None,
                     "vs_powersgd": sum(ratios) / len(ratios) if ratios else None, "vs_powersgd_seeds": len(ratios),
                     "stay_vs_powersgd": sum(stayed) / len(stayed) if stayed else None,
+                    "summed_vs_powersgd": sum(a for a, _ in pairs) / sum(b for _, b in pairs) if pairs else None,
                     "s_per_step": sum(r["s_per_step"] for r in group) / len(group)})
     return out
 
@@ -427,12 +433,12 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean; "
               "time(s) = the mean over the seeds that reached; vs PowerSGD = the mean of the per-seed ratios, over "
               "the seeds where both reached ('of seeds'); stayed vs = the same ratio of the times from which each "
-              "stayed within tolerance")
+              "stayed within tolerance; summed vs = their summed times to target over PowerSGD's")
         acols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"),
                  ("final_mean", "mean", ".4g"), ("final_std", "std", ".3g"), ("fp32_mean", "fp32 mean", ".4g"),
                  ("reached_mean", "ok", ""), ("reached_seeds", "seeds ok", "d"), ("time_to_target_s", "time(s)", ".2f"),
                  ("vs_powersgd", "vs PowerSGD", ".2f"), ("vs_powersgd_seeds", "of seeds", "d"),
-                 ("stay_vs_powersgd", "stayed vs", ".2f")]
+                 ("stay_vs_powersgd", "stayed vs", ".2f"), ("summed_vs_powersgd", "summed vs", ".2f")]
         print("  ".join(f"{h:>11}" for _, h, _ in acols))
         for a in summary:
             print("  ".join(f"{_fmt(a[k], f):>11}" for k, _, f in acols))
