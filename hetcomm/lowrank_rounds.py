@@ -46,6 +46,7 @@ class RoundsTrial:
     """Whether lowrank's buckets wait for the step's last one (``hold``)."""
 
     def __init__(self, on: bool, start_iter: int = 1) -> None:
+        self.on = on  # a mode whose lowrank buckets measure their rounds (else pipelined, not saved)
         self.base = start_iter - 1
         self.choice: Optional[str] = None if on else "pipelined"
         self.times: Dict[str, List[float]] = {arm: [] for arm in ARMS}

@@ -402,7 +402,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
             self._planner.auto.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
         self._rank_ladder.load_state_dict(sd.get("lowrank_rank"))  # agreed by the ranks
-        if self.compression in ("lowrank", "auto"):
+        if self._rounds.on:
             self._rounds.load_state_dict(sd.get("lowrank_rounds"))  # agreed by the ranks
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
@@ -446,7 +446,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             out["lowrank_share"] = dict(self._lowrank_share.last)
         if self.compression == "lowrank":
             out["lowrank_rank"] = self._rank_ladder.describe()
-        if self.compression in ("lowrank", "auto"):
+        if self._rounds.on:
             out["lowrank_rounds"] = self._rounds.describe()
         if self._sketch.calls:
             out["clip"] = {"calls": self._sketch.calls, "estimated_steps": self._sketch.estimated_steps}
