@@ -57,7 +57,11 @@ def test_a_failing_rank_fails_the_run_fast():
 
 
 def _abort_in_c(rank, world):
+    # every rank past gloo's connection first: rank 0 dying inside it would make rank 1 fail on its own ("connection
+    # closed by peer"), which is then rightly reported as rank 1's failure, not a rank the harness stopped
+    torch.distributed.barrier()
     if rank == 0:
+        time.sleep(0.5)  # ... and rank 1 out of the barrier's last exchange, asleep below
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left behind
         os.abort()  # what a C++ std::terminate does: SIGABRT, no Python exception
     time.sleep(30)
