@@ -39,7 +39,8 @@
    gradient its rank carries (steps 20-30) it runs only at rank 16
    (provisionally, where ``matrix_approximation_rank`` is left to hetcomm;
    given, not at all), then only once a reading admits it (a reading just
-   under the bar waits for steps 100-120); admitted, every bucket takes the
+   under the bar waits for steps 100-120, lowrank going on at rank 16 where
+   it ran provisionally); admitted, every bucket takes the
    fastest round the last trial measured, lowrank's included. A round with
    the guarded lowrank wins only at ``LOWRANK_MARGIN`` (0.7) times the best
    round without it or less: an approximation must buy a clear speed-up.
@@ -506,9 +507,8 @@ class AutoPlanner:
         lowest = lowrank_share.agreed_lowest(engine, step, [own], "compression='auto'")
         if lowest is None:
             return
-        was = self.guard.runs()
-        if self.guard.update(lowest[0], step) or self.guard.runs() != was:  # (a first reading between the bars
-            self._repick()                                                  # ends the provisional lowrank)
+        if self.guard.update(lowest[0], step):
+            self._repick()
 
     def _repick(self) -> None:
         """The guard admitted or refused lowrank: every bucket takes the

@@ -242,7 +242,14 @@ class Guard:
     100-120) decides, at ADMIT: a window's mean moves by 0.01 with one step's
     share (an fp16 overflow skipped in steps 20-40, the first window then,
     took the wide model's reading from 0.983 to 0.972; at 100-120 it read
-    0.999). An admitted lowrank is refused when a later window reads under
+    0.999). Until then lowrank goes on at ``provisional_rank``: rank 4
+    carrying DROP or more of every rank's gradient says more for rank 16
+    than no reading, on which it ran before (in the first windows recorded,
+    rank 16 carried 0.99 and more wherever rank 4 carried 0.77 or more:
+    bench/README "A first reading between the bars"); on the wide model at
+    100 Mbit, where one seed of 24 read between the bars, fp8 instead until
+    step 120 took that seed 3.3x PowerSGD's time to fp32's accuracy.
+    An admitted lowrank is refused when a later window reads under
     DROP. Refused, lowrank leaves the candidates for the rest of the run (the
     language model's share only falls as it trains), and buckets that ran it
     take the best plan the last trial measured without it; its error feedback
@@ -261,9 +268,10 @@ class Guard:
 
     @property
     def provisional(self) -> bool:
-        """Whether lowrank may run at :attr:`provisional_rank` now: pending,
-        before any reading was agreed."""
-        return self.provisional_rank is not None and self.state == "pending" and self.share is None
+        """Whether lowrank may run at :attr:`provisional_rank` now: pending
+        (before any reading was agreed, or after a first one between the
+        bars)."""
+        return self.provisional_rank is not None and self.state == "pending"
 
     def runs(self) -> bool:
         """Whether a bucket may run lowrank outside a trial now."""
@@ -280,8 +288,9 @@ class Guard:
             elif share < DROP or second:
                 self.state = "refused"
             else:
-                log.info("hetcomm: auto's lowrank waits for its next reading: the ranks' lowest share of gradient "
+                log.info("hetcomm: auto's lowrank waits for its next reading%s: the ranks' lowest share of gradient "
                          "energy in its rank, steps %d-%d, is %.3f (admitted at %.3f or more, refused under %.2f)",
+                         "" if self.provisional_rank is None else f" (at rank {self.provisional_rank} until then)",
                          window_of(step), step, share, ADMIT, DROP)
         elif self.state == "admitted" and share < DROP:
             self.state = "refused"

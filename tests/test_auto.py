@@ -200,21 +200,30 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
     assert torch.equal(r0["params"], r1["params"])
 
 
-def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window(tmp_path):
+@pytest.mark.parametrize("second", ["admits", "refuses"])
+def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_its_provisional_rank(tmp_path, second):
     # eight samples a rank in the first window (steps 12-14), its reading between the bars (DROP 0 here): the
-    # provisional lowrank (rank 16, from the trial's decision at step 10) ends and fp32 runs; one sample a rank in
-    # the second (steps 20-22) reads 1: rank 4 admitted at step 23
-    batch = [8] * 20 + [1] * 6
+    # provisional lowrank (rank 16, from the trial's decision at step 10) goes on until the second window (steps
+    # 20-22). One sample a rank there reads 1: rank 4 admitted at step 23. Eight again: a second reading between
+    # the bars refuses it, and fp32 runs from step 23, paying what lowrank's error feedback owed
+    batch = [8] * 20 + [1 if second == "admits" else 8] * 6
     res = run_ranks(_auto_run, 2, 26, None, None, 0.01, False, False, str(tmp_path), False, batch,
                     {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "DROP": 0.0})
     r0, r1 = res
     guard = r0["auto"]["lowrank_guard"]
     assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]
-    assert guard["state"] == "admitted" and guard["changed_at"] == [22, guard["share"]] and guard["share"] > 0.999
-    assert r0["wires"][10:15] == [["lowrank"]] * 5 and r0["ranks"][10:15] == [[16]] * 5, r0["wires"]
-    assert all(w == ["none"] for w in r0["wires"][15:23]) and all(w == ["lowrank"] for w in r0["wires"][23:]), \
-        r0["wires"]
-    assert r0["ranks"][23:] == [[4]] * 3
+    assert guard["changed_at"] == [22, guard["share"]]
+    assert r0["wires"][10:23] == [["lowrank"]] * 13 and r0["ranks"][10:23] == [[16]] * 13, r0["wires"]
+    if second == "admits":
+        assert guard["state"] == "admitted" and guard["share"] > 0.999
+        assert all(w == ["lowrank"] for w in r0["wires"][23:]) and r0["ranks"][23:] == [[4]] * 3, r0["wires"]
+    else:
+        assert guard["state"] == "refused" and guard["share"] < lowrank_share.ADMIT
+        assert all(w == ["none"] for w in r0["wires"][23:]), r0["wires"]
+        tol = 1e-4 * r0["scale"] * 26
+        for r in res:
+            paid = max(r["gap"][23:])
+            assert paid < tol and r["gap"][22] > 100 * paid, r["gap"]  # owed, then paid
     assert torch.equal(r0["params"], r1["params"])
 
 
@@ -675,8 +684,9 @@ def test_the_guarded_lowrank_wins_only_by_its_margin():
     for lowrank, chosen in ((0.9, 0), (m + 0.01, 0), (m - 0.01, 2), (0.3, 2)):
         times = [1.0, 3.0, lowrank]
         assert autoplan.choose([planner._judged(times)]) == chosen, lowrank
-    planner.guard.update(0.95, 30)  # between the bars: lowrank waits for the next reading
-    assert not planner.guard.runs() and autoplan.choose([planner._judged([1.0, 3.0, 0.3])]) == 0
+    planner.guard.update(0.95, 30)  # between the bars: lowrank waits for the next reading, at rank 16 meanwhile
+    assert planner.guard.provisional and autoplan.choose([planner._judged([1.0, 3.0, 0.3])]) == 2
+    assert autoplan.choose([planner._judged([1.0, 3.0, m + 0.01])]) == 0  # still by its margin
     planner.guard.update(0.99, 120)
     assert planner.guard.state == "admitted" and autoplan.choose([planner._judged([1.0, 3.0, 0.3])]) == 2
     given = plan.Planner(SimpleNamespace(_rank_given=4, iter=0)).auto  # a rank given: not before admission
