@@ -37,21 +37,15 @@ def run(name: str, optim: str, seed: int):
     moment = "momentum_buffer" if optim == "sgd" else "exp_avg"
     grads_read, moments_read = [], []
     for step in range(1, READ_AT[-1] + 1):
-        grads = []
-        for rank in range(RANKS):
-            model.zero_grad()
-            x, y = task.batch_for(step, rank)
-            task.loss(model(x), y).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        per_rank = [torch.autograd.grad(task.loss(model(x), y), params)
+                    for x, y in (task.batch_for(step, rank) for rank in range(RANKS))]
         if step in READ_AT:
-            grads_read.append([min(share(g, r) for g in grads) for r in RATIOS])
+            flat = [torch.cat([g.reshape(-1) for g in gs]) for gs in per_rank]
+            grads_read.append([min(share(g, r) for g in flat) for r in RATIOS])
             m = torch.cat([opt.state[p][moment].reshape(-1) for p in params])
             moments_read.append([share(m, r) for r in RATIOS])
-        mean = sum(grads) / RANKS
-        off = 0
-        for p in params:
-            p.grad = mean[off:off + p.numel()].view_as(p).clone()
-            off += p.numel()
+        for p, *gs in zip(params, *per_rank):
+            p.grad = sum(gs) / RANKS
         opt.step()
     return ([sum(c) / len(c) for c in zip(*grads_read)], [sum(c) / len(c) for c in zip(*moments_read)])
 
