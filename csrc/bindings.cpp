@@ -133,6 +133,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("p"), py::arg("qt"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def(
+      "lowrank_finish",
+      [](const at::Tensor& p, const at::Tensor& qt, at::Tensor x, c10::optional<at::Tensor> residual, double divisor,
+         double share) { ops::lowrank_finish(p, qt, x, opt(residual), divisor, share); },
+      py::arg("p"), py::arg("qt"), py::arg("x"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0,
+      py::arg("share") = 1.0, py::call_guard<py::gil_scoped_release>(),
+      "In place, one pass: x (rows x cols) becomes lowrank_outer(p, qt); with residual, residual becomes "
+      "x / divisor + residual - share * lowrank_outer(p, qt), from the old x.");
+  m.def(
       "momentum_fold_in", [](at::Tensor x, const at::Tensor& m, double alpha) { ops::momentum_fold_in(x, m, alpha); },
       py::arg("x"), py::arg("m"), py::arg("alpha"), py::call_guard<py::gil_scoped_release>());
   m.def(

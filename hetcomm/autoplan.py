@@ -166,6 +166,7 @@ class AutoPlanner:
         self._last_trial: Dict[int, Tuple[str, int]] = {}
         #: lowrank's condition when auto offers it by default (set at negotiation), else None
         self.guard: Optional[lowrank_share.Guard] = None
+        self._lowrank_algo: Optional[str] = None  # the guarded lowrank's algorithm, one for every bucket
         self._guard_sd: dict = {}  # a loaded guard's state, for the guard made at negotiation
 
     def _candidates(self, numel: int, layout_of) -> List[Tuple[str, str, Optional[float]]]:
@@ -182,7 +183,7 @@ class AutoPlanner:
             usable = [a for a in algos if planner.carries(a, wire)] or ["native"]
             preds = [(planner.predict(s.topology, numel * 4, a, wire), a) for a in usable]
             preds = [(t, a) for t, a in preds if t is not None]
-            if mode in DENSE or self._guarded(mode):  # one algorithm: the predicted best
+            if mode in DENSE:  # one algorithm: the predicted best
                 preds = sorted(preds, key=lambda p: (p[0], planner.ALGORITHMS.index(p[1])))[:1]
             (guarded if self._guarded(mode) else ranked).extend((t, mode, a) for t, a in preds)
         ranked.sort(key=lambda r: (r[0], AUTO_MODES.index(r[1]), planner.ALGORITHMS.index(r[2])))
@@ -192,8 +193,23 @@ class AutoPlanner:
             top.append(("none", "native", native))
         # on top of the rest, where it has a matrix to compress at its rank (it may run provisionally at another)
         if guarded and bool((layout_of(self.s.matrix_approximation_rank)[:, 3] > 0).any()):
-            top += [(m, a, t) for t, m, a in guarded]
+            top.append(self._guarded_candidate(guarded))
         return top
+
+    def _guarded_candidate(self, preds: List[Tuple[Optional[float], str, str]]) -> Tuple[str, str, Optional[float]]:
+        """The guarded lowrank's candidate among ``preds`` (time, mode,
+        algorithm): one algorithm for every bucket, the one predicted best for
+        the first bucket that had it. Two lowrank buckets' all-reduces go out
+        together (a step's B buckets in two rounds, or B + 1 pipelined) only
+        where they run one algorithm; bucket by bucket the prediction put the
+        wide model's large bucket across nodes and its small one flat, and
+        that step took 39-41 ms on the 2 x 2 testbed at 100 Mbit against
+        30-32 with both across nodes (three runs each, in turns)
+        (bench/README "lowrank without its M buffer")."""
+        if self._lowrank_algo is None:
+            self._lowrank_algo = min(preds, key=lambda p: (p[0], planner.ALGORITHMS.index(p[2])))[2]
+        t, m, a = next((p for p in preds if p[2] == self._lowrank_algo), preds[0])
+        return m, a, t
 
     def offer_guarded(self) -> None:
         """Negotiation: lowrank joins the candidates under its guard."""

@@ -51,14 +51,16 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     if min(g.shape) <= EXACT_UP_TO:
         s2 = torch.linalg.svdvals(g.double()).pow(2)  # their sum is the energy
         return [float(s2[:r].sum()) for r in ranks], float(s2.sum())
-    total = float(g.double().pow(2).sum())
+    # the squares summed in float64 without a float64 copy of g (which took 8 of a reading's 16 ms on a
+    # 1024 x 1104 matrix, one thread)
+    total = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
     g = g.float()  # float32 products: a share, not a bit-exact quantity
     k = min(top + OVERSAMPLE, min(g.shape))
     omega = torch.randn(g.shape[1], k, generator=gen).to(g.device)
     y = g @ omega
     for _ in range(POWER_STEPS):
         y = torch.linalg.qr(y)[0]
-        y = g @ (g.t() @ y)
+        y = g @ (y.t() @ g).t()  # g^T y as (y^T g)^T: BLAS writes a k x cols block 2x faster than a cols x k one
     basis = torch.linalg.qr(y)[0]
     s2 = torch.linalg.svdvals((basis.t() @ g).double()).pow(2)
     return [float(s2[:r].sum()) for r in ranks], total

@@ -99,6 +99,16 @@ def lowrank_outer(p: torch.Tensor, qt: torch.Tensor, out: Optional[torch.Tensor]
     return _C.lowrank_outer(p, qt, out)
 
 
+def lowrank_finish(p: torch.Tensor, qt: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                   divisor: float = 1.0, share: float = 1.0) -> None:
+    """lowrank's step end, in place and in one pass: ``x`` (rows x cols
+    elements) becomes :func:`lowrank_outer` (p, qt), and ``residual``, if
+    given, becomes ``x / divisor + residual - share * lowrank_outer(p, qt)``
+    from the old ``x``, each operation rounded to float32 (no FMA), the same
+    bits on every device."""
+    _C.lowrank_finish(p, qt, x, residual, divisor, share)
+
+
 def momentum_fold_in(x: torch.Tensor, m: torch.Tensor, alpha: float) -> None:
     """``x += alpha * m`` in place, each element rounded as ``alpha * m`` then
     the sum (no fused multiply-add: the same bits on every device and for any

@@ -89,6 +89,7 @@ def fuzz_casts(x, d, wire, h, mul, out):
 @given(tensors(), tensors(), opt_tensors, floats, st.lists(st.tuples(ints, ints, ints), max_size=4))
 def fuzz_lowrank_ops(p, qt, out, eps, blocks):
     call("lowrank_outer", ops.lowrank_outer, p, qt, out)
+    call("lowrank_finish", ops.lowrank_finish, p, qt, out, None, 1.0 + abs(eps), 0.5)
     call("orthonormalize_columns", ops.orthonormalize_columns, p, eps)
     call("orthonormalize_blocks", ops.orthonormalize_blocks, p, blocks, eps)
 

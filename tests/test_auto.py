@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
 from hetcomm import autoplan, lowrank_share, plan, topology
+from hetcomm import planner as planner_mod
 
 from . import models
 from .dist_harness import run_ranks
@@ -698,3 +699,34 @@ def test_the_guarded_lowrank_wins_only_by_its_margin():
     listed.modes = ("none", "fp8", "lowrank")
     listed.candidates, listed._order = planner.candidates, planner._order
     assert autoplan.choose([listed._judged([1.0, 3.0, 0.9])]) == 2
+
+
+def test_the_guarded_lowrank_runs_one_algorithm_on_every_bucket():
+    """The planner alone, on the 2 x 2 testbed's probed links (a slow
+    intra-node latency, as a busy 2-core machine measures it): bucket by
+    bucket the cost model puts the wide model's large bucket across nodes and
+    its small one flat, and two buckets of different algorithms cannot send
+    their all-reduces together (39-41 ms a step against 30-32 with one
+    algorithm, bench/README). Every bucket's guarded lowrank takes the first
+    one's algorithm."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=4, nodes=["a", "a", "b", "b"], devices=[{}] * 4,
+                             links={"intra": topology.LinkClass(616e-6, 1 / 4.95e9),
+                                    "inter": topology.LinkClass(1e-7, 1 / 13.0e6)})
+    state = SimpleNamespace(algorithm="auto", _forced_algo=None, topology=topo, _rank_given=None, iter=0,
+                            matrix_approximation_rank=4, lowrank_wire="bf16", topk_ratio=0.01)
+    # the layouts at rank 16, where auto's lowrank runs until its first reading (10 x 1024 goes dense there)
+    big = (1024 * 1024 + 1024 + 10 * 1024 + 10, torch.tensor([[0, 1024, 1024, 16], [1048576, 1, 1024, 0],
+                                                               [1049600, 10, 1024, 0], [1059840, 1, 10, 0]]))
+    small = (64 * 1024 + 1024, torch.tensor([[0, 1024, 64, 16], [65536, 1, 1024, 0]]))
+    fractions = [plan.lowrank_fraction(lay, n, "bf16") for n, lay in (big, small)]
+    own = [min(("native", "hierarchical"), key=lambda a: planner_mod.predict(topo, n * 4, a, plan.wire_of(
+        "lowrank", 0.01, f))) for (n, _), f in zip((big, small), fractions)]
+    assert own == ["hierarchical", "native"]  # what each bucket alone would take: the case this guards against
+    auto = plan.Planner(state).auto
+    auto.modes = ("none", "bf16", "fp8")
+    auto.offer_guarded()
+    cands = [auto._candidates(n, lambda r=None, lay=lay: lay) for n, lay in (big, small)]
+    guarded = [[c for c in cs if c[0] == "lowrank"] for cs in cands]
+    assert [[c[1] for c in g] for g in guarded] == [["hierarchical"], ["hierarchical"]]

@@ -68,6 +68,11 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
         assert torch.equal(res_gpu.cpu(), res_cpu), exact
     p, qt = torch.randn(max(1, n // 1000), 4), torch.randn(4, 777)
     assert torch.equal(ops.lowrank_outer(p.cuda(), qt.cuda()).cpu(), ops.lowrank_outer(p, qt))
+    x2, r2 = torch.randn(p.shape[0], 777) * 5, torch.randn(p.shape[0], 777) * 1e-3
+    x2g, r2g = x2.cuda(), r2.cuda()
+    ops.lowrank_finish(p, qt, x2, r2, 3.0, 0.37)
+    ops.lowrank_finish(p.cuda(), qt.cuda(), x2g, r2g, 3.0, 0.37)
+    assert torch.equal(x2g.cpu(), x2) and torch.equal(r2g.cpu(), r2)
     x_cpu, m_cpu, x_gpu, m_gpu = g.clone(), e.clone(), g.cuda(), e.cuda()
     for x, m in ((x_cpu, m_cpu), (x_gpu, m_gpu)):
         ops.momentum_fold_in(x, m, 0.45)

@@ -290,6 +290,36 @@ def test_lowrank_outer_rejects_bad_arguments():
         ops.lowrank_outer(torch.zeros(3, 2), torch.zeros(2, 4), torch.zeros(11))
 
 
+@pytest.mark.parametrize("rows,cols,r", [(1, 1, 1), (33, 7, 3), (300, 517, 4), (64, 2049, 8)])
+def test_lowrank_finish_is_the_outer_product_and_the_residual_in_one_pass(device, rows, cols, r):
+    gen = torch.Generator().manual_seed(rows + cols * r)
+    p, qt = torch.randn(rows, r, generator=gen), torch.randn(r, cols, generator=gen)
+    x, res = torch.randn(rows, cols, generator=gen) * 3, torch.randn(rows, cols, generator=gen) * 1e-2
+    divisor, share = 3.0, 0.3
+    out = ops.lowrank_outer(p, qt)
+    # Reference: torch's elementwise float32 ops on the CPU, each rounded (no fusing): M = x / divisor + residual,
+    # then M - share * out
+    want_res = (x / divisor + res) - share * out
+    xd, rd = x.clone().to(device), res.clone().to(device)
+    ops.lowrank_finish(p.to(device), qt.to(device), xd, rd, divisor, share)
+    assert torch.equal(xd.cpu(), out) and torch.equal(rd.cpu(), want_res)
+    xd = x.clone().to(device)  # no error feedback: x alone
+    ops.lowrank_finish(p.to(device), qt.to(device), xd, None, divisor, share)
+    assert torch.equal(xd.cpu(), out)
+
+
+def test_lowrank_finish_rejects_bad_arguments():
+    p, qt = torch.zeros(3, 2), torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="matching r"):
+        ops.lowrank_finish(p, torch.zeros(3, 4), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="rows \\* cols = 12"):
+        ops.lowrank_finish(p, qt, torch.zeros(11))
+    with pytest.raises(ValueError, match="rows \\* cols = 12"):
+        ops.lowrank_finish(p, qt, torch.zeros(12), torch.zeros(12, dtype=torch.float64))
+    with pytest.raises(ValueError, match="divisor must be finite and > 0"):
+        ops.lowrank_finish(p, qt, torch.zeros(12), None, 0.0)
+
+
 @pytest.mark.parametrize("rows,cols", [(5, 1), (100, 4), (2049, 8)])
 def test_orthonormalize_columns_against_qr(device, rows, cols):
     gen = torch.Generator().manual_seed(rows + cols)

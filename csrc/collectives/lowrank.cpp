@@ -62,6 +62,7 @@ int64_t lowrank_q_numel(const at::Tensor& layout) {
 LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& layout, const at::Tensor& q_state,
                          const at::Tensor& residual, CodecTimer& timer, double share, at::ScalarType wire)
     : x_(x),
+      divisor_(divisor),
       q_state_(q_state),
       residual_(residual),
       timer_(timer),
@@ -96,8 +97,8 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
   // not finite. Each round of all-reduces is a wait for the slowest rank and
   // the link's latency (testbed, 2 x 2 ranks at 100 Mbit: a second bucket of
   // 256 KB cost 16-18 ms a step with three rounds), so no round of its own for
-  // GradScaler's overflow check. Until the sum is known, x stays as it came
-  // (M is built beside it), so a non-finite step can still be reduced exactly.
+  // GradScaler's overflow check. Until the sum is known, x and the residual
+  // stay as they came, so a non-finite step can still be reduced exactly.
   head_ = at::empty({p_total + dense}, x.options());
   p_total_ = p_total;
   // Each part's new Q, transposed (rank x cols, row-major): BLAS writes P^T M
@@ -106,30 +107,44 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
   // 1024 at rank 4), and the outer product reads Q^T. q_state keeps Q (cols x
   // rank), the layout checkpoints hold.
   qt_ = at::empty({q_total}, x.options());
-  m_ = at::empty_like(x);
   Timed _(timer_);
-  // M = x / divisor (+ residual on the matrices: error feedback); the same
-  // division kernel as x.div_(divisor).
-  at::div_out(m_, x, at::native::wrapped_scalar_tensor(divisor));
-  if (residual.defined()) m_.add_(residual);
+  // M = x / divisor + residual (error feedback) is never formed for the
+  // matrices: P = M Q is taken as (x Q) / divisor + residual Q, the same reads
+  // of x and the residual without a pass that writes M, and finish() forms
+  // each entry of M where it writes the new residual. (Its rounding of M and
+  // BLAS's of P differ; P is an approximation's factor, and the residual
+  // keeps exactly what this rank's share of the result did not deliver of M.)
   int64_t d = p_total, po = 0, qo = 0;
   for (const auto& p : parts_) {
-    at::Tensor m = m_.narrow(0, p.offset, p.numel());
     if (p.rank == 0) {
-      head_.narrow(0, d, p.numel()).copy_(m);
+      at::Tensor h = head_.narrow(0, d, p.numel());
+      dense_input(p, h);
       d += p.numel();
     } else {
       // M (Q^T)^T with Q^T contiguous: as fast as BLAS goes here (M Q with Q
       // contiguous: 4-5x slower, for the same reason as above)
       const at::Tensor qt = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).t().contiguous();
       at::Tensor out = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-      at::mm_out(out, m.view({p.rows, p.cols}), qt.t());
+      const at::Tensor xm = x_.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
+      if (residual.defined()) {
+        at::mm_out(out, residual.narrow(0, p.offset, p.numel()).view({p.rows, p.cols}), qt.t());
+        out.addmm_(xm, qt.t(), 1.0, 1.0 / divisor);
+      } else {
+        at::mm_out(out, xm, qt.t());
+        out.div_(divisor);
+      }
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }
   }
   // what is summed: head_ rounded to the wire (a value beyond bf16's range becomes an infinity)
   if (rounded()) head_wire_ = encoded(head_, wire_);
+}
+
+void LowrankStep::dense_input(const LowrankPart& p, at::Tensor& out) const {
+  // the same division kernel as x.div_(divisor): a dense part sums as the exact all-reduce does
+  at::div_out(out, x_.narrow(0, p.offset, p.numel()), at::native::wrapped_scalar_tensor(divisor_));
+  if (residual_.defined()) out.add_(residual_.narrow(0, p.offset, p.numel()));
 }
 
 bool LowrankStep::after_first(Transport& t) {
@@ -148,9 +163,15 @@ bool LowrankStep::after_first(Transport& t) {
   for (const auto& p : parts_) {
     if (p.rank == 0) continue;
     at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    at::Tensor m = m_.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
+    const at::Tensor xm = x_.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
     at::Tensor out = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
-    at::mm_out(out, pm.t(), m);
+    if (residual_.defined()) {  // P^T M = P^T residual + (P^T x) / divisor, as in the constructor
+      at::mm_out(out, pm.t(), residual_.narrow(0, p.offset, p.numel()).view({p.rows, p.cols}));
+      out.addmm_(pm.t(), xm, 1.0, 1.0 / divisor_);
+    } else {
+      at::mm_out(out, pm.t(), xm);
+      out.div_(divisor_);
+    }
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
@@ -164,29 +185,33 @@ void LowrankStep::finish() {
   int64_t d = p_total_, po = 0, qo = 0;
   for (const auto& p : parts_) {
     at::Tensor out = x_.narrow(0, p.offset, p.numel());
+    at::Tensor r = residual_.defined() ? residual_.narrow(0, p.offset, p.numel()) : at::Tensor();
     if (p.rank == 0) {
-      out.copy_(head_.narrow(0, d, p.numel()));
+      const at::Tensor sum = head_.narrow(0, d, p.numel());
       d += p.numel();
+      if (r.defined() && rounded()) {
+        // The rounded sum stands for the sum over ranks; this rank keeps what
+        // its own share (by default its weight 1/divisor; the shares sum to 1)
+        // did not deliver: residual = M - share * sum, M as the constructor sent it.
+        at::Tensor m = at::empty_like(r);
+        dense_input(p, m);
+        at::sub_out(r, m, sum, share_);
+      } else if (r.defined()) {
+        r.zero_();  // a dense part's float32 sum is exact: nothing missed
+      }
+      out.copy_(sum);
     } else {
       at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
       at::Tensor qtm = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
       q_state_.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).copy_(qtm.t());  // warm start for the next step
-      // Identical inputs on every rank -> identical bits: our own fixed-order product, not BLAS.
-      ops::lowrank_outer(pm, qtm, out.view({p.rows, p.cols}));
+      // One pass: x becomes the approximation (identical inputs on every rank
+      // -> identical bits: our own fixed-order product, not BLAS), and the
+      // residual what this rank's share of it did not deliver of its M.
+      at::Tensor xm = out.view({p.rows, p.cols});
+      ops::lowrank_finish(pm, qtm, xm, r.defined() ? r.view({p.rows, p.cols}) : r, divisor_, share_);
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }
-    if (!residual_.defined()) continue;
-    at::Tensor r = residual_.narrow(0, p.offset, p.numel());
-    if (p.rank == 0 && !rounded()) {  // a dense part's float32 sum is exact: nothing missed
-      r.zero_();
-      continue;
-    }
-    // The approximation (or the rounded sum) stands for the sum over ranks;
-    // this rank keeps what its own share (by default its weight 1/divisor; the
-    // shares sum to 1) did not deliver: residual = M - share * out.
-    r.copy_(m_.narrow(0, p.offset, p.numel()));
-    r.sub_(out, share_);
   }
   // The next step's warm start, orthonormal, as PowerSGD's hook makes it:
   // P = M Q then scales each of its columns by one singular value of M, not

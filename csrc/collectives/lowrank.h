@@ -31,7 +31,8 @@ namespace collectives {
 // Returns false when x held a NaN or an infinity on some rank (every rank
 // learns it from the sum of P and the dense parts, so every rank returns the same):
 // x, the residual and Q are then as they came, for the caller to reduce x
-// exactly. The step holds one more buffer of x's size while it runs (M).
+// exactly. The step holds no buffer of x's size: M = x / divisor + residual
+// is read where x and the residual are.
 bool allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
                        const at::Tensor& residual, CodecTimer& timer, double share = -1.0,
                        at::ScalarType wire = at::kFloat);
@@ -71,7 +72,11 @@ class LowrankStep {
 
  private:
   bool rounded() const { return wire_ != at::kFloat; }
-  at::Tensor x_, q_state_, residual_, head_, qt_, m_;
+  // M of a dense part (x / divisor + residual) into out (its numel)
+  void dense_input(const LowrankPart& p, at::Tensor& out) const;
+  at::Tensor x_;
+  double divisor_;
+  at::Tensor q_state_, residual_, head_, qt_;
   at::Tensor head_wire_, qt_wire_;  // bfloat16 wire: what is summed, encoded from head_ and qt_
   CodecTimer& timer_;
   double share_;

@@ -21,6 +21,12 @@ HC_HD float outer_element(const float* p_row, const float* qt, int64_t cols, int
   return acc;
 }
 
+// Error feedback's residual after a step: what this rank's share of the
+// approximation `out` did not deliver of its input M = x / divisor + residual.
+HC_HD float lowrank_residual(float x, float divisor, float residual, float share, float out) {
+  return add_rn(ef_input(x, divisor, residual), -mul_rn(share, out));
+}
+
 // ---- Modified Gram-Schmidt, the same bits on the CPU and every GPU ----------
 // A matrix inside a flat float buffer: rows x cols, row-major, from offset.
 struct ColumnBlock {
@@ -70,6 +76,15 @@ void orthonormalize_blocks_cuda(float* base, const ColumnBlock* blocks, int64_t 
 // (qt is Q transposed, so the inner loop runs over contiguous memory.)
 void outer_product_cpu(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
                        int64_t row_begin, int64_t row_end);
+// The step's end in one pass over a matrix: x (rows x cols, this rank's
+// gradient) becomes p @ qt (outer_element, every rank the same bits) and, with
+// `residual`, residual becomes lowrank_residual of the old x; rows
+// [row_begin, row_end). `row` holds cols floats of scratch.
+void lowrank_finish_cpu(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
+                        int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end);
+// The same on the GPU, enqueued on `stream` (a cudaStream_t).
+void lowrank_finish_cuda(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
+                         int64_t rows, int64_t cols, int64_t r, void* stream);
 // The same on the GPU, enqueued on `stream` (a cudaStream_t).
 void outer_product_cuda(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
                         void* stream);

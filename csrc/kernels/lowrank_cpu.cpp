@@ -18,6 +18,18 @@ double column_dot(const float* p, int64_t rows, int64_t cols, int64_t a, int64_t
   return lane[0];
 }
 
+// Row p_row @ qt (cols entries) into o: outer_element's sum, k outermost so
+// the j loop vectorises: each o[j] starts at 0 and takes the products k = 0,
+// 1, ... in order, exactly as there.
+HC_HD void outer_row(const float* p_row, const float* qt, float* o, int64_t cols, int64_t r) {
+  for (int64_t j = 0; j < cols; ++j) o[j] = 0.0f;
+  for (int64_t k = 0; k < r; ++k) {
+    const float a = p_row[k];
+    const float* qk = qt + k * cols;
+    for (int64_t j = 0; j < cols; ++j) o[j] = mul_add_rn(a, qk[j], o[j]);
+  }
+}
+
 }  // namespace
 
 void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps) {
@@ -33,19 +45,27 @@ void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps)
 }
 
 HC_CPU_CLONES
-void outer_product_cpu(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
-                       int64_t row_begin, int64_t row_end) {
-  // outer_element's sum, k outermost so the j loop vectorises: each o[j]
-  // starts at 0 and takes the products k = 0, 1, ... in order, exactly as there.
+void lowrank_finish_cpu(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
+                        int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end) {
   for (int64_t i = row_begin; i < row_end; ++i) {
-    float* o = out + i * cols;
-    for (int64_t j = 0; j < cols; ++j) o[j] = 0.0f;
-    for (int64_t k = 0; k < r; ++k) {
-      const float a = p[i * r + k];
-      const float* qk = qt + k * cols;
-      for (int64_t j = 0; j < cols; ++j) o[j] = mul_add_rn(a, qk[j], o[j]);
+    outer_row(p + i * r, qt, row, cols, r);
+    float* xi = x + i * cols;
+    if (residual == nullptr) {
+      for (int64_t j = 0; j < cols; ++j) xi[j] = row[j];
+      continue;
+    }
+    float* ri = residual + i * cols;
+    for (int64_t j = 0; j < cols; ++j) {
+      ri[j] = lowrank_residual(xi[j], divisor, ri[j], share, row[j]);
+      xi[j] = row[j];
     }
   }
+}
+
+HC_CPU_CLONES
+void outer_product_cpu(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
+                       int64_t row_begin, int64_t row_end) {
+  for (int64_t i = row_begin; i < row_end; ++i) outer_row(p + i * r, qt, out + i * cols, cols, r);
 }
 
 }  // namespace kernels

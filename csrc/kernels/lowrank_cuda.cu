@@ -1,7 +1,7 @@
-// CUDA twins of lowrank_cpu.cpp: the outer product (one thread per output
-// element, the same outer_element) and Gram-Schmidt (one block of kDotLanes
-// threads per matrix, the same lanes and tree), so CPU and every GPU give the
-// same bits.
+// CUDA twins of lowrank_cpu.cpp: the outer product and the step's end (one
+// thread per output element, the same outer_element and lowrank_residual) and
+// Gram-Schmidt (one block of kDotLanes threads per matrix, the same lanes and
+// tree), so CPU and every GPU give the same bits.
 #include "kernels/cuda_check.cuh"
 #include "kernels/lowrank.h"
 
@@ -19,6 +19,18 @@ __global__ void outer_product_kernel(const float* p, const float* qt, float* out
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = e / cols, j = e % cols;
     out[e] = outer_element(p + i * r, qt, cols, r, j);
+  }
+}
+
+__global__ void lowrank_finish_kernel(const float* p, const float* qt, float* x, float* residual, float divisor,
+                                      float share, int64_t rows, int64_t cols, int64_t r) {
+  const int64_t n = rows * cols;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e / cols, j = e % cols;
+    const float out = outer_element(p + i * r, qt, cols, r, j);
+    if (residual != nullptr) residual[e] = lowrank_residual(x[e], divisor, residual[e], share, out);
+    x[e] = out;
   }
 }
 
@@ -71,6 +83,14 @@ void orthonormalize_blocks_cuda(float* base, const ColumnBlock* blocks, int64_t 
     orthonormalize_kernel<<<n, kDotLanes, 0, static_cast<cudaStream_t>(stream)>>>(base, list, eps);
     HC_CUDA_LAUNCH_CHECK("orthonormalize");
   }
+}
+
+void lowrank_finish_cuda(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
+                         int64_t rows, int64_t cols, int64_t r, void* stream) {
+  if (rows * cols == 0) return;
+  lowrank_finish_kernel<<<grid_for(rows * cols, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      p, qt, x, residual, divisor, share, rows, cols, r);
+  HC_CUDA_LAUNCH_CHECK("lowrank_finish");
 }
 
 void outer_product_cuda(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,

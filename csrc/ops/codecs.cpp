@@ -374,6 +374,30 @@ at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor o
   return out;
 }
 
+void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, const at::Tensor& residual,
+                    double divisor, double share) {
+  TORCH_CHECK_VALUE(p.dim() == 2 && qt.dim() == 2 && p.size(1) == qt.size(0) && p.is_contiguous() &&
+                        qt.is_contiguous() && p.scalar_type() == at::kFloat && qt.scalar_type() == at::kFloat,
+                    "hetcomm: p (rows x r) and qt (r x cols) must be contiguous float32 matrices with matching r, got ",
+                    p.sizes(), " and ", qt.sizes());
+  const int64_t rows = p.size(0), cols = qt.size(1), r = p.size(1);
+  auto fits = [&](const at::Tensor& t) {
+    return t.is_contiguous() && t.numel() == rows * cols && t.scalar_type() == at::kFloat && t.device() == p.device();
+  };
+  TORCH_CHECK_VALUE(p.device() == qt.device() && fits(x) && (!residual.defined() || fits(residual)),
+                    "hetcomm: x (and residual) must be contiguous float32 with rows * cols = ", rows * cols,
+                    " elements on p's device");
+  TORCH_CHECK_VALUE(divisor > 0.0 && std::isfinite(divisor) && std::isfinite(share),
+                    "hetcomm: divisor must be finite and > 0 and share finite, got ", divisor, " and ", share);
+  const float* pp = p.data_ptr<float>();
+  const float* qp = qt.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  const float d = static_cast<float>(divisor), s = static_cast<float>(share);
+  HC_RUN(p, "p", cpu::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r),
+         cuda::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r, p.device()));
+}
+
 void orthonormalize_columns(at::Tensor& p, double eps) {
   TORCH_CHECK_VALUE(p.dim() == 2 && p.is_contiguous() && p.scalar_type() == at::kFloat,
                     "hetcomm: p must be a contiguous float32 matrix");

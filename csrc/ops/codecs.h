@@ -62,6 +62,12 @@ void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta);
 // Low-rank pieces every rank must compute to the same bits.
 // out (rows x cols, float32) = p (rows x r) @ qt (r x cols), fixed order, no BLAS.
 at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out);
+// The step's end for one matrix, in one pass: x (rows x cols, this rank's
+// gradient, float32, contiguous) becomes p @ qt as lowrank_outer makes it;
+// with `residual` (x's shape) the residual becomes x / divisor + residual -
+// share * (p @ qt), from the old x (kernels::lowrank_residual).
+void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, const at::Tensor& residual,
+                    double divisor, double share);
 // Modified Gram-Schmidt of p's columns (rows x cols, float32) in place, on
 // p's device, the same bits on every device.
 void orthonormalize_columns(at::Tensor& p, double eps);

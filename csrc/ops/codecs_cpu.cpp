@@ -92,6 +92,14 @@ void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, in
                    [&](int64_t b, int64_t e) { k::outer_product_cpu(p, qt, out, rows, cols, r, b, e); });
 }
 
+void lowrank_finish(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
+                    int64_t rows, int64_t cols, int64_t r) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)), [&](int64_t b, int64_t e) {
+    std::vector<float> row(static_cast<size_t>(cols));
+    k::lowrank_finish_cpu(p, qt, x, residual, divisor, share, rows, cols, r, row.data(), b, e);
+  });
+}
+
 void orthonormalize_blocks(float* base, const std::vector<k::ColumnBlock>& blocks, float eps) {
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) k::orthonormalize_columns_cpu(base + blocks[i].offset, blocks[i].rows, blocks[i].cols, eps);

@@ -29,6 +29,8 @@ void scatter_add(const int32_t* idx, const float* val, int64_t count, float alph
 void cast_encode(kernels::Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t n);
 void cast_decode(kernels::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n);
 void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r);
+void lowrank_finish(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
+                    int64_t rows, int64_t cols, int64_t r);
 void orthonormalize_blocks(float* base, const std::vector<kernels::ColumnBlock>& blocks, float eps);
 void momentum_fold_in(float* x, const float* m, float alpha, int64_t n);
 void momentum_handoff(float* x, float* m, float beta, int64_t n);

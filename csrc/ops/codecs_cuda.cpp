@@ -132,6 +132,12 @@ void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, in
   k::outer_product_cuda(p, qt, out, rows, cols, r, stream_of(device));
 }
 
+void lowrank_finish(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
+                    int64_t rows, int64_t cols, int64_t r, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::lowrank_finish_cuda(p, qt, x, residual, divisor, share, rows, cols, r, stream_of(device));
+}
+
 void orthonormalize_blocks(float* base, const std::vector<k::ColumnBlock>& blocks, float eps,
                            const at::Device& device) {
   c10::cuda::CUDAGuard guard(device);

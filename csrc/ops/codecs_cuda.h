@@ -34,6 +34,8 @@ void cast_encode(kernels::Wire16 fmt, const float* in, float divisor, uint16_t* 
 void cast_decode(kernels::Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n, const at::Device& device);
 void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
                    const at::Device& device);
+void lowrank_finish(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
+                    int64_t rows, int64_t cols, int64_t r, const at::Device& device);
 void orthonormalize_blocks(float* base, const std::vector<kernels::ColumnBlock>& blocks, float eps,
                            const at::Device& device);
 void momentum_fold_in(float* x, const float* m, float alpha, int64_t n, const at::Device& device);
