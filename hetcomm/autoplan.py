@@ -562,6 +562,8 @@ class AutoPlanner:
                             "step_times": {c: list(v) for c, v in self._step_times.items()}}
         if self.guard is not None:
             out["guard"] = self.guard.state_dict()
+        if self._lowrank_algo is not None:
+            out["lowrank_algorithm"] = self._lowrank_algo
         return out
 
     def load_state_dict(self, sd: dict) -> None:
@@ -588,6 +590,7 @@ class AutoPlanner:
                 self._kept = None if trial["kept"] is None else [int(c) for c in trial["kept"]]
                 self._skipped = None if trial.get("skipped") is None else [int(c) for c in trial["skipped"]]
                 self._step_times = {int(c): [float(t) for t in v] for c, v in trial["step_times"].items()}
+        self._lowrank_algo = sd.get("lowrank_algorithm")  # (a rebuilt bucket's prediction may differ: kept as saved)
         self._guard_sd = sd.get("guard", {})
         if self.guard is not None:
             self.guard.load_state_dict(self._guard_sd)

@@ -730,3 +730,14 @@ def test_the_guarded_lowrank_runs_one_algorithm_on_every_bucket():
     cands = [auto._candidates(n, lambda r=None, lay=lay: lay) for n, lay in (big, small)]
     guarded = [[c for c in cs if c[0] == "lowrank"] for cs in cands]
     assert [[c[1] for c in g] for g in guarded] == [["hierarchical"], ["hierarchical"]]
+    # saved with the choices: a resumed run's buckets (DDP may have rebuilt them) take it, not their own prediction
+    resumed = plan.Planner(state).auto
+    resumed.modes = ("none", "bf16", "fp8")
+    resumed.offer_guarded()
+    resumed.load_state_dict(auto.state_dict())
+    fresh = plan.Planner(state).auto
+    fresh.modes = ("none", "bf16", "fp8")
+    fresh.offer_guarded()
+    for planner_, algo in ((resumed, "hierarchical"), (fresh, "native")):
+        cands = planner_._candidates(small[0], lambda r=None: small[1])
+        assert [c[1] for c in cands if c[0] == "lowrank"] == [algo]
