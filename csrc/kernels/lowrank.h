@@ -76,6 +76,9 @@ void orthonormalize_blocks_cuda(float* base, const ColumnBlock* blocks, int64_t 
 // (qt is Q transposed, so the inner loop runs over contiguous memory.)
 void outer_product_cpu(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
                        int64_t row_begin, int64_t row_end);
+// The same on the GPU, enqueued on `stream` (a cudaStream_t).
+void outer_product_cuda(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
+                        void* stream);
 // The step's end in one pass over a matrix: x (rows x cols, this rank's
 // gradient) becomes p @ qt (outer_element, every rank the same bits) and, with
 // `residual`, residual becomes lowrank_residual of the old x; rows
@@ -85,9 +88,6 @@ void lowrank_finish_cpu(const float* p, const float* qt, float* x, float* residu
 // The same on the GPU, enqueued on `stream` (a cudaStream_t).
 void lowrank_finish_cuda(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
                          int64_t rows, int64_t cols, int64_t r, void* stream);
-// The same on the GPU, enqueued on `stream` (a cudaStream_t).
-void outer_product_cuda(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r,
-                        void* stream);
 
 }  // namespace kernels
 }  // namespace hetcomm
