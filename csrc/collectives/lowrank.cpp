@@ -125,14 +125,7 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
       // contiguous: 4-5x slower, for the same reason as above)
       const at::Tensor qt = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).t().contiguous();
       at::Tensor out = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-      const at::Tensor xm = x_.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
-      if (residual.defined()) {
-        at::mm_out(out, residual.narrow(0, p.offset, p.numel()).view({p.rows, p.cols}), qt.t());
-        out.addmm_(xm, qt.t(), 1.0, 1.0 / divisor);
-      } else {
-        at::mm_out(out, xm, qt.t());
-        out.div_(divisor);
-      }
+      times_m(p, qt.t(), true, out);
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }
@@ -145,6 +138,19 @@ void LowrankStep::dense_input(const LowrankPart& p, at::Tensor& out) const {
   // the same division kernel as x.div_(divisor): a dense part sums as the exact all-reduce does
   at::div_out(out, x_.narrow(0, p.offset, p.numel()), at::native::wrapped_scalar_tensor(divisor_));
   if (residual_.defined()) out.add_(residual_.narrow(0, p.offset, p.numel()));
+}
+
+void LowrankStep::times_m(const LowrankPart& p, const at::Tensor& other, bool m_left, at::Tensor& out) const {
+  const auto view = [&p](const at::Tensor& t) { return t.narrow(0, p.offset, p.numel()).view({p.rows, p.cols}); };
+  const auto mm = [&](const at::Tensor& m) { m_left ? at::mm_out(out, m, other) : at::mm_out(out, other, m); };
+  const at::Tensor xm = view(x_);
+  if (residual_.defined()) {  // residual (x) other + (xm (x) other) / divisor, accumulated by BLAS
+    mm(view(residual_));
+    m_left ? out.addmm_(xm, other, 1.0, 1.0 / divisor_) : out.addmm_(other, xm, 1.0, 1.0 / divisor_);
+  } else {
+    mm(xm);
+    out.div_(divisor_);
+  }
 }
 
 bool LowrankStep::after_first(Transport& t) {
@@ -163,15 +169,8 @@ bool LowrankStep::after_first(Transport& t) {
   for (const auto& p : parts_) {
     if (p.rank == 0) continue;
     at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    const at::Tensor xm = x_.narrow(0, p.offset, p.numel()).view({p.rows, p.cols});
     at::Tensor out = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
-    if (residual_.defined()) {  // P^T M = P^T residual + (P^T x) / divisor, as in the constructor
-      at::mm_out(out, pm.t(), residual_.narrow(0, p.offset, p.numel()).view({p.rows, p.cols}));
-      out.addmm_(pm.t(), xm, 1.0, 1.0 / divisor_);
-    } else {
-      at::mm_out(out, pm.t(), xm);
-      out.div_(divisor_);
-    }
+    times_m(p, pm.t(), false, out);
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }

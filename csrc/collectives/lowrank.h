@@ -74,6 +74,10 @@ class LowrankStep {
   bool rounded() const { return wire_ != at::kFloat; }
   // M of a dense part (x / divisor + residual) into out (its numel)
   void dense_input(const LowrankPart& p, at::Tensor& out) const;
+  // out = M other (m_left) or other M for a matrix part, M = x / divisor +
+  // residual never formed: the product with the residual, then BLAS adds
+  // the product with x over divisor (without a residual: x's, divided)
+  void times_m(const LowrankPart& p, const at::Tensor& other, bool m_left, at::Tensor& out) const;
   at::Tensor x_;
   double divisor_;
   at::Tensor q_state_, residual_, head_, qt_;
