@@ -167,11 +167,12 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
     # fp32 and lowrank (rank 4) for auto; its first trial (steps 1-9) measures lowrank fastest, and from step 10
     # lowrank runs provisionally at rank 16 until the ranks' shares of gradient energy in the top 4 singular
     # values, read in steps 12-14, admit rank 4 at step 15. One sample a rank: every weight gradient is of rank 1
-    # (share 1): admitted. Eight: refused, and fp32 pays what lowrank's error feedback owed. With the rank given
+    # (share 1): admitted. Eight (0.90 here; FIRST_DROP set to 0.95): refused, and fp32 pays what lowrank's error
+    # feedback owed. With the rank given
     # (matrix_approximation_rank=4), nothing runs provisionally: fp32 until the reading, paying what the trial's
     # lowrank round (step 9) owed.
     res = run_ranks(_auto_run, 2, 18, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                    {"FIRST": 12, "FIRST_SPAN": 2}, True, None, None, False, given_rank)
+                    {"FIRST": 12, "FIRST_SPAN": 2, "FIRST_DROP": 0.95}, True, None, None, False, given_rank)
     r0, r1 = res
     assert r0["auto"]["modes"] == ["none", "lowrank"]
     guard = r0["auto"]["lowrank_guard"]
@@ -203,13 +204,13 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
 
 @pytest.mark.parametrize("second", ["admits", "refuses"])
 def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_its_provisional_rank(tmp_path, second):
-    # eight samples a rank in the first window (steps 12-14), its reading between the bars (DROP 0 here): the
+    # eight samples a rank in the first window (steps 12-14), its reading between the bars (FIRST_DROP 0 here): the
     # provisional lowrank (rank 16, from the trial's decision at step 10) goes on until the second window (steps
     # 20-22). One sample a rank there reads 1: rank 4 admitted at step 23. Eight again: a second reading between
     # the bars refuses it, and fp32 runs from step 23, paying what lowrank's error feedback owed
     batch = [8] * 20 + [1 if second == "admits" else 8] * 6
     res = run_ranks(_auto_run, 2, 26, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                    {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "DROP": 0.0})
+                    {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": 0.0})
     r0, r1 = res
     guard = r0["auto"]["lowrank_guard"]
     assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]
@@ -232,10 +233,11 @@ def test_auto_measures_lowrank_rounds_on_the_steps_that_ran_lowrank(tmp_path):
     # one sample a rank: lowrank runs from the trial's decision (step 10), provisionally at rank 16, then at rank 4
     # admitted at step 15; steps 11-30 hold its buckets for the step's last one or pipeline them in turns (A B B A),
     # each counted, and at step 31 the ranks agree on the rounds. With eight samples a rank lowrank is refused at
-    # step 15: steps 11-14 counted, two of each, and fp32's steps after them not
+    # step 15 (its reading under FIRST_DROP, set to 0.95): steps 11-14 counted, two of each, and fp32's steps after
+    # them not
     for batch, counted in ((1, 10), (8, 2)):
         res = run_ranks(_auto_run, 2, 34, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                        {"FIRST": 12, "FIRST_SPAN": 2})
+                        {"FIRST": 12, "FIRST_SPAN": 2, "FIRST_DROP": 0.95})
         r0, r1 = res
         assert r0["rounds_counted"] == r1["rounds_counted"] == {"pipelined": counted, "together": counted}
         assert r0["rounds"]["state"] == "chosen" and r0["rounds"] == r1["rounds"]
@@ -302,15 +304,18 @@ def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
     assert not g.update(1.0, 420) and g.state == "refused"  # refused for the rest of the run
     assert g.changed_at == [220, lowrank_share.DROP - 1e-3]
     h = lowrank_share.Guard()
-    assert h.update(lowrank_share.DROP - 1e-3, 40) and h.state == "refused"
-    # between the bars, the first reading decides nothing; the second decides at ADMIT
-    for second, state in ((lowrank_share.ADMIT, "admitted"), (lowrank_share.ADMIT - 1e-3, "refused")):
-        p = lowrank_share.Guard()
-        assert not p.update(lowrank_share.ADMIT - 1e-3, 40) and p.state == "pending" and p.reading
-        assert p.changed_at is None and p.share == lowrank_share.ADMIT - 1e-3
-        q = lowrank_share.Guard()  # a checkpoint between the readings
-        q.load_state_dict(p.state_dict())
-        assert q.update(second, 120) and q.state == state and q.changed_at == [120, second]
+    assert h.update(lowrank_share.FIRST_DROP - 1e-3, 40) and h.state == "refused"
+    # from FIRST_DROP up to ADMIT (under DROP too: a first window inside a learning-rate warm-up), the first reading
+    # decides nothing, lowrank going on provisionally; the second decides at ADMIT
+    for first in (lowrank_share.ADMIT - 1e-3, lowrank_share.DROP - 1e-3, lowrank_share.FIRST_DROP):
+        for second, state in ((lowrank_share.ADMIT, "admitted"), (lowrank_share.ADMIT - 1e-3, "refused")):
+            p = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
+            assert not p.update(first, 40) and p.state == "pending" and p.reading and p.provisional
+            assert p.changed_at is None and p.share == first
+            q = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)  # a checkpoint between the readings
+            q.load_state_dict(p.state_dict())
+            assert q.update(second, 120) and q.state == state and q.changed_at == [120, second]
+            assert not q.provisional and q.runs() is (state == "admitted")
     k = lowrank_share.Guard()
     k.load_state_dict(g.state_dict())
     assert k.state_dict() == {"state": "refused", "share": 1.0, "step": 420,

@@ -270,6 +270,17 @@ def test_cosine_schedule_is_a_linear_warm_up_then_a_cosine_decay(optim):
         train.make_schedule(opt, "linear", 100)
 
 
+def test_warmup_schedule_is_a_linear_warm_up_then_the_lr_held():
+    opt = train.make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(3))], 0.2)
+    sched = train.make_schedule(opt, "warmup", 600)  # a warm-up of 30 steps, then 0.2 to the end
+    lrs = []
+    for _ in range(600):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.2 * (s + 1) / 30 for s in range(30)] + [0.2] * 570, rel=1e-12)
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw+m"])
 def test_onecycle_schedule_is_torchs_one_cycle_at_the_tasks_lr(optim):
     name, _, attach = optim.partition("+")

@@ -35,8 +35,8 @@ OPTIMIZERS = ("sgd", "adamw", "nesterov", "plain")
 OPTIMIZERS_HELP = ("comma-separated optimizers: sgd (momentum 0.9), adamw (default both), nesterov (SGD, Nesterov "
                    "momentum 0.9, at sgd's lr), plain (SGD without momentum, at its own lr; no +m modes)")
 DEFAULT_OPTIMIZERS = ["sgd", "adamw"]
-SCHEDULES = ("constant", "cosine", "onecycle")
-#: the cosine schedule's linear warm-up, as a fraction of the run's steps
+SCHEDULES = ("constant", "warmup", "cosine", "onecycle")
+#: the warmup and cosine schedules' linear warm-up, as a fraction of the run's steps
 LR_WARMUP_FRACTION = 0.05
 
 
@@ -52,10 +52,12 @@ def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.
 
 def make_schedule(optimizer: torch.optim.Optimizer, name: str, steps: int):
     """The learning-rate schedule ``name`` over a run of ``steps`` optimizer
-    steps, stepped once after each: None for ``constant``; ``cosine``, what
-    transformer recipes use, a linear warm-up over the first
-    ``LR_WARMUP_FRACTION`` of the steps (step s at (s + 1) / w of the lr) and
-    then a cosine decay towards 0 at the end; ``onecycle``, torch's
+    steps, stepped once after each: None for ``constant``; ``warmup``, a
+    linear warm-up over the first ``LR_WARMUP_FRACTION`` of the steps (step s
+    at (s + 1) / w of the lr), then the lr held (transformers'
+    ``get_constant_schedule_with_warmup``); ``cosine``, what transformer
+    recipes use, the same warm-up and then a cosine decay towards 0 at the
+    end; ``onecycle``, torch's
     ``OneCycleLR`` with its defaults and the optimizer's lr as ``max_lr``
     (the lr up from max_lr / 25 over 30 % of the steps, then down to max_lr /
     25e4, and the momentum, SGD's or Adam's beta1, cycled from 0.95 to 0.85
@@ -72,6 +74,8 @@ def make_schedule(optimizer: torch.optim.Optimizer, name: str, steps: int):
     def factor(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
+        if name == "warmup":
+            return 1.0
         return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
