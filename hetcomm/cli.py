@@ -230,8 +230,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")
     tr.add_argument("--schedule", choices=bench_train.SCHEDULES, default="constant",
                     help="the learning rate over each run: constant; warmup (a linear warm-up over the first 5 %% "
-                         "of the steps, then constant); cosine (the same warm-up, then a cosine decay to 0; the task's lr is the peak); onecycle (torch's "
-                         "OneCycleLR at the task's lr, its momentum cycled too)")
+                         "of the steps, then constant); cosine (the same warm-up, then a cosine decay to 0; the "
+                         "task's lr is the peak); onecycle (torch's OneCycleLR at the task's lr, its momentum cycled "
+                         "too)")
     tr.add_argument("--eval-every", type=positive_int, default=20, help="steps between quality measurements")
     tr.add_argument("--bucket-mb", type=positive_float, default=None,
                     help="DDP's bucket_cap_mb for every mode but PowerSGD (which takes one bucket); default: DDP's "

@@ -302,8 +302,8 @@ class Guard:
                 self.state = "refused"
             else:
                 log.info("hetcomm: auto's lowrank waits for its next reading%s: the ranks' lowest share of gradient "
-                         "energy in its rank, steps %d-%d, is %.3f (admitted at %.3f or more, refused under %.2f; the next "
-                         "reading admits it at %.3f or refuses it)",
+                         "energy in its rank, steps %d-%d, is %.3f (admitted at %.3f or more, refused under %.2f; "
+                         "the next reading admits it at %.3f or refuses it)",
                          "" if self.provisional_rank is None else f" (at rank {self.provisional_rank} until then)",
                          window_of(step), step, share, ADMIT, FIRST_DROP, ADMIT)
         elif self.state == "admitted" and share < DROP:
