@@ -48,12 +48,12 @@ HC_CPU_CLONES
 void lowrank_finish_cpu(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
                         int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end) {
   for (int64_t i = row_begin; i < row_end; ++i) {
-    outer_row(p + i * r, qt, row, cols, r);
     float* xi = x + i * cols;
-    if (residual == nullptr) {
-      for (int64_t j = 0; j < cols; ++j) xi[j] = row[j];
+    if (residual == nullptr) {  // the old x is not read: the row goes straight into it
+      outer_row(p + i * r, qt, xi, cols, r);
       continue;
     }
+    outer_row(p + i * r, qt, row, cols, r);
     float* ri = residual + i * cols;
     for (int64_t j = 0; j < cols; ++j) {
       ri[j] = lowrank_residual(xi[j], divisor, ri[j], share, row[j]);

@@ -355,6 +355,15 @@ void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta) {
   HC_RUN(x, "x", cpu::momentum_handoff(xp, mp, b, x.numel()), cuda::momentum_handoff(xp, mp, b, x.numel(), x.device()));
 }
 
+namespace {
+
+// Whether t can hold a rows x cols float32 matrix in place beside p: contiguous, on p's device.
+bool holds_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const at::Tensor& p) {
+  return t.is_contiguous() && t.numel() == rows * cols && t.scalar_type() == at::kFloat && t.device() == p.device();
+}
+
+}  // namespace
+
 at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out) {
   TORCH_CHECK_VALUE(p.dim() == 2 && qt.dim() == 2 && p.size(1) == qt.size(0), "hetcomm: p (rows x r) and qt (r x cols) "
                     "must be matrices with matching r, got ", p.sizes(), " and ", qt.sizes());
@@ -364,8 +373,7 @@ at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor o
   const at::Tensor pc = p.contiguous(), qc = qt.contiguous();
   const int64_t rows = p.size(0), cols = qt.size(1), r = p.size(1);
   if (!out.defined()) out = at::empty({rows, cols}, pc.options());
-  TORCH_CHECK_VALUE(out.is_contiguous() && out.numel() == rows * cols && out.scalar_type() == at::kFloat &&
-                        out.device() == p.device(),
+  TORCH_CHECK_VALUE(holds_matrix(out, rows, cols, p),
                     "hetcomm: out must be contiguous float32 with rows * cols elements on p's device");
   const float* pp = pc.data_ptr<float>();
   const float* qp = qc.data_ptr<float>();
@@ -381,14 +389,12 @@ void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, co
                     "hetcomm: p (rows x r) and qt (r x cols) must be contiguous float32 matrices with matching r, got ",
                     p.sizes(), " and ", qt.sizes());
   const int64_t rows = p.size(0), cols = qt.size(1), r = p.size(1);
-  auto fits = [&](const at::Tensor& t) {
-    return t.is_contiguous() && t.numel() == rows * cols && t.scalar_type() == at::kFloat && t.device() == p.device();
-  };
-  TORCH_CHECK_VALUE(p.device() == qt.device() && fits(x) && (!residual.defined() || fits(residual)),
+  TORCH_CHECK_VALUE(p.device() == qt.device() && holds_matrix(x, rows, cols, p) &&
+                        (!residual.defined() || holds_matrix(residual, rows, cols, p)),
                     "hetcomm: x (and residual) must be contiguous float32 with rows * cols = ", rows * cols,
                     " elements on p's device");
-  TORCH_CHECK_VALUE(divisor > 0.0 && std::isfinite(divisor) && std::isfinite(share),
-                    "hetcomm: divisor must be finite and > 0 and share finite, got ", divisor, " and ", share);
+  check_divisor(divisor);
+  TORCH_CHECK_VALUE(std::isfinite(share), "hetcomm: share must be finite, got ", share);
   const float* pp = p.data_ptr<float>();
   const float* qp = qt.data_ptr<float>();
   float* xp = x.data_ptr<float>();

@@ -21,6 +21,9 @@ constexpr int64_t kGrainElements = 1 << 15;
 
 int64_t chunk_grain(int64_t chunk) { return std::max<int64_t>(1, kGrainElements / chunk); }
 
+// Rows of a matrix with `cols` columns a task takes: about 16384 elements.
+int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+
 }  // namespace
 
 void sign_encode(const k::SignEncodeParams& p) {
@@ -88,13 +91,13 @@ void momentum_handoff(float* x, float* m, float beta, int64_t n) {
 }
 
 void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)),
+  at::parallel_for(0, rows, row_grain(cols),
                    [&](int64_t b, int64_t e) { k::outer_product_cpu(p, qt, out, rows, cols, r, b, e); });
 }
 
 void lowrank_finish(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
                     int64_t rows, int64_t cols, int64_t r) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t b, int64_t e) {
     std::vector<float> row(static_cast<size_t>(cols));
     k::lowrank_finish_cpu(p, qt, x, residual, divisor, share, rows, cols, r, row.data(), b, e);
   });
