@@ -10,12 +10,13 @@
    rebuilds them later, ``static_graph=True``, a first trial begun in the
    old buckets starts again in the new: :meth:`AutoPlanner._drop_replaced`.)
    In the first trial, after round 0 (each bucket's best predicted
-   candidate), the ranks agree on the rounds whose predicted communication
-   alone is over ``AUTO_SPAN`` times round 0's step; those do not run at all
-   (:meth:`AutoPlanner._skip_hopeless`). After the first cycle (each round
-   once) the ranks agree on the rounds that took over ``AUTO_SPAN`` times the
-   fastest; those run no more (fp32 at 100 Mbit: 3 steps of it cost 25
-   compressed ones; they could not win).
+   candidate; the guarded lowrank only where it is predicted fastest and
+   may run now, see 5), the ranks agree on the rounds whose predicted
+   communication alone is over ``AUTO_SPAN`` times round 0's step; those do
+   not run at all (:meth:`AutoPlanner._skip_hopeless`). After the first
+   cycle (each round once) the ranks agree on the rounds that took over
+   ``AUTO_SPAN`` times the fastest; those run no more (fp32 at 100 Mbit: 3
+   steps of it cost 25 compressed ones; they could not win).
    Each round's *step* time is measured (one period of the training loop:
    what the user waits for, including what the codecs and the intra-node
    traffic take from the compute on a shared CPU); the comm thread also times
@@ -38,14 +39,25 @@
    measures it; until the ranks' first reading of how much of their
    gradient its rank carries (steps 20-30) it runs only at rank 16
    (provisionally, where ``matrix_approximation_rank`` is left to hetcomm;
-   given, not at all), then only once a reading admits it (a reading just
-   under the bar waits for steps 100-120, lowrank going on at rank 16 where
-   it ran provisionally); admitted, every bucket takes the
-   fastest round the last trial measured, lowrank's included. A round with
-   the guarded lowrank wins only at ``LOWRANK_MARGIN`` (0.7) times the best
-   round without it or less: an approximation must buy a clear speed-up.
-   Refused (then or later), it leaves the candidates, and buckets that ran it
-   take the fastest round without it.
+   given, not at all), then only once a reading admits it (a reading under
+   the bar but over the lower one waits for the next windows, 50-60, 80-90,
+   100-120, lowrank going on at rank 16 where it ran provisionally; the
+   first at the bar admits it, 100-120 under it refuses it); admitted,
+   every bucket takes the fastest round the last trial measured, lowrank's
+   included. A round with the guarded lowrank wins only at
+   ``LOWRANK_MARGIN`` (0.7) times the best round without it or less: an
+   approximation must buy a clear speed-up. Where the cost model predicts
+   it fastest (a slow link) and it may run, it is the first trial's round
+   0, so that the rounds hopeless against it do not run: a skipped round's
+   predicted communication alone is over AUTO_SPAN times lowrank's step, so
+   it loses even by the margin unless the probe overrated its time 1.4-fold
+   (its bandwidth was 0.88-1.0x the link's). On the wide model at 100 Mbit
+   the first trial ran lowrank and fp8 across nodes, where it had run fp8
+   and bf16 across nodes, fp8 flat, then lowrank (bench/README "auto's
+   start"). Refused (then or later), it leaves the candidates, and buckets
+   that ran it take the fastest round without it; where the last trial
+   measured none (the others hopeless against lowrank), the first trial runs
+   again without lowrank.
 
 6. Saved (:meth:`AutoPlanner.state_dict`): the choices, each bucket's
    candidates, the last trial's round order and times, a running trial's
@@ -319,14 +331,22 @@ class AutoPlanner:
 
     def _order_of(self, key: str, prune: bool = False) -> List[int]:
         """The candidates of ``key`` in trial order: the current choice first
-        (round 0 of a re-check), then by prediction; ``prune``: without those
-        measured hopeless (:attr:`pruned`)."""
+        (round 0 of a re-check), then by prediction, the guarded lowrank last
+        unless it is predicted fastest and a bucket may run it now (round 0
+        is what the first trial measures the others against, and chooses
+        without them where they are hopeless: :meth:`_skip_hopeless`);
+        ``prune``: without those measured hopeless (:attr:`pruned`)."""
+        cands = self.candidates[key]
         first = self.decided.get(key)
-        if first is not None and self._excluded(self.candidates[key][first]):
+        if first is not None and self._excluded(cands[first]):
             first = None
         out = self.pruned.get(key, set()) if prune else set()
-        rest = [j for j, c in enumerate(self.candidates[key])
-                if j != first and c[:2] not in out and not self._excluded(c)]
+        rest = [j for j, c in enumerate(cands) if j != first and c[:2] not in out and not self._excluded(c)]
+        lead = next((j for j in rest if self._guarded(cands[j][0])), None)
+        if lead is not None and not self._blocked(cands[lead]) and cands[lead][2] is not None and \
+                all(cands[j][2] is None or cands[lead][2] < cands[j][2] for j in rest if j != lead):
+            rest.remove(lead)
+            rest.insert(0, lead)
         return rest if first is None else [first] + rest
 
     def _candidate_in_round(self, key: str, c: int) -> int:
@@ -457,6 +477,8 @@ class AutoPlanner:
             self._decide(engine)
             self.trial_start = None
             self.next_check = self.compressed_steps + (AUTO_SETTLE if self.rechecks == 0 else AUTO_RECHECK)
+            if any(self._blocked(self.candidates[k][j]) for k, j in self.decided.items()):
+                self._first_trial_again()  # lowrank, refused while the trial ran, was all it measured
         elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check:
             self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
 
@@ -529,8 +551,9 @@ class AutoPlanner:
     def _repick(self) -> None:
         """The guard admitted or refused lowrank: every bucket takes the
         fastest round of the last trial that it now allows (the slowest
-        rank's times, the same everywhere). Without a trial's times (a resumed
-        run) a re-check starts, from fp32 where buckets ran lowrank."""
+        rank's times, the same everywhere). Without such a round (the trial
+        measured lowrank alone, the others hopeless against it; a resumed
+        run saved before any) the first trial starts again, without lowrank."""
         if self.trial_start is not None:
             return  # the running trial decides on the new state
         times = self._judged(self.round_times) if self._order else []
@@ -539,11 +562,14 @@ class AutoPlanner:
             for k in self._order:
                 self.decided[k] = self._candidate_in_round(k, best)
             return
-        for k, j in self.decided.items():
-            if self._blocked(self.candidates[k][j]):
-                self.decided[k] = [c[:2] for c in self.candidates[k]].index(("none", "native"))
         if self.decided:
-            self._start_trial()
+            self._first_trial_again()
+
+    def _first_trial_again(self) -> None:
+        """The first trial, again, without what is blocked now: the guard
+        refused lowrank, and the last trial measured no round without it."""
+        self.decided = {}
+        self._start_trial()
 
     # ---- what is saved ----------------------------------------------------------------
     def state_dict(self) -> dict:

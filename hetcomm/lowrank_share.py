@@ -5,10 +5,11 @@ then: the share of each matrix's energy (squared Frobenius norm) in its top
 Error feedback makes the residual nearly all of what lowrank approximates
 (bench/README "Could auto tell where lowrank is safe?"), so only the fresh
 gradient's spectrum says whether the rank is enough. A reading is the mean of
-a *window* of steps: every EVERY-th step of steps FIRST .. FIRST + FIRST_SPAN,
-then of LATER .. LATER + SPAN, 2 LATER .. 2 LATER + SPAN, 4 LATER ... (one
-step's share moves by up to 0.04 on a model where lowrank is safe). In `hetcomm bench
-train`'s runs (2 ranks, fp8's path, SGD-momentum and AdamW, 4 seeds,
+a *window* of steps: every EVERY-th step of steps FIRST .. FIRST + FIRST_SPAN
+(20-30), of as long windows every EARLY steps after it that close before LATER
+(50-60, 80-90), then of LATER .. LATER + SPAN, 2 LATER .. 2 LATER + SPAN,
+4 LATER ... (one step's share moves by up to 0.04 on a model where lowrank is
+safe). In `hetcomm bench train`'s runs (2 ranks, fp8's path, SGD-momentum and AdamW, 4 seeds,
 bench/README "The first reading at step 30") the first window (steps 20-30)
 read at rank 4 0.983-0.996 on the MLPs where lowrank reaches fp32's quality
 (wide, digits), and 0.991-0.996 on the language model at rank 16, which
@@ -32,6 +33,8 @@ FIRST = 20   # the first window's first step (before 20 the shares of runs that 
 #              "Could the first reading come earlier?")
 FIRST_SPAN = 10  # the first window's steps after its first (20-30 separates as 20-40 did: bench/README "The first
 #                  reading at step 30")
+EARLY = 30   # more windows of FIRST_SPAN steps every EARLY steps after FIRST, up to LATER (50-60, 80-90): a guard
+#              between its bars may admit lowrank there, as soon as a learning-rate warm-up is over
 SPAN = 20    # a later window's steps after its first
 EVERY = 5    # a reading every EVERY steps inside a window
 LATER = 100  # later windows start at LATER, 2 LATER, 4 LATER, ...
@@ -82,27 +85,39 @@ def compressed_at(rows: int, cols: int, rank: int) -> bool:
 
 def span_of(start: int) -> int:
     """The steps of the window that begins at ``start`` after its first."""
-    return FIRST_SPAN if start == FIRST else SPAN
+    return FIRST_SPAN if start < LATER else SPAN
 
 
 def window_of(step: int) -> Optional[int]:
     """The first step of the window ``step`` lies in, or None."""
-    if FIRST <= step <= FIRST + FIRST_SPAN:
-        return FIRST
-    if step < LATER:
+    if step < FIRST:
         return None
+    if step < LATER:  # FIRST, FIRST + EARLY, ... (those that close before LATER)
+        start = FIRST + (step - FIRST) // EARLY * EARLY
+        if start > FIRST and start + FIRST_SPAN >= LATER:  # would run into LATER's window
+            return None
+        return start if step <= start + FIRST_SPAN else None
     start = LATER << ((step // LATER).bit_length() - 1)  # the largest LATER * 2^k <= step
     return start if step <= start + SPAN else None
 
 
 def next_close(step: int) -> int:
     """The last step of the first window that closes at ``step`` or later."""
-    if step <= FIRST + FIRST_SPAN:
-        return FIRST + FIRST_SPAN
+    start = FIRST
+    while start + FIRST_SPAN < step and start + EARLY + FIRST_SPAN < LATER:
+        start += EARLY
+    if step <= start + FIRST_SPAN:
+        return start + FIRST_SPAN
     start = LATER
     while start + SPAN < step:
         start *= 2
     return start + SPAN
+
+
+def deadline() -> int:
+    """The last step of the window at LATER: where a guard still between its
+    bars decides (:meth:`Guard.update`)."""
+    return LATER + SPAN
 
 
 class LowrankShare:
@@ -242,8 +257,9 @@ class Guard:
     the language model's start, then dense, ended 3 % over fp32's perplexity
     in one of four runs). With a rank given, no bucket runs it before the
     reading. The reading admits rank 4 at :data:`ADMIT` and refuses it under
-    :data:`FIRST_DROP`. From FIRST_DROP up to ADMIT the next window (steps
-    100-120) decides, at ADMIT, else refuses: a window's
+    :data:`FIRST_DROP`. From FIRST_DROP up to ADMIT the next windows decide
+    (steps 50-60, 80-90: admitted at ADMIT, refused under FIRST_DROP; steps
+    100-120, :func:`deadline`: admitted at ADMIT, else refused): a window's
     mean moves by 0.01 with one step's share (an fp16 overflow skipped in
     steps 20-40, the first window then, took the wide model's reading from
     0.983 to 0.972; at 100-120 it read 0.999), and a first window inside a
@@ -274,6 +290,7 @@ class Guard:
         self.share: Optional[float] = None  # the last agreed reading (pending with one: it was between the bars)
         self.step: Optional[int] = None     # ... and the last step of its window
         self.changed_at: Optional[list] = None  # [step, share] of the reading that set the state
+        self.first: Optional[list] = None  # [step, share] of the first agreed reading
 
     @property
     def reading(self) -> bool:
@@ -292,20 +309,21 @@ class Guard:
 
     def update(self, share: float, step: int) -> bool:
         """An agreed reading; True when it admits or refuses lowrank now."""
-        second = self.share is not None  # a pending guard's second reading: the first was between the bars
         self.share, self.step = share, step
+        if self.first is None:
+            self.first = [step, share]
         before = self.state
         if self.state == "pending":
             if share >= ADMIT:
                 self.state = "admitted"
-            elif share < FIRST_DROP or second:
+            elif share < FIRST_DROP or step >= deadline():
                 self.state = "refused"
             else:
                 log.info("hetcomm: auto's lowrank waits for its next reading%s: the ranks' lowest share of gradient "
                          "energy in its rank, steps %d-%d, is %.3f (admitted at %.3f or more, refused under %.2f; "
-                         "the next reading admits it at %.3f or refuses it)",
+                         "the reading of steps %d-%d refuses it under %.3f)",
                          "" if self.provisional_rank is None else f" (at rank {self.provisional_rank} until then)",
-                         window_of(step), step, share, ADMIT, FIRST_DROP, ADMIT)
+                         window_of(step), step, share, ADMIT, FIRST_DROP, LATER, deadline(), ADMIT)
         elif self.state == "admitted" and share < DROP:
             self.state = "refused"
         if self.state != before:
@@ -316,11 +334,13 @@ class Guard:
         return self.state != before
 
     def state_dict(self) -> dict:
-        return {"state": self.state, "share": self.share, "step": self.step, "changed_at": self.changed_at}
+        return {"state": self.state, "share": self.share, "step": self.step, "changed_at": self.changed_at,
+                "first": self.first}
 
     def load_state_dict(self, sd: dict) -> None:
         self.state = str(sd.get("state", "pending"))
         self.share, self.step, self.changed_at = sd.get("share"), sd.get("step"), sd.get("changed_at")
+        self.first = sd.get("first")
 
 
 DEFAULT_RANK = 4  # lowrank's first rung, and auto's lowrank candidate's rank (PowerSGD's hook: 1)

@@ -423,7 +423,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         once this rank has shadowed steps inside DDP's join (its inputs ran out);
         ``lowrank_share`` once lowrank (or auto's guard on it) measured how much
         of this rank's gradient its rank carries (:mod:`hetcomm.lowrank_share`:
-        steps 20-30, 100-120, 200-220, 400-420, ...); ``lowrank_rank`` under
+        steps 20-30, 50-60, 80-90, 100-120, 200-220, 400-420, ...); ``lowrank_rank`` under
         ``compression="lowrank"`` (the rank in use; with
         ``matrix_approximation_rank`` left to lowrank, whether it is chosen
         yet, the ranks' lowest shares at 4 / 8 / 16 and the step they were

@@ -316,10 +316,21 @@ def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
             q.load_state_dict(p.state_dict())
             assert q.update(second, 120) and q.state == state and q.changed_at == [120, second]
             assert not q.provisional and q.runs() is (state == "admitted")
+    # the windows before the deadline's (steps 50-60, 80-90) admit at ADMIT and refuse under FIRST_DROP only; the
+    # deadline's (100-120) refuses under ADMIT
+    assert lowrank_share.deadline() == 120
+    for later, state in (([0.95, lowrank_share.ADMIT], "admitted"), ([lowrank_share.FIRST_DROP - 1e-3], "refused"),
+                         ([lowrank_share.FIRST_DROP, lowrank_share.ADMIT - 1e-3, lowrank_share.ADMIT - 1e-3],
+                          "refused")):
+        p = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
+        for share, step in zip([0.95] + later, [30, 60, 90, 120]):
+            decided = p.update(share, step)
+            assert decided is (p.state != "pending") and p.provisional is (p.state == "pending")
+        assert p.state == state and p.changed_at == [step, share]
     k = lowrank_share.Guard()
     k.load_state_dict(g.state_dict())
     assert k.state_dict() == {"state": "refused", "share": 1.0, "step": 420,
-                              "changed_at": [220, lowrank_share.DROP - 1e-3]}
+                              "changed_at": [220, lowrank_share.DROP - 1e-3], "first": [40, lowrank_share.ADMIT]}
 
 
 @pytest.mark.parametrize("warmup", ["none", None])
@@ -746,3 +757,73 @@ def test_the_guarded_lowrank_runs_one_algorithm_on_every_bucket():
     for planner_, algo in ((resumed, "hierarchical"), (fresh, "native")):
         cands = planner_._candidates(small[0], lambda r=None: small[1])
         assert [c[1] for c in cands if c[0] == "lowrank"] == [algo]
+
+
+def test_the_guarded_lowrank_predicted_fastest_is_the_first_round_and_a_refusal_runs_the_trial_without_it(
+        monkeypatch):
+    """The planner alone, on a clock of its own, one slow link (12.5 MB/s):
+    lowrank is predicted fastest, so the first trial measures it first, and
+    the rounds whose predicted communication alone is over AUTO_SPAN times its
+    step (fp8, bf16, fp32) do not run at all: lowrank is chosen, provisionally
+    (rank 16). Refused by the guard, the buckets do not fall back to fp32:
+    the first trial runs again without lowrank, from the best predicted
+    round (fp8), fp32 hopeless against it; refused while the first trial
+    still runs, at its end too (not lowrank, all it measured). With a rank
+    given (lowrank may not run before its reading) lowrank stays the last
+    round."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
+                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
+    layout = torch.tensor([[0, 1024, 1024, 16]])
+
+    def planner_for(given):
+        state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
+                                min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0, _rank_given=given,
+                                matrix_approximation_rank=4, lowrank_wire="bf16", _compressed_at=lambda step: True)
+        plans = plan.Planner(state)
+        plans.auto.modes = ("none", "bf16", "fp8")
+        plans.auto.offer_guarded()
+        return plans
+
+    plans = planner_for(None)
+    auto = plans.auto
+    cost = {"lowrank": 0.03, "fp8": 0.1, "bf16": 0.18, "none": 0.35}  # a step, seconds
+    clock = [0.0]
+    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
+    engine = _OneRankEngine()
+
+    def steps(n):
+        ran = []
+        for step in range(n):
+            auto.begin_step(engine)
+            p = plans.plan(1 << 20, "0", 0, step, lambda r=None: layout)
+            ran.append((p.mode, p.why))
+            clock[0] += cost[p.mode]
+            auto.end_step(True)
+        return ran
+
+    preds = {m: t for m, _, t in auto._candidates(1 << 20, lambda r=None: layout)}
+    assert preds["lowrank"] < cost["lowrank"] < preds["fp8"] / autoplan.AUTO_SPAN  # the others hopeless
+    assert steps(autoplan.AUTO_REPEATS) == [("lowrank", "trial")] * autoplan.AUTO_REPEATS
+    assert steps(5) == [("lowrank", "measured")] * 5 and auto.lowrank_rank() == lowrank_share.PROVISIONAL_RANK
+    assert auto.guard.update(lowrank_share.FIRST_DROP - 0.01, 30) and auto.guard.state == "refused"
+    auto._repick()
+    assert not auto.decided and auto.trial_start is not None  # the first trial again
+    again = steps(2 * autoplan.AUTO_REPEATS)
+    assert sorted(again) == [("bf16", "trial")] * 3 + [("fp8", "trial")] * 3 and again[0][0] == "fp8"  # no fp32
+    assert steps(3) == [("fp8", "measured")] * 3
+    # refused while that first trial still ran: its decision (lowrank, all it measured) is not taken
+    plans = planner_for(None)
+    auto = plans.auto
+    assert steps(1) == [("lowrank", "trial")]
+    assert auto.guard.update(lowrank_share.FIRST_DROP - 0.01, 30)
+    auto._repick()  # the running trial decides
+    assert steps(autoplan.AUTO_REPEATS - 1) == [("lowrank", "trial")] * (autoplan.AUTO_REPEATS - 1)
+    again = steps(2 * autoplan.AUTO_REPEATS + 1)
+    assert again[0] == ("fp8", "trial") and sorted(again[:-1]) == [("bf16", "trial")] * 3 + [("fp8", "trial")] * 3
+    assert again[-1] == ("fp8", "measured")
+    given = planner_for(4).auto
+    cands = given._candidates(1 << 20, lambda r=None: layout)
+    given.candidates = {"0": cands}
+    assert [cands[j][0] for j in given._order_of("0")] == ["fp8", "bf16", "none", "lowrank"]

@@ -440,15 +440,16 @@ def test_top_share_is_the_energy_in_the_top_singular_values_and_leaves_the_calle
             assert num / den <= share + 1e-6  # an estimate from below
     assert torch.equal(torch.get_rng_state(), rng)
     due = [s for s in range(1000) if lowrank_share.LowrankShare.due(s)]
-    assert due == [20, 25, 30] + [s for first in (100, 200, 400, 800) for s in range(first, first + 21, 5)]
-    assert [s for s in range(1000) if lowrank_share.LowrankShare.closes(s)] == [30, 120, 220, 420, 820]
+    assert due == [20, 25, 30, 50, 55, 60, 80, 85, 90] + [s for first in (100, 200, 400, 800)
+                                                          for s in range(first, first + 21, 5)]
+    assert [s for s in range(1000) if lowrank_share.LowrankShare.closes(s)] == [30, 60, 90, 120, 220, 420, 820]
 
 
 def test_next_close_is_the_first_window_end_at_or_after_a_step():
     from hetcomm import lowrank_share
 
     ends = [s for s in range(7000) if lowrank_share.LowrankShare.closes(s)]  # ... 3220, 6420
-    assert ends[:6] == [30, 120, 220, 420, 820, 1620]
+    assert ends[:8] == [30, 60, 90, 120, 220, 420, 820, 1620]
     for step in range(5000):  # what auto's log line names, against the windows the guard reads
         assert lowrank_share.next_close(step) == next(e for e in ends if e >= step), step
 

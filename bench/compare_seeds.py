@@ -1,0 +1,62 @@
+"""Seed-by-seed comparison of `hetcomm bench train --seeds N --json` files
+against PyTorch's PowerSGD (bench/README's 24-seed rows):
+
+    python bench/compare_seeds.py RESULT.json [RESULT.json ...]
+
+Per mode: seeds reached; steps to the first touch and to the stay, summed over
+the seeds every mode reached; mean final quality; median ms a step; each
+seed's steps. Against torch-powersgd (where the file has it): the seeds with
+more / fewer steps and the mean difference (standard error), and the time to
+the first touch as the mean (median) of per-seed ratios and as the ratio of
+the summed times; the same two for the stay. (fp32 taken from a
+--reference file ran elsewhere, loopback: its times are that run's, its steps
+compare.)"""
+import json
+import statistics as st
+import sys
+
+BASE = "torch-powersgd"
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    out = {}
+    for r in data["runs"]:
+        out.setdefault(r["mode"], {})[r["seed"]] = r
+    return out
+
+
+def report(path):
+    runs = load(path)
+    seeds = sorted(set.intersection(*[{s for s, r in by_seed.items() if r["reached"]} for by_seed in runs.values()]))
+    print(f"{path}: {len(seeds)} seeds reached by every mode")
+    for mode, by_seed in runs.items():
+        first = sum(by_seed[s]["steps_to_target"] for s in seeds)
+        stay = sum(by_seed[s]["steps_to_stay"] for s in seeds)
+        each = " ".join(str(r["steps_to_target"]) if r["reached"] else "-" for _, r in sorted(by_seed.items()))
+        print(f"  {mode:16s} reached {sum(r['reached'] for r in by_seed.values()):2d}/{len(by_seed)}  first touch "
+              f"{first:5d}  stay {stay:5d}  final {st.mean(r['final'] for r in by_seed.values()):.2f}  step "
+              f"{1e3 * st.median(r['s_per_step'] for r in by_seed.values()):.1f} ms  {each}")
+    if BASE not in runs or len(seeds) < 2:
+        return
+    base = runs[BASE]
+    for mode, by_seed in runs.items():
+        if mode == BASE:
+            continue
+        diffs = [by_seed[s]["steps_to_target"] - base[s]["steps_to_target"] for s in seeds]
+        ratios = [by_seed[s]["time_to_target_s"] / base[s]["time_to_target_s"] for s in seeds]
+        stays = [by_seed[s]["time_to_stay_s"] / base[s]["time_to_stay_s"] for s in seeds]
+
+        def summed(key):
+            return sum(by_seed[s][key] for s in seeds) / sum(base[s][key] for s in seeds)
+        print(f"  {mode} vs PowerSGD: more steps on {sum(d > 0 for d in diffs)} seeds, fewer on "
+              f"{sum(d < 0 for d in diffs)}, {st.mean(diffs):+.1f} a seed (standard error "
+              f"{st.stdev(diffs) / len(diffs) ** 0.5:.1f}); time to the first touch {st.mean(ratios):.2f}x (median "
+              f"{st.median(ratios):.2f}x, summed {summed('time_to_target_s'):.2f}x), to the stay {st.mean(stays):.2f}x "
+              f"(summed {summed('time_to_stay_s'):.2f}x)")
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        report(p)
