@@ -88,25 +88,24 @@ def span_of(start: int) -> int:
     return FIRST_SPAN if start < LATER else SPAN
 
 
+def _early_starts() -> range:
+    """The first steps of the windows before LATER: FIRST, then every EARLY
+    steps those that close before LATER."""
+    return range(FIRST, max(FIRST, LATER - FIRST_SPAN - 1) + 1, EARLY)
+
+
 def window_of(step: int) -> Optional[int]:
     """The first step of the window ``step`` lies in, or None."""
-    if step < FIRST:
-        return None
-    if step < LATER:  # FIRST, FIRST + EARLY, ... (those that close before LATER)
-        start = FIRST + (step - FIRST) // EARLY * EARLY
-        if start > FIRST and start + FIRST_SPAN >= LATER:  # would run into LATER's window
-            return None
-        return start if step <= start + FIRST_SPAN else None
+    if step < LATER:
+        return next((s for s in _early_starts() if s <= step <= s + FIRST_SPAN), None)
     start = LATER << ((step // LATER).bit_length() - 1)  # the largest LATER * 2^k <= step
     return start if step <= start + SPAN else None
 
 
 def next_close(step: int) -> int:
     """The last step of the first window that closes at ``step`` or later."""
-    start = FIRST
-    while start + FIRST_SPAN < step and start + EARLY + FIRST_SPAN < LATER:
-        start += EARLY
-    if step <= start + FIRST_SPAN:
+    start = next((s for s in _early_starts() if step <= s + FIRST_SPAN), None)
+    if start is not None:
         return start + FIRST_SPAN
     start = LATER
     while start + SPAN < step:
