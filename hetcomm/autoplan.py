@@ -40,7 +40,8 @@
    gradient its rank carries (steps 20-30) it runs only at rank 16
    (provisionally, where ``matrix_approximation_rank`` is left to hetcomm;
    given, not at all), then only once a reading admits it (a reading under
-   the bar but over the lower one waits for the next windows, 50-60, 80-90,
+   the bar but over the lower one, or under the lower one where rank 8
+   carries the gradient, waits for the next windows, 50-60, 80-90,
    100-120, lowrank going on at rank 16 where it ran provisionally; the
    first at the bar admits it, 100-120 under it refuses it); admitted,
    every bucket takes the fastest round the last trial measured, lowrank's
@@ -57,7 +58,9 @@
    start"). Refused (then or later), it leaves the candidates, and buckets
    that ran it take the fastest round without it; where the last trial
    measured none (the others hopeless against lowrank), the first trial runs
-   again without lowrank.
+   again without lowrank. The guard reads on: a later window at its bar
+   takes lowrank back, and a re-check starts then to measure it (the trials
+   since the refusal left it out).
 
 6. Saved (:meth:`AutoPlanner.state_dict`): the choices, each bucket's
    candidates, the last trial's round order and times, a running trial's
@@ -231,15 +234,22 @@ class AutoPlanner:
 
     def reads_share(self, numel: int) -> bool:
         """Whether a compressed step's bucket of ``numel`` elements feeds the
-        guard's reading (lowrank not refused, the bucket one it would take)."""
-        return self.guard is not None and self.guard.reading and numel >= self.s.min_compress_numel
+        guard's reading (the bucket one lowrank would take; refused too: a
+        reading at ADMIT takes it back)."""
+        return self.guard is not None and numel >= self.s.min_compress_numel
+
+    def read_ranks(self, rank: int) -> Optional[List[int]]:
+        """The ranks a guard's reading is taken at, lowrank's ``rank`` last:
+        also WAIT_RANK where it is larger (a reading under FIRST_DROP waits
+        where that rank carries the gradient: :meth:`Guard.update`)."""
+        return [lowrank_share.WAIT_RANK, rank] if self.guard is not None and rank < lowrank_share.WAIT_RANK else None
 
     def _guarded(self, mode: str) -> bool:
         return self.guard is not None and mode == "lowrank"
 
     def _excluded(self, cand: Tuple) -> bool:
         """A candidate the trials no longer measure (lowrank refused)."""
-        return self._guarded(cand[0]) and not self.guard.reading
+        return self._guarded(cand[0]) and self.guard.state == "refused"
 
     def _blocked(self, cand: Tuple) -> bool:
         """A candidate no bucket may run outside a trial (lowrank neither
@@ -465,7 +475,7 @@ class AutoPlanner:
                     key, j = self._last_trial[index]
                     self._times.setdefault(key, {}).setdefault(j, []).append(secs)
             self._last_trial = {}
-        if self.guard is not None and self.guard.reading and lowrank_share.LowrankShare.closes(self.s.iter - 1):
+        if self.guard is not None and lowrank_share.LowrankShare.closes(self.s.iter - 1):
             self._read_guard(engine)
         if self.trial_start is not None and not self._rechecking and self._skipped is None and \
                 self.compressed_steps - self.trial_start == 1 and self._rounds() > 1:
@@ -536,17 +546,25 @@ class AutoPlanner:
         return [INF if not self._allowed(c) else t / LOWRANK_MARGIN if guarded(c) else t for c, t in enumerate(times)]
 
     def _read_guard(self, engine) -> None:
-        """After a window of share readings: every rank all-gathers its mean
-        (or -1: none, e.g. a non-finite gradient); the lowest decides, the
-        same on every rank."""
+        """After a window of share readings: every rank all-gathers its means
+        (at WAIT_RANK and lowrank's rank; -1: none, e.g. a non-finite
+        gradient); the lowest decide, the same on every rank."""
         step = self.s.iter - 1
         last = self.s._lowrank_share.last
-        own = last["share"] if last is not None and last["step"] == step else None
-        lowest = lowrank_share.agreed_lowest(engine, step, [own], "compression='auto'")
+        width = len(self.read_ranks(self.s._rank_ladder.rank) or [None])  # the same on every rank
+        own = [None] * width
+        if last is not None and last["step"] == step:
+            own = last.get("ladder", [last["share"]])
+        lowest = lowrank_share.agreed_lowest(engine, step, own if len(own) == width else [None] * width,
+                                             "compression='auto'")
         if lowest is None:
             return
-        if self.guard.update(lowest[0], step):
-            self._repick()
+        before = self.guard.state
+        if self.guard.update(lowest[-1], step, lowest[0] if width > 1 else None):
+            if before == "refused":
+                self._start_trial()  # taken back: the trials since its refusal left it out; measure it now
+            else:
+                self._repick()
 
     def _repick(self) -> None:
         """The guard admitted or refused lowrank: every bucket takes the

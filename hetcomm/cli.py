@@ -7,7 +7,7 @@ import json
 import sys
 from typing import List, Optional
 
-from .cliargs import (choices_list, comma_list, mode_list, network, nonneg_int, param_count, positive_float,
+from .cliargs import (checked, choices_list, comma_list, mode_list, network, nonneg_int, param_count, positive_float,
                       positive_int, quotas, rate, size_bytes, writable_path)
 
 
@@ -228,11 +228,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--scale", type=positive_float, default=1.0, help="multiplies each task's number of steps")
     tr.add_argument("--lr-scale", type=positive_float, default=1.0,
                     help="multiplies every task's learning rate (fp32's best at 1.0), to check sensitivity")
-    tr.add_argument("--schedule", choices=bench_train.SCHEDULES, default="constant",
+    tr.add_argument("--schedule", type=checked(bench_train.check_schedule), default="constant",
                     help="the learning rate over each run: constant; warmup (a linear warm-up over the first 5 %% "
-                         "of the steps, then constant); cosine (the same warm-up, then a cosine decay to 0; the "
-                         "task's lr is the peak); onecycle (torch's OneCycleLR at the task's lr, its momentum cycled "
-                         "too)")
+                         "of the steps, then constant; warmup:N over N steps); cosine (the same warm-up, then a "
+                         "cosine decay to 0, cosine:N; the task's lr is the peak); onecycle (torch's OneCycleLR at the "
+                         "task's lr, its momentum cycled too)")
     tr.add_argument("--eval-every", type=positive_int, default=20, help="steps between quality measurements")
     tr.add_argument("--bucket-mb", type=positive_float, default=None,
                     help="DDP's bucket_cap_mb for every mode but PowerSGD (which takes one bucket); default: DDP's "

@@ -100,18 +100,24 @@ def choices_list(allowed, noun: str) -> Callable[[str], List[str]]:
     return parse
 
 
+def checked(check: Callable[[str], Any]) -> Callable[[str], str]:
+    """One value passed by ``check`` (a ValueError names the rule)."""
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+    return parse
+
+
 def mode_list(check: Callable[[str], Any]) -> Callable[[str], List[str]]:
     """Comma-separated modes, each passed by ``check`` (a ValueError names the rule)."""
     def parse(text: str) -> List[str]:
         items = [x for x in text.split(",") if x]
         if not items:
             raise argparse.ArgumentTypeError("unknown mode (empty list)")
-        for x in items:
-            try:
-                check(x)
-            except ValueError as e:
-                raise argparse.ArgumentTypeError(str(e)) from None
-        return items
+        return [checked(check)(x) for x in items]
     return parse
 
 

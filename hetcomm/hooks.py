@@ -383,8 +383,9 @@ class BucketSteps:
             if p.mode == "lowrank" and self._rank_ladder.pending:  # at every rank it may choose, at once
                 ranks = self._rank_ladder.ranks
                 self._lowrank_share.add(buf, layout_of(ranks[0]), ranks)
-            else:  # how much of the gradient lowrank's rank can carry (auto's: at its rank after the reading)
-                self._lowrank_share.add(buf, layout_of(self._rank_ladder.rank))
+            else:  # how much of the gradient lowrank's rank can carry (auto's: at its rank after the reading, and 8)
+                at = self._rank_ladder.rank
+                self._lowrank_share.add(buf, layout_of(at), self._planner.auto.read_ranks(at))
         residual, server, carry = self._buckets.state_for(p, key, numel, buf.device, error_feedback=self.error_feedback,
                                                           world=engine.size, rank=engine.rank, node_of=node_of)
         momentum = None

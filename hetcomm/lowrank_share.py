@@ -125,7 +125,8 @@ class LowrankShare:
 
     def __init__(self) -> None:
         # {"step", "share", "rank", "readings"}: the last closed window's; read at several ranks (a lowrank whose
-        # rank is not yet chosen: RankLadder), also "ladder": the share at each of them, "share" at the last
+        # rank is not yet chosen: RankLadder; auto's guard: at WAIT_RANK and its rank), also "ladder": the share at
+        # each of them, "share" at the last
         self.last: Optional[dict] = None
         self.warned = False
         self._nums: list = []  # this step's energy in the top r singular values, per rank read
@@ -165,7 +166,8 @@ class LowrankShare:
         """The matrices of one lowrank bucket (rows of ``layout`` with a rank)
         in this rank's gradient ``buf``, before it is reduced; at each of
         ``ranks`` (a matrix lowrank would send dense at one carries all of it
-        there), or at the layout's own."""
+        there; the rank in use last: the window's :attr:`last` share), or at
+        the layout's own."""
         for off, rows, cols, rank in layout.tolist():
             if rank and (self._read == 0 or self._read + rows * cols <= BUDGET):  # one matrix at least
                 self._read += rows * cols
@@ -239,6 +241,10 @@ DROP = 0.93    # ... and takes an admitted one back when a later window's reads 
 FIRST_DROP = 0.90  # a first reading under this refuses lowrank; from this up to ADMIT the next window decides (at
 #                    ADMIT, or refused). Between the language model (0.77-0.85 at rank 4 in steps 20-30) and the
 #                    wide model inside a 30-step learning-rate warm-up (0.928-0.982), not fitted
+WAIT_RANK, WAIT = 8, 0.965  # ... unless the top WAIT_RANK singular values carry at least WAIT: then it waits too. In
+#                    steps 20-30 on 4 ranks (the ranks' lowest) the language model read 0.908-0.955 at rank 8, the
+#                    wide model inside a 300-step warm-up 0.977-0.992 (and 0.836-0.915 at rank 4; from steps 80-120
+#                    on 0.975 and more). Halfway, not fitted (bench/README "A refused lowrank reads again")
 
 
 class Guard:
@@ -256,9 +262,12 @@ class Guard:
     the language model's start, then dense, ended 3 % over fp32's perplexity
     in one of four runs). With a rank given, no bucket runs it before the
     reading. The reading admits rank 4 at :data:`ADMIT` and refuses it under
-    :data:`FIRST_DROP`. From FIRST_DROP up to ADMIT the next windows decide
-    (steps 50-60, 80-90: admitted at ADMIT, refused under FIRST_DROP; steps
-    100-120, :func:`deadline`: admitted at ADMIT, else refused): a window's
+    :data:`FIRST_DROP`, unless the top :data:`WAIT_RANK` (8) singular values
+    carry :data:`WAIT` or more (read from the same spectrum): then, as from
+    FIRST_DROP up to ADMIT, it waits. The next windows decide
+    (steps 50-60, 80-90: admitted at ADMIT, refused under FIRST_DROP where
+    rank 8 carries under WAIT; steps 100-120, :func:`deadline`: admitted at
+    ADMIT, else refused): a window's
     mean moves by 0.01 with one step's share (an fp16 overflow skipped in
     steps 20-40, the first window then, took the wide model's reading from
     0.983 to 0.972; at 100-120 it read 0.999), and a first window inside a
@@ -276,12 +285,22 @@ class Guard:
     took another seed, inside a warm-up, 115 ms a step against 30. Not lower:
     rank 16 until step 120 and fp8 from there took the language model 4.4 %
     over fp32's perplexity on one run of four (SGD-m; refused at step 30, 0.3
-    % under it).
+    % under it); the language model's rank 8 carries 0.908-0.955 in steps
+    20-30 (4 ranks, the ranks' lowest), under WAIT, so it is refused there
+    still.
     An admitted lowrank is refused when a later window reads under
-    DROP. Refused, lowrank leaves the candidates for the rest of the run (the
-    language model's share only falls as it trains), and buckets that ran it
+    DROP. Refused, lowrank leaves the candidates, and buckets that ran it
     take the best plan the last trial measured without it; its error feedback
-    is carried into that plan, nothing dropped."""
+    is carried into that plan, nothing dropped. A refused guard reads on, at
+    every window, and a reading at ADMIT takes lowrank back (at its rank, not
+    provisionally; auto measures it again in a re-check): a long learning-rate
+    warm-up reads low at first (the wide model on 4 ranks, 300 warm-up
+    steps: 0.836-0.915 in steps 20-30, under FIRST_DROP on 12 runs of 16,
+    which waited since WAIT and were refused before it; 0.956-0.99 at steps
+    80-90, 0.987 and more from 100-120 on), while where rank 4 misses the
+    readings stay under the bar up to step 820 (the language model:
+    0.66-0.86; the 4-rank regression with AdamW: 0.86-0.96; bench/README "A
+    refused lowrank reads again")."""
 
     def __init__(self, provisional_rank: Optional[int] = None) -> None:
         self.provisional_rank = provisional_rank
@@ -290,10 +309,8 @@ class Guard:
         self.step: Optional[int] = None     # ... and the last step of its window
         self.changed_at: Optional[list] = None  # [step, share] of the reading that set the state
         self.first: Optional[list] = None  # [step, share] of the first agreed reading
-
-    @property
-    def reading(self) -> bool:
-        return self.state != "refused"
+        self.readmitted = 0  # times a reading at ADMIT took a refused lowrank back
+        self.share8: Optional[float] = None  # the last agreed reading at WAIT_RANK (where read)
 
     @property
     def provisional(self) -> bool:
@@ -306,40 +323,48 @@ class Guard:
         """Whether a bucket may run lowrank outside a trial now."""
         return self.state == "admitted" or self.provisional
 
-    def update(self, share: float, step: int) -> bool:
-        """An agreed reading; True when it admits or refuses lowrank now."""
-        self.share, self.step = share, step
+    def update(self, share: float, step: int, share8: Optional[float] = None) -> bool:
+        """An agreed reading (``share8``: at WAIT_RANK, where it was read);
+        True when it admits or refuses lowrank now."""
+        self.share, self.step, self.share8 = share, step, share8
         if self.first is None:
             self.first = [step, share]
         before = self.state
         if self.state == "pending":
             if share >= ADMIT:
                 self.state = "admitted"
-            elif share < FIRST_DROP or step >= deadline():
+            elif (share < FIRST_DROP and (share8 is None or share8 < WAIT)) or step >= deadline():
                 self.state = "refused"
             else:
                 log.info("hetcomm: auto's lowrank waits for its next reading%s: the ranks' lowest share of gradient "
-                         "energy in its rank, steps %d-%d, is %.3f (admitted at %.3f or more, refused under %.2f; "
-                         "the reading of steps %d-%d refuses it under %.3f)",
+                         "energy in its rank, steps %d-%d, is %.3f%s (admitted at %.3f or more, refused under %.2f "
+                         "where rank %d carries under %.3f; the reading of steps %d-%d refuses it under %.3f)",
                          "" if self.provisional_rank is None else f" (at rank {self.provisional_rank} until then)",
-                         window_of(step), step, share, ADMIT, FIRST_DROP, LATER, deadline(), ADMIT)
+                         window_of(step), step, share, "" if share8 is None else f", at rank {WAIT_RANK} {share8:.3f}",
+                         ADMIT, FIRST_DROP, WAIT_RANK, WAIT, LATER, deadline(), ADMIT)
         elif self.state == "admitted" and share < DROP:
             self.state = "refused"
+        elif self.state == "refused" and share >= ADMIT:
+            self.state = "admitted"
+            self.readmitted += 1
         if self.state != before:
             self.changed_at = [step, share]
             log.info("hetcomm: auto %s lowrank: the ranks' lowest share of gradient energy in its rank, steps "
                      "%d-%d, is %.3f (admitted at %.3f or more, refused later under %.2f)",
-                     "keeps" if self.state == "admitted" else "drops", window_of(step), step, share, ADMIT, DROP)
+                     "drops" if self.state == "refused" else "keeps" if before == "pending" else "takes back",
+                     window_of(step), step, share, ADMIT, DROP)
         return self.state != before
 
     def state_dict(self) -> dict:
         return {"state": self.state, "share": self.share, "step": self.step, "changed_at": self.changed_at,
-                "first": self.first}
+                "first": self.first, "readmitted": self.readmitted, "share8": self.share8}
 
     def load_state_dict(self, sd: dict) -> None:
         self.state = str(sd.get("state", "pending"))
         self.share, self.step, self.changed_at = sd.get("share"), sd.get("step"), sd.get("changed_at")
         self.first = sd.get("first")
+        self.readmitted = int(sd.get("readmitted", 0))
+        self.share8 = sd.get("share8")
 
 
 DEFAULT_RANK = 4  # lowrank's first rung, and auto's lowrank candidate's rank (PowerSGD's hook: 1)

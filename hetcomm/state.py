@@ -138,7 +138,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             lowrank under a guard: measured in the trial, run at rank 16
             until the ranks' first reading of how much of their gradient
             rank 4 carries (steps 20-30), then at rank 4 once a reading
-            admits it, dropped when it or a later reading does not
+            admits it, dropped when it or a later reading does not, taken
+            back when a later one does
             (:class:`hetcomm.lowrank_share.Guard`; with
             ``matrix_approximation_rank`` given, at that rank and only once
             admitted); onebit and topk only when
@@ -431,8 +432,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         buckets' rounds a step, pipelined or together, as measured in steps
         11-30: :mod:`hetcomm.lowrank_rounds`); ``auto`` under
         ``compression="auto"``, with ``lowrank_guard`` (pending, admitted or
-        refused; the ranks' last agreed reading and the one that set the
-        state) where auto offers lowrank, and ``lowrank_rank`` (the rank its
+        refused; the ranks' last agreed reading, the one that set the state,
+        the first, and how often a reading took a refused lowrank back) where
+        auto offers lowrank, and ``lowrank_rank`` (the rank its
         lowrank runs at now) where lowrank is among its modes."""
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
         if self._engine is not None:

@@ -167,12 +167,14 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
     # fp32 and lowrank (rank 4) for auto; its first trial (steps 1-9) measures lowrank fastest, and from step 10
     # lowrank runs provisionally at rank 16 until the ranks' shares of gradient energy in the top 4 singular
     # values, read in steps 12-14, admit rank 4 at step 15. One sample a rank: every weight gradient is of rank 1
-    # (share 1): admitted. Eight (0.90 here; FIRST_DROP set to 0.95): refused, and fp32 pays what lowrank's error
+    # (share 1): admitted. Eight (0.90 here; FIRST_DROP set to 0.95, and WAIT over 1: the top 8 singular values
+    # carry all of an 8-sample gradient): refused, and fp32 pays what lowrank's error
     # feedback owed. With the rank given
     # (matrix_approximation_rank=4), nothing runs provisionally: fp32 until the reading, paying what the trial's
     # lowrank round (step 9) owed.
     res = run_ranks(_auto_run, 2, 18, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                    {"FIRST": 12, "FIRST_SPAN": 2, "FIRST_DROP": 0.95}, True, None, None, False, given_rank)
+                    {"FIRST": 12, "FIRST_SPAN": 2, "FIRST_DROP": 0.95, "WAIT": 1.01}, True, None, None, False,
+                    given_rank)
     r0, r1 = res
     assert r0["auto"]["modes"] == ["none", "lowrank"]
     guard = r0["auto"]["lowrank_guard"]
@@ -203,18 +205,23 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
 
 
 @pytest.mark.parametrize("second", ["admits", "refuses"])
-def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_its_provisional_rank(tmp_path, second):
-    # eight samples a rank in the first window (steps 12-14), its reading between the bars (FIRST_DROP 0 here): the
-    # provisional lowrank (rank 16, from the trial's decision at step 10) goes on until the second window (steps
-    # 20-22). One sample a rank there reads 1: rank 4 admitted at step 23. Eight again: a second reading between
-    # the bars refuses it, and fp32 runs from step 23, paying what lowrank's error feedback owed
+@pytest.mark.parametrize("first_drop", [0.0, 0.95])
+def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_its_provisional_rank(tmp_path, second,
+                                                                                              first_drop):
+    # eight samples a rank in the first window (steps 12-14), its reading between the bars (FIRST_DROP 0), or under
+    # FIRST_DROP (0.95: 0.90 at rank 4) where the top 8 singular values carry the gradient (all of it, 8 samples;
+    # WAIT 0.965): the provisional lowrank (rank 16, from the trial's decision at step 10) goes on until the second
+    # window (steps 20-22). One sample a rank there reads 1: rank 4 admitted at step 23. Eight again: a second
+    # reading between the bars refuses it, and fp32 runs from step 23, paying what lowrank's error feedback owed
     batch = [8] * 20 + [1 if second == "admits" else 8] * 6
     res = run_ranks(_auto_run, 2, 26, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                    {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": 0.0})
+                    {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": first_drop})
     r0, r1 = res
     guard = r0["auto"]["lowrank_guard"]
     assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]
     assert guard["changed_at"] == [22, guard["share"]]
+    assert guard["first"][0] == 14 and (first_drop == 0.0 or guard["first"][1] < first_drop)
+    assert guard["share8"] == pytest.approx(1.0, abs=1e-6)  # the ranks' lowest at rank 8, of the last window
     assert r0["wires"][10:23] == [["lowrank"]] * 13 and r0["ranks"][10:23] == [[16]] * 13, r0["wires"]
     if second == "admits":
         assert guard["state"] == "admitted" and guard["share"] > 0.999
@@ -229,15 +236,44 @@ def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_its_pro
     assert torch.equal(r0["params"], r1["params"])
 
 
+def test_a_refused_lowrank_is_taken_back_by_a_later_reading_at_the_bar_and_measured_again(tmp_path):
+    # eight samples a rank in the first window (steps 12-14): refused at step 15 (FIRST_DROP 0.95, WAIT over 1
+    # here: the top 8 singular values carry all of an 8-sample gradient), fp32 from
+    # there. A refused guard reads on: one sample a rank in the next window (steps 20-22) reads 1, so lowrank is
+    # taken back at step 23 (a long learning-rate warm-up reads low at first: bench/README "A refused lowrank reads
+    # again"). The trials since the refusal left it out, so a re-check starts there: the current plan (fp32), the
+    # other fp32 candidate and lowrank in turns, three steps each (23-31), lowrank chosen at 32, at rank 4 (not
+    # provisionally at 16)
+    batch = [8] * 20 + [1] * 16
+    res = run_ranks(_auto_run, 2, 36, None, None, 0.01, False, False, str(tmp_path), False, batch,
+                    {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": 0.95, "WAIT": 1.01})
+    r0, r1 = res
+    guard = r0["auto"]["lowrank_guard"]
+    assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]
+    assert guard["state"] == "admitted" and guard["readmitted"] == 1 and guard["share"] > 0.999
+    assert guard["changed_at"] == [22, guard["share"]] and guard["first"][0] == 14
+    assert guard["first"][1] < 0.95
+    assert r0["wires"][10:15] == [["lowrank"]] * 5 and r0["ranks"][10:15] == [[16]] * 5, r0["wires"]
+    assert all(w == ["none"] for w in r0["wires"][15:23]), r0["wires"]
+    assert r0["wires"][23:32] == [["none"], ["none"], ["lowrank"]] * 3 and r0["ranks"][25] == [4], r0["wires"]
+    assert r0["wires"][32:] == [["lowrank"]] * 4 and r0["ranks"][32:] == [[4]] * 4, r0["wires"]
+    assert r0["auto"]["rechecks"] == 1 and r0["auto"]["lowrank_rank"] == 4
+    tol = 1e-4 * r0["scale"] * 36
+    for r in res:  # what the provisional lowrank owed at its refusal was paid while fp32 ran
+        assert max(r["gap"][15:23]) < tol and r["gap"][14] > 100 * max(r["gap"][15:23]), r["gap"]
+    assert torch.equal(r0["params"], r1["params"])
+
+
 def test_auto_measures_lowrank_rounds_on_the_steps_that_ran_lowrank(tmp_path):
     # one sample a rank: lowrank runs from the trial's decision (step 10), provisionally at rank 16, then at rank 4
     # admitted at step 15; steps 11-30 hold its buckets for the step's last one or pipeline them in turns (A B B A),
     # each counted, and at step 31 the ranks agree on the rounds. With eight samples a rank lowrank is refused at
-    # step 15 (its reading under FIRST_DROP, set to 0.95): steps 11-14 counted, two of each, and fp32's steps after
+    # step 15 (its reading under FIRST_DROP, set to 0.95, WAIT over 1): steps 11-14 counted, two of each, and fp32's
+    # steps after
     # them not
     for batch, counted in ((1, 10), (8, 2)):
         res = run_ranks(_auto_run, 2, 34, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                        {"FIRST": 12, "FIRST_SPAN": 2, "FIRST_DROP": 0.95})
+                        {"FIRST": 12, "FIRST_SPAN": 2, "FIRST_DROP": 0.95, "WAIT": 1.01})
         r0, r1 = res
         assert r0["rounds_counted"] == r1["rounds_counted"] == {"pipelined": counted, "together": counted}
         assert r0["rounds"]["state"] == "chosen" and r0["rounds"] == r1["rounds"]
@@ -296,21 +332,41 @@ def test_auto_resumed_with_other_candidates_keeps_its_choice_or_runs_its_trial_a
         assert resumed["auto"]["rechecks"] == 1  # one, whatever the number of buckets
 
 
-def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
+def test_the_guard_admits_lowrank_drops_it_under_its_lower_bar_and_takes_it_back_at_the_upper():
     g = lowrank_share.Guard()
     assert g.update(lowrank_share.ADMIT, 40) and g.state == "admitted"
     assert not g.update(lowrank_share.DROP, 120) and g.state == "admitted"  # between the bars: kept
-    assert g.update(lowrank_share.DROP - 1e-3, 220) and g.state == "refused" and not g.reading
-    assert not g.update(1.0, 420) and g.state == "refused"  # refused for the rest of the run
-    assert g.changed_at == [220, lowrank_share.DROP - 1e-3]
-    h = lowrank_share.Guard()
-    assert h.update(lowrank_share.FIRST_DROP - 1e-3, 40) and h.state == "refused"
+    assert g.update(lowrank_share.DROP - 1e-3, 220) and g.state == "refused" and not g.runs()
+    assert not g.update(lowrank_share.ADMIT - 1e-3, 420) and g.state == "refused"  # between the bars: stays out
+    assert g.changed_at == [220, lowrank_share.DROP - 1e-3] and g.readmitted == 0
+    assert g.update(lowrank_share.ADMIT, 820) and g.state == "admitted" and g.runs()  # taken back at ADMIT ...
+    assert not g.provisional and g.readmitted == 1 and g.changed_at == [820, lowrank_share.ADMIT]
+    assert g.update(lowrank_share.DROP - 1e-3, 1620) and g.state == "refused"  # ... and dropped again under DROP
+    assert g.update(1.0 - 1e-3, 3220, 1.0) and g.state == "admitted" and g.readmitted == 2
+    h = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
+    assert h.update(lowrank_share.FIRST_DROP - 1e-3, 40) and h.state == "refused" and not h.provisional
+    # refused at its first reading (a long learning-rate warm-up reads low at first): a later window at ADMIT takes
+    # it back, at its rank (no longer provisionally)
+    assert not h.update(lowrank_share.FIRST_DROP, 60) and h.state == "refused"
+    assert h.update(lowrank_share.ADMIT, 90) and h.state == "admitted" and not h.provisional and h.readmitted == 1
+    # under FIRST_DROP where the top WAIT_RANK singular values carry WAIT or more (a long warm-up's first windows on
+    # the wide model; the language model reads under it): it waits at its provisional rank, as between the bars
+    for share8, waits in ((lowrank_share.WAIT, True), (lowrank_share.WAIT - 1e-3, False), (None, False)):
+        w = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
+        assert w.update(lowrank_share.FIRST_DROP - 1e-3, 30, share8) is not waits and w.share8 == share8
+        assert w.provisional is waits and w.state == ("pending" if waits else "refused")
+        if waits:  # ... and the next windows decide as they would between the bars
+            assert not w.update(lowrank_share.FIRST_DROP - 0.1, 60, lowrank_share.WAIT) and w.provisional
+            assert w.update(lowrank_share.FIRST_DROP - 0.1, 90, lowrank_share.WAIT - 1e-3) and w.state == "refused"
+            x = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
+            x.update(lowrank_share.FIRST_DROP - 1e-3, 30, share8)
+            assert x.update(lowrank_share.ADMIT - 1e-3, 120, 1.0) and x.state == "refused"  # the deadline's bar
     # from FIRST_DROP up to ADMIT (under DROP too: a first window inside a learning-rate warm-up), the first reading
     # decides nothing, lowrank going on provisionally; the second decides at ADMIT
     for first in (lowrank_share.ADMIT - 1e-3, lowrank_share.DROP - 1e-3, lowrank_share.FIRST_DROP):
         for second, state in ((lowrank_share.ADMIT, "admitted"), (lowrank_share.ADMIT - 1e-3, "refused")):
             p = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
-            assert not p.update(first, 40) and p.state == "pending" and p.reading and p.provisional
+            assert not p.update(first, 40) and p.state == "pending" and p.provisional
             assert p.changed_at is None and p.share == first
             q = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)  # a checkpoint between the readings
             q.load_state_dict(p.state_dict())
@@ -329,8 +385,9 @@ def test_the_guard_admits_lowrank_once_and_drops_it_under_its_lower_bar():
         assert p.state == state and p.changed_at == [step, share]
     k = lowrank_share.Guard()
     k.load_state_dict(g.state_dict())
-    assert k.state_dict() == {"state": "refused", "share": 1.0, "step": 420,
-                              "changed_at": [220, lowrank_share.DROP - 1e-3], "first": [40, lowrank_share.ADMIT]}
+    assert k.state_dict() == {"state": "admitted", "share": 1.0 - 1e-3, "step": 3220,
+                              "changed_at": [3220, 1.0 - 1e-3], "first": [40, lowrank_share.ADMIT], "readmitted": 2,
+                              "share8": 1.0}
 
 
 @pytest.mark.parametrize("warmup", ["none", None])

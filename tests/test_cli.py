@@ -270,15 +270,29 @@ def test_cosine_schedule_is_a_linear_warm_up_then_a_cosine_decay(optim):
         train.make_schedule(opt, "linear", 100)
 
 
-def test_warmup_schedule_is_a_linear_warm_up_then_the_lr_held():
+@pytest.mark.parametrize("name, warm", [("warmup", 30), ("warmup:300", 300), ("warmup:1", 1)])
+def test_warmup_schedule_is_a_linear_warm_up_then_the_lr_held(name, warm):
     opt = train.make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(3))], 0.2)
-    sched = train.make_schedule(opt, "warmup", 600)  # a warm-up of 30 steps, then 0.2 to the end
+    sched = train.make_schedule(opt, name, 600)  # a warm-up of 5 % of the steps (or N), then 0.2 to the end
     lrs = []
     for _ in range(600):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert lrs == pytest.approx([0.2 * (s + 1) / 30 for s in range(30)] + [0.2] * 570, rel=1e-12)
+    assert lrs == pytest.approx([0.2 * (s + 1) / warm for s in range(warm)] + [0.2] * (600 - warm), rel=1e-12)
+    cos = train.make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(3))], 0.2)
+    sched = train.make_schedule(cos, name.replace("warmup", "cosine"), 600)  # the same warm-up, then the decay
+    lrs = []
+    for _ in range(600):
+        lrs.append(cos.param_groups[0]["lr"])
+        cos.step()
+        sched.step()
+    assert lrs == pytest.approx([0.2 * (s + 1) / warm for s in range(warm)] +
+                                [0.1 * (1 + math.cos(math.pi * (s - warm) / (600 - warm))) for s in range(warm, 600)],
+                                rel=1e-12)
+    for bad in ("warmup:0", "warmup:x", "onecycle:5", "constant:3", "cosine:"):
+        with pytest.raises(ValueError, match="warmup:N / cosine:N with N >= 1"):
+            train.make_schedule(opt, bad, 600)
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw+m"])
@@ -462,7 +476,8 @@ MALFORMED = [
     ["bench", "train", "--modes", "torch-powersgd-r4+m"], ["bench", "train", "--modes", ""], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
     ["bench", "train", "--eval-every", "0"], ["bench", "train", "--png", "/no/such/dir/x.png"],
     ["bench", "train", "--seeds", "0"], ["bench", "train", "--clip-grad-norm", "0"],
-    ["bench", "train", "--schedule", "step"], ["bench", "train", "--reference", "/no/such/runs.json"],
+    ["bench", "train", "--schedule", "step"], ["bench", "train", "--schedule", "warmup:0"],
+    ["bench", "train", "--reference", "/no/such/runs.json"],
     ["bench", "train", "--reference", "/dev/null", "--modes", "onebit"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],
     ["bench", "ddp", "--grid", "--networks", "fast"], ["bench", "ddp", "--grid", "--grid-params", ""],
     ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],

@@ -36,8 +36,19 @@ OPTIMIZERS_HELP = ("comma-separated optimizers: sgd (momentum 0.9), adamw (defau
                    "momentum 0.9, at sgd's lr), plain (SGD without momentum, at its own lr; no +m modes)")
 DEFAULT_OPTIMIZERS = ["sgd", "adamw"]
 SCHEDULES = ("constant", "warmup", "cosine", "onecycle")
-#: the warmup and cosine schedules' linear warm-up, as a fraction of the run's steps
+#: the warmup and cosine schedules' linear warm-up, as a fraction of the run's steps (``warmup:N``: N steps)
 LR_WARMUP_FRACTION = 0.05
+
+
+def check_schedule(name: str) -> str:
+    """``name`` if it names a schedule: one of SCHEDULES, or ``warmup:N`` /
+    ``cosine:N`` (a linear warm-up of N steps, N >= 1, instead of the run's
+    first LR_WARMUP_FRACTION); else ValueError naming the rule."""
+    kind, sep, warm = name.partition(":")
+    if kind not in SCHEDULES or (sep and (kind not in ("warmup", "cosine") or not warm.isdigit() or int(warm) < 1)):
+        raise ValueError(f"schedule must be one of {SCHEDULES}, or warmup:N / cosine:N with N >= 1 warm-up steps, "
+                         f"got {name!r}")
+    return name
 
 
 def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.optim.Optimizer:
@@ -54,7 +65,7 @@ def make_schedule(optimizer: torch.optim.Optimizer, name: str, steps: int):
     """The learning-rate schedule ``name`` over a run of ``steps`` optimizer
     steps, stepped once after each: None for ``constant``; ``warmup``, a
     linear warm-up over the first ``LR_WARMUP_FRACTION`` of the steps (step s
-    at (s + 1) / w of the lr), then the lr held (transformers'
+    at (s + 1) / w of the lr; ``warmup:N``: over N steps), then the lr held (transformers'
     ``get_constant_schedule_with_warmup``); ``cosine``, what transformer
     recipes use, the same warm-up and then a cosine decay towards 0 at the
     end; ``onecycle``, torch's
@@ -62,14 +73,13 @@ def make_schedule(optimizer: torch.optim.Optimizer, name: str, steps: int):
     (the lr up from max_lr / 25 over 30 % of the steps, then down to max_lr /
     25e4, and the momentum, SGD's or Adam's beta1, cycled from 0.95 to 0.85
     and back)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    name, _, given = check_schedule(name).partition(":")
     if name == "constant":
         return None
     if name == "onecycle":
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=optimizer.param_groups[0]["lr"],
                                                    total_steps=steps)
-    warm = max(1, int(LR_WARMUP_FRACTION * steps))
+    warm = int(given) if given else max(1, int(LR_WARMUP_FRACTION * steps))
 
     def factor(step: int) -> float:
         if step < warm:
@@ -370,8 +380,7 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
     fp32 again (:func:`load_reference`)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    check_schedule(schedule)
     if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"clip must be a finite number > 0 or None, got {clip!r}")
     for name in tasks:
