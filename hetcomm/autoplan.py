@@ -552,9 +552,7 @@ class AutoPlanner:
         step = self.s.iter - 1
         last = self.s._lowrank_share.last
         width = len(self.read_ranks(self.s._rank_ladder.rank) or [None])  # the same on every rank
-        own = [None] * width
-        if last is not None and last["step"] == step:
-            own = last.get("ladder", [last["share"]])
+        own = last.get("ladder", [last["share"]]) if last is not None and last["step"] == step else []
         lowest = lowrank_share.agreed_lowest(engine, step, own if len(own) == width else [None] * width,
                                              "compression='auto'")
         if lowest is None:
