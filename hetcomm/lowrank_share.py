@@ -52,7 +52,7 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     from below."""
     top = max(ranks)
     if min(g.shape) <= EXACT_UP_TO:
-        s2 = torch.linalg.svdvals(g.double()).pow(2)  # their sum is the energy
+        s2 = _svdvals(g.double()).pow(2)  # their sum is the energy
         return [float(s2[:r].sum()) for r in ranks], float(s2.sum())
     # the squares summed in float64 without a float64 copy of g (the copy and the transposed product below took
     # over half of a reading's 15 ms on a 1024 x 1104 matrix, one thread)
@@ -65,8 +65,15 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
         y = torch.linalg.qr(y)[0]
         y = g @ (y.t() @ g).t()  # g^T y as (y^T g)^T: BLAS writes a k x cols block 2x faster than a cols x k one
     basis = torch.linalg.qr(y)[0]
-    s2 = torch.linalg.svdvals((basis.t() @ g).double()).pow(2)
+    s2 = _svdvals((basis.t() @ g).double()).pow(2)
     return [float(s2[:r].sum()) for r in ranks], total
+
+
+def _svdvals(a: torch.Tensor) -> torch.Tensor:
+    """Singular values; on a GPU by cuSOLVER's QR-based gesvd: torch's default
+    there, the Jacobi gesvdj, failed to converge on a reading of digits'
+    gradient on an H200 (2026-11-30) and warned while torch fell back to gesvd."""
+    return torch.linalg.svdvals(a, driver="gesvd") if a.is_cuda else torch.linalg.svdvals(a)
 
 
 def top_share(g: torch.Tensor, rank: int, gen: torch.Generator) -> Tuple[float, float]:

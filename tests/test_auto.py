@@ -61,7 +61,8 @@ def _rank_predict(first, hopeless=None):
 
 
 def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, cache_dir, two_nodes=False,
-              batch=8, guard=None, cut=True, ckpt=None, hopeless=None, static_graph=False, given_rank=None):
+              batch=8, guard=None, cut=True, ckpt=None, hopeless=None, static_graph=False, given_rank=None,
+              device="cpu"):
     """``guard``: settings of :mod:`hetcomm.lowrank_share` (FIRST and FIRST_SPAN
     of lowrank's first share window, every step read; no later window unless
     LATER is set), auto's modes fp32 and the guarded lowrank, which is the
@@ -71,7 +72,9 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     (folder, first step, step to save after): a run resumed from the
     folder's checkpoint when its first step is not 0, saving one there.
     ``static_graph``: DDP's (its buckets rebuilt in step 2's forward, not
-    step 1's). ``given_rank``: HookState's ``matrix_approximation_rank``."""
+    step 1's). ``given_rank``: HookState's ``matrix_approximation_rank``.
+    ``device``: "cuda" puts the model, the batches and so the buckets on this
+    rank's GPU."""
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if guard:
         from hetcomm import lowrank_share
@@ -95,7 +98,8 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)) if big \
         else models.mlp(hidden=96)
-    ddp = DDP(model, bucket_cap_mb=25 if big else 0.02, static_graph=static_graph)
+    dev = models.rank_device(rank, device)
+    ddp = models.ddp(model, rank, device, bucket_cap_mb=25 if big else 0.02, static_graph=static_graph)
     state = hetcomm.HookState("auto", candidates=candidates, topk_ratio=topk_ratio, min_compress_numel=0,
                               matrix_approximation_rank=given_rank)
     ddp.register_comm_hook(state, hetcomm.hook)
@@ -116,8 +120,8 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     wires, layouts, ranks = [], [], []
     for step in range(start, steps):
         n = batch[step] if isinstance(batch, list) else batch
-        x = torch.randn(n, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank))
-        y = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(step))
+        x = torch.randn(n, 1024 if big else models.IN, generator=torch.Generator().manual_seed(step * 31 + rank)).to(dev)
+        y = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(step)).to(dev)
         # the exact mean gradient, from a plain copy of the model and the default group
         for q, p in zip(probe, model.parameters()):
             q.data.copy_(p.detach())
@@ -128,7 +132,7 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         exact /= world
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        diff = (exact - models.flat_grads(model)).double()
+        diff = (exact.cpu() - models.flat_grads(model)).double()
         total = diff if total is None else total + diff
         gap.append(float(total.abs().max()))
         wires.append(sorted({p.mode for p in state.last_plans.values()}))
@@ -236,17 +240,18 @@ def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_its_pro
     assert torch.equal(r0["params"], r1["params"])
 
 
-def test_a_refused_lowrank_is_taken_back_by_a_later_reading_at_the_bar_and_measured_again(tmp_path):
+def test_a_refused_lowrank_is_taken_back_by_a_later_reading_at_the_bar_and_measured_again(tmp_path, device):
     # eight samples a rank in the first window (steps 12-14): refused at step 15 (FIRST_DROP 0.95, WAIT over 1
     # here: the top 8 singular values carry all of an 8-sample gradient), fp32 from
     # there. A refused guard reads on: one sample a rank in the next window (steps 20-22) reads 1, so lowrank is
     # taken back at step 23 (a long learning-rate warm-up reads low at first: bench/README "A refused lowrank reads
     # again"). The trials since the refusal left it out, so a re-check starts there: the current plan (fp32), the
     # other fp32 candidate and lowrank in turns, three steps each (23-31), lowrank chosen at 32, at rank 4 (not
-    # provisionally at 16)
+    # provisionally at 16). On CUDA buckets too: the guard reads its ladder (ranks 8 and 4) on the GPU
     batch = [8] * 20 + [1] * 16
     res = run_ranks(_auto_run, 2, 36, None, None, 0.01, False, False, str(tmp_path), False, batch,
-                    {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": 0.95, "WAIT": 1.01})
+                    {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": 0.95, "WAIT": 1.01},
+                    True, None, None, False, None, device.type)
     r0, r1 = res
     guard = r0["auto"]["lowrank_guard"]
     assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]

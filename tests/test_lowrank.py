@@ -2,6 +2,7 @@
 the same algorithm, the uncompressed limit, and many buckets inside DDP."""
 
 import types
+import warnings
 
 import pytest
 import torch
@@ -431,10 +432,14 @@ def test_top_share_is_the_energy_in_the_top_singular_values_and_leaves_the_calle
     want = {r: sum(s * s for s in spectrum[:r]) / sum(s * s for s in spectrum) for r in (1, 4, 16)}
     gen = torch.Generator().manual_seed(1)
     rng = torch.get_rng_state()
-    for rows, cols in ((100, 60), (600, 300)):  # exact singular values; the randomized range finder
+    # exact singular values, of a tall and a wide matrix (on a GPU by cuSOLVER's gesvd, which takes no more columns
+    # than rows: torch transposes), then the randomized range finder; none of them warns
+    for rows, cols in ((100, 60), (60, 100), (600, 300)):
         g = _planted(rows, cols, spectrum, rows).float().to(device)
         for r, share in want.items():
-            num, den = lowrank_share.top_share(g, r, gen)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                num, den = lowrank_share.top_share(g, r, gen)
             exact = min(rows, cols) <= lowrank_share.EXACT_UP_TO
             assert num / den == pytest.approx(share, abs=1e-6 if exact else 2e-3), (rows, r)
             assert num / den <= share + 1e-6  # an estimate from below
