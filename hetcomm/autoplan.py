@@ -42,8 +42,9 @@
    given, not at all), then only once a reading admits it (a reading under
    the bar but over the lower one, or under the lower one where rank 8
    carries the gradient, waits for the next windows, 50-60, 80-90,
-   100-120, lowrank going on at rank 16 where it ran provisionally; the
-   first at the bar admits it, 100-120 under it refuses it); admitted,
+   100-120, lowrank going on at rank 16 where it ran provisionally, at 8
+   where rank 8 carries as much as the bar asks of rank 4; the first at
+   the bar admits it, 100-120 under it refuses it); admitted,
    every bucket takes the fastest round the last trial measured, lowrank's
    included. A round with the guarded lowrank wins only at
    ``LOWRANK_MARGIN`` (0.7) times the best round without it or less: an
@@ -258,8 +259,9 @@ class AutoPlanner:
 
     def lowrank_rank(self) -> Optional[int]:
         """The rank lowrank runs at now where it is not the HookState's
-        (auto's, before its first reading), else None."""
-        return self.guard.provisional_rank if self.guard is not None and self.guard.provisional else None
+        (auto's provisional one: before its first reading, and while it
+        waits after one, :attr:`Guard.rank_now`), else None."""
+        return self.guard.rank_now if self.guard is not None and self.guard.provisional else None
 
     def plan(self, numel: int, key: str, index: int, layout_of) -> BucketPlan:
         """A compressed step's plan under compression="auto"."""

@@ -282,7 +282,10 @@ class Guard:
     4 at 0.928-0.982 in steps 20-30 over 24 seeds, 0.989-0.998 at 100-120;
     at a constant rate 0.969-0.995 in steps 20-30; bench/README "A
     learning-rate warm-up"). Until then lowrank goes on at
-    ``provisional_rank``, as it ran before the reading: in the first
+    ``provisional_rank``, as it ran before the reading, or at WAIT_RANK
+    where the reading found the top 8 singular values carrying ADMIT or
+    more, what admits rank 4 (:attr:`rank_now`; the wide model inside a
+    300-step warm-up: 0.977-0.992 in steps 20-30): in the first
     windows recorded rank 16 carried 0.99 and more wherever rank 4 carried
     0.77 or more (bench/README "A first reading between the bars"), and it
     reached the language model's perplexity from the start, where rank 4
@@ -318,6 +321,14 @@ class Guard:
         self.first: Optional[list] = None  # [step, share] of the first agreed reading
         self.readmitted = 0  # times a reading at ADMIT took a refused lowrank back
         self.share8: Optional[float] = None  # the last agreed reading at WAIT_RANK (where read)
+        self.waits_at: Optional[int] = None  # WAIT_RANK while it waits where that rank carries ADMIT or more
+
+    @property
+    def rank_now(self) -> Optional[int]:
+        """The rank a provisional lowrank runs at: :attr:`provisional_rank`,
+        or WAIT_RANK while it waits after a reading at which the top WAIT_RANK
+        singular values carried ADMIT or more (the bar rank 4 is admitted at)."""
+        return self.waits_at or self.provisional_rank
 
     @property
     def provisional(self) -> bool:
@@ -337,16 +348,20 @@ class Guard:
         if self.first is None:
             self.first = [step, share]
         before = self.state
+        self.waits_at = None
         if self.state == "pending":
             if share >= ADMIT:
                 self.state = "admitted"
             elif (share < FIRST_DROP and (share8 is None or share8 < WAIT)) or step >= deadline():
                 self.state = "refused"
             else:
+                if self.provisional_rank is not None and share8 is not None and share8 >= ADMIT \
+                        and WAIT_RANK < self.provisional_rank:
+                    self.waits_at = WAIT_RANK
                 log.info("hetcomm: auto's lowrank waits for its next reading%s: the ranks' lowest share of gradient "
                          "energy in its rank, steps %d-%d, is %.3f%s (admitted at %.3f or more, refused under %.2f "
                          "where rank %d carries under %.3f; the reading of steps %d-%d refuses it under %.3f)",
-                         "" if self.provisional_rank is None else f" (at rank {self.provisional_rank} until then)",
+                         "" if self.provisional_rank is None else f" (at rank {self.rank_now} until then)",
                          window_of(step), step, share, "" if share8 is None else f", at rank {WAIT_RANK} {share8:.3f}",
                          ADMIT, FIRST_DROP, WAIT_RANK, WAIT, LATER, deadline(), ADMIT)
         elif self.state == "admitted" and share < DROP:
@@ -364,7 +379,7 @@ class Guard:
 
     def state_dict(self) -> dict:
         return {"state": self.state, "share": self.share, "step": self.step, "changed_at": self.changed_at,
-                "first": self.first, "readmitted": self.readmitted, "share8": self.share8}
+                "first": self.first, "readmitted": self.readmitted, "share8": self.share8, "waits_at": self.waits_at}
 
     def load_state_dict(self, sd: dict) -> None:
         self.state = str(sd.get("state", "pending"))
@@ -372,6 +387,7 @@ class Guard:
         self.first = sd.get("first")
         self.readmitted = int(sd.get("readmitted", 0))
         self.share8 = sd.get("share8")
+        self.waits_at = sd.get("waits_at")
 
 
 DEFAULT_RANK = 4  # lowrank's first rung, and auto's lowrank candidate's rank (PowerSGD's hook: 1)

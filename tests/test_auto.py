@@ -210,13 +210,14 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
 
 @pytest.mark.parametrize("second", ["admits", "refuses"])
 @pytest.mark.parametrize("first_drop", [0.0, 0.95])
-def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_its_provisional_rank(tmp_path, second,
-                                                                                              first_drop):
+def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_rank_8_where_that_carries_it(tmp_path, second,
+                                                                                                      first_drop):
     # eight samples a rank in the first window (steps 12-14), its reading between the bars (FIRST_DROP 0), or under
     # FIRST_DROP (0.95: 0.90 at rank 4) where the top 8 singular values carry the gradient (all of it, 8 samples;
     # WAIT 0.965): the provisional lowrank (rank 16, from the trial's decision at step 10) goes on until the second
-    # window (steps 20-22). One sample a rank there reads 1: rank 4 admitted at step 23. Eight again: a second
-    # reading between the bars refuses it, and fp32 runs from step 23, paying what lowrank's error feedback owed
+    # window (steps 20-22), at rank 8 from step 15: the top 8 singular values carried ADMIT or more. One sample a rank
+    # there reads 1: rank 4 admitted at step 23. Eight again: a second reading between the bars refuses it, and fp32
+    # runs from step 23, paying what lowrank's error feedback (at rank 8) owed
     batch = [8] * 20 + [1 if second == "admits" else 8] * 6
     res = run_ranks(_auto_run, 2, 26, None, None, 0.01, False, False, str(tmp_path), False, batch,
                     {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": first_drop})
@@ -226,7 +227,8 @@ def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_its_pro
     assert guard["changed_at"] == [22, guard["share"]]
     assert guard["first"][0] == 14 and (first_drop == 0.0 or guard["first"][1] < first_drop)
     assert guard["share8"] == pytest.approx(1.0, abs=1e-6)  # the ranks' lowest at rank 8, of the last window
-    assert r0["wires"][10:23] == [["lowrank"]] * 13 and r0["ranks"][10:23] == [[16]] * 13, r0["wires"]
+    assert r0["wires"][10:23] == [["lowrank"]] * 13, r0["wires"]
+    assert r0["ranks"][10:23] == [[16]] * 5 + [[8]] * 8, r0["ranks"]
     if second == "admits":
         assert guard["state"] == "admitted" and guard["share"] > 0.999
         assert all(w == ["lowrank"] for w in r0["wires"][23:]) and r0["ranks"][23:] == [[4]] * 3, r0["wires"]
@@ -355,17 +357,31 @@ def test_the_guard_admits_lowrank_drops_it_under_its_lower_bar_and_takes_it_back
     assert not h.update(lowrank_share.FIRST_DROP, 60) and h.state == "refused"
     assert h.update(lowrank_share.ADMIT, 90) and h.state == "admitted" and not h.provisional and h.readmitted == 1
     # under FIRST_DROP where the top WAIT_RANK singular values carry WAIT or more (a long warm-up's first windows on
-    # the wide model; the language model reads under it): it waits at its provisional rank, as between the bars
-    for share8, waits in ((lowrank_share.WAIT, True), (lowrank_share.WAIT - 1e-3, False), (None, False)):
+    # the wide model; the language model reads under it): it waits at its provisional rank, as between the bars, or
+    # at WAIT_RANK where they carry ADMIT or more (what admits rank 4)
+    for share8, at in ((lowrank_share.ADMIT, lowrank_share.WAIT_RANK), (lowrank_share.ADMIT - 1e-3, 16),
+                       (lowrank_share.WAIT, 16), (lowrank_share.WAIT - 1e-3, None), (None, None)):
+        waits = at is not None
         w = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
+        assert w.rank_now == lowrank_share.PROVISIONAL_RANK == 16  # before any reading
         assert w.update(lowrank_share.FIRST_DROP - 1e-3, 30, share8) is not waits and w.share8 == share8
         assert w.provisional is waits and w.state == ("pending" if waits else "refused")
-        if waits:  # ... and the next windows decide as they would between the bars
+        assert w.rank_now == (at or 16) and w.waits_at == (8 if at == 8 else None)
+        if waits:  # ... and the next windows decide as they would between the bars, each setting the rank
+            r = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)  # a checkpoint while it waits
+            r.load_state_dict(w.state_dict())
+            assert r.rank_now == at and r.state_dict() == w.state_dict()
             assert not w.update(lowrank_share.FIRST_DROP - 0.1, 60, lowrank_share.WAIT) and w.provisional
-            assert w.update(lowrank_share.FIRST_DROP - 0.1, 90, lowrank_share.WAIT - 1e-3) and w.state == "refused"
+            assert w.rank_now == 16
+            assert not w.update(lowrank_share.FIRST_DROP, 90, 1.0) and w.rank_now == lowrank_share.WAIT_RANK
+            assert w.update(lowrank_share.FIRST_DROP - 0.1, 100, lowrank_share.WAIT - 1e-3) and w.state == "refused"
+            assert w.waits_at is None
             x = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
             x.update(lowrank_share.FIRST_DROP - 1e-3, 30, share8)
             assert x.update(lowrank_share.ADMIT - 1e-3, 120, 1.0) and x.state == "refused"  # the deadline's bar
+    given = lowrank_share.Guard()  # matrix_approximation_rank given: it waits without running lowrank at any rank
+    assert not given.update(lowrank_share.FIRST_DROP - 1e-3, 30, 1.0) and given.rank_now is None
+    assert given.state == "pending" and not given.provisional
     # from FIRST_DROP up to ADMIT (under DROP too: a first window inside a learning-rate warm-up), the first reading
     # decides nothing, lowrank going on provisionally; the second decides at ADMIT
     for first in (lowrank_share.ADMIT - 1e-3, lowrank_share.DROP - 1e-3, lowrank_share.FIRST_DROP):
@@ -392,7 +408,7 @@ def test_the_guard_admits_lowrank_drops_it_under_its_lower_bar_and_takes_it_back
     k.load_state_dict(g.state_dict())
     assert k.state_dict() == {"state": "admitted", "share": 1.0 - 1e-3, "step": 3220,
                               "changed_at": [3220, 1.0 - 1e-3], "first": [40, lowrank_share.ADMIT], "readmitted": 2,
-                              "share8": 1.0}
+                              "share8": 1.0, "waits_at": None}
 
 
 @pytest.mark.parametrize("warmup", ["none", None])
