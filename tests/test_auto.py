@@ -313,6 +313,26 @@ def test_auto_resumed_inside_its_trial_or_its_guards_window_goes_on_bit_for_bit(
         assert torch.equal(resumed["params"], whole["params"])
 
 
+def _resume_while_waiting(rank, world, cache_dir, ckpt_dir):
+    # the between-the-bars run (first reading at step 14, rank 8 from step 15; one sample a rank from step 20: rank 4
+    # admitted at step 23), saved after step 17 and resumed there
+    args = (rank, world, 26, None, None, 0.01, False, False, cache_dir, False, [8] * 20 + [1] * 6,
+            {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": 0.0})
+    whole = _auto_run(*args)
+    _auto_run(*args, ckpt=(ckpt_dir, 0, 18))
+    return whole, _auto_run(*args, ckpt=(ckpt_dir, 18, -1))
+
+
+def test_auto_resumed_while_its_guard_waits_at_rank_8_goes_on_bit_for_bit(tmp_path):
+    # saved while lowrank runs at rank 8 between two readings: the resumed run runs rank 8 (the guard's waits_at,
+    # each matrix's Q of 8 columns), then rank 4 from step 23, as the whole run
+    for whole, resumed in run_ranks(_resume_while_waiting, 2, str(tmp_path), str(tmp_path)):
+        assert whole["ranks"][15:23] == [[8]] * 8 and whole["ranks"][23:] == [[4]] * 3, whole["ranks"]
+        assert resumed["ranks"] == whole["ranks"][18:] and resumed["wires"] == whole["wires"][18:]
+        assert resumed["saved_guard"] == whole["saved_guard"] and whole["saved_guard"]["state"] == "admitted"
+        assert torch.equal(resumed["params"], whole["params"])
+
+
 def _resume_with_other_candidates(rank, world, cache_dir, ckpt_dir, save_at):
     saved = _auto_run(rank, world, save_at, None, None, 0.01, False, False, cache_dir, ckpt=(ckpt_dir, 0, save_at))
     resumed = _auto_run(rank, world, save_at + 20, ("none", "topk"), None, 0.01, False, False, cache_dir,
