@@ -192,7 +192,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="DDP's bucket_cap_mb for every mode but PowerSGD (which takes one bucket)")
     g.add_argument("--modes", type=mode_list(bench_ddp.check_mode), default=None,
                    help="comma-separated modes (default: all; +bal = balanced; onebit-cN, fp8-cN: N elements per "
-                        "scale; topk-kN: N per mille of the entries)")
+                        "scale; topk-kN: N per mille of the entries; auto: HookState('auto') as the README "
+                        "recommends, no attach_optimizer; auto+m: with it)")
     g.add_argument("--algorithm", default="default", choices=("default", "auto") + topology.ALGORITHMS,
                    help="HookState(algorithm=...) of hetcomm's modes; default: HookState's (auto for auto, "
                         "native otherwise, hierarchical for a compressed mode on several nodes of several ranks)")

@@ -136,6 +136,21 @@ def test_bench_ddp_side_by_side(tmp_path):
     assert all(0 <= r["hidden"] <= 1 and r["step_ms"] > 0 for r in rows.values())
 
 
+def test_bench_ddp_auto_is_the_readmes_one_line_and_auto_m_attaches_the_optimizer(tmp_path):
+    _run(["bench", "ddp", "--ranks", "2", "--params", "50K", "-n", "2", "-w", "1", "--global-batch", "16",
+          "--modes", "auto,auto+m", "--json", "d.json"], tmp_path)
+    rows = {r["mode"]: r for r in json.load(open(tmp_path / "d.json"))["rows"]}
+    # auto: HookState("auto") without attach_optimizer, the gradient compressed, lowrank offered under its guard
+    # (which read it by step 120, inside the untimed warm-up); auto+m: SGD's momentum, no lowrank
+    assert not rows["auto"]["momentum_compressed"] and rows["auto+m"]["momentum_compressed"]
+    assert rows["auto"]["auto"]["modes"] == ["none", "bf16", "fp8", "lowrank"], rows["auto"]["auto"]
+    assert rows["auto"]["auto"]["lowrank_guard"]["step"] == 120
+    assert rows["auto+m"]["auto"]["modes"] == ["none", "bf16", "fp8"] and "lowrank_guard" not in rows["auto+m"]["auto"]
+    bad = subprocess.run(HETCOMM + ["bench", "ddp", "--modes", "onebit+m"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert bad.returncode != 0 and "auto+m (auto with attach_optimizer)" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_bench_ddp_many_buckets_in_rounds(tmp_path):
     from hetcomm.benchmarks.ddp import model_for
 

@@ -7,10 +7,13 @@ Per mode: step time (median), samples/s, bytes sent per step (ring-equivalent,
 per rank), and the fraction of communication hidden behind backward: 1 -
 (time backward still waits after its last bucket was handed over) / (time
 some bucket's communication was in flight). The optimizer is SGD with momentum
-0.9; hetcomm's compressed modes but lowrank, and ``auto``, compress the
-momentum (``attach_optimizer``), as the README asks of momentum users;
-lowrank compresses the gradient, as the README recommends and as PyTorch's
-PowerSGD does, so their rows compare the same work. ``auto``'s trial
+0.9; hetcomm's compressed modes but lowrank compress the momentum
+(``attach_optimizer``), as the README asks of momentum users of onebit and
+top-k; lowrank compresses the gradient, as the README recommends and as
+PyTorch's PowerSGD does, so their rows compare the same work. ``auto`` is
+the README's one line, ``HookState("auto")`` without ``attach_optimizer``
+(fp32, bf16, fp8 of the gradient and lowrank under its guard); ``auto+m``
+attaches the optimizer (fp32, bf16, fp8 of the momentum). ``auto``'s trial
 steps and its first re-check (``AUTO_SETTLE`` steps later) are part of its
 warm-up, not timed: its steady state, what a long run sees.
 
@@ -42,8 +45,9 @@ IN, OUT = 256, 10
 TORCH_MODES, HETCOMM_MODES = mode_table.TORCH, mode_table.HETCOMM
 DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "topk", "lowrank",
                  "none+bal", "onebit+bal", "topk+bal", "lowrank+bal"]
-#: the compressions whose rows compress SGD's momentum (attach_optimizer); lowrank the gradient
-ATTACHED = tuple(c for c in COMPRESSED if c != "lowrank") + ("auto",)
+#: the compressions whose rows compress SGD's momentum (attach_optimizer); lowrank and auto the gradient (auto+m
+#: the momentum)
+ATTACHED = tuple(c for c in COMPRESSED if c != "lowrank")
 
 
 def model_for(params: int, seed: int = 0, layers: int = 2) -> nn.Module:
@@ -124,18 +128,19 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
 
     ddp.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    attached = options.get("compression") in ATTACHED
+    attached = options.get("compression") in ATTACHED or mode_table.get(base).attach
     if attached:
         # momentum compression, as the README asks of SGD-momentum users of
-        # onebit and top-k (auto then offers fp8 of the momentum; 1-bit and
+        # onebit and top-k (auto+m then offers fp8 of the momentum; 1-bit and
         # top-k only when listed in candidates=). Not lowrank's: it
         # approximates the gradient, as PyTorch's PowerSGD does (README: use
-        # lowrank without attach_optimizer)
+        # lowrank without attach_optimizer); nor plain auto's, the README's one line
         state.attach_optimizer(opt)
     # auto's first steps after start_iter try its candidates, and its first re-check AUTO_SETTLE steps later
     # measures them again in steady state: not counted (what a long run sees)
     trial = AUTO_REPEATS * (AUTO_TOP + 1)
-    warmup = cfg["warmup"] + (state.start_iter + trial + AUTO_SETTLE + trial if base == "auto" else 0)
+    warmup = cfg["warmup"] + (state.start_iter + trial + AUTO_SETTLE + trial
+                              if options.get("compression") == "auto" else 0)
     gb = cfg["global_batch"]
     if balanced:
         bal = Balancer(state, gb, dataset_len=gb * 10_000, rebalance_every=3, lag=0, threshold=0.05)
@@ -248,16 +253,17 @@ def _worker(rank: int, world: int, modes: List[str], cfg: Dict) -> List[Dict[str
 
 def check_mode(mode: str) -> None:
     """ValueError unless ``mode`` is one of PyTorch's or hetcomm's plain modes
-    (onebit-cN, fp8-cN, topk-kN, lowrank-rN, torch-powersgd-rN forms too), or a
-    hetcomm mode with ``+bal``."""
+    (onebit-cN, fp8-cN, topk-kN, lowrank-rN, torch-powersgd-rN forms too),
+    ``auto+m``, or a hetcomm mode with ``+bal``."""
     base, _ = _split_balanced(mode)
     try:
-        known = mode_table.get(base) if "+" not in base else None
+        known = mode_table.get(base) if "+" not in base or base == "auto+m" else None
     except ValueError:
         known = None
     if known is None or (base != mode and known.is_torch):
         raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(TORCH_MODES + HETCOMM_MODES)} (onebit-cN, "
-                         "fp8-cN, topk-kN, lowrank-rN, torch-powersgd-rN too), +bal for hetcomm's")
+                         "fp8-cN, topk-kN, lowrank-rN, torch-powersgd-rN too), auto+m (auto with "
+                         "attach_optimizer), +bal for hetcomm's")
 
 
 def run(ranks: int, modes: List[str], params: int, global_batch: int, steps: int, warmup: int,
