@@ -17,7 +17,9 @@ from . import modes as mode_table
 from .launch import run_distributed
 
 MODES = tuple(mode_table.MODES)  # every mode of hetcomm.modes
-DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "none", "fp16", "onebit", "onebit+m", "topk", "topk+m", "auto"]
+#: PyTorch's allreduce, fp16 and PowerSGD (rank 4) hooks next to hetcomm's modes, auto (the README's one line) last
+DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "onebit+m", "topk",
+                 "topk+m", "lowrank", "auto"]
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0):
