@@ -239,6 +239,15 @@ class AutoPlanner:
         reading at ADMIT takes it back)."""
         return self.guard is not None and numel >= self.s.min_compress_numel
 
+    def skips_reading(self, step: int) -> bool:
+        """Whether the guard leaves ``step``'s window unread: admitted, it
+        skips the windows before LATER (50-60, 80-90: they are for a guard
+        between its bars or refused; admitted, the windows from LATER on may
+        drop it, at DROP). Each such reading took 25-35 ms of a wide-model step
+        on the 2 x 2 testbed (a randomized spectrum on every rank). The same
+        on every rank: the guard's state is agreed."""
+        return self.guard is not None and self.guard.state == "admitted" and step < lowrank_share.LATER
+
     def read_ranks(self, rank: int) -> Optional[List[int]]:
         """The ranks a guard's reading is taken at, lowrank's ``rank`` last:
         also WAIT_RANK where it is larger (a reading under FIRST_DROP waits
@@ -477,7 +486,8 @@ class AutoPlanner:
                     key, j = self._last_trial[index]
                     self._times.setdefault(key, {}).setdefault(j, []).append(secs)
             self._last_trial = {}
-        if self.guard is not None and lowrank_share.LowrankShare.closes(self.s.iter - 1):
+        if self.guard is not None and lowrank_share.LowrankShare.closes(self.s.iter - 1) and \
+                not self.skips_reading(self.s.iter - 1):
             self._read_guard(engine)
         if self.trial_start is not None and not self._rechecking and self._skipped is None and \
                 self.compressed_steps - self.trial_start == 1 and self._rounds() > 1:

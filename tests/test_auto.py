@@ -271,6 +271,24 @@ def test_a_refused_lowrank_is_taken_back_by_a_later_reading_at_the_bar_and_measu
     assert torch.equal(r0["params"], r1["params"])
 
 
+def test_an_admitted_guard_leaves_the_early_windows_unread_and_reads_from_later_on(tmp_path):
+    # one sample a rank: admitted at step 15 by the first window (12-14). The early window 20-22 (EARLY 8) holds
+    # eight-sample steps, which read 0.90 at rank 4, under DROP: read, they would drop lowrank at step 23. An
+    # admitted guard leaves that window unread (its readings cost a spectrum on every rank) and reads the later
+    # window 30-32 (LATER 30), one sample a rank again: still admitted, never dropped, lowrank at rank 4 throughout
+    batch = [1] * 20 + [8] * 3 + [1] * 11
+    res = run_ranks(_auto_run, 2, 34, None, None, 0.01, False, False, str(tmp_path), False, batch,
+                    {"FIRST": 12, "FIRST_SPAN": 2, "EARLY": 8, "LATER": 30, "SPAN": 2})
+    r0, r1 = res
+    guard = r0["auto"]["lowrank_guard"]
+    assert guard == r1["auto"]["lowrank_guard"] == r0["saved_guard"]
+    assert guard["state"] == "admitted" and guard["changed_at"][0] == 14 and guard["readmitted"] == 0
+    assert guard["step"] == 32 and guard["share"] > 0.999  # the later window's reading, not the early one's
+    assert r0["share"]["step"] == 32 and r0["share"]["readings"] == 3
+    assert r0["wires"][15:] == [["lowrank"]] * 19 and r0["ranks"][15:] == [[4]] * 19, r0["wires"]
+    assert torch.equal(r0["params"], r1["params"])
+
+
 def test_auto_measures_lowrank_rounds_on_the_steps_that_ran_lowrank(tmp_path):
     # one sample a rank: lowrank runs from the trial's decision (step 10), provisionally at rank 16, then at rank 4
     # admitted at step 15; steps 11-30 hold its buckets for the step's last one or pipeline them in turns (A B B A),
