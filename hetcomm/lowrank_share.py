@@ -34,7 +34,8 @@ FIRST = 20   # the first window's first step (before 20 the shares of runs that 
 FIRST_SPAN = 10  # the first window's steps after its first (20-30 separates as 20-40 did: bench/README "The first
 #                  reading at step 30")
 EARLY = 30   # more windows of FIRST_SPAN steps every EARLY steps after FIRST, up to LATER (50-60, 80-90): a guard
-#              between its bars may admit lowrank there, as soon as a learning-rate warm-up is over
+#              between its bars may admit lowrank there, as soon as a learning-rate warm-up is over (an admitted
+#              guard leaves them unread: AutoPlanner.skips_reading)
 SPAN = 20    # a later window's steps after its first
 EVERY = 5    # a reading every EVERY steps inside a window
 LATER = 100  # later windows start at LATER, 2 LATER, 4 LATER, ...
