@@ -322,7 +322,14 @@ class Guard:
         self.first: Optional[list] = None  # [step, share] of the first agreed reading
         self.readmitted = 0  # times a reading at ADMIT took a refused lowrank back
         self.share8: Optional[float] = None  # the last agreed reading at WAIT_RANK (where read)
-        self.waits_at: Optional[int] = None  # WAIT_RANK while it waits where that rank carries ADMIT or more
+
+    @property
+    def waits_at(self) -> Optional[int]:
+        """WAIT_RANK while it waits (pending after a reading) where that
+        reading found the top WAIT_RANK singular values carrying ADMIT or
+        more and lowrank runs provisionally at a larger rank; else None."""
+        waits = self.state == "pending" and self.share8 is not None and self.share8 >= ADMIT
+        return WAIT_RANK if waits and self.provisional_rank is not None and WAIT_RANK < self.provisional_rank else None
 
     @property
     def rank_now(self) -> Optional[int]:
@@ -349,16 +356,12 @@ class Guard:
         if self.first is None:
             self.first = [step, share]
         before = self.state
-        self.waits_at = None
         if self.state == "pending":
             if share >= ADMIT:
                 self.state = "admitted"
             elif (share < FIRST_DROP and (share8 is None or share8 < WAIT)) or step >= deadline():
                 self.state = "refused"
             else:
-                if self.provisional_rank is not None and share8 is not None and share8 >= ADMIT \
-                        and WAIT_RANK < self.provisional_rank:
-                    self.waits_at = WAIT_RANK
                 log.info("hetcomm: auto's lowrank waits for its next reading%s: the ranks' lowest share of gradient "
                          "energy in its rank, steps %d-%d, is %.3f%s (admitted at %.3f or more, refused under %.2f "
                          "where rank %d carries under %.3f; the reading of steps %d-%d refuses it under %.3f)",
@@ -380,7 +383,8 @@ class Guard:
 
     def state_dict(self) -> dict:
         return {"state": self.state, "share": self.share, "step": self.step, "changed_at": self.changed_at,
-                "first": self.first, "readmitted": self.readmitted, "share8": self.share8, "waits_at": self.waits_at}
+                "first": self.first, "readmitted": self.readmitted, "share8": self.share8,
+                "waits_at": self.waits_at}  # (derived: shown in stats, not loaded)
 
     def load_state_dict(self, sd: dict) -> None:
         self.state = str(sd.get("state", "pending"))
@@ -388,7 +392,6 @@ class Guard:
         self.first = sd.get("first")
         self.readmitted = int(sd.get("readmitted", 0))
         self.share8 = sd.get("share8")
-        self.waits_at = sd.get("waits_at")
 
 
 DEFAULT_RANK = 4  # lowrank's first rung, and auto's lowrank candidate's rank (PowerSGD's hook: 1)
