@@ -1,0 +1,78 @@
+"""Where a DDP step's time and CPU go, on the wide model (or another task of
+``hetcomm bench train``), for one mode of ``hetcomm bench train``: per rank,
+the median over steps SKIP.. of forward, backward (with the hook's wait),
+optimizer, the whole step, hetcomm's codec and comm time
+(``stats()["last_step"]``) and this process's CPU time a step (all its
+threads: gloo's, hetcomm's comm thread); then forward and backward alone
+under ``no_sync`` (no hook). Run once per rank under torch.distributed's
+env:// variables (bench/README "What the testbed's step is made of"):
+
+    hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- \\
+        python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP]]]
+"""
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetcomm import modes
+from hetcomm.benchmarks import tasks, train
+
+COLUMNS = ("fwd", "bwd", "opt", "step", "codec", "comm", "cpu", "fwd_alone", "bwd_alone")
+
+
+def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    task = tasks.TASKS[task_name]()
+    mode = modes.get(mode_name)
+    ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options())  # PowerSGD: one bucket
+    opt = train.make_optimizer("sgd", ddp.parameters(), train.task_lr(task, "sgd"))
+    hook_state, hook, state = mode.comm_hook()
+    if hook is not None:
+        ddp.register_comm_hook(hook_state, hook)
+    rows = []
+    for step in range(steps):
+        x, y = task.batch_for(step, rank)
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.zero_grad()
+        loss = task.loss(ddp(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        last = state.stats()["last_step"] if state is not None else {}
+        rows.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0, last.get("codec_s", 0.0), last.get("comm_s", 0.0),
+                     time.process_time() - c0))
+    alone = []
+    with ddp.no_sync():
+        for step in range(20):
+            x, y = task.batch_for(step, rank)
+            t0 = time.perf_counter()
+            loss = task.loss(ddp(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            alone.append((t1 - t0, time.perf_counter() - t1))
+    ms = [1000 * statistics.median(r[i] for r in rows[skip:]) for i in range(len(rows[0]))]
+    ms += [1000 * statistics.median(a[i] for a in alone) for i in range(2)]
+    gathered = [torch.zeros(len(ms), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(ms, dtype=torch.float64))
+    if rank == 0:
+        print(f"{mode_name} on {task_name}, ms (median over steps {skip}-{steps - 1})")
+        print("rank " + " ".join(f"{c:>9}" for c in COLUMNS))
+        for r, values in enumerate(gathered):
+            print(f"{r:>4} " + " ".join(f"{v:9.1f}" for v in values.tolist()))
+    if state is not None:
+        state.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(args[0], int(args[1]) if len(args) > 1 else 200, args[2] if len(args) > 2 else "wide",
+         int(args[3]) if len(args) > 3 else 40)
