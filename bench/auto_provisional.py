@@ -1,5 +1,5 @@
 """auto with its first trial made to choose lowrank, so that lowrank runs
-provisionally (at ``lowrank_share.PROVISIONAL_RANK``, or the rank given) from
+provisionally (at ``lowrank_guard.PROVISIONAL_RANK``, or the rank given) from
 the trial's decision to the guard's first reading (steps 20-30), then at rank
 4 where the reading admits it, or what the trial measured without it where it
 refuses; against fp32 (bench/README "auto's lowrank at rank 16 until its
@@ -12,7 +12,7 @@ reading", "The wide model with SGD-m over 24 seeds"). Run once per rank:
 import json
 import sys
 
-from hetcomm import autoplan, lowrank_share
+from hetcomm import autoplan, lowrank_guard
 from hetcomm.benchmarks import train
 
 INF = float("inf")
@@ -32,13 +32,13 @@ if __name__ == "__main__":
     out_path, task, optims, seeds, provisional, reference = (sys.argv[1:] + [None] * 6)[:6]
     autoplan.AutoPlanner._judged = lowrank_first
     if provisional:
-        lowrank_share.PROVISIONAL_RANK = int(provisional)
+        lowrank_guard.PROVISIONAL_RANK = int(provisional)
     runs = train.run(2, [task or "lm"], (optims or "sgd,adamw").split(","), ["fp32", "auto"] if not reference
                      else ["auto"], seeds=int(seeds or 2), reference=reference)
     if runs:  # rank 0
         out = [{k: r.get(k) for k in ("optimizer", "mode", "seed", "final", "target", "reached", "steps_to_target",
                                       "steps_to_stay")} |
-               {"guard": (r.get("auto") or {}).get("lowrank_guard"), "provisional": lowrank_share.PROVISIONAL_RANK,
+               {"guard": (r.get("auto") or {}).get("lowrank_guard"), "provisional": lowrank_guard.PROVISIONAL_RANK,
                 "plans": [(c["step"], c.get("plans")) for c in r["curve"] if c["step"] <= 60]} for r in runs]
         with open(out_path, "w") as f:
             json.dump(out, f, indent=1)

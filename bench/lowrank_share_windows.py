@@ -4,7 +4,7 @@ every step of the windows 20-40, 100-120 and 200-220 (every 5th) each rank
 reads the share of its local gradient's energy in the top r singular values
 (r = 4, 8, 16) of every weight matrix (a parameter of 2 or more dimensions,
 as (rows, rest); skipped where a side is at most r), summed over the
-matrices; printed: each rank's mean per window. Where `lowrank_share.ADMIT`
+matrices; printed: each rank's mean per window. Where `lowrank_guard.ADMIT`
 and `DROP` come from (bench/README "lowrank in auto, under a guard").
 
     python bench/lowrank_share_windows.py sgd lm:0 lm:1 wide:0 classify:0 regress:0

@@ -35,7 +35,7 @@
    3 trial steps of it cost 25 compressed ones), except every
    ``AUTO_FULL_EVERY``-th, which measures every candidate again.
 5. lowrank, offered by default where the gradient alone is compressed, is a
-   *guarded* candidate (:class:`hetcomm.lowrank_share.Guard`): the trial
+   *guarded* candidate (:class:`hetcomm.lowrank_guard.Guard`): the trial
    measures it; until the ranks' first reading of how much of their
    gradient its rank carries (steps 20-30) it runs only at rank 16
    (provisionally, where ``matrix_approximation_rank`` is left to hetcomm;
@@ -81,7 +81,7 @@ import time
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import buckets, lowrank_share, planner
+from . import buckets, lowrank_guard, lowrank_share, planner
 from .plan import AUTO_MODES, DENSE, BucketPlan
 
 log = logging.getLogger("hetcomm")
@@ -181,7 +181,7 @@ class AutoPlanner:
         self._step_trial: Dict[int, Tuple[str, int]] = {}  # bucket index -> (key, candidate) of the open step
         self._last_trial: Dict[int, Tuple[str, int]] = {}
         #: lowrank's condition when auto offers it by default (set at negotiation), else None
-        self.guard: Optional[lowrank_share.Guard] = None
+        self.guard: Optional[lowrank_guard.Guard] = None
         self._lowrank_algo: Optional[str] = None  # the guarded lowrank's algorithm, one for every bucket
         self._guard_sd: dict = {}  # a loaded guard's state, for the guard made at negotiation
 
@@ -230,7 +230,7 @@ class AutoPlanner:
     def offer_guarded(self) -> None:
         """Negotiation: lowrank joins the candidates under its guard."""
         self.modes += ("lowrank",)
-        self.guard = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK if self.s._rank_given is None else None)
+        self.guard = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK if self.s._rank_given is None else None)
         self.guard.load_state_dict(self._guard_sd)
 
     def reads_share(self, numel: int) -> bool:
@@ -252,7 +252,7 @@ class AutoPlanner:
         """The ranks a guard's reading is taken at, lowrank's ``rank`` last:
         also WAIT_RANK where it is larger (a reading under FIRST_DROP waits
         where that rank carries the gradient: :meth:`Guard.update`)."""
-        return [lowrank_share.WAIT_RANK, rank] if self.guard is not None and rank < lowrank_share.WAIT_RANK else None
+        return [lowrank_guard.WAIT_RANK, rank] if self.guard is not None and rank < lowrank_guard.WAIT_RANK else None
 
     def _guarded(self, mode: str) -> bool:
         return self.guard is not None and mode == "lowrank"

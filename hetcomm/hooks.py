@@ -158,7 +158,7 @@ class BucketSteps:
 
     def _choose_rank(self, engine) -> None:
         """After a window of share readings at each rank lowrank may choose
-        (:class:`hetcomm.lowrank_share.RankLadder`): every rank all-gathers
+        (:class:`hetcomm.lowrank_ladder.RankLadder`): every rank all-gathers
         its means (or -1: none, e.g. every step of it overflowed, and the next
         window decides); the lowest per rank decides, the same everywhere."""
         step = self.iter - 1

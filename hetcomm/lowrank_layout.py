@@ -1,7 +1,7 @@
 """lowrank's view of a bucket: which of its tensors are matrices it
 approximates at a rank (PowerSGD's rule), and each bucket's Q: its random
 start, the same on every rank, and its columns kept when the rank changes
-(:class:`hetcomm.lowrank_share.RankLadder`)."""
+(:class:`hetcomm.lowrank_ladder.RankLadder`)."""
 
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ class Negotiation:
                                  "(CUDA compute capability < 8.0): use 'fp16' there")
             auto.modes = tuple(modes)
             if not self.candidates and self._attached is None:
-                # lowrank of the gradient: offered on the reading of its rank's share (hetcomm.lowrank_share.Guard)
+                # lowrank of the gradient: offered on the reading of its rank's share (hetcomm.lowrank_guard.Guard)
                 auto.offer_guarded()
             if "lowrank" not in auto.modes:
                 self._rounds.settle()  # no lowrank buckets: nothing to hold

@@ -16,7 +16,8 @@ from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F
 from .attach import OptimizerLink
 from .hooks import BucketSteps
 from .lowrank_rounds import RoundsTrial
-from .lowrank_share import DEFAULT_RANK, LowrankShare, RankLadder
+from .lowrank_ladder import DEFAULT_RANK, RankLadder
+from .lowrank_share import LowrankShare
 from .negotiation import Negotiation
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
@@ -96,7 +97,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             name. ``None`` (default): ``compression="lowrank"`` runs rank 16
             until step 30, then the smallest of 4, 8, 16 that carries 99 % of
             every rank's gradient energy in steps 20-30, else 16
-            (:class:`hetcomm.lowrank_share.RankLadder`; ``stats()
+            (:class:`hetcomm.lowrank_ladder.RankLadder`; ``stats()
             ["lowrank_rank"]``); auto's lowrank candidate has rank 4 (16
             until its first reading: ``candidates``).
         lowrank_wire: what lowrank's two all-reduces send: ``"bf16"``
@@ -140,7 +141,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             rank 4 carries (steps 20-30), then at rank 4 once a reading
             admits it, dropped when it or a later reading does not, taken
             back when a later one does
-            (:class:`hetcomm.lowrank_share.Guard`; with
+            (:class:`hetcomm.lowrank_guard.Guard`; with
             ``matrix_approximation_rank`` given, at that rank and only once
             admitted); onebit and topk only when
             listed here (measured to miss fp32's quality at fp32's learning

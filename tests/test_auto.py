@@ -8,7 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import autoplan, lowrank_share, plan, topology
+from hetcomm import autoplan, lowrank_guard, lowrank_share, plan, topology
 from hetcomm import planner as planner_mod
 
 from . import models
@@ -77,10 +77,8 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
     rank's GPU."""
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     if guard:
-        from hetcomm import lowrank_share
-
-        for k, v in {"EVERY": 1, "LATER": 10_000, **guard}.items():
-            setattr(lowrank_share, k, v)
+        for k, v in {"EVERY": 1, "LATER": 10_000, **guard}.items():  # the windows' constants or the guard's bars
+            setattr(lowrank_guard if hasattr(lowrank_guard, k) else lowrank_share, k, v)
         autoplan.safe_modes = lambda *a, **k: ("none",)
         cut = False  # steps 1-9
         real = autoplan.choose
@@ -200,7 +198,7 @@ def test_auto_keeps_lowrank_only_where_the_ranks_read_its_rank_carries_their_gra
         assert all(w == ["lowrank"] for w in r0["wires"][15:]) and r0["ranks"][15:] == [[4]] * 3, r0["wires"]
         assert r0["auto"]["lowrank_rank"] == 4
     else:
-        assert guard["state"] == "refused" and guard["share"] < lowrank_share.DROP
+        assert guard["state"] == "refused" and guard["share"] < lowrank_guard.DROP
         assert all(w == ["none"] for w in r0["wires"][last_owed + 1:]), r0["wires"]
         for r in res:
             paid = max(r["gap"][last_owed + 1:])
@@ -233,7 +231,7 @@ def test_a_reading_between_the_bars_leaves_lowrank_to_the_next_window_at_rank_8_
         assert guard["state"] == "admitted" and guard["share"] > 0.999
         assert all(w == ["lowrank"] for w in r0["wires"][23:]) and r0["ranks"][23:] == [[4]] * 3, r0["wires"]
     else:
-        assert guard["state"] == "refused" and guard["share"] < lowrank_share.ADMIT
+        assert guard["state"] == "refused" and guard["share"] < lowrank_guard.ADMIT
         assert all(w == ["none"] for w in r0["wires"][23:]), r0["wires"]
         tol = 1e-4 * r0["scale"] * 26
         for r in res:
@@ -378,74 +376,74 @@ def test_auto_resumed_with_other_candidates_keeps_its_choice_or_runs_its_trial_a
 
 
 def test_the_guard_admits_lowrank_drops_it_under_its_lower_bar_and_takes_it_back_at_the_upper():
-    g = lowrank_share.Guard()
-    assert g.update(lowrank_share.ADMIT, 40) and g.state == "admitted"
-    assert not g.update(lowrank_share.DROP, 120) and g.state == "admitted"  # between the bars: kept
-    assert g.update(lowrank_share.DROP - 1e-3, 220) and g.state == "refused" and not g.runs()
-    assert not g.update(lowrank_share.ADMIT - 1e-3, 420) and g.state == "refused"  # between the bars: stays out
-    assert g.changed_at == [220, lowrank_share.DROP - 1e-3] and g.readmitted == 0
-    assert g.update(lowrank_share.ADMIT, 820) and g.state == "admitted" and g.runs()  # taken back at ADMIT ...
-    assert not g.provisional and g.readmitted == 1 and g.changed_at == [820, lowrank_share.ADMIT]
-    assert g.update(lowrank_share.DROP - 1e-3, 1620) and g.state == "refused"  # ... and dropped again under DROP
+    g = lowrank_guard.Guard()
+    assert g.update(lowrank_guard.ADMIT, 40) and g.state == "admitted"
+    assert not g.update(lowrank_guard.DROP, 120) and g.state == "admitted"  # between the bars: kept
+    assert g.update(lowrank_guard.DROP - 1e-3, 220) and g.state == "refused" and not g.runs()
+    assert not g.update(lowrank_guard.ADMIT - 1e-3, 420) and g.state == "refused"  # between the bars: stays out
+    assert g.changed_at == [220, lowrank_guard.DROP - 1e-3] and g.readmitted == 0
+    assert g.update(lowrank_guard.ADMIT, 820) and g.state == "admitted" and g.runs()  # taken back at ADMIT ...
+    assert not g.provisional and g.readmitted == 1 and g.changed_at == [820, lowrank_guard.ADMIT]
+    assert g.update(lowrank_guard.DROP - 1e-3, 1620) and g.state == "refused"  # ... and dropped again under DROP
     assert g.update(1.0 - 1e-3, 3220, 1.0) and g.state == "admitted" and g.readmitted == 2
-    h = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
-    assert h.update(lowrank_share.FIRST_DROP - 1e-3, 40) and h.state == "refused" and not h.provisional
+    h = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK)
+    assert h.update(lowrank_guard.FIRST_DROP - 1e-3, 40) and h.state == "refused" and not h.provisional
     # refused at its first reading (a long learning-rate warm-up reads low at first): a later window at ADMIT takes
     # it back, at its rank (no longer provisionally)
-    assert not h.update(lowrank_share.FIRST_DROP, 60) and h.state == "refused"
-    assert h.update(lowrank_share.ADMIT, 90) and h.state == "admitted" and not h.provisional and h.readmitted == 1
+    assert not h.update(lowrank_guard.FIRST_DROP, 60) and h.state == "refused"
+    assert h.update(lowrank_guard.ADMIT, 90) and h.state == "admitted" and not h.provisional and h.readmitted == 1
     # under FIRST_DROP where the top WAIT_RANK singular values carry WAIT or more (a long warm-up's first windows on
     # the wide model; the language model reads under it): it waits at its provisional rank, as between the bars, or
     # at WAIT_RANK where they carry ADMIT or more (what admits rank 4)
-    for share8, at in ((lowrank_share.ADMIT, lowrank_share.WAIT_RANK), (lowrank_share.ADMIT - 1e-3, 16),
-                       (lowrank_share.WAIT, 16), (lowrank_share.WAIT - 1e-3, None), (None, None)):
+    for share8, at in ((lowrank_guard.ADMIT, lowrank_guard.WAIT_RANK), (lowrank_guard.ADMIT - 1e-3, 16),
+                       (lowrank_guard.WAIT, 16), (lowrank_guard.WAIT - 1e-3, None), (None, None)):
         waits = at is not None
-        w = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
-        assert w.rank_now == lowrank_share.PROVISIONAL_RANK == 16  # before any reading
-        assert w.update(lowrank_share.FIRST_DROP - 1e-3, 30, share8) is not waits and w.share8 == share8
+        w = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK)
+        assert w.rank_now == lowrank_guard.PROVISIONAL_RANK == 16  # before any reading
+        assert w.update(lowrank_guard.FIRST_DROP - 1e-3, 30, share8) is not waits and w.share8 == share8
         assert w.provisional is waits and w.state == ("pending" if waits else "refused")
         assert w.rank_now == (at or 16) and w.waits_at == (8 if at == 8 else None)
         if waits:  # ... and the next windows decide as they would between the bars, each setting the rank
-            r = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)  # a checkpoint while it waits
+            r = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK)  # a checkpoint while it waits
             r.load_state_dict(w.state_dict())
             assert r.rank_now == at and r.state_dict() == w.state_dict()
-            assert not w.update(lowrank_share.FIRST_DROP - 0.1, 60, lowrank_share.WAIT) and w.provisional
+            assert not w.update(lowrank_guard.FIRST_DROP - 0.1, 60, lowrank_guard.WAIT) and w.provisional
             assert w.rank_now == 16
-            assert not w.update(lowrank_share.FIRST_DROP, 90, 1.0) and w.rank_now == lowrank_share.WAIT_RANK
-            assert w.update(lowrank_share.FIRST_DROP - 0.1, 100, lowrank_share.WAIT - 1e-3) and w.state == "refused"
+            assert not w.update(lowrank_guard.FIRST_DROP, 90, 1.0) and w.rank_now == lowrank_guard.WAIT_RANK
+            assert w.update(lowrank_guard.FIRST_DROP - 0.1, 100, lowrank_guard.WAIT - 1e-3) and w.state == "refused"
             assert w.waits_at is None
-            x = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
-            x.update(lowrank_share.FIRST_DROP - 1e-3, 30, share8)
-            assert x.update(lowrank_share.ADMIT - 1e-3, 120, 1.0) and x.state == "refused"  # the deadline's bar
-    given = lowrank_share.Guard()  # matrix_approximation_rank given: it waits without running lowrank at any rank
-    assert not given.update(lowrank_share.FIRST_DROP - 1e-3, 30, 1.0) and given.rank_now is None
+            x = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK)
+            x.update(lowrank_guard.FIRST_DROP - 1e-3, 30, share8)
+            assert x.update(lowrank_guard.ADMIT - 1e-3, 120, 1.0) and x.state == "refused"  # the deadline's bar
+    given = lowrank_guard.Guard()  # matrix_approximation_rank given: it waits without running lowrank at any rank
+    assert not given.update(lowrank_guard.FIRST_DROP - 1e-3, 30, 1.0) and given.rank_now is None
     assert given.state == "pending" and not given.provisional
     # from FIRST_DROP up to ADMIT (under DROP too: a first window inside a learning-rate warm-up), the first reading
     # decides nothing, lowrank going on provisionally; the second decides at ADMIT
-    for first in (lowrank_share.ADMIT - 1e-3, lowrank_share.DROP - 1e-3, lowrank_share.FIRST_DROP):
-        for second, state in ((lowrank_share.ADMIT, "admitted"), (lowrank_share.ADMIT - 1e-3, "refused")):
-            p = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
+    for first in (lowrank_guard.ADMIT - 1e-3, lowrank_guard.DROP - 1e-3, lowrank_guard.FIRST_DROP):
+        for second, state in ((lowrank_guard.ADMIT, "admitted"), (lowrank_guard.ADMIT - 1e-3, "refused")):
+            p = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK)
             assert not p.update(first, 40) and p.state == "pending" and p.provisional
             assert p.changed_at is None and p.share == first
-            q = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)  # a checkpoint between the readings
+            q = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK)  # a checkpoint between the readings
             q.load_state_dict(p.state_dict())
             assert q.update(second, 120) and q.state == state and q.changed_at == [120, second]
             assert not q.provisional and q.runs() is (state == "admitted")
     # the windows before the deadline's (steps 50-60, 80-90) admit at ADMIT and refuse under FIRST_DROP only; the
     # deadline's (100-120) refuses under ADMIT
     assert lowrank_share.deadline() == 120
-    for later, state in (([0.95, lowrank_share.ADMIT], "admitted"), ([lowrank_share.FIRST_DROP - 1e-3], "refused"),
-                         ([lowrank_share.FIRST_DROP, lowrank_share.ADMIT - 1e-3, lowrank_share.ADMIT - 1e-3],
+    for later, state in (([0.95, lowrank_guard.ADMIT], "admitted"), ([lowrank_guard.FIRST_DROP - 1e-3], "refused"),
+                         ([lowrank_guard.FIRST_DROP, lowrank_guard.ADMIT - 1e-3, lowrank_guard.ADMIT - 1e-3],
                           "refused")):
-        p = lowrank_share.Guard(lowrank_share.PROVISIONAL_RANK)
+        p = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK)
         for share, step in zip([0.95] + later, [30, 60, 90, 120]):
             decided = p.update(share, step)
             assert decided is (p.state != "pending") and p.provisional is (p.state == "pending")
         assert p.state == state and p.changed_at == [step, share]
-    k = lowrank_share.Guard()
+    k = lowrank_guard.Guard()
     k.load_state_dict(g.state_dict())
     assert k.state_dict() == {"state": "admitted", "share": 1.0 - 1e-3, "step": 3220,
-                              "changed_at": [3220, 1.0 - 1e-3], "first": [40, lowrank_share.ADMIT], "readmitted": 2,
+                              "changed_at": [3220, 1.0 - 1e-3], "first": [40, lowrank_guard.ADMIT], "readmitted": 2,
                               "share8": 1.0, "waits_at": None}
 
 
@@ -922,8 +920,8 @@ def test_the_guarded_lowrank_predicted_fastest_is_the_first_round_and_a_refusal_
     preds = {m: t for m, _, t in auto._candidates(1 << 20, lambda r=None: layout)}
     assert preds["lowrank"] < cost["lowrank"] < preds["fp8"] / autoplan.AUTO_SPAN  # the others hopeless
     assert steps(autoplan.AUTO_REPEATS) == [("lowrank", "trial")] * autoplan.AUTO_REPEATS
-    assert steps(5) == [("lowrank", "measured")] * 5 and auto.lowrank_rank() == lowrank_share.PROVISIONAL_RANK
-    assert auto.guard.update(lowrank_share.FIRST_DROP - 0.01, 30) and auto.guard.state == "refused"
+    assert steps(5) == [("lowrank", "measured")] * 5 and auto.lowrank_rank() == lowrank_guard.PROVISIONAL_RANK
+    assert auto.guard.update(lowrank_guard.FIRST_DROP - 0.01, 30) and auto.guard.state == "refused"
     auto._repick()
     assert not auto.decided and auto.trial_start is not None  # the first trial again
     again = steps(2 * autoplan.AUTO_REPEATS)
@@ -933,7 +931,7 @@ def test_the_guarded_lowrank_predicted_fastest_is_the_first_round_and_a_refusal_
     plans = planner_for(None)
     auto = plans.auto
     assert steps(1) == [("lowrank", "trial")]
-    assert auto.guard.update(lowrank_share.FIRST_DROP - 0.01, 30)
+    assert auto.guard.update(lowrank_guard.FIRST_DROP - 0.01, 30)
     auto._repick()  # the running trial decides
     assert steps(autoplan.AUTO_REPEATS - 1) == [("lowrank", "trial")] * (autoplan.AUTO_REPEATS - 1)
     again = steps(2 * autoplan.AUTO_REPEATS + 1)

@@ -566,20 +566,20 @@ def test_top_shares_reads_every_rank_of_one_spectrum_and_a_matrix_sent_dense_car
 
 
 def test_the_rank_ladder_takes_the_smallest_rank_that_carries_enough_and_keeps_q_s_first_columns():
-    from hetcomm import lowrank_layout, lowrank_share
+    from hetcomm import lowrank_ladder, lowrank_layout
 
-    bar = lowrank_share.RUNG_BAR
+    bar = lowrank_ladder.RUNG_BAR
     for shares, want in (([bar, 1.0, 1.0], 4), ([bar - 1e-3, bar, 1.0], 8), ([0.5, 0.7, 0.9], 16)):
-        ladder = lowrank_share.RankLadder(None)
+        ladder = lowrank_ladder.RankLadder(None)
         assert ladder.pending and ladder.rank == 16 and ladder.ranks == [4, 8, 16]  # the top until it chooses
         assert ladder.choose(shares, 30) == want and ladder.rank == want and not ladder.pending
-        again = lowrank_share.RankLadder(None)
+        again = lowrank_ladder.RankLadder(None)
         again.load_state_dict(ladder.state_dict())
         assert again.describe() == ladder.describe()
-        given = lowrank_share.RankLadder(2)  # a rank given is fixed, and a ladder's saved choice does not move it
+        given = lowrank_ladder.RankLadder(2)  # a rank given is fixed, and a ladder's saved choice does not move it
         given.load_state_dict(ladder.state_dict())
         assert given.state == "fixed" and given.rank == 2
-    legacy = lowrank_share.RankLadder(None)  # a state saved before the ladder ran lowrank's default, rank 4: on at 4
+    legacy = lowrank_ladder.RankLadder(None)  # a state saved before the ladder ran lowrank's default, rank 4: on at 4
     legacy.load_state_dict(None)
     assert legacy.state == "chosen" and legacy.rank == 4 and legacy.shares is None
     # Q at rank 16 -> 4: each matrix keeps its first 4 columns (orthonormal already: Gram-Schmidt keeps them);
@@ -651,7 +651,7 @@ def test_default_lowrank_runs_its_top_rank_then_the_one_its_reading_chose_and_re
     if chosen == 4:  # a gradient of rank 3: all of it in the top 4
         assert shares[0] > 0.999
     else:  # 64 samples of noise a rank: even 16 carries under the bar
-        assert shares[2] < lowrank_share_bar()
+        assert shares[2] < ladder_bar()
     assert r0["ranks"][:6] == [16] * 6 and r0["ranks"][7:] == [chosen] * 17  # chosen at step 7's start
     if chosen == 4:  # P and Q a quarter of rank 16's, the bias (dense) the same
         assert r0["sent"][10] < 0.4 * r0["sent"][3]
@@ -668,10 +668,10 @@ def test_default_lowrank_runs_its_top_rank_then_the_one_its_reading_chose_and_re
         assert resumed[0]["ladder"] == r0["ladder"]
 
 
-def lowrank_share_bar():
-    from hetcomm import lowrank_share
+def ladder_bar():
+    from hetcomm import lowrank_ladder
 
-    return lowrank_share.RUNG_BAR
+    return lowrank_ladder.RUNG_BAR
 
 
 class _Gathers:
