@@ -105,22 +105,23 @@ def _split_balanced(mode: str):
 
 def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     base, balanced = _split_balanced(mode)
+    spec = mode_table.get(base)
     dev = common.rank_device(rank, cfg.get("device", "cpu"))
     model = model_for(cfg["params"], layers=cfg["layers"]).to(dev)
     numel = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                              **mode_table.get(base).ddp_options(cfg["bucket_mb"]))
+                                              **spec.ddp_options(cfg["bucket_mb"]))
     algorithm = cfg.get("algorithm", "default")
     # "default": HookState's own (auto chooses the algorithm too; a compressed mode goes across nodes only); a
     # mode's own @ALGO stands either way
-    options = mode_table.get(base).options
+    options = spec.options
     own = options.get("algorithm")
     overrides = {} if base in TORCH_MODES or own is not None or algorithm == "default" else {"algorithm": algorithm}
     if options.get("compression") == "lowrank" and "matrix_approximation_rank" not in options:
         # PowerSGD's rank, side by side with its hook: a run's own lowrank reads its rank at step 30 (these runs
         # are shorter, and their random labels' gradient would take the ladder's top, 16)
         overrides["matrix_approximation_rank"] = mode_table.POWERSGD_RANK
-    hook_state, inner, state = mode_table.get(base).comm_hook(**overrides)
+    hook_state, inner, state = spec.comm_hook(**overrides)
     tl = _Timeline(inner)
 
     def hook(state, bucket):  # DDP wants these parameter names
@@ -128,7 +129,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
 
     ddp.register_comm_hook(hook_state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    attached = options.get("compression") in ATTACHED or mode_table.get(base).attach
+    attached = options.get("compression") in ATTACHED or spec.attach
     if attached:
         # momentum compression, as the README asks of SGD-momentum users of
         # onebit and top-k (auto+m then offers fp8 of the momentum; 1-bit and
@@ -184,7 +185,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
         auto = stats.get("auto")
         state.close()
     else:
-        sent = mode_table.get(base).torch_bytes(model, world)
+        sent = spec.torch_bytes(model, world)
     if dev.type == "cuda":  # exposed: what the step takes beyond compute alone
         exposed = [max(0.0, t - cfg["solo_step_s"]) for t in times]
     return {**_timing(times, exposed, busy, gb), "bytes_per_step": sent, "compute_rate": meter.rate,
