@@ -202,6 +202,8 @@ class AutoPlanner:
         if not modes:
             return None
         mode, algo, predicted = self._candidates(numel, None, modes)[0]
+        log.info("hetcomm: auto's step 0 (DDP's first buckets, before the trial): a %d-element bucket sends %s/%s",
+                 numel, mode, algo)
         return None if mode == "none" else BucketPlan(mode, algo, "first step", predicted_s=predicted)
 
     def _candidates(self, numel: int, layout_of,
