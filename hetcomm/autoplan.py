@@ -8,9 +8,7 @@
    ``AUTO_REPEATS`` times each; in round c every bucket runs its c-th candidate.
    (From step 1, in the buckets DDP rebuilt in that step's forward; where it
    rebuilds them later, ``static_graph=True``, a first trial begun in the
-   old buckets starts again in the new: :meth:`AutoPlanner._drop_replaced`.
-   Step 0, in DDP's first buckets, runs the predicted fastest element-wise
-   wire, fp32 included: :meth:`AutoPlanner.first_step_plan`.)
+   old buckets starts again in the new: :meth:`AutoPlanner._drop_replaced`.)
    In the first trial, after round 0 (each bucket's best predicted
    candidate; the guarded lowrank only where it is predicted fastest and
    may run now, see 5), the ranks agree on the rounds whose predicted
@@ -95,7 +93,6 @@ AUTO_RECHECK = 1000   # compressed steps between later re-checks
 AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
 AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
 AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
-FIRST_STEP_WIRES = ("none", "fp16", "bf16", "fp8")  # step 0's candidates: element-wise (first_step_plan)
 INF = float("inf")     # a round's time where there is none (not measured, or not allowed)
 # the guarded lowrank's round wins only at this fraction of the best round's time without it, or less: lowrank is
 # an approximation that can cost steps where fp8 is all but exact (digits at 100 Mbit, where their steps took about
@@ -188,26 +185,7 @@ class AutoPlanner:
         self._lowrank_algo: Optional[str] = None  # the guarded lowrank's algorithm, one for every bucket
         self._guard_sd: dict = {}  # a loaded guard's state, for the guard made at negotiation
 
-    def first_step_plan(self, numel: int) -> Optional[BucketPlan]:
-        """Step 0's plan, in DDP's first bucket layout before the trial (which
-        needs the rebuilt one): the cost model's fastest candidate among the
-        element-wise wires (FIRST_STEP_WIRES: each value within fp8's rounding,
-        an Adam's second moment set from nearly the true gradient; no
-        approximation such as lowrank's, measured to cost AdamW 40-120 % more
-        steps there), or None where only fp32 is allowed. What its error
-        feedback owes, the rebuilt buckets adopt (BucketStates.adopt). On the
-        wide model at 100 Mbit: fp8 across nodes, a step of 167-180 ms against
-        fp32's 441-478 (bench/README "auto's step 0")."""
-        modes = tuple(m for m in self.modes if m in FIRST_STEP_WIRES)
-        if not modes:
-            return None
-        mode, algo, predicted = self._candidates(numel, None, modes)[0]
-        log.info("hetcomm: auto's step 0 (DDP's first buckets, before the trial): a %d-element bucket sends %s/%s",
-                 numel, mode, algo)
-        return None if mode == "none" else BucketPlan(mode, algo, "first step", predicted_s=predicted)
-
-    def _candidates(self, numel: int, layout_of,
-                    modes: Optional[Tuple[str, ...]] = None) -> List[Tuple[str, str, Optional[float]]]:
+    def _candidates(self, numel: int, layout_of) -> List[Tuple[str, str, Optional[float]]]:
         s = self.s
         if s.algorithm != "auto":
             algos = [s.algorithm]
@@ -216,7 +194,7 @@ class AutoPlanner:
         else:
             algos = list(planner.ALGORITHMS)
         ranked, guarded = [], []
-        for mode in modes or self.modes:
+        for mode in self.modes:
             wire = self.p._wire(mode, numel, layout_of)
             usable = [a for a in algos if planner.carries(a, wire)] or ["native"]
             preds = [(planner.predict(s.topology, numel * 4, a, wire), a) for a in usable]
@@ -226,7 +204,7 @@ class AutoPlanner:
             (guarded if self._guarded(mode) else ranked).extend((t, mode, a) for t, a in preds)
         ranked.sort(key=lambda r: (r[0], AUTO_MODES.index(r[1]), planner.ALGORITHMS.index(r[2])))
         top = [(m, a, t) for t, m, a in ranked[:AUTO_TOP]]
-        if not any(m == "none" and a == "native" for m, a, _ in top) and "none" in (modes or self.modes):
+        if not any(m == "none" and a == "native" for m, a, _ in top) and "none" in self.modes:
             native = planner.predict(s.topology, numel * 4, "native", "none")
             top.append(("none", "native", native))
         # on top of the rest, where it has a matrix to compress at its rank (it may run provisionally at another)

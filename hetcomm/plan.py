@@ -37,8 +37,7 @@ class BucketPlan:
     """One bucket's reduction in one step."""
     mode: str            # wire format this step: none, fp16, bf16, fp8, onebit, topk, lowrank
     algorithm: str       # native, ring, halving_doubling, tree, hierarchical
-    why: str             # fixed, across nodes, predicted, HETCOMM_ALGO, trial, measured, warm-up, exact step, small
-                         # bucket, first step (auto's step 0)
+    why: str             # fixed, across nodes, predicted, HETCOMM_ALGO, trial, measured, warm-up, exact step, small bucket
     interim: bool = False  # an exact step of a compressed bucket: its error-feedback state waits, untouched
     predicted_s: Optional[float] = None
 
@@ -120,10 +119,6 @@ class Planner:
             if WARMUP_FROM <= step < s.start_iter and wire != "none":
                 algo, _, predicted = self.algorithm(numel, self._wire(wire, numel, layout_of))
                 return BucketPlan(wire, algo, "warm-up", predicted_s=predicted)
-            if mode == "auto" and s._first_step_elementwise(step):
-                first = self.auto.first_step_plan(numel)
-                if first is not None:
-                    return first
             return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
         if mode == "auto":
             return self.auto.plan(numel, key, index, layout_of)

@@ -80,9 +80,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             (bench/README "Compressed from the first step"). ``"auto"``
             needs >= 1: its trial measures DDP's buckets as rebuilt in the
             second step (with ``static_graph=True`` in the third: a trial
-            begun before starts again); left at None, auto's step 0 sends
-            the cost model's fastest element-wise candidate (fp32, fp16/bf16
-            or fp8; no optimizer attached), given, it is exact.
+            begun before starts again).
         error_feedback: keep what compression did not send and add it to the
             next step's gradient (default True). ``False`` exists to show why
             it matters.
@@ -194,7 +192,6 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
                                 rank, candidates, lowrank_wire)
         self.compression: str = opts["compression"]
         self.start_iter: int = opts["start_iter"]
-        self._start_given = start_iter is not None  # auto's step 0 goes element-wise only under the default
         self.error_feedback: bool = opts["error_feedback"]
         self.chunk_size: Optional[int] = opts["chunk_size"]
         self.min_compress_numel: int = opts["min_compress_numel"]
@@ -485,13 +482,6 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             pass
 
     # ---- used by the hook ------------------------------------------------------
-    def _first_step_elementwise(self, step: int) -> bool:
-        """Whether ``compression="auto"``'s step ``step`` goes through the cost
-        model's fastest element-wise wire (:meth:`AutoPlanner.first_step_plan`):
-        step 0, where ``start_iter`` was left at its default and no optimizer
-        is attached (its warm-up is its own), with error feedback."""
-        return step == 0 and not self._start_given and self._attached is None and self.error_feedback
-
     def _compressed_at(self, step: int) -> bool:
         """Whether step ``step``'s compressed-mode buckets are compressed: from
         ``start_iter`` on, except, with an Adam attached, steps

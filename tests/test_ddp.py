@@ -425,16 +425,12 @@ def _books_gap(state, params, delivered, exact, rank, world, owed_before=None) -
     return max(gaps)
 
 
-def _compressed_from_step_zero(rank, world, mode, adopt, device, opts=None):
-    """Four steps from step 0 of ``mode`` (``opts``: HookState's, default
-    start_iter=0), ``adopt``: False drops what the first layout owed; the
-    layouts, the wires and the books' gap (:func:`_books_gap`)."""
+def _compressed_from_step_zero(rank, world, mode, adopt, device):
     dev = models.rank_device(rank, device)
     model = models.mlp()
     local = models.mlp().to(dev)  # the same weights, reduced exactly by hand: the reference
     ddp = models.ddp(model, rank, device, bucket_cap_mb=0.01)  # buckets of a layer or so: rebuilt after step 0
-    opts = dict(start_iter=0, **models.fixed_rank(mode)) if opts is None else opts
-    state = hetcomm.HookState(mode, min_compress_numel=0, **opts)
+    state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0, **models.fixed_rank(mode))
     if not adopt:  # what start_iter=0 would do without adoption: the first layout's error feedback is dropped
         state._buckets.adopt = lambda *args: None
     ddp.register_comm_hook(state, hetcomm.hook)
