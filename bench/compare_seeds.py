@@ -22,18 +22,23 @@ BASE = "torch-powersgd"
 
 
 def load(path):
+    """{(task, optimizer): {mode: {seed: run}}}: a file may hold several cells."""
     with open(path) as f:
         data = json.load(f)
     out = {}
     for r in data["runs"]:
-        out.setdefault(r["mode"], {})[r["seed"]] = r
+        out.setdefault((r["task"], r["optimizer"]), {}).setdefault(r["mode"], {})[r["seed"]] = r
     return out
 
 
 def report(path):
-    runs = load(path)
+    for (task, optim), runs in load(path).items():
+        report_cell(f"{path} ({task}, {optim})", runs)
+
+
+def report_cell(name, runs):
     seeds = sorted(set.intersection(*[{s for s, r in by_seed.items() if r["reached"]} for by_seed in runs.values()]))
-    print(f"{path}: {len(seeds)} seeds reached by every mode")
+    print(f"{name}: {len(seeds)} seeds reached by every mode")
     for mode, by_seed in runs.items():
         first = sum(by_seed[s]["steps_to_target"] for s in seeds)
         stay = sum(by_seed[s]["steps_to_stay"] for s in seeds)

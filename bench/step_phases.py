@@ -2,14 +2,16 @@
 ``hetcomm bench train``), for one mode of ``hetcomm bench train``: per rank,
 the median over steps SKIP.. of forward, backward (with the hook's wait),
 optimizer, the whole step, hetcomm's codec and comm time
-(``stats()["last_step"]``) and this process's CPU time a step (all its
-threads: gloo's, hetcomm's comm thread); then forward and backward alone
-under ``no_sync`` (no hook). Run once per rank under torch.distributed's
+(``stats()["last_step"]``), this process's CPU time a step (all its
+threads: gloo's, hetcomm's comm thread), and its minor page faults and
+voluntary context switches a step (counts, not ms); then forward and
+backward alone under ``no_sync`` (no hook). Run once per rank under torch.distributed's
 env:// variables (bench/README "What the testbed's step is made of"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- \\
         python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP]]]
 """
+import resource
 import statistics
 import sys
 import time
@@ -21,7 +23,14 @@ from torch import nn
 from hetcomm import modes
 from hetcomm.benchmarks import tasks, train
 
-COLUMNS = ("fwd", "bwd", "opt", "step", "codec", "comm", "cpu", "fwd_alone", "bwd_alone")
+COLUMNS = ("fwd", "bwd", "opt", "step", "codec", "comm", "cpu", "faults", "vcsw", "fwd_alone", "bwd_alone")
+COUNTS = (7, 8)  # columns that are counts a step, not seconds
+
+
+def _counts(before) -> tuple:
+    """Minor page faults and voluntary context switches since ``before``."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return now.ru_minflt - before.ru_minflt, now.ru_nvcsw - before.ru_nvcsw
 
 
 def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
@@ -38,7 +47,7 @@ def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
     rows = []
     for step in range(steps):
         x, y = task.batch_for(step, rank)
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, u0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         opt.zero_grad()
         loss = task.loss(ddp(x), y)
         t1 = time.perf_counter()
@@ -48,7 +57,7 @@ def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
         t3 = time.perf_counter()
         last = state.stats()["last_step"] if state is not None else {}
         rows.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0, last.get("codec_s", 0.0), last.get("comm_s", 0.0),
-                     time.process_time() - c0))
+                     time.process_time() - c0, *_counts(u0)))
     alone = []
     with ddp.no_sync():
         for step in range(20):
@@ -58,12 +67,12 @@ def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
             t1 = time.perf_counter()
             loss.backward()
             alone.append((t1 - t0, time.perf_counter() - t1))
-    ms = [1000 * statistics.median(r[i] for r in rows[skip:]) for i in range(len(rows[0]))]
+    ms = [(1 if i in COUNTS else 1000) * statistics.median(r[i] for r in rows[skip:]) for i in range(len(rows[0]))]
     ms += [1000 * statistics.median(a[i] for a in alone) for i in range(2)]
     gathered = [torch.zeros(len(ms), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor(ms, dtype=torch.float64))
     if rank == 0:
-        print(f"{mode_name} on {task_name}, ms (median over steps {skip}-{steps - 1})")
+        print(f"{mode_name} on {task_name}, ms (faults, vcsw: counts) a step, median over steps {skip}-{steps - 1}")
         print("rank " + " ".join(f"{c:>9}" for c in COLUMNS))
         for r, values in enumerate(gathered):
             print(f"{r:>4} " + " ".join(f"{v:9.1f}" for v in values.tolist()))
