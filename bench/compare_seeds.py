@@ -3,7 +3,7 @@ against PyTorch's PowerSGD (bench/README's 24-seed rows):
 
     python bench/compare_seeds.py RESULT.json [RESULT.json ...]
 
-Per mode: seeds reached; steps to the first touch and to the stay, summed over
+For each task x optimizer in a file, per mode: seeds reached; steps to the first touch and to the stay, summed over
 the seeds every mode reached; mean final quality; median ms a step; each
 seed's steps. Against torch-powersgd (where the file has it): the seeds with
 more / fewer steps and the mean difference (standard error), and the time to
