@@ -24,7 +24,7 @@ from hetcomm import modes
 from hetcomm.benchmarks import tasks, train
 
 COLUMNS = ("fwd", "bwd", "opt", "step", "codec", "comm", "cpu", "faults", "vcsw", "fwd_alone", "bwd_alone")
-COUNTS = (7, 8)  # columns that are counts a step, not seconds
+COUNTS = (COLUMNS.index("faults"), COLUMNS.index("vcsw"))  # counts a step, not seconds
 
 
 def _counts(before) -> tuple:
