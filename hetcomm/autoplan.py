@@ -29,7 +29,8 @@
    ``1 / AUTO_HYSTERESIS`` faster: first ``AUTO_SETTLE`` compressed steps
    after the first decision (whose trial ran in the run's first steps, slower
    and noisier than the steady state: measured, it could pick a plan 10-40 %
-   slower than the best), then every ``AUTO_RECHECK``. A re-check leaves out
+   slower than the best), then every ``AUTO_RECHECK``, each once none of
+   its steps would take a share reading of the guard's. A re-check leaves out
    the candidates its last measurement found more than ``AUTO_SPAN`` times
    slower than the chosen round (fp32 at 100 Mbit: 10x a compressed step,
    3 trial steps of it cost 25 compressed ones), except every
@@ -247,6 +248,20 @@ class AutoPlanner:
         on the 2 x 2 testbed (a randomized spectrum on every rank). The same
         on every rank: the guard's state is agreed."""
         return self.guard is not None and self.guard.state == "admitted" and step < lowrank_share.LATER
+
+    def _reads_during(self, steps: int) -> bool:
+        """Whether the guard takes a share reading in this step or the
+        ``steps - 1`` after it. A due re-check waits until its rounds would
+        miss every reading: a reading step took 15-35 ms more than the others
+        on digits on the 2 x 2 testbed (an exact spectrum of a 256 x 256
+        matrix on every rank), the rounds take turns step by step, and the
+        first re-check, AUTO_SETTLE steps after a first decision near step
+        15, fell in the window 100-120, where one round could take most of
+        its readings (bench/README "Digits' best mode on the Intel Xeon").
+        The same on every rank: the steps and the guard's state are agreed."""
+        due = lowrank_share.LowrankShare.due
+        return self.guard is not None and any(due(t) and not self.skips_reading(t)
+                                              for t in range(self.s.iter, self.s.iter + steps))
 
     def read_ranks(self, rank: int) -> Optional[List[int]]:
         """The ranks a guard's reading is taken at, lowrank's ``rank`` last:
@@ -501,7 +516,8 @@ class AutoPlanner:
             self.next_check = self.compressed_steps + (AUTO_SETTLE if self.rechecks == 0 else AUTO_RECHECK)
             if any(self._blocked(self.candidates[k][j]) for k, j in self.decided.items()):
                 self._first_trial_again()  # lowrank, refused while the trial ran, was all it measured
-        elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check:
+        elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check and \
+                not self._reads_during(AUTO_REPEATS * max(map(len, self.candidates.values()), default=1)):
             self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
 
     def _decide(self, engine) -> None:

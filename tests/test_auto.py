@@ -796,6 +796,54 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     assert fresh.pruned == planner.pruned and fresh.rechecks == planner.rechecks
 
 
+def test_a_recheck_due_inside_a_share_window_waits_until_its_rounds_miss_every_reading(monkeypatch):
+    """The planner alone, on a clock of its own, lowrank guarded and
+    admitted: the first re-check falls due AUTO_SETTLE steps after the first
+    decision, inside the later window (LATER .. LATER + SPAN), whose reading
+    steps cost more than any plan (a spectrum on every rank). It waits for
+    the window to close, so that no trial round is timed on a reading step,
+    and keeps the fastest plan."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
+                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e9)})
+    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
+                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0, _rank_given=None,
+                            matrix_approximation_rank=4, lowrank_wire="bf16", _compressed_at=lambda step: True,
+                            _lowrank_share=SimpleNamespace(last=None), _rank_ladder=SimpleNamespace(rank=4))
+    plans = plan.Planner(state)
+    auto = plans.auto
+    auto.modes = ("none", "bf16", "fp8")
+    auto.offer_guarded()
+    assert auto.guard.update(0.99, 0) and auto.guard.state == "admitted"
+    layout = torch.tensor([[0, 1024, 1024, 16]])
+    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": 1.0, "none": 10.0}  # lowrank not by its margin
+    clock = [0.0]
+    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
+    engine = _OneRankEngine()
+
+    def reads(step):
+        return lowrank_share.LowrankShare.due(step) and not auto.skips_reading(step)
+
+    ran = []  # (step, plan, why)
+    for step in range(2 * lowrank_share.LATER + 30):
+        state.iter = step
+        auto.begin_step(engine)
+        p = plans.plan(1 << 20, "0", 0, step, lambda r=None: layout)
+        ran.append((step, p.mode, p.why))
+        clock[0] += cost[p.mode] + (5.0 if reads(step) else 0.0)
+        auto.end_step(True)
+    trial = [s for s, _, why in ran if why == "trial"]
+    decided = next(s for s, _, why in ran if why != "trial")  # the first trial's end
+    due = decided + autoplan.AUTO_SETTLE
+    window = lowrank_share.window_of(due)
+    assert window == lowrank_share.LATER and not auto.skips_reading(window)  # the case: due inside a read window
+    recheck = [s for s in trial if s > decided]
+    assert recheck[0] == lowrank_share.next_close(due) + 1 and not any(reads(s) for s in recheck), recheck
+    assert recheck == list(range(recheck[0], recheck[-1] + 1))  # one re-check, its rounds in a row
+    assert auto.rechecks == 1 and ran[-1][1:] == ("fp8", "measured")
+
+
 def test_the_guarded_lowrank_wins_only_by_its_margin():
     """The planner alone: a round with the guarded lowrank is chosen only
     where its time is at most LOWRANK_MARGIN times the best round's without
