@@ -251,8 +251,10 @@ class AutoPlanner:
 
     def _reads_during(self, steps: int) -> bool:
         """Whether the guard takes a share reading in this step or the
-        ``steps - 1`` after it. A due re-check waits until its rounds would
-        miss every reading: a reading step took 15-35 ms more than the others
+        ``steps - 1`` after it. A due re-check (also the one asked for by a
+        reading that takes lowrank back, at the close of a window that may
+        have another inside the re-check's rounds: 80-90, then 100-120)
+        waits until its rounds would miss every reading: a reading step took 15-35 ms more than the others
         on digits on the 2 x 2 testbed (an exact spectrum of a 256 x 256
         matrix on every rank), the rounds take turns step by step, and the
         first re-check, AUTO_SETTLE steps after a first decision near step
@@ -587,10 +589,12 @@ class AutoPlanner:
             return
         before = self.guard.state
         if self.guard.update(lowest[-1], step, lowest[0] if width > 1 else None):
-            if before == "refused":
-                self._start_trial()  # taken back: the trials since its refusal left it out; measure it now
-            else:
+            if before != "refused":
                 self._repick()
+            elif self.trial_start is not None:
+                self._start_trial()  # taken back while a trial runs without it: the trial again, with it
+            else:  # taken back: the trials since its refusal left it out; a re-check measures it, as soon as its
+                self.next_check = self.compressed_steps  # rounds miss every reading (begin_step, _reads_during)
 
     def _repick(self) -> None:
         """The guard admitted or refused lowrank: every bucket takes the

@@ -844,6 +844,60 @@ def test_a_recheck_due_inside_a_share_window_waits_until_its_rounds_miss_every_r
     assert auto.rechecks == 1 and ran[-1][1:] == ("fp8", "measured")
 
 
+def test_a_refused_lowrank_taken_back_is_measured_once_its_rounds_miss_every_reading(monkeypatch):
+    """The planner alone, on a clock of its own: lowrank refused at the
+    start, the trials measure the others; the window 80-90 reads it back
+    (ADMIT or more). The re-check that measures it again waits until its
+    rounds miss every reading (the next window, 100-120, is read: admitted,
+    the guard skips only the windows before it) and then chooses lowrank,
+    faster by more than its margin. Taken back while no trial ran, it used
+    to start a re-check at once, whose rounds fell on 100 and 105."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
+                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e9)})
+    share = SimpleNamespace(last=None)
+    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
+                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0, _rank_given=None,
+                            matrix_approximation_rank=4, lowrank_wire="bf16", _compressed_at=lambda step: True,
+                            _lowrank_share=share, _rank_ladder=SimpleNamespace(rank=4))
+    plans = plan.Planner(state)
+    auto = plans.auto
+    auto.modes = ("none", "bf16", "fp8")
+    auto.offer_guarded()
+    assert auto.guard.update(0.5, 0) and auto.guard.state == "refused"
+    layout = torch.tensor([[0, 1024, 1024, 16]])
+    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": 0.5, "none": 10.0}
+    clock = [0.0]
+    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
+    engine = _OneRankEngine()
+    back = 90  # the close of the window 80-90
+
+    def reads(step):
+        return lowrank_share.LowrankShare.due(step) and not auto.skips_reading(step)
+
+    ran = []  # (step, plan, why)
+    for step in range(2 * lowrank_share.LATER + 30):
+        state.iter = step
+        if step == back + 1:  # this rank's means of the window, at WAIT_RANK and at rank 4
+            share.last = {"step": back, "share": 0.99, "ladder": [0.995, 0.99]}
+        auto.begin_step(engine)
+        if step == back + 1:
+            assert auto.guard.state == "admitted" and auto.guard.readmitted == 1
+        p = plans.plan(1 << 20, "0", 0, step, lambda r=None: layout)
+        ran.append((step, p.mode, p.why))
+        clock[0] += cost[p.mode] + (5.0 if reads(step) else 0.0)
+        auto.end_step(True)
+    trial = [s for s, _, why in ran if why == "trial"]
+    decided = next(s for s, _, why in ran if why != "trial")  # the first trial's end, lowrank left out
+    assert "lowrank" not in {m for s, m, _ in ran if s <= back}
+    recheck = [s for s in trial if s > decided]
+    assert recheck[0] == lowrank_share.next_close(back + 1) + 1 and not any(reads(s) for s in recheck), recheck
+    assert recheck == list(range(recheck[0], recheck[-1] + 1))  # one re-check, its rounds in a row ...
+    assert "lowrank" in {m for s, m, _ in ran if s in recheck}  # ... which measured lowrank
+    assert auto.rechecks == 1 and ran[-1][1:] == ("lowrank", "measured")
+
+
 def test_the_guarded_lowrank_wins_only_by_its_margin():
     """The planner alone: a round with the guarded lowrank is chosen only
     where its time is at most LOWRANK_MARGIN times the best round's without
