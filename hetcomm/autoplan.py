@@ -254,12 +254,13 @@ class AutoPlanner:
         ``steps - 1`` after it. A due re-check (also the one asked for by a
         reading that takes lowrank back, at the close of a window that may
         have another inside the re-check's rounds: 80-90, then 100-120)
-        waits until its rounds would miss every reading: a reading step took 15-35 ms more than the others
-        on digits on the 2 x 2 testbed (an exact spectrum of a 256 x 256
-        matrix on every rank), the rounds take turns step by step, and the
-        first re-check, AUTO_SETTLE steps after a first decision near step
-        15, fell in the window 100-120, where one round could take most of
-        its readings (bench/README "Digits' best mode on the Intel Xeon").
+        waits until its rounds would miss every reading: a reading step took
+        15-35 ms more than the others on digits on the 2 x 2 testbed (an
+        exact spectrum of a 256 x 256 matrix on every rank; 3-5 ms more since
+        the range finder reads it), the rounds take turns step by step, and
+        the first re-check, AUTO_SETTLE steps after a first decision near
+        step 15, fell in the window 100-120, where one round could take most
+        of its readings (bench/README "Digits' best mode on the Intel Xeon").
         The same on every rank: the steps and the guard's state are agreed."""
         due = lowrank_share.LowrankShare.due
         return self.guard is not None and any(due(t) and not self.skips_reading(t)

@@ -543,6 +543,39 @@ def test_lowrank_reads_how_much_of_the_gradient_its_rank_carries_and_warns_once_
     assert r1["warnings"] == []
 
 
+def test_a_small_matrix_is_read_by_the_range_finder_only_where_what_it_leaves_out_bounds_its_error(monkeypatch):
+    """Up to EXACT_UP_TO: a 256 x 256 matrix of rank 20 (a step's gradient of
+    a small batch) is read by the range finder at 2 x 8 + OVERSAMPLE columns,
+    within EXACT_TOL of its exact shares; one whose energy spreads over more
+    singular values than that (rank 64, or a slow decay) and one as narrow
+    as 4 x those columns take the exact singular values."""
+    from hetcomm import lowrank_share
+
+    exact_calls = []
+    exact = lowrank_share._exact
+    monkeypatch.setattr(lowrank_share, "_exact", lambda g, ranks: exact_calls.append(tuple(g.shape)) or exact(g, ranks))
+    gen = torch.Generator().manual_seed(2)
+    cases = [((256, 256), [10.0 * 0.6 ** i for i in range(20)], False),  # all of it inside 26 columns
+             ((256, 256), [1.0] * 64, True),                             # rank 64: 26 columns leave most out
+             ((256, 256), [10.0 * 0.9 ** i for i in range(100)], True),  # a slow decay: over EXACT_TOL left out
+             ((200, 256), [10.0 * 0.6 ** i for i in range(20)], False),  # wide
+             ((256, 100), [10.0 * 0.6 ** i for i in range(20)], True)]   # 100 < 4 x 26: exact at once
+    for (rows, cols), spectrum, falls_back in cases:
+        exact_calls.clear()
+        g = _planted(rows, cols, spectrum, rows + len(spectrum)).float()
+        nums, den = lowrank_share.top_shares(g, [8, 4], gen)
+        assert exact_calls == ([(rows, cols)] if falls_back else []), (rows, cols, len(spectrum))
+        for r, num in zip((8, 4), nums):
+            want = sum(s * s for s in spectrum[:r]) / sum(s * s for s in spectrum)
+            assert num / den == pytest.approx(want, abs=lowrank_share.EXACT_TOL + 1e-7), (rows, cols, r)
+        assert den == pytest.approx(sum(s * s for s in spectrum), rel=1e-6)
+    # above EXACT_UP_TO the range finder's estimate stands, whatever it leaves out (from below)
+    exact_calls.clear()
+    spectrum = [1.0] * 64
+    nums, den = lowrank_share.top_shares(_planted(300, 300, spectrum, 9).float(), [8, 4], gen)
+    assert exact_calls == [] and nums[0] / den < 8 / 64 + 1e-6
+
+
 def test_top_shares_reads_every_rank_of_one_spectrum_and_a_matrix_sent_dense_carries_all(monkeypatch):
     from hetcomm import lowrank_share
 
