@@ -796,28 +796,28 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     assert fresh.pruned == planner.pruned and fresh.rechecks == planner.rechecks
 
 
-def test_a_recheck_due_inside_a_share_window_waits_until_its_rounds_miss_every_reading(monkeypatch):
-    """The planner alone, on a clock of its own, lowrank guarded and
-    admitted: the first re-check falls due AUTO_SETTLE steps after the first
-    decision, inside the later window (LATER .. LATER + SPAN), whose reading
-    steps cost more than any plan (a spectrum on every rank). It waits for
-    the window to close, so that no trial round is timed on a reading step,
-    and keeps the fastest plan."""
+def _guarded_planner_run(monkeypatch, first_share, cost, readings=None):
+    """The planner alone, one 1M-element bucket on a clock of its own, steps
+    0 .. 2 LATER + 29: lowrank guarded, its guard's first reading
+    ``first_share`` (at step 0); a step costs ``cost[mode]``, 5 more where
+    the guard reads. ``readings``: {step: this rank's window means, set
+    before that step begins}. (auto, [(step, mode, why)], the trial steps,
+    the first step after the first trial, whether a step reads)."""
     from types import SimpleNamespace
 
     topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
                              links={"inter": topology.LinkClass(50e-6, 1 / 12.5e9)})
+    share = SimpleNamespace(last=None)
     state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
                             min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0, _rank_given=None,
                             matrix_approximation_rank=4, lowrank_wire="bf16", _compressed_at=lambda step: True,
-                            _lowrank_share=SimpleNamespace(last=None), _rank_ladder=SimpleNamespace(rank=4))
+                            _lowrank_share=share, _rank_ladder=SimpleNamespace(rank=4))
     plans = plan.Planner(state)
     auto = plans.auto
     auto.modes = ("none", "bf16", "fp8")
     auto.offer_guarded()
-    assert auto.guard.update(0.99, 0) and auto.guard.state == "admitted"
+    assert auto.guard.update(first_share, 0)
     layout = torch.tensor([[0, 1024, 1024, 16]])
-    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": 1.0, "none": 10.0}  # lowrank not by its margin
     clock = [0.0]
     monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
     engine = _OneRankEngine()
@@ -828,6 +828,8 @@ def test_a_recheck_due_inside_a_share_window_waits_until_its_rounds_miss_every_r
     ran = []  # (step, plan, why)
     for step in range(2 * lowrank_share.LATER + 30):
         state.iter = step
+        if step in (readings or {}):
+            share.last = readings[step]
         auto.begin_step(engine)
         p = plans.plan(1 << 20, "0", 0, step, lambda r=None: layout)
         ran.append((step, p.mode, p.why))
@@ -835,6 +837,18 @@ def test_a_recheck_due_inside_a_share_window_waits_until_its_rounds_miss_every_r
         auto.end_step(True)
     trial = [s for s, _, why in ran if why == "trial"]
     decided = next(s for s, _, why in ran if why != "trial")  # the first trial's end
+    return auto, ran, trial, decided, reads
+
+
+def test_a_recheck_due_inside_a_share_window_waits_until_its_rounds_miss_every_reading(monkeypatch):
+    """The planner alone, on a clock of its own, lowrank guarded and
+    admitted: the first re-check falls due AUTO_SETTLE steps after the first
+    decision, inside the later window (LATER .. LATER + SPAN), whose reading
+    steps cost more than any plan (a spectrum on every rank). It waits for
+    the window to close, so that no trial round is timed on a reading step,
+    and keeps the fastest plan."""
+    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": 1.0, "none": 10.0}  # lowrank not by its margin
+    auto, ran, trial, decided, reads = _guarded_planner_run(monkeypatch, 0.99, cost)
     due = decided + autoplan.AUTO_SETTLE
     window = lowrank_share.window_of(due)
     assert window == lowrank_share.LATER and not auto.skips_reading(window)  # the case: due inside a read window
@@ -852,45 +866,12 @@ def test_a_refused_lowrank_taken_back_is_measured_once_its_rounds_miss_every_rea
     the guard skips only the windows before it) and then chooses lowrank,
     faster by more than its margin. Taken back while no trial ran, it used
     to start a re-check at once, whose rounds fell on 100 and 105."""
-    from types import SimpleNamespace
-
-    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
-                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e9)})
-    share = SimpleNamespace(last=None)
-    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
-                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0, _rank_given=None,
-                            matrix_approximation_rank=4, lowrank_wire="bf16", _compressed_at=lambda step: True,
-                            _lowrank_share=share, _rank_ladder=SimpleNamespace(rank=4))
-    plans = plan.Planner(state)
-    auto = plans.auto
-    auto.modes = ("none", "bf16", "fp8")
-    auto.offer_guarded()
-    assert auto.guard.update(0.5, 0) and auto.guard.state == "refused"
-    layout = torch.tensor([[0, 1024, 1024, 16]])
+    back = 90  # the close of the window 80-90; this rank's means of it, at WAIT_RANK and at rank 4
     cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": 0.5, "none": 10.0}
-    clock = [0.0]
-    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
-    engine = _OneRankEngine()
-    back = 90  # the close of the window 80-90
-
-    def reads(step):
-        return lowrank_share.LowrankShare.due(step) and not auto.skips_reading(step)
-
-    ran = []  # (step, plan, why)
-    for step in range(2 * lowrank_share.LATER + 30):
-        state.iter = step
-        if step == back + 1:  # this rank's means of the window, at WAIT_RANK and at rank 4
-            share.last = {"step": back, "share": 0.99, "ladder": [0.995, 0.99]}
-        auto.begin_step(engine)
-        if step == back + 1:
-            assert auto.guard.state == "admitted" and auto.guard.readmitted == 1
-        p = plans.plan(1 << 20, "0", 0, step, lambda r=None: layout)
-        ran.append((step, p.mode, p.why))
-        clock[0] += cost[p.mode] + (5.0 if reads(step) else 0.0)
-        auto.end_step(True)
-    trial = [s for s, _, why in ran if why == "trial"]
-    decided = next(s for s, _, why in ran if why != "trial")  # the first trial's end, lowrank left out
-    assert "lowrank" not in {m for s, m, _ in ran if s <= back}
+    auto, ran, trial, decided, reads = _guarded_planner_run(
+        monkeypatch, 0.5, cost, {back + 1: {"step": back, "share": 0.99, "ladder": [0.995, 0.99]}})
+    assert auto.guard.state == "admitted" and auto.guard.readmitted == 1 and auto.guard.changed_at == [back, 0.99]
+    assert "lowrank" not in {m for s, m, _ in ran if s <= back}  # refused until then: the trials left it out
     recheck = [s for s in trial if s > decided]
     assert recheck[0] == lowrank_share.next_close(back + 1) + 1 and not any(reads(s) for s in recheck), recheck
     assert recheck == list(range(recheck[0], recheck[-1] + 1))  # one re-check, its rounds in a row ...
