@@ -61,8 +61,8 @@
    that ran it take the fastest round without it; where the last trial
    measured none (the others hopeless against lowrank), the first trial runs
    again without lowrank. The guard reads on: a later window at its bar
-   takes lowrank back, and a re-check starts then to measure it (the trials
-   since the refusal left it out).
+   takes lowrank back, and a re-check measures it (the trials since the
+   refusal left it out) once none of its steps would take a reading.
 
 6. Saved (:meth:`AutoPlanner.state_dict`): the choices, each bucket's
    candidates, the last trial's round order and times, a running trial's
