@@ -60,11 +60,13 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     misses at most the energy its basis leaves out, the total less the
     projection's, which it checks; over EXACT_TOL of the total, the exact
     singular values. A step's gradient of a batch of b samples has rank b
-    at most: digits' 256 x 256 weight (32 samples a rank) left out at most
-    4e-7 of its energy at 26 columns over a run's readings, and a reading
-    took 0.6 ms of one thread against 5.3 for the exact one, a reading step
-    on the 2 x 2 testbed 30-52 ms against 15-25 for the others (bench/README
-    "A reading of a small matrix by the range finder")."""
+    at most: digits' 256 x 256 weight (32 samples a rank) held all but 4e-7
+    of its energy or less in its top 26 singular values at every reading of
+    a run, the range finder fell back on 2 readings of 28 (SGD-m), and it
+    took 0.6 ms of one thread against 5.3 for the exact values; a reading
+    step on the 2 x 2 testbed took 30-52 ms against 15-25 for the others,
+    now 20-23 against 16-18 (bench/README "A reading of a small matrix by
+    the range finder")."""
     top = max(ranks)
     small = min(g.shape) <= EXACT_UP_TO
     k = min(2 * top + OVERSAMPLE if small else top + OVERSAMPLE, min(g.shape))
