@@ -249,6 +249,11 @@ class AutoPlanner:
         on every rank: the guard's state is agreed."""
         return self.guard is not None and self.guard.state == "admitted" and step < lowrank_share.LATER
 
+    def reads_at(self, step: int) -> bool:
+        """Whether ``step`` takes a share reading: one is due (a window's
+        every EVERY-th step) and the guard, if any, does not skip it."""
+        return lowrank_share.LowrankShare.due(step) and not self.skips_reading(step)
+
     def _reads_during(self, steps: int) -> bool:
         """Whether the guard takes a share reading in this step or the
         ``steps - 1`` after it. A due re-check (also the one asked for by a
@@ -262,9 +267,7 @@ class AutoPlanner:
         step 15, fell in the window 100-120, where one round could take most
         of its readings (bench/README "Digits' best mode on the Intel Xeon").
         The same on every rank: the steps and the guard's state are agreed."""
-        due = lowrank_share.LowrankShare.due
-        return self.guard is not None and any(due(t) and not self.skips_reading(t)
-                                              for t in range(self.s.iter, self.s.iter + steps))
+        return self.guard is not None and any(self.reads_at(t) for t in range(self.s.iter, self.s.iter + steps))
 
     def read_ranks(self, rank: int) -> Optional[List[int]]:
         """The ranks a guard's reading is taken at, lowrank's ``rank`` last:

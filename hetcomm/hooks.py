@@ -378,7 +378,7 @@ class BucketSteps:
         if p.mode == "lowrank":
             layout = layout_of()
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
-        if self._lowrank_share.due(self.iter) and not self._planner.auto.skips_reading(self.iter) and (
+        if self._planner.auto.reads_at(self.iter) and (
                 p.mode == "lowrank" or (self._planner.auto.reads_share(numel) and self._compressed_at(self.iter))):
             if p.mode == "lowrank" and self._rank_ladder.pending:  # at every rank it may choose, at once
                 ranks = self._rank_ladder.ranks
