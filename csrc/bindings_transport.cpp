@@ -55,18 +55,21 @@ void blocking(Transport& t, const std::function<void()>& fn) {
 
 // The two-phase exchanges (onebit, fp8) share one Python signature; `run` is the collective.
 using TwoPhase = void (*)(Transport&, at::Tensor&, double, int64_t, const at::Tensor&, const at::Tensor&,
-                          collectives::CodecTimer&, int64_t, const collectives::MomentumFold*);
+                          collectives::CodecTimer&, int64_t, const collectives::MomentumFold*,
+                          collectives::Finite*);
 
 auto two_phase_binding(TwoPhase run) {
   return [run](Transport& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
                c10::optional<at::Tensor> sres, int64_t pieces, c10::optional<at::Tensor> momentum,
-               double momentum_alpha, double beta) {
+               double momentum_alpha, double beta, bool finite) {
     collectives::CodecTimer timer;
     at::Tensor flat = flat_float32(x);
     const collectives::MomentumFold fold{opt(momentum), momentum_alpha, beta};
+    collectives::Finite f{finite};
     blocking(t, [&] {
-      run(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces, fold.m.defined() ? &fold : nullptr);
+      run(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces, fold.m.defined() ? &fold : nullptr, &f);
     });
+    return f.everywhere;
   };
 }
 
@@ -121,28 +124,33 @@ void bind_transports(py::module_& m) {
       .def("allreduce_onebit", two_phase_binding(&collectives::allreduce_onebit), py::arg("x"), py::arg("divisor"),
            py::arg("chunk") = 32, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
-           py::arg("beta") = 0.0, nogil,
+           py::arg("beta") = 0.0, py::arg("finite") = true, nogil,
            "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately), pipelined in "
            "`pieces` (0: by the bucket's size). With `momentum` m: x += momentum_alpha * m before, and the "
-           "hand-over (ops.momentum_handoff with beta) after, piece by piece.")
+           "hand-over (ops.momentum_handoff with beta) after, piece by piece. `finite`: this rank's input is "
+           "(False: it sends a flag, encodes nothing). Returns whether every rank's was; where not, nothing was "
+           "decoded into x (the others' residuals and an owner's server residual written: the caller's to put back).")
       .def("allreduce_fp8", two_phase_binding(&collectives::allreduce_fp8), py::arg("x"), py::arg("divisor"),
            py::arg("chunk") = 256, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
-           py::arg("beta") = 0.0, nogil,
-           "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`.")
+           py::arg("beta") = 0.0, py::arg("finite") = true, nogil,
+           "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`; "
+           "`finite` and the result as for allreduce_onebit.")
       .def(
           "allreduce_topk",
           [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res,
-             c10::optional<at::Tensor> denominator) {
+             c10::optional<at::Tensor> denominator, bool finite) {
             collectives::CodecTimer timer;
             at::Tensor flat = flat_float32(x);
+            collectives::Finite f{finite};
             blocking(t, [&] {
-              collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer, opt(denominator));
+              collectives::allreduce_topk(t, flat, divisor, ratio, exact, opt(res), timer, opt(denominator), &f);
             });
+            return f.everywhere;
           },
           py::arg("x"), py::arg("divisor"), py::arg("ratio"), py::arg("exact") = true, py::arg("residual") = py::none(),
-          py::arg("denominator") = py::none(),
-          nogil, "Top-k all-gather all-reduce of x in place.")
+          py::arg("denominator") = py::none(), py::arg("finite") = true,
+          nogil, "Top-k all-gather all-reduce of x in place; `finite` and the result as for allreduce_onebit.")
       .def(
           "allreduce_lowrank",
           [](T& t, at::Tensor x, double divisor, const at::Tensor& layout, at::Tensor q_state,

@@ -263,7 +263,7 @@ def test_wire_volume_of_a_1m_element_bucket(mode, factor):
     assert fp32_ring / last["bytes_sent"] >= factor, last
     if mode in ("fp8", "onebit"):  # closed form: two ranks exchange the whole message once (10^6 codes of 8 or
         # 1 bits + the default chunk's scales: fp8 a float32 per 256, onebit a bf16 per 32, padded to whole
-        # int32s; in pieces as in one), what the two phases sent as two halves, and the 4-byte non-finite check
+        # int32s; in pieces as in one), what the two phases sent as two halves, and its 4-byte finiteness flag
         code_bytes = 10**6 if mode == "fp8" else 10**6 // 8
         scale_bytes = 4 * -(-10**6 // 256) if mode == "fp8" else 4 * -(-2 * -(-10**6 // 32) // 4)
         assert last["bytes_sent"] == code_bytes + scale_bytes + 4, last

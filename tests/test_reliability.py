@@ -93,6 +93,83 @@ def test_a_nan_warm_up_step_leaves_the_compressed_momentum_finite():
         assert r["bad_nonfinite"] > 0 and torch.isfinite(r["params"]).all()
 
 
+def _one_nan_element(rank, world, mode, bad_rank, element, skip_bad):
+    """12 SGD-momentum steps of 4 ranks on 2 nodes in one bucket; at step BAD
+    one gradient element (index `element` of the first layer's weight) is NaN
+    on `bad_rank` alone, and the optimizer skips the step; with skip_bad the
+    step is not run at all. The NaN lies in one segment of the two phases, one
+    shard of the hierarchy: the other ranks' codecs ran on finite input and
+    wrote their residuals before they learnt of it."""
+    os.environ[topology.ENV_NODE] = f"node{rank // 2}"
+    model = models.mlp(hidden=128)
+    ddp = DDP(model, bucket_cap_mb=25)  # one bucket: the whole step is the NaN's
+    state = _hook_state(mode, min_compress_numel=1000, topk_ratio=0.05)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if mode_table.get(mode).attach:
+        state.attach_optimizer(opt)
+    poison = [False]
+
+    def inject(g):
+        if not poison[0]:
+            return g
+        g = g.clone()
+        g.view(-1)[element] = float("nan")
+        return g
+
+    model[0].weight.register_hook(inject)
+    bad_grads = None
+    for step in range(12):
+        if step == BAD:
+            if skip_bad:
+                continue
+            x, y = models.batch(rank, step, 16)
+            poison[0] = rank == bad_rank
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            poison[0] = False
+            bad_grads = models.flat_grads(model)
+            continue
+        models.train_step(ddp, opt, rank, step, 16)
+    return {"params": models.flat_params(model), "bad_nonfinite": None if bad_grads is None else
+            int((~torch.isfinite(bad_grads)).sum()), "stats": state.stats(),
+            "algorithms": sorted({p.algorithm for p in state.last_plans.values() if p.compressed})}
+
+
+#: (mode, where the NaN is: rank, element of the first weight). Two nodes x two ranks: "@native" runs the two
+#: phases flat (a server residual on each owner), the default and "@hierarchical" the hierarchy (fp8, onebit and
+#: top-k across nodes); element 0 lies in rank 0's segment and shard, the other in the last.
+ONE_NAN = [("fp8@native", 3, 0), ("onebit@native", 1, 4000), ("topk@native", 2, 0), ("onebit+m@native", 3, 0),
+           ("fp8", 3, 0), ("onebit@hierarchical", 0, 4000), ("topk@hierarchical", 3, 0), ("onebit+m", 1, 0)]
+
+
+def _one_nan_runs(rank, world):
+    return {(case, skip): _one_nan_element(rank, world, *case, skip) for case in ONE_NAN for skip in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def one_nan_runs():
+    return run_ranks(_one_nan_runs, 4, timeout=600)
+
+
+@pytest.mark.parametrize("case", ONE_NAN, ids=[f"{m}-rank{r}-at{e}" for m, r, e in ONE_NAN])
+def test_one_nan_element_on_one_of_four_ranks_leaves_every_state_untouched(one_nan_runs, case):
+    """No rank asks the others first whether they are finite: each codec's
+    messages carry it (collectives::Finite), and the residuals written before
+    it was known are put back. The bad step's gradient is NaN on every rank
+    (each skips it), and the run goes on bit for bit as if it never ran."""
+    bad = [r[(case, False)] for r in one_nan_runs]
+    clean = [r[(case, True)] for r in one_nan_runs]
+    hierarchical = "@native" not in case[0]
+    assert bad[0]["algorithms"] == ["hierarchical" if hierarchical else "native"]
+    for b, c in zip(bad, clean):
+        assert b["bad_nonfinite"] == bad[0]["bad_nonfinite"] > 0
+        assert torch.isfinite(b["params"]).all()
+        assert torch.equal(b["params"], bad[0]["params"])
+        assert torch.equal(b["params"], c["params"])
+        assert b["stats"]["nonfinite_steps"] == 1 and c["stats"]["nonfinite_steps"] == 0
+
+
 def _warnings_of_a_diverged_run(rank, world, steps):
     import logging
 

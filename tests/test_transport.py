@@ -106,6 +106,49 @@ def _compressed_allreduce(rank, world, n, chunk, ratio):
             "topk_bytes": topk_bytes, "fp8": fp8, "onebit_wire": onebit_wire}
 
 
+def _one_rank_not_finite(rank, world, n, flagged, pieces):
+    """Each codec once with rank `flagged` saying its input is not finite, then
+    once more with every rank finite (the wire must be clean after it)."""
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    g = torch.Generator().manual_seed(7 + rank)
+    out = {}
+    for name in ("onebit", "fp8", "topk"):
+        x = torch.randn(n, generator=g)
+        wres = torch.randn(n, generator=g) * 1e-2
+        sres = torch.randn(hetcomm.ops.server_residual_numel(n, world, rank), generator=g) * 1e-2
+        y, w0 = x.clone(), wres.clone()
+        if name == "topk":
+            ok = t.allreduce_topk(y, 2.0, 0.05, True, wres, finite=rank != flagged)
+        else:
+            ok = getattr(t, f"allreduce_{name}")(y, 2.0, 256, wres, sres, pieces, finite=rank != flagged)
+        written = not torch.equal(wres, w0)
+        after = x.clone()
+        if name == "topk":
+            again = t.allreduce_topk(after, 2.0, 0.05, True, wres)
+        else:
+            again = getattr(t, f"allreduce_{name}")(after, 2.0, 256, wres, sres, pieces)
+        out[name] = {"ok": ok, "x_kept": torch.equal(y, x), "written": written, "again": again, "after": after}
+    return out
+
+
+@pytest.mark.parametrize("world,pieces", [(2, 1), (2, 3), (4, 1), (4, 3)])
+def test_a_rank_that_flags_its_input_stops_every_rank_decoding(world, pieces):
+    """collectives::Finite: one rank's input is not finite. Every rank learns
+    it from the messages (no all-reduce of a flag first), the same on every
+    rank, and decodes nothing into x. The flagged rank encoded nothing (its
+    worker residual as it was); the others had written theirs (the caller puts
+    them back: BucketReducer). The next call, every rank finite, sums as usual
+    and gives every rank the same bits."""
+    n = 700_001 if pieces > 1 else 5000
+    res = run_ranks(_one_rank_not_finite, world, n, world - 1, pieces)
+    for name in ("onebit", "fp8", "topk"):
+        for rank, r in enumerate(res):
+            assert r[name]["ok"] is False and r[name]["x_kept"], name
+            assert r[name]["written"] == (rank != world - 1), (name, rank)
+            assert r[name]["again"] is True
+            assert torch.equal(r[name]["after"], res[0][name]["after"]) and torch.isfinite(r[name]["after"]).all()
+
+
 def _topk_every_entry(rank, world, n):
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank)) * 1e-3 + 1.0  # values bf16 cannot hold
@@ -158,11 +201,11 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
                 assert res["shist"][step].numel() == 0
         wres = [res["whist"][step] for res in results]
         sres = [res["shist"][step] for res in results]
-    # a message is the signs (a word per 32) and the bf16 scales (two per int32) of a segment (two phases: an
-    # all-to-all, then an all-gather, a segment to each peer in each) or of the whole vector on two ranks (one
-    # all-gather: the same bytes in one round)
+    # a message is the signs (a word per 32), the bf16 scales (two per int32) and a finiteness flag (an int32) of a
+    # segment (two phases: an all-to-all, then an all-gather, a segment to each peer in each) or of the whole vector
+    # on two ranks (one all-gather: the same bytes in one round)
     def message(numel):
-        return 4 * (-(-numel // 32) + -(-(-(-numel // chunk)) // 2))
+        return 4 * (-(-numel // 32) + -(-(-(-numel // chunk)) // 2) + 1)
     if world == 2:
         assert results[0]["onebit_wire"] == {"bytes_sent": 3 * message(n), "calls": 3}
     else:

@@ -1,11 +1,13 @@
 #include "collectives/algorithms.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <stdexcept>
 
 #include "collectives/compressed.h"
+#include "ops/codecs.h"
 
 namespace hetcomm {
 namespace collectives {
@@ -335,29 +337,36 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
     SubgroupTransport across(t, l.peers, tags::kAcross);
     CodecTimer own;
     CodecTimer& timer = inter.timer ? *inter.timer : own;
+    Finite shard_finite{inter.finite == nullptr || inter.codec == Codec::kNone || ops::all_finite(shard)};
+    Finite* f = inter.finite != nullptr ? &shard_finite : nullptr;
     switch (inter.codec) {
       case Codec::kNone:
         allreduce_ring(across, shard);
         break;
       case Codec::kOneBit:
-        allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces);
+        allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
+                         nullptr, f);
         break;
       case Codec::kFP8:
-        allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces);
+        allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
+                      nullptr, f);
         break;
       case Codec::kTopK:
         allreduce_topk(across, shard, 1.0, inter.topk_ratio, inter.topk_exact, inter.residual, timer,
                        inter.update_denominator.defined()
                            ? inter.update_denominator.narrow(0, b[l.local_index], shard.numel())
-                                                   : at::Tensor());
+                           : at::Tensor(),
+                       f);
         break;
       default:
         TORCH_CHECK_VALUE(false, "hetcomm: the hierarchical all-reduce carries none, onebit, fp8 or topk across "
                           "nodes, got codec ", static_cast<int>(inter.codec));
     }
+    if (!shard_finite.everywhere) shard.fill_(std::numeric_limits<float>::quiet_NaN());
   }
   // 3. intra-node all-gather
   if (l.locals.size() > 1) ring_all_gather(local, x, identity(local.size()), b, tags::kGather);
+  if (inter.finite != nullptr) inter.finite->everywhere = ops::all_finite(x);  // the same x on every rank
 }
 
 void allreduce_by(Transport& t, at::Tensor& x, Algo algo, const std::vector<int>& order,

@@ -108,6 +108,12 @@ struct InterOptions {
   at::Tensor residual, server_residual;
   at::Tensor update_denominator;  // top-k's, the whole bucket's (undefined: none); each rank's shard takes its part
   CodecTimer* timer = nullptr;  // where the inter-node codec's time is added (the reducer's, for stats())
+  // Given: the ranks' finiteness is learnt without a flag's all-reduce. A shard
+  // not finite after the intra-node stage is flagged across nodes (Finite);
+  // where any was, the shard's ranks fill it with NaN, so the all-gather shows
+  // it to every rank, and everywhere is whether x came out finite (false: the
+  // caller puts back the residuals the inter-node stage wrote).
+  Finite* finite = nullptr;
 };
 void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of,
                             const InterOptions& inter = InterOptions());

@@ -31,7 +31,8 @@ int64_t segment_len(int64_t n, int64_t seg, int r) {
 
 // A chunked codec with error feedback, as the two-phase all-reduce uses it:
 // a segment of len elements travels as [payload (payload_ints(len) int32) |
-// scales (ceil(len/chunk) of scale_type: bf16 for onebit, float32 for fp8)].
+// scales (ceil(len/chunk) of scale_type: bf16 for onebit, float32 for fp8) |
+// flag (int32: 1 where the input was not finite on the sender, see Finite)].
 struct SegmentCodec {
   std::function<int64_t(int64_t)> payload_ints;
   at::ScalarType scale_type;
@@ -74,22 +75,39 @@ const SegmentCodec& fp8_codec() {
   return c;
 }
 
-// One segment's message in a fixed-size block (the longest segment's), so all-to-all and all-gather work.
+// One segment's message in a fixed-size block (the longest segment's), so
+// all-to-all and all-gather work. Piece 0's blocks end in the flag (the same
+// for every piece: the pieces send the bytes one piece sends).
 struct Block {
   const SegmentCodec& codec;
   int64_t payload_cap, scales_cap;  // in int32s
-  Block(const SegmentCodec& c, int64_t cap, int64_t chunk)
-      : codec(c), payload_cap(c.payload_ints(cap)), scales_cap(scale_ints(c, kernels::sign_num_chunks(cap, chunk))) {}
+  bool flagged;                     // ends in the flag
+  Block(const SegmentCodec& c, int64_t cap, int64_t chunk, bool with_flag)
+      : codec(c),
+        payload_cap(c.payload_ints(cap)),
+        scales_cap(scale_ints(c, kernels::sign_num_chunks(cap, chunk))),
+        flagged(with_flag) {}
   static int64_t scale_ints(const SegmentCodec& c, int64_t nchunks) {
     return (nchunks + c.scales_per_int() - 1) / c.scales_per_int();
   }
-  int64_t ints() const { return payload_cap + scales_cap; }
+  int64_t ints() const { return payload_cap + scales_cap + (flagged ? 1 : 0); }
   at::Tensor payload(at::Tensor& block, int64_t len) const { return block.narrow(0, 0, codec.payload_ints(len)); }
   at::Tensor scales(at::Tensor& block, int64_t len, int64_t chunk) const {
     const int64_t nchunks = kernels::sign_num_chunks(len, chunk);
     return block.narrow(0, payload_cap, scale_ints(codec, nchunks)).view(codec.scale_type).narrow(0, 0, nchunks);
   }
+  // The flags of w such blocks side by side (a view: [w, 1]; piece 0's blocks only).
+  at::Tensor flags(const at::Tensor& blocks, int w) const {
+    TORCH_CHECK(flagged, "hetcomm: only piece 0's blocks carry the finiteness flag");
+    return blocks.view({w, ints()}).narrow(1, ints() - 1, 1);
+  }
 };
+
+// Whether any of the w blocks in `blocks` is flagged (read on the host).
+bool any_flagged(Transport& t, const Block& blk, const at::Tensor& blocks, int w) {
+  t.synchronize();  // a stream transport wrote them
+  return blk.flags(blocks, w).max().item<int32_t>() != 0;
+}
 
 at::Tensor narrow_or_empty(const at::Tensor& t, int64_t begin, int64_t len) {
   return t.defined() ? t.narrow(0, begin, len) : at::Tensor();
@@ -172,7 +190,8 @@ int64_t piece_stride(int64_t seg, int64_t unit, int64_t pieces, bool overlaps) {
 // Pieces as in the two phases: piece p is elements [p * ps, (p + 1) * ps) of
 // x, on the wire while piece p + 1 is encoded.
 void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                        CodecTimer& timer, const SegmentCodec& codec, int64_t pieces, const MomentumFold* fold) {
+                        CodecTimer& timer, const SegmentCodec& codec, int64_t pieces, const MomentumFold* fold,
+                        Finite& finite) {
   const int w = t.size();
   const int64_t n = x.numel();
   if (n == 0) return;  // every rank's bucket has x's size
@@ -185,9 +204,11 @@ void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chu
   std::vector<Pending> gathered(np);
   for (int p = 0; p < np; ++p) {
     const int64_t len = piece_len(p);
-    const Block blk(codec, len, chunk);
+    const Block blk(codec, len, chunk, p == 0);
     at::Tensor mine = at::zeros({blk.ints()}, ints);
-    if (len > 0) {
+    if (!finite.here) {
+      if (p == 0) blk.flags(mine, 1).fill_(1);
+    } else if (len > 0) {
       Timed _(timer);
       at::Tensor part = x.narrow(0, p * ps, len);
       if (fold != nullptr) ops::momentum_fold_in(part, m.narrow(0, p * ps, len), fold->add_alpha);
@@ -200,9 +221,10 @@ void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chu
   }
   for (int p = 0; p < np; ++p) {
     const int64_t len = piece_len(p);
-    const Block blk(codec, len, chunk);
+    const Block blk(codec, len, chunk, p == 0);
     gathered[p].wait();
-    if (len == 0) continue;
+    if (p == 0) finite.everywhere = !any_flagged(t, blk, all[0], w);
+    if (len == 0 || !finite.everywhere) continue;
     Timed _(timer);
     at::Tensor part = x.narrow(0, p * ps, len);
     for (int r = 0; r < w; ++r) {
@@ -223,31 +245,14 @@ void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chu
 // every segment), each started as soon as it is encoded, so the codec works
 // while the previous piece is on the wire; the pieces' chunks are the
 // segments' own, so the result is bit for bit the one of a single piece.
-void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                         const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec,
-                         int64_t pieces, const MomentumFold* fold) {
+void two_phases(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec, int64_t pieces,
+                const MomentumFold* fold, Finite& finite) {
   const int w = t.size();
   const int me = t.rank();
   const int64_t n = x.numel();
-  ops::check_chunk(chunk);
-  ops::check_divisor(divisor);
-  TORCH_CHECK_VALUE(!worker_residual.defined() || worker_residual.numel() == n,
-                    "hetcomm: worker residual must have the bucket's ", n, " elements, got ", worker_residual.numel());
   const int64_t seg = segment_stride(n, w);
-  const int64_t server_len = server_residual_numel(n, w, me);
-  TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == server_len,
-                    "hetcomm: server residual must have ", server_len, " elements (server_residual_numel; none on ",
-                    "two ranks, which exchange whole messages and re-encode no sum), got ", server_residual.numel());
-  at::Tensor m;  // the folded momentum, flat
-  if (fold != nullptr) {
-    // Checked before anything is sent: an error half-way would leave the other ranks waiting.
-    ops::check_momentum(x, fold->m, "momentum", fold->add_alpha, fold->beta);
-    m = fold->m.view({-1});
-  }
-  if (one_exchange(w)) {
-    allreduce_exchange(t, x, divisor, chunk, worker_residual, timer, codec, pieces, fold);
-    return;
-  }
+  const at::Tensor m = fold != nullptr ? fold->m.view({-1}) : at::Tensor();
   const int64_t ps = piece_stride(seg, chunk * codec.scales_per_int(), pieces, t.overlaps());
   const int np = static_cast<int>((seg + ps - 1) / ps);
   // Piece p of segment r, and the block that carries piece p of any segment
@@ -256,7 +261,7 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   auto piece_len = [&](int r, int p) { return std::clamp<int64_t>(segment_len(n, seg, r) - p * ps, 0, ps); };
   auto block_of = [&](int p) {
     const int64_t cap = std::min(ps, seg - p * ps);
-    return Block(codec, cap, chunk);
+    return Block(codec, cap, chunk, p == 0);
   };
 
   const auto ints = x.options().dtype(at::kInt);  // on the bucket's device
@@ -265,7 +270,9 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   auto scatter = [&](int p) {  // phase 1 of piece p: each segment's piece to the segment's owner
     const Block blk = block_of(p);
     at::Tensor send = at::zeros({w * blk.ints()}, ints);
-    {
+    if (!finite.here) {
+      if (p == 0) blk.flags(send, w).fill_(1);
+    } else {
       Timed _(timer);
       for (int r = 0; r < w; ++r) {
         const int64_t len = piece_len(r, p);
@@ -297,6 +304,9 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
       codec.encode(acc, narrow_or_empty(server_residual, p * ps, len), 1.0, chunk, blk.payload(mine, len),
                    blk.scales(mine, len, chunk));
     }
+    // A flagged sender sent zeros: the sum is finite, and wrong; the flag goes on to every rank (on the device:
+    // the host learns it once, before decoding).
+    if (p == 0) blk.flags(mine, 1).copy_(at::amax(blk.flags(recv[p], w), {0}));
     all[p] = at::empty({w * blk.ints()}, ints);
     keep[2 * p + 1] = mine;
     gathered[p] = t.start_all_gather(all[p], mine);
@@ -304,6 +314,8 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   auto decode = [&](int p) {  // every rank decodes the same messages
     const Block blk = block_of(p);
     gathered[p].wait();
+    if (p == 0) finite.everywhere = !any_flagged(t, blk, all[0], w);
+    if (!finite.everywhere) return;
     Timed _(timer);
     for (int r = 0; r < w; ++r) {
       const int64_t len = piece_len(r, p);
@@ -326,22 +338,55 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   for (int p = 0; p < np; ++p) decode(p);  // x is written only after every piece was encoded
 }
 
+// Checks the arguments, then one exchange on one or two ranks, else the two phases.
+void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                         const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec,
+                         int64_t pieces, const MomentumFold* fold, Finite* finite_out) {
+  Finite here_only;
+  Finite& finite = finite_out != nullptr ? *finite_out : here_only;
+  const int w = t.size();
+  const int me = t.rank();
+  const int64_t n = x.numel();
+  ops::check_chunk(chunk);
+  ops::check_divisor(divisor);
+  TORCH_CHECK_VALUE(!worker_residual.defined() || worker_residual.numel() == n,
+                    "hetcomm: worker residual must have the bucket's ", n, " elements, got ", worker_residual.numel());
+  const int64_t server_len = server_residual_numel(n, w, me);
+  TORCH_CHECK_VALUE(!server_residual.defined() || server_residual.numel() == server_len,
+                    "hetcomm: server residual must have ", server_len, " elements (server_residual_numel; none on ",
+                    "two ranks, which exchange whole messages and re-encode no sum), got ", server_residual.numel());
+  // Checked before anything is sent: an error half-way would leave the other ranks waiting.
+  if (fold != nullptr) ops::check_momentum(x, fold->m, "momentum", fold->add_alpha, fold->beta);
+  if (one_exchange(w)) {
+    allreduce_exchange(t, x, divisor, chunk, worker_residual, timer, codec, pieces, fold, finite);
+  } else {
+    two_phases(t, x, divisor, chunk, worker_residual, server_residual, timer, codec, pieces, fold, finite);
+  }
+  TORCH_CHECK(finite_out != nullptr || finite.everywhere,
+              "hetcomm: a rank flagged its input as not finite where this one's caller did not pass Finite");
+}
+
 }  // namespace
 
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                      const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold) {
-  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, sign_codec(), pieces, fold);
+                      const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold,
+                      Finite* finite) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, sign_codec(), pieces, fold,
+                      finite);
 }
 
 void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
-                   const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold) {
-  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec(), pieces, fold);
+                   const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold,
+                   Finite* finite) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec(), pieces, fold,
+                      finite);
 }
 
 namespace {
 
 // Top-k's message, one per rank, all-gathered (fixed size):
-//   [count int32 | per block of 2^16 elements, how many entries lie in it (int32) |
+//   [count int32 (-1: the sender's input was not finite, see Finite) |
+//    per block of 2^16 elements, how many entries lie in it (int32) |
 //    k low halves of the indices (uint16; padded to a multiple of 4 bytes) | k values (bf16)]
 // The indices come in ascending order (ops::topk_encode), so a block's count
 // and the low 16 bits give the index back: 4 bytes an entry, not the 8 of an
@@ -373,12 +418,14 @@ at::Tensor bytes_as(const at::Tensor& bytes, int64_t offset, int64_t count, at::
 }  // namespace
 
 void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, bool exact, const at::Tensor& residual,
-                    CodecTimer& timer, const at::Tensor& denominator) {
+                    CodecTimer& timer, const at::Tensor& denominator, Finite* finite) {
   const int w = t.size();
   const int64_t n = x.numel();
   const TopkLayout lay = topk_layout(n, ops::topk_count(n, ratio));
   at::Tensor msg = at::zeros({lay.bytes()}, x.options().dtype(at::kByte));
-  {
+  if (finite != nullptr && !finite->here) {
+    bytes_as(msg, 0, 1, at::kInt).fill_(-1);
+  } else {
     Timed _(timer);
     auto [idx, val] = ops::topk_encode(x, residual, divisor, lay.k, exact, denominator);
     const int64_t count = idx.numel();
@@ -397,9 +444,14 @@ void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, b
   t.all_gather(all, msg);
   t.synchronize();  // the host reads the counts next: NCCL errors raise here rather than hang the copy
   Timed _(timer);
-  x.zero_();
   // every rank's header to the host at once (a few bytes a block)
   const at::Tensor headers = all.view({w, lay.bytes()}).narrow(1, 0, lay.header_bytes()).cpu().contiguous();
+  const bool flagged = (headers.narrow(1, 0, 4).contiguous().view(at::kInt) == -1).any().item<bool>();
+  TORCH_CHECK(finite != nullptr || !flagged,
+              "hetcomm: a rank flagged its input as not finite where this one's caller did not pass Finite");
+  if (finite != nullptr) finite->everywhere = !flagged;
+  if (flagged) return;  // x as it came
+  x.zero_();
   const at::Tensor blocks = at::arange(lay.blocks, x.options().dtype(at::kInt)).mul_(1 << kTopkBlockBits);
   for (int r = 0; r < w; ++r) {
     const at::Tensor head = headers.select(0, r).view(at::kInt);

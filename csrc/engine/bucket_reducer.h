@@ -152,6 +152,9 @@ class BucketReducer {
   double loss_scale_ = 1.0;
   std::vector<int> ring_order_, node_of_;
   collectives::CodecTimer codec_;
+  // Where a compressed bucket's residuals are copied before its reduction
+  // (put back where a rank's input was not finite); grown to the largest.
+  at::Tensor saved_;
   std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0}, calls_{0};
   std::atomic<int64_t> nonfinite_steps_{0}, nonfinite_buckets_{0}, carry_holds_{0};
   bool step_nonfinite_ = false;
