@@ -32,6 +32,26 @@ def _hook_state(mode, **kw):
     return hetcomm.HookState(**mode_table.get(mode).options, **kw)
 
 
+def _twelve_steps(ddp, model, opt, rank, bad, skip_bad, spoil):
+    """12 steps of `opt`; at step `bad` spoil(x) sees the batch first (it may
+    put a NaN in it, or in the gradient) and the optimizer step is skipped (as
+    GradScaler does); with skip_bad that step is not run at all. The bad
+    step's gradient (None with skip_bad)."""
+    bad_grads = None
+    for step in range(12):
+        if step == bad:
+            if skip_bad:
+                continue
+            x, y = models.batch(rank, step, 16)
+            spoil(x)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            bad_grads = models.flat_grads(model)
+            continue
+        models.train_step(ddp, opt, rank, step, 16)
+    return bad_grads
+
+
 def _nan_step(rank, world, mode, skip_bad, bad=BAD):
     """12 SGD-momentum steps; at step `bad` rank 1's batch holds a NaN and the
     optimizer step is skipped (as GradScaler does). With skip_bad the bad step
@@ -44,19 +64,12 @@ def _nan_step(rank, world, mode, skip_bad, bad=BAD):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if mode_table.get(mode).attach:
         state.attach_optimizer(opt)
-    bad_grads = None
-    for step in range(12):
-        if step == bad:
-            if skip_bad:
-                continue
-            x, y = models.batch(rank, step, 16)
-            if rank == 1:
-                x[3, 0] = float("nan")
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            bad_grads = models.flat_grads(model)
-            continue
-        models.train_step(ddp, opt, rank, step, 16)
+
+    def spoil(x):
+        if rank == 1:
+            x[3, 0] = float("nan")
+
+    bad_grads = _twelve_steps(ddp, model, opt, rank, bad, skip_bad, spoil)
     return {"params": models.flat_params(model), "bad_nonfinite": None if bad_grads is None else
             int((~torch.isfinite(bad_grads)).sum()), "stats": state.stats()}
 
@@ -110,27 +123,20 @@ def _one_nan_element(rank, world, mode, bad_rank, element, skip_bad):
         state.attach_optimizer(opt)
     poison = [False]
 
-    def inject(g):
+    def inject(g):  # the gradient of the first weight, once after spoil() on bad_rank
         if not poison[0]:
             return g
+        poison[0] = False
         g = g.clone()
         g.view(-1)[element] = float("nan")
         return g
 
     model[0].weight.register_hook(inject)
-    bad_grads = None
-    for step in range(12):
-        if step == BAD:
-            if skip_bad:
-                continue
-            x, y = models.batch(rank, step, 16)
-            poison[0] = rank == bad_rank
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            poison[0] = False
-            bad_grads = models.flat_grads(model)
-            continue
-        models.train_step(ddp, opt, rank, step, 16)
+
+    def spoil(x):
+        poison[0] = rank == bad_rank
+
+    bad_grads = _twelve_steps(ddp, model, opt, rank, BAD, skip_bad, spoil)
     return {"params": models.flat_params(model), "bad_nonfinite": None if bad_grads is None else
             int((~torch.isfinite(bad_grads)).sum()), "stats": state.stats(),
             "algorithms": sorted({p.algorithm for p in state.last_plans.values() if p.compressed})}
