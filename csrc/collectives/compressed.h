@@ -56,13 +56,13 @@ struct MomentumFold {
 };
 
 // The ranks' finiteness, carried in the compressed messages instead of an
-// all-reduce of a flag before them (on the 2 x 2 testbed that all-reduce took
-// ~2 ms of digits' 16 ms fp8 step). Every message ends in a flag; a rank whose
-// input is not finite encodes nothing (its residual stays as it was) and sends
-// zeros flagged. Where any message is flagged every rank learns it, the same
-// everywhere, and nothing is decoded into x; the worker residual of the
-// others, and an owner's server residual, were written by then: the caller
-// puts them back (BucketReducer keeps a copy).
+// all-reduce of a flag before them (without it digits' fp8 step on the 2 x 2
+// testbed went from 16.9 to 14.4 ms flat). Piece 0 of every message ends in a
+// flag; a rank whose input is not finite encodes nothing (its residual stays
+// as it was) and sends zeros flagged. Where any message is flagged every rank
+// learns it, the same everywhere, and nothing is decoded into x; the worker
+// residual of the others, and an owner's server residual, were written by
+// then: the caller puts them back (BucketReducer keeps a copy).
 struct Finite {
   bool here = true;        // in: this rank's input is finite
   bool everywhere = true;  // out: every rank's was (false: x as it came, save the momentum fold)
