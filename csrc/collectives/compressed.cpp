@@ -109,6 +109,13 @@ bool any_flagged(Transport& t, const Block& blk, const at::Tensor& blocks, int w
   return blk.flags(blocks, w).max().item<int32_t>() != 0;
 }
 
+// Every rank passes a Finite to a reduction or none does: where this one's
+// caller passed none, no rank may have flagged its input.
+void check_none_flagged(const Finite* given, bool everywhere) {
+  TORCH_CHECK(given != nullptr || everywhere,
+              "hetcomm: a rank flagged its input as not finite where this one's caller did not pass Finite");
+}
+
 at::Tensor narrow_or_empty(const at::Tensor& t, int64_t begin, int64_t len) {
   return t.defined() ? t.narrow(0, begin, len) : at::Tensor();
 }
@@ -362,8 +369,7 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   } else {
     two_phases(t, x, divisor, chunk, worker_residual, server_residual, timer, codec, pieces, fold, finite);
   }
-  TORCH_CHECK(finite_out != nullptr || finite.everywhere,
-              "hetcomm: a rank flagged its input as not finite where this one's caller did not pass Finite");
+  check_none_flagged(finite_out, finite.everywhere);
 }
 
 }  // namespace
@@ -447,8 +453,7 @@ void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, b
   // every rank's header to the host at once (a few bytes a block)
   const at::Tensor headers = all.view({w, lay.bytes()}).narrow(1, 0, lay.header_bytes()).cpu().contiguous();
   const bool flagged = (headers.narrow(1, 0, 4).contiguous().view(at::kInt) == -1).any().item<bool>();
-  TORCH_CHECK(finite != nullptr || !flagged,
-              "hetcomm: a rank flagged its input as not finite where this one's caller did not pass Finite");
+  check_none_flagged(finite, !flagged);
   if (finite != nullptr) finite->everywhere = !flagged;
   if (flagged) return;  // x as it came
   x.zero_();
