@@ -106,6 +106,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("chunk") = 256, py::arg("alpha") = 1.0,
       py::arg("out") = py::none(), py::arg("accumulate") = false, py::call_guard<py::gil_scoped_release>());
   m.def(
+      "int3_encode",
+      [](const at::Tensor& grad, c10::optional<at::Tensor> residual, double divisor, int64_t chunk) {
+        return ops::int3_encode(grad, opt(residual), divisor, chunk);
+      },
+      py::arg("grad"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("chunk") = 32,
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "int3_decode",
+      [](const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+         c10::optional<at::Tensor> out, bool accumulate) {
+        return ops::int3_decode(words, scales, n, chunk, alpha, opt(out), accumulate);
+      },
+      py::arg("words"), py::arg("scales"), py::arg("n"), py::arg("chunk") = 32, py::arg("alpha") = 1.0,
+      py::arg("out") = py::none(), py::arg("accumulate") = false, py::call_guard<py::gil_scoped_release>());
+  m.def(
       "topk_encode",
       [](const at::Tensor& grad, c10::optional<at::Tensor> residual, double divisor, int64_t k, bool exact,
          c10::optional<at::Tensor> denominator) {

@@ -28,7 +28,7 @@ inline const std::vector<std::pair<const char*, Algo>> kAlgoNames = {{"native", 
 inline const std::vector<std::pair<const char*, Codec>> kCodecNames = {{"none", Codec::kNone},   {"fp16", Codec::kFP16},
                                                                   {"bf16", Codec::kBF16},   {"onebit", Codec::kOneBit},
                                                                   {"topk", Codec::kTopK},   {"lowrank", Codec::kLowRank},
-                                                                  {"fp8", Codec::kFP8}};
+                                                                  {"fp8", Codec::kFP8},     {"int3", Codec::kInt3}};
 
 // The value of `table` Python names `name` (an error listing the names otherwise).
 template <typename E>

@@ -136,6 +136,12 @@ void bind_transports(py::module_& m) {
            py::arg("beta") = 0.0, py::arg("finite") = true, nogil,
            "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`; "
            "`finite` and the result as for allreduce_onebit.")
+      .def("allreduce_int3", two_phase_binding(&collectives::allreduce_int3), py::arg("x"), py::arg("divisor"),
+           py::arg("chunk") = 32, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
+           py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
+           py::arg("beta") = 0.0, py::arg("finite") = true, nogil,
+           "Two-phase 3-bit linear (bf16 scale per chunk) all-reduce of x in place, pipelined in `pieces`; "
+           "`finite` and the result as for allreduce_onebit.")
       .def(
           "allreduce_topk",
           [](T& t, at::Tensor x, double divisor, double ratio, bool exact, c10::optional<at::Tensor> res,
@@ -180,8 +186,8 @@ void bind_transports(py::module_& m) {
              double ratio, int64_t pieces) {
             TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
             TORCH_CHECK_VALUE(inter == "ring" || inter == "none" || inter == "onebit" || inter == "fp8" ||
-                                  inter == "topk",
-                              "hetcomm: inter must be 'ring' (or 'none'), 'onebit', 'fp8' or 'topk', got '", inter,
+                                  inter == "int3" || inter == "topk",
+                              "hetcomm: inter must be 'ring' (or 'none'), 'onebit', 'fp8', 'int3' or 'topk', got '", inter,
                               "'");
             BucketReducer::check_topology(order, node_of, t.size());
             const collectives::Codec codec = inter == "ring" ? collectives::Codec::kNone : codec_named(inter);
@@ -201,7 +207,7 @@ void bind_transports(py::module_& m) {
           py::arg("node_of") = std::vector<int>{}, py::arg("inter") = "ring", py::arg("residual") = py::none(),
           py::arg("server_residual") = py::none(), py::arg("chunk") = 2048, py::arg("topk_ratio") = 0.01,
           py::arg("pieces") = 0, nogil,
-          "Sum of x over ranks, in place, by the named algorithm (pieces: of a onebit / fp8 stage across nodes).")
+          "Sum of x over ranks, in place, by the named algorithm (pieces: of a onebit / fp8 / int3 stage across nodes).")
       .def("counters", [](T& t) {
         py::dict d;
         d["bytes_sent"] = t.counters().bytes_sent.load();

@@ -223,7 +223,7 @@ class BucketStates:
                 n, peers, me = _C.hierarchical_shard_numel(numel, list(node_of), rank), len(order), \
                     order.index(node_of[rank])
             residual = self.residual(self.residuals, key, n, device)
-            if mode in ("onebit", "fp8"):  # two-phase codecs: among three or more peers this rank sums a segment
+            if mode in ("onebit", "fp8", "int3"):  # two-phase codecs: among three or more peers this rank sums a segment
                 size = _C.server_residual_numel(n, peers, me)
                 if size:
                     server = self.residual(self.server_residuals, key, size, device)

@@ -162,10 +162,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     a.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun/testbed")
     a.add_argument("--algos", type=choices_list(topology.ALGORITHMS, "algorithm"), default=None,
                    help="comma-separated algorithms (default: all that apply)")
-    a.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "fp8", "onebit", "topk"), "wire"), default=None,
+    a.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "fp8", "int3", "onebit", "topk"), "wire"), default=None,
                    help="comma-separated wire formats (default none,fp16,onebit)")
     a.add_argument("--pieces", type=comma_list(nonneg_int), default=[0],
-                   help="pieces the onebit/fp8 exchange (native, or across nodes) is pipelined in, 0: by the size "
+                   help="pieces the onebit/fp8/int3 exchange (native, or across nodes) is pipelined in, 0: by the size "
                         "(the hook's); several side by side, e.g. 1,0")
     a.add_argument("-c", "--check", type=int, choices=[0, 1], default=1,
                    help="compare with a float64 sum of random inputs (1) or not (0); see max_err and #wrong")
@@ -191,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     g.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="DDP's bucket_cap_mb for every mode but PowerSGD (which takes one bucket)")
     g.add_argument("--modes", type=mode_list(bench_ddp.check_mode), default=None,
-                   help="comma-separated modes (default: all; +bal = balanced; onebit-cN, fp8-cN: N elements per "
+                   help="comma-separated modes (default: all; +bal = balanced; onebit-cN, fp8-cN, int3-cN: N elements per "
                         "scale; topk-kN: N per mille of the entries; auto: HookState('auto') as the README "
                         "recommends, no attach_optimizer; auto+m: with it)")
     g.add_argument("--algorithm", default="default", choices=("default", "auto") + topology.ALGORITHMS,
@@ -220,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help=bench_train.OPTIMIZERS_HELP)
     tr.add_argument("--modes", type=mode_list(modes.get), default=bench_train.DEFAULT_MODES,
                     help="comma-separated modes (fp32 is always run: it sets the target); lowrank-rN and "
-                         "torch-powersgd-rN set the rank, onebit-cN and fp8-cN the elements per scale, topk-kN "
+                         "torch-powersgd-rN set the rank, onebit-cN, fp8-cN and int3-cN the elements per scale, topk-kN "
                          "its entries in per mille (topk-k30: 3 %%); +m "
                          "compresses the optimizer's momentum (attach_optimizer; -pN after it: a warm-up of N %% "
                          "of the run, warmup_fraction), +lr keeps the gradient's error feedback in the optimizer's "
@@ -264,7 +264,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="comma-separated: fp32, fp16, mixed (bf16/fp16 alternating), mixed3 (bf16/fp16/fp32), naive "
                     "(mixed with torch's GradScaler and allreduce_hook), or precisions per rank such as bf16/fp16/fp32; fp32 is "
                     "always run")
-    pr.add_argument("--modes", type=choices_list(("none", "fp16", "bf16", "fp8", "onebit", "onebit+m", "topk", "topk+m",
+    pr.add_argument("--modes", type=choices_list(("none", "fp16", "bf16", "fp8", "int3", "onebit", "onebit+m", "topk", "topk+m",
                                                   "lowrank", "auto", "auto+m"), "mode"),
                     default=["none", "onebit+m"], help="hetcomm compression modes, each run per config (+m: the "
                     "optimizer's momentum compressed, attach_optimizer)")
@@ -283,7 +283,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     t = sub.add_parser("topo", help="detect and measure the topology; print it and the plan table",
                        formatter_class=fmt)
     t.add_argument("--ranks", type=positive_int, default=2, help="local gloo ranks when not under torchrun / testbed")
-    t.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "fp8", "onebit"), "wire"), default=["none", "onebit"],
+    t.add_argument("--wires", type=choices_list(("none", "fp16", "bf16", "fp8", "int3", "onebit"), "wire"), default=["none", "onebit"],
                    help="wire formats of the plan table")
     t.add_argument("--json", type=writable_path, default=None, metavar="PATH")
     t.set_defaults(fn=_topo)

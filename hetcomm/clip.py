@@ -11,7 +11,7 @@ clipping"). :meth:`hetcomm.HookState.clip_grad_norm_` clips by the norm of
 the *reduced* gradient instead, the one fp32's all-reduce would have handed
 over: exact for the buckets reduced exactly or through fp16/bf16/fp8 (their
 handed gradient is it, within the wire's rounding), estimated for the
-buckets of a lossy step (onebit, topk, lowrank, a compressed momentum).
+buckets of a lossy step (onebit, int3, topk, lowrank, a compressed momentum).
 
 The estimate is a count sketch (Charikar, Chen, Farach-Colton 2002): each
 rank's hook adds its local gradient of those buckets, as it enters the
@@ -45,7 +45,7 @@ log = logging.getLogger("hetcomm")
 #: sum, so one large column would make the estimate off by its whole weight (measured: 100 % standard deviation).
 SKETCH_SIZE = 2039
 #: Wire formats whose handed gradient's norm is not the reduced gradient's (their error feedback is repaid later).
-LOSSY = ("onebit", "topk", "lowrank")
+LOSSY = ("onebit", "int3", "topk", "lowrank")
 
 
 class NormSketch:

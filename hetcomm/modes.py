@@ -12,7 +12,7 @@ send the warm-up's gradient in fp8 / fp32 (``attach_optimizer(warmup_compression
 "fp8" / "none")``; plain ``+m`` takes its default, fp8 since the runs are given
 their ``total_steps``); ``-rN`` after ``lowrank``
 or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
-``-cN`` after ``onebit`` or ``fp8`` the elements per scale (``onebit-c256+m``);
+``-cN`` after ``onebit``, ``fp8`` or ``int3`` the elements per scale (``onebit-c256+m``);
 ``-kN`` after ``topk`` the entries it sends, N per mille (HookState's ``topk_ratio
 = N / 1000``; ``topk-k30+m``: 3 %);
 ``-sN`` after a hetcomm mode compresses from step N (HookState's
@@ -145,9 +145,9 @@ def ring_bytes(numel: int, world: int, width: int = 4) -> int:
 def _table() -> Dict[str, Mode]:
     table = {n: Mode(n, hook) for n, hook in (("torch-allreduce", "allreduce"), ("fp32", "allreduce"),
                                                ("torch-fp16", "fp16"), ("torch-powersgd", "powersgd"))}
-    for c in ("none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk", "lowrank", "auto"):
+    for c in ("none", "fp16", "bf16", "auto-precision", "fp8", "int3", "onebit", "topk", "lowrank", "auto"):
         table[c] = Mode(c, "hetcomm", {"compression": c})
-    for c in ("fp8", "onebit", "topk", "lowrank", "auto"):
+    for c in ("fp8", "int3", "onebit", "topk", "lowrank", "auto"):
         table[f"{c}+m"] = Mode(f"{c}+m", "hetcomm", {"compression": c}, attach=True)
         table[f"{c}+lr"] = Mode(f"{c}+lr", "hetcomm", {"compression": c}, follow=True)
     for c in ("onebit", "topk", "lowrank", "auto"):
@@ -211,7 +211,7 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     if ranked:
         base, letter, n, suffix = ranked.group(1), ranked.group(2), int(ranked.group(3)), ranked.group(4) or ""
         if letter != {"lowrank": "r", "torch-powersgd": "r", "topk": "k"}.get(base, "c"):
-            raise ValueError(f"mode {name!r}: -rN is for lowrank and torch-powersgd, -cN for onebit and fp8, "
+            raise ValueError(f"mode {name!r}: -rN is for lowrank and torch-powersgd, -cN for onebit, fp8 and int3, "
                              f"-kN for topk")
         if letter == "r" and n < 1:
             raise ValueError(f"mode {name!r}: the rank after -r must be >= 1")
@@ -228,8 +228,8 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
             return replace(m, name=name, rank=n)
         return replace(m, name=name, options={**m.options, "matrix_approximation_rank": n})
     if name not in allowed or name not in MODES:
-        ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit and fp8 as "
-                 "onebit-cN, fp8-cN: N elements per scale; topk as topk-kN: N per mille of the entries; a +m mode "
+        ranks = (" (lowrank and torch-powersgd also as lowrank-rN, torch-powersgd-rN: rank N; onebit, fp8 and "
+                 "int3 as onebit-cN, fp8-cN, int3-cN: N elements per scale; topk as topk-kN: N per mille of the entries; a +m mode "
                  "as X+m-pN: a warm-up of N % of the run; "
                  "a hetcomm mode as X-sN: compressed from step N (HookState's start_iter), X@ALGO: its algorithm; "
                  "a lowrank mode as X-fp32 / X-bf16: its factors in float32 / bf16)"
@@ -240,4 +240,4 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
 
 _START = re.compile(r"^(.+)-s(\d+)$")
 _SHARE = re.compile(r"^(.+)-p(\d+)$")
-_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8|topk)-([rck])(\d+)(\+m(?:-w8|-w32)?|\+lr)?$")
+_RANKED = re.compile(r"^(lowrank|torch-powersgd|onebit|fp8|int3|topk)-([rck])(\d+)(\+m(?:-w8|-w32)?|\+lr)?$")

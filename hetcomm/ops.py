@@ -16,6 +16,7 @@ from .planner import DEFAULT_CHUNK as _CHUNKS
 
 DEFAULT_CHUNK = _CHUNKS["onebit"]  # the sign codec's default, HookState's (hetcomm.planner.DEFAULT_CHUNK says why)
 FP8_CHUNK = _CHUNKS["fp8"]
+INT3_CHUNK = _CHUNKS["int3"]
 
 
 def sign_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0,
@@ -58,6 +59,29 @@ def fp8_decode(codes: torch.Tensor, scales: torch.Tensor, n: int, chunk: int = F
                out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
     """Inverse of :func:`fp8_encode`: ``out (+)= alpha * e4m3(code) * scale``."""
     return _C.fp8_decode(codes, scales, int(n), int(chunk), float(alpha), out, bool(accumulate))
+
+
+def int3_encode(grad: torch.Tensor, residual: Optional[torch.Tensor] = None, divisor: float = 1.0,
+                chunk: int = INT3_CHUNK) -> Tuple[torch.Tensor, torch.Tensor]:
+    """3-bit linear compression with error feedback.
+
+    ``x = grad / divisor + residual``; per chunk of ``chunk`` elements (a
+    multiple of 32) ``scale = max|x| / 3`` rounded to bfloat16 (nearest even),
+    ``q = round(x / scale)`` (half to even) clamped to [-3, 3]. ``residual``
+    (float32, same numel) becomes ``x - q * scale`` in place. Returns
+    ``(words, scales)``: int32 words holding the codes ``q + 3`` as three bit
+    planes per 32 elements (word k: bit k of each code, element j at bit j;
+    ``3 * ceil(n/32)`` words) and bfloat16 scales (``ceil(n/chunk)``); a
+    non-finite x gives a non-finite scale, so its whole chunk decodes
+    non-finite.
+    """
+    return _C.int3_encode(grad, residual, float(divisor), int(chunk))
+
+
+def int3_decode(words: torch.Tensor, scales: torch.Tensor, n: int, chunk: int = INT3_CHUNK, alpha: float = 1.0,
+                out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """Inverse of :func:`int3_encode`: ``out (+)= alpha * q * scale``."""
+    return _C.int3_decode(words, scales, int(n), int(chunk), float(alpha), out, bool(accumulate))
 
 
 def topk_count(n: int, ratio: float) -> int:
@@ -140,7 +164,7 @@ def orthonormalize_blocks(flat: torch.Tensor, blocks, eps: float = 1e-8) -> torc
 
 def onebit_segment_numel(n: int, world: int, rank: int) -> int:
     """Elements of an n-element bucket that ``rank`` averages in the two-phase
-    all-reduce of onebit and fp8."""
+    all-reduce of onebit, fp8 and int3."""
     return _C.onebit_segment_numel(int(n), int(world), int(rank))
 
 

@@ -17,8 +17,8 @@ from .plan import AUTO_MODES, COMPRESSED, MIN_START_ITER  # noqa: F401 (COMPRESS
 from .planner import DEFAULT_CHUNK
 from .topology import ALGORITHMS
 
-COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk", "lowrank", "auto")
-Compression = Literal["none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk", "lowrank", "auto"]
+COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "fp8", "int3", "onebit", "topk", "lowrank", "auto")
+Compression = Literal["none", "fp16", "bf16", "auto-precision", "fp8", "int3", "onebit", "topk", "lowrank", "auto"]
 Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 # What attach_optimizer saw (the auto mode's safe set depends on it).
 ATTACHED = (None, "sgd", "adam", "hetcomm-adamw")
@@ -51,9 +51,9 @@ def _is_number(v: Any) -> bool:
 
 
 def chunk_for(chunk_size: Optional[int], mode: str) -> int:
-    """Elements per scale of the onebit or fp8 codec (``mode``): the option,
-    or the codec's default (planner.DEFAULT_CHUNK says why: 32 for onebit, 256
-    for fp8). Other modes ignore it: their default is fp8's."""
+    """Elements per scale of the onebit, fp8 or int3 codec (``mode``): the
+    option, or the codec's default (planner.DEFAULT_CHUNK says why: 32 for
+    onebit and int3, 256 for fp8). Other modes ignore it: their default is fp8's."""
     return chunk_size if chunk_size is not None else DEFAULT_CHUNK.get(mode, DEFAULT_CHUNK["fp8"])
 
 

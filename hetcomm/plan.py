@@ -23,7 +23,7 @@ from . import planner
 log = logging.getLogger("hetcomm")
 
 DENSE = ("none", "fp16", "bf16")
-COMPRESSED = ("fp8", "onebit", "topk", "lowrank")
+COMPRESSED = ("fp8", "int3", "onebit", "topk", "lowrank")
 AUTO_MODES = DENSE + COMPRESSED
 # DDP rebuilds its buckets in step 1's forward (static_graph=True: step 2's): auto's trial starts at step 1 at the
 # earliest, and starts again in buckets rebuilt after it began (AutoPlanner._drop_replaced); what error feedback owed
@@ -35,7 +35,7 @@ WARMUP_FROM = 2  # attach_optimizer's warm-up in fp8 from step 2 (step 1 exact),
 @dataclass(frozen=True)
 class BucketPlan:
     """One bucket's reduction in one step."""
-    mode: str            # wire format this step: none, fp16, bf16, fp8, onebit, topk, lowrank
+    mode: str            # wire format this step: none, fp16, bf16, fp8, int3, onebit, topk, lowrank
     algorithm: str       # native, ring, halving_doubling, tree, hierarchical
     why: str             # fixed, across nodes, predicted, HETCOMM_ALGO, trial, measured, warm-up, exact step, small bucket
     interim: bool = False  # an exact step of a compressed bucket: its error-feedback state waits, untouched

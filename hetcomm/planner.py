@@ -13,10 +13,10 @@ from typing import List, Optional, Union
 
 from .topology import ALGORITHMS, ENV_ALGO, WIRE_BYTES, LinkClass, Topology
 
-WIRES = ("none", "fp16", "bf16", "fp8", "onebit", "topk", "lowrank")
+WIRES = ("none", "fp16", "bf16", "fp8", "int3", "onebit", "topk", "lowrank")
 _DEFAULT_FRACTION = {"topk": 0.01, "lowrank": 0.1}
 
-#: Elements per scale of the onebit and fp8 codecs when HookState's
+#: Elements per scale of the onebit, fp8 and int3 codecs when HookState's
 #: chunk_size is None. A scale follows its chunk (fp8: the largest value,
 #: onebit: the mean magnitude), so a long chunk gives its small values few
 #: bits (fp8) or a scale far from their own (onebit). fp8 with 2048: the
@@ -30,15 +30,17 @@ _DEFAULT_FRACTION = {"topk": 0.01, "lowrank": 0.1}
 #: points over 30 runs; bench/README.md). onebit's scales travel as bf16
 #: (kernels/codec_math.h), so 32 costs 1/16 byte per element: half again
 #: onebit's signs.
-DEFAULT_CHUNK = {"onebit": 32, "fp8": 256}
+#: int3's scale is its chunk's largest magnitude over 3, in bf16 as onebit's: at
+#: 32 (an eighth of fp8's chunk), 3.5 bits an element in all.
+DEFAULT_CHUNK = {"onebit": 32, "fp8": 256, "int3": 32}
 #: Bytes per element on the wire of the two-phase codecs, without the scales,
 #: and bytes per scale.
-_CODE_BYTES = {"onebit": 1 / 8, "fp8": 1.0}
-_SCALE_BYTES = {"onebit": 2, "fp8": 4}
+_CODE_BYTES = {"onebit": 1 / 8, "fp8": 1.0, "int3": 3 / 8}
+_SCALE_BYTES = {"onebit": 2, "fp8": 4, "int3": 2}
 
 
 def wire_bytes_per_element(kind: str, chunk: Optional[int] = None) -> float:
-    """What one fp32 element of a two-phase codec (onebit, fp8) costs on the
+    """What one fp32 element of a two-phase codec (onebit, fp8, int3) costs on the
     wire, its chunk's scale included (``chunk`` None: the codec's default)."""
     return _CODE_BYTES[kind] + _SCALE_BYTES[kind] / (chunk or DEFAULT_CHUNK[kind])
 
@@ -200,7 +202,7 @@ _DENSE_COST = {"native": _ring, "ring": _own_ring, "halving_doubling": _halving_
 
 
 def _predict_compressed(topo: Topology, n_elems: float, algorithm: str, wire: Wire, codec: float) -> float:
-    """fp8 / onebit / topk: flat, or exact inside nodes and compressed across them."""
+    """fp8 / int3 / onebit / topk: flat, or exact inside nodes and compressed across them."""
     share = _share(topo)
 
     def compressed_allreduce(ranks: int, elems: float, link: LinkClass) -> float:

@@ -48,6 +48,13 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             of itself (or 1/229376 of its chunk's largest) and error feedback
             repays the rest. Computed with integer/float math on any device
             (no fp8 hardware needed).
+            ``"int3"``: the same two phases with 3-bit codes: per chunk
+            (default 32) the scale max|x| / 3 in bf16 and each value rounded
+            to one of -3..3 times it, worker and server error feedback; about
+            7 bits per element on the wire (0.43x fp8's). A value under a
+            sixth of its chunk's largest goes as 0 and waits in the residual;
+            the gradient so compressed reached fp32's quality under SGD with
+            momentum and AdamW (bench/README "A 3-bit wire").
             ``"onebit"``: two-phase 1-bit all-reduce (sign + scale per chunk,
             worker and server error feedback), about 2 bits per element on the
             wire instead of 64.
@@ -84,10 +91,10 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         error_feedback: keep what compression did not send and add it to the
             next step's gradient (default True). ``False`` exists to show why
             it matters.
-        chunk_size: elements per 1-bit or fp8 scale (a positive multiple of
-            32); ``None`` (default): 32 for onebit (its scales travel as
-            bf16), 256 for fp8 (a long chunk's scale serves its small values
-            badly: ``planner.DEFAULT_CHUNK``).
+        chunk_size: elements per 1-bit, fp8 or int3 scale (a positive
+            multiple of 32); ``None`` (default): 32 for onebit and int3 (their
+            scales travel as bf16), 256 for fp8 (a long chunk's scale serves
+            its small values badly: ``planner.DEFAULT_CHUNK``).
         min_compress_numel: buckets with fewer elements go uncompressed (fp32).
         topk_ratio: fraction of entries top-k sends, in (0, 1].
         topk_exact: exact top-k selection (default) or, with ``False``, the

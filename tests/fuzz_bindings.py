@@ -67,6 +67,13 @@ def fuzz_sign_decode(w, s, n, c, a, out, acc):
 
 
 @common
+@given(tensors(), opt_tensors, floats, ints, tensors(), tensors(), ints, floats, opt_tensors, st.booleans())
+def fuzz_int3(g, r, d, c, w, s, n, a, out, acc):
+    call("int3_encode", ops.int3_encode, g, r, d, c)
+    call("int3_decode", ops.int3_decode, w, s, n, c, a, out, acc)
+
+
+@common
 @given(tensors(), opt_tensors, floats, ints, st.booleans(), opt_tensors)
 def fuzz_topk_encode(g, r, d, k, exact, denominator):
     call("topk_encode", ops.topk_encode, g, r, d, k, exact, denominator)
@@ -131,7 +138,7 @@ ENGINE = None
 
 @common
 @given(tensors(), st.sampled_from(["native", "ring", "halving_doubling", "tree", "hierarchical", "x"]),
-       node_lists, node_lists, st.sampled_from(["ring", "onebit", "topk", "zip"]), opt_tensors, opt_tensors, ints,
+       node_lists, node_lists, st.sampled_from(["ring", "onebit", "int3", "topk", "zip"]), opt_tensors, opt_tensors, ints,
        floats)
 def fuzz_transport_allreduce(x, algo, order, nodes, inter, res, sres, chunk, ratio):
     call("Transport.allreduce", TRANSPORT.allreduce, x, algo, order, nodes, inter, res, sres, chunk, ratio)
@@ -143,6 +150,7 @@ def fuzz_transport_allreduce(x, algo, order, nodes, inter, res, sres, chunk, rat
        st.sampled_from(["fp32", "bf16", "fp16", ""]))
 def fuzz_transport_compressed(x, d, chunk, ratio, r1, r2, exact, layout, q, wire):
     call("allreduce_onebit", TRANSPORT.allreduce_onebit, x, d, chunk, r1, r2)
+    call("allreduce_int3", TRANSPORT.allreduce_int3, x, d, chunk, r1, r2)
     call("allreduce_topk", TRANSPORT.allreduce_topk, x, d, ratio, exact, r1, r2)
     call("allreduce_lowrank", TRANSPORT.allreduce_lowrank, x, d,
          torch.tensor(layout, dtype=torch.int64).reshape(-1, 4), q, r1, [], wire)

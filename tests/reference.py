@@ -103,8 +103,37 @@ def fp8_encode(grad, residual, divisor, chunk):
     return codes, torch.tensor(scales, dtype=torch.float32), new_res, decoded
 
 
+def int3_encode(grad, residual, divisor, chunk):
+    """Returns (words int32, scales bf16, new residual or None, decoded): per chunk the scale max|x| / 3 rounded
+    to bf16 by torch's cast, q = round(x / scale) (torch.round: half to even) clamped to [-3, 3], the codes
+    q + 3 as three bit planes per 32 elements (word k: bit k of each code, element j at bit j)."""
+    x = ef_input(grad, residual, divisor)
+    n = x.numel()
+    q = torch.zeros(n)
+    decoded = torch.zeros(n)
+    scales = []
+    for c in range(0, n, chunk):
+        xc = x[c:c + chunk]
+        scale = (xc.abs().max() / 3).to(torch.bfloat16)
+        scales.append(scale)
+        s = scale.float()
+        usable = bool(s > 0) and bool(torch.isfinite(s))
+        qc = torch.round(xc / s).clamp(-3, 3) if usable else torch.zeros_like(xc)
+        q[c:c + chunk] = qc
+        decoded[c:c + chunk] = qc * s
+    codes = (q + 3).to(torch.int64)
+    padded = torch.zeros(-(-n // 32) * 32, dtype=torch.int64)
+    padded[:n] = codes
+    planes = [((padded >> k) & 1).view(-1, 32) for k in range(3)]
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    words = torch.stack([(p * weights).sum(1) for p in planes], 1).view(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    new_res = x - decoded if residual is not None else None
+    return words, torch.stack(scales) if scales else torch.zeros(0, dtype=torch.bfloat16), new_res, decoded
+
+
 def two_phase_allreduce(inputs, worker_res, server_res, divisors, chunk, encode=None):
-    """Two-phase all-reduce (onebit; fp8 with ``encode=fp8_encode``) of per-rank vectors, simulated in one
+    """Two-phase all-reduce (onebit; fp8 or int3 with ``encode=fp8_encode`` / ``int3_encode``) of per-rank vectors, simulated in one
     process. Returns (output, new worker
     residuals, new server residuals, the server-side sums before the second
     compression). On one or two ranks it is one exchange: each rank's whole

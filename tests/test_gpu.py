@@ -34,10 +34,16 @@ def test_cuda_kernels_match_the_cpu_bit_for_bit(n):
         c_cpu, f_cpu = ops.fp8_encode(g, e.clone(), 3.0, chunk)
         c_gpu, f_gpu = ops.fp8_encode(g.cuda(), e.cuda(), 3.0, chunk)
         assert torch.equal(c_gpu.cpu(), c_cpu) and torch.equal(f_gpu.cpu(), f_cpu)
+        i_res_cpu, i_res_gpu = e.clone(), e.cuda()
+        i_cpu, is_cpu = ops.int3_encode(g, i_res_cpu, 3.0, chunk)
+        i_gpu, is_gpu = ops.int3_encode(g.cuda(), i_res_gpu, 3.0, chunk)
+        assert torch.equal(i_gpu.cpu(), i_cpu) and torch.equal(is_gpu.cpu(), is_cpu)
+        assert torch.equal(i_res_gpu.cpu(), i_res_cpu)
         # decodes into a view one element in (misaligned: no 16-byte stores), accumulating
         base = torch.randn(n + 1)
         for decode, wire, scales in ((ops.sign_decode, (w_cpu, w_gpu), (s_cpu, s_gpu)),
-                                     (ops.fp8_decode, (c_cpu, c_gpu), (f_cpu, f_gpu))):
+                                     (ops.fp8_decode, (c_cpu, c_gpu), (f_cpu, f_gpu)),
+                                     (ops.int3_decode, (i_cpu, i_gpu), (is_cpu, is_gpu))):
             want = decode(wire[0], scales[0], n, chunk, 0.5, base[1:].clone(), True)
             got = decode(wire[1], scales[1], n, chunk, 0.5, base.cuda()[1:], True)
             assert torch.equal(got.cpu(), want), (decode.__name__, chunk)

@@ -444,3 +444,76 @@ def test_fp8_rejects_bad_arguments():
         ops.fp8_decode(torch.zeros(64, dtype=torch.int8), torch.ones(2), 64, 32)
     with pytest.raises(ValueError, match="accumulate=True needs an out tensor"):
         ops.fp8_decode(torch.zeros(64, dtype=torch.uint8), torch.ones(2), 64, 32, accumulate=True)
+
+
+# ---- int3 (3-bit linear, bf16 scale per chunk) -----------------------------------
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk,magnitude", [(32, 1.0), (256, 1e-3), (64, 1e30), (32, 1e-38)])
+def test_int3_encode_matches_the_reference(device, n, chunk, magnitude):
+    # Words, scales, residuals and decoded values bit for bit against the
+    # pure-torch reference (torch's bf16 cast, division and round half to even);
+    # values over many binades, so most of a chunk rounds to 0 and waits.
+    g = torch.Generator().manual_seed(n + chunk)
+    grad = (torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g)) * magnitude).to(device)
+    e = (torch.randn(n, generator=g) * 0.1 * magnitude).to(device)
+    want_words, want_scales, want_res, want_dec = ref.int3_encode(grad.cpu(), e.cpu(), 3.0, chunk)
+    res = e.clone()
+    words, scales = ops.int3_encode(grad, res, 3.0, chunk)
+    assert words.dtype == torch.int32 and words.numel() == 3 * math.ceil(n / 32)
+    assert scales.dtype == torch.bfloat16 and scales.numel() == math.ceil(n / chunk)
+    assert torch.equal(words.cpu(), want_words) and torch.equal(scales.cpu(), want_scales)
+    assert torch.equal(res.cpu(), want_res)
+    dec = ops.int3_decode(words, scales, n, chunk)
+    assert torch.equal(dec.cpu(), want_dec)
+    # Error feedback's invariant (decoded + residual = x, within the subtraction's rounding) and the
+    # bound per element: |x - decoded| <= scale / 2, or |x| - 3 scale where x / scale passed 3 (the bf16 scale
+    # may round down: by at most 2^-8 of amax / 3, or bf16's least subnormal 2^-133).
+    x = grad.cpu() / 3.0 + e.cpu()
+    torch.testing.assert_close(dec.cpu() + res.cpu(), x, rtol=2 ** -23, atol=0)
+    s = scales.cpu().float().repeat_interleave(chunk)[:n]
+    assert torch.all((dec.cpu() - x).abs() <= torch.maximum(s / 2, x.abs() - 3 * s) * (1 + 2 ** -20))
+    assert torch.all((x.abs() - 3 * s) <= x.abs() * 2 ** -7 + 3 * 2 ** -133)
+
+
+def test_int3_special_values_and_accumulate(device):
+    # zeros stay zeros; every code decodes to (code - 3) * scale; NaN / inf make
+    # their chunk non-finite and leave the others alone; a chunk whose largest
+    # value is under a sixth of another chunk's keeps its own scale
+    words, scales = ops.int3_encode(torch.zeros(64, device=device), None, 1.0, 32)
+    assert words.cpu().tolist() == [-1, -1, 0] * 2 and not scales.cpu().float().any()  # code 3 (binary 011): 0
+    dec = ops.int3_decode(words, scales, 64, 32).cpu()
+    assert torch.equal(dec, torch.zeros(64))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = torch.randn(96, device=device)
+        g[40] = bad
+        res = torch.zeros(96, device=device)
+        words, scales = ops.int3_encode(g, res, 1.0, 32)
+        dec = ops.int3_decode(words, scales, 96, 32).cpu()
+        assert not dec[32:64].isfinite().any() and dec[:32].isfinite().all() and dec[64:].isfinite().all()
+    g = torch.tensor([3.0, -3.0, 1.5, 0.5, -0.5, 2.5, 1.0, 0.0] * 4)  # amax 3: scale 1, ties to even
+    words, scales = ops.int3_encode(g.to(device), None, 1.0, 32)
+    assert scales.cpu().float().tolist() == [1.0]
+    assert ops.int3_decode(words, scales, 32, 32).cpu().tolist() == [3.0, -3.0, 2.0, 0.0, -0.0, 2.0, 1.0, 0.0] * 4
+    out = torch.ones(100, device=device)
+    g = torch.randn(100, device=device)
+    words, scales = ops.int3_encode(g, None, 2.0, 64)
+    ops.int3_decode(words, scales, 100, 64, alpha=0.5, out=out, accumulate=True)
+    assert torch.equal(out.cpu(), 1 + 0.5 * ref.int3_encode(g.cpu(), None, 2.0, 64)[3])
+
+
+def test_int3_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="chunk must be a positive multiple of 32"):
+        ops.int3_encode(torch.randn(100), None, 1.0, 48)
+    with pytest.raises(ValueError, match="divisor must be finite"):
+        ops.int3_encode(torch.randn(100), None, 0.0)
+    with pytest.raises(ValueError, match="residual must have the gradient's numel"):
+        ops.int3_encode(torch.randn(100), torch.zeros(99))
+    with pytest.raises(TypeError, match="grad must be a floating-point"):
+        ops.int3_encode(torch.arange(10))
+    with pytest.raises(ValueError, match=r"words must hold 3 \* ceil\(n/32\) = 9"):
+        ops.int3_decode(torch.zeros(6, dtype=torch.int32), torch.ones(3, dtype=torch.bfloat16), 65, 32)
+    with pytest.raises(ValueError, match=r"scales must hold ceil\(n/chunk\) = 2"):
+        ops.int3_decode(torch.zeros(6, dtype=torch.int32), torch.ones(1, dtype=torch.bfloat16), 64, 32)
+    with pytest.raises(TypeError, match="scales must be bfloat16"):
+        ops.int3_decode(torch.zeros(6, dtype=torch.int32), torch.ones(2), 64, 32)

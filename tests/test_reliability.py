@@ -146,7 +146,8 @@ def _one_nan_element(rank, world, mode, bad_rank, element, skip_bad):
 #: phases flat (a server residual on each owner), the default and "@hierarchical" the hierarchy (fp8, onebit and
 #: top-k across nodes); element 0 lies in rank 0's segment and shard, the other in the last.
 ONE_NAN = [("fp8@native", 3, 0), ("onebit@native", 1, 4000), ("topk@native", 2, 0), ("onebit+m@native", 3, 0),
-           ("fp8", 3, 0), ("onebit@hierarchical", 0, 4000), ("topk@hierarchical", 3, 0), ("onebit+m", 1, 0)]
+           ("fp8", 3, 0), ("onebit@hierarchical", 0, 4000), ("topk@hierarchical", 3, 0), ("onebit+m", 1, 0),
+           ("int3@native", 2, 4000), ("int3", 0, 0)]
 
 
 def _one_nan_runs(rank, world):

@@ -311,7 +311,7 @@ def test_a_rank_suffix_sets_lowrank_and_powersgds_rank_a_chunk_onebits_and_a_sha
     assert state.topk_ratio == 0.03 and state.compression == "topk"
     state.close()
     for bad, rule in (("lowrank-r0", "rank after -r must be >= 1"), ("torch-powersgd-r8+m", "no \\+m form"),
-                      ("onebit-r8", "-rN is for lowrank"), ("lowrank-c256", "-cN for onebit and fp8"),
+                      ("onebit-r8", "-rN is for lowrank"), ("lowrank-c256", "-cN for onebit, fp8 and int3"),
                       ("topk-c256", "-kN for topk"), ("onebit-k30", "-kN for topk"),
                       ("topk-k0", "per mille after -k must be in 1..1000"), ("topk-k1001", "in 1..1000"),
                       ("fp8-c256-no-ef", "must be one of")):
@@ -366,7 +366,7 @@ def test_a_wire_suffix_sets_a_lowrank_modes_factors_wire():
 
 
 def test_mode_table_plain_modes_are_hookstates_with_defaults():
-    assert set(hetcomm.modes.HETCOMM) == {"none", "fp16", "bf16", "auto-precision", "fp8", "onebit", "topk",
+    assert set(hetcomm.modes.HETCOMM) == {"none", "fp16", "bf16", "auto-precision", "fp8", "int3", "onebit", "topk",
                                           "lowrank", "auto"}
     assert not any(hetcomm.modes.get(n).plain for n in ("onebit+m", "topk-no-ef", "torch-powersgd", "fp32"))
 

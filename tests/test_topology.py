@@ -394,7 +394,7 @@ def test_wire_formats_parse_print_and_reject():
     assert planner.Wire.of("lowrank:0.25") == planner.Wire("lowrank", 0.25)
     assert planner.Wire.of("onebit") == planner.Wire("onebit") and planner.Wire.of("onebit").fraction is None
     assert str(planner.Wire("topk", 0.05)) == "topk:0.05" and str(planner.Wire("bf16")) == "bf16"
-    assert [planner.Wire.of(w).dense for w in planner.WIRES] == [True, True, True, False, False, False, False]
+    assert [planner.Wire.of(w).dense for w in planner.WIRES] == [True, True, True, False, False, False, False, False]
     for bad in ("zip", "onebit:0.1", "topk:", "topk:x", "lowrank:2"):
         with pytest.raises(ValueError, match="unknown wire format"):
             planner.Wire.of(bad)
@@ -409,7 +409,7 @@ def test_the_algorithm_table_says_where_each_wire_runs():
             flat_ok = planner.Wire.of(wire).dense or name in ("native", "hierarchical")
             assert planner.carries(name, wire) == flat_ok
             # hierarchical: several equal nodes; with one rank per node only a compressed wire gains from it
-            want = flat_ok and (name != "hierarchical" or wire in ("fp8", "onebit", "topk", "lowrank"))
+            want = flat_ok and (name != "hierarchical" or wire in ("fp8", "int3", "onebit", "topk", "lowrank"))
             assert planner.applies(one_per_node, name, wire) == want, (name, wire)
             assert planner.applies(two_by_two, name, wire) == flat_ok, (name, wire)
             assert planner.applies(one_node, name, wire) == (flat_ok and name != "hierarchical"), (name, wire)

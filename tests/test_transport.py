@@ -1,6 +1,8 @@
 """ProcessGroupTransport and the compressed all-reduce algorithms on 2 and 4
 gloo ranks, against closed-form sums and the single-process reference."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,8 +104,15 @@ def _compressed_allreduce(rank, world, n, chunk, ratio):
         y = x.clone()
         t.allreduce_fp8(y, divisor, chunk, fres, fsres)
         fp8.append((y, fres.clone(), fsres.clone()))
+    ires, isres, int3 = torch.zeros(n), torch.zeros(sres.numel()), []
+    before = t.counters()["bytes_sent"]
+    for x in xs:
+        y = x.clone()
+        t.allreduce_int3(y, divisor, chunk, ires, isres)
+        int3.append((y, ires.clone(), isres.clone()))
+    int3_bytes = t.counters()["bytes_sent"] - before
     return {"xs": xs, "divisor": divisor, "onebit": onebit, "whist": whist, "shist": shist, "topk": topk, "tres": tres,
-            "topk_bytes": topk_bytes, "fp8": fp8, "onebit_wire": onebit_wire}
+            "topk_bytes": topk_bytes, "fp8": fp8, "onebit_wire": onebit_wire, "int3": int3, "int3_bytes": int3_bytes}
 
 
 def _one_rank_not_finite(rank, world, n, flagged, pieces):
@@ -112,7 +121,7 @@ def _one_rank_not_finite(rank, world, n, flagged, pieces):
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     g = torch.Generator().manual_seed(7 + rank)
     out = {}
-    for name in ("onebit", "fp8", "topk"):
+    for name in ("onebit", "fp8", "int3", "topk"):
         x = torch.randn(n, generator=g)
         wres = torch.randn(n, generator=g) * 1e-2
         sres = torch.randn(hetcomm.ops.server_residual_numel(n, world, rank), generator=g) * 1e-2
@@ -141,7 +150,7 @@ def test_a_rank_that_flags_its_input_stops_every_rank_decoding(world, pieces):
     and gives every rank the same bits."""
     n = 700_001 if pieces > 1 else 5000
     res = run_ranks(_one_rank_not_finite, world, n, world - 1, pieces)
-    for name in ("onebit", "fp8", "topk"):
+    for name in ("onebit", "fp8", "int3", "topk"):
         for rank, r in enumerate(res):
             assert r[name]["ok"] is False and r[name]["x_kept"], name
             assert r[name]["written"] == (rank != world - 1), (name, rank)
@@ -226,16 +235,21 @@ def test_compressed_allreduce_matches_single_process_reference(world, n):
         torch.testing.assert_close(results[0]["topk"][step], want, rtol=1e-6, atol=1e-6)
     for r, res in enumerate(results):
         assert torch.equal(res["tres"], tres[r])
-    # fp8: max-based power-of-two scales and rank-ordered sums make the reference bit-exact, residuals included
-    wres = [torch.zeros(n) for _ in range(world)]
-    sres = [torch.zeros(hetcomm.ops.server_residual_numel(n, world, r)) for r in range(world)]
-    for step in range(3):
-        want, wres, sres, _ = ref.two_phase_allreduce([r["xs"][step] for r in results], wres, sres, divisors, chunk,
-                                                      encode=ref.fp8_encode)
-        for r, res in enumerate(results):
-            got, got_w, got_s = res["fp8"][step]
-            assert torch.equal(got, want) and torch.equal(got_w, wres[r]) and torch.equal(got_s, sres[r])
-        assert (want - sum(r["xs"][step] / d for r, d in zip(results, divisors))).abs().max() > 0  # lossy
+    # fp8 and int3: max-based scales (fp8's powers of two, int3's bf16 of max / 3) and rank-ordered sums make
+    # the reference bit-exact, residuals included
+    for wire, encode in (("fp8", ref.fp8_encode), ("int3", ref.int3_encode)):
+        wres = [torch.zeros(n) for _ in range(world)]
+        sres = [torch.zeros(hetcomm.ops.server_residual_numel(n, world, r)) for r in range(world)]
+        for step in range(3):
+            want, wres, sres, _ = ref.two_phase_allreduce([r["xs"][step] for r in results], wres, sres, divisors,
+                                                          chunk, encode=encode)
+            for r, res in enumerate(results):
+                got, got_w, got_s = res[wire][step]
+                assert torch.equal(got, want) and torch.equal(got_w, wres[r]) and torch.equal(got_s, sres[r])
+            assert (want - sum(r["xs"][step] / d for r, d in zip(results, divisors))).abs().max() > 0  # lossy
+    if world == 2:  # int3: 3 bits an element, 2 bytes a scale and the 4-byte flag, one message a step (one exchange)
+        message = 4 * (3 * -(-n // 32) + -(-math.ceil(n / chunk) // 2)) + 4
+        assert results[0]["int3_bytes"] == 3 * message
 
 
 def _sweep_pieces(t, xs, reduce, worker_numel, server_numel, piece_counts):

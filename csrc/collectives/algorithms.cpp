@@ -351,6 +351,10 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
         allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
                       nullptr, f);
         break;
+      case Codec::kInt3:
+        allreduce_int3(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
+                       nullptr, f);
+        break;
       case Codec::kTopK:
         allreduce_topk(across, shard, 1.0, inter.topk_ratio, inter.topk_exact, inter.residual, timer,
                        inter.update_denominator.defined()
@@ -359,7 +363,7 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
                        f);
         break;
       default:
-        TORCH_CHECK_VALUE(false, "hetcomm: the hierarchical all-reduce carries none, onebit, fp8 or topk across "
+        TORCH_CHECK_VALUE(false, "hetcomm: the hierarchical all-reduce carries none, onebit, fp8, int3 or topk across "
                           "nodes, got codec ", static_cast<int>(inter.codec));
     }
     if (!shard_finite.everywhere) shard.fill_(std::numeric_limits<float>::quiet_NaN());

@@ -89,22 +89,22 @@ class SubgroupTransport : public Transport {
 };
 
 // A wire format: what a bucket's fp32 elements become on the wire (the
-// engine's per-bucket codec; kNone, kOneBit, kFP8 and kTopK also name the
+// engine's per-bucket codec; kNone, kOneBit, kFP8, kInt3 and kTopK also name the
 // inter-node stage of the hierarchical all-reduce).
-enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5, kFP8 = 6 };
+enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5, kFP8 = 6, kInt3 = 7 };
 
 // Intra-node reduce-scatter (ring), inter-node all-reduce of each rank's
 // shard among the ranks with the same local index, intra-node all-gather.
 // node_of[r] is rank r's node id; every node must hold the same number of
 // ranks. The inter-node stage is an exact ring (kNone) or compressed (kOneBit
-// / kFP8 / kTopK, with the given residuals, sized for this rank's shard);
+// / kFP8 / kInt3 / kTopK, with the given residuals, sized for this rank's shard);
 // intra-node stays exact.
 struct InterOptions {
   Codec codec = Codec::kNone;
   int64_t chunk = 2048;
   double topk_ratio = 0.01;
   bool topk_exact = true;
-  int64_t pieces = 0;  // of the onebit / fp8 exchange (0: by its size, see allreduce_onebit)
+  int64_t pieces = 0;  // of the onebit / fp8 / int3 exchange (0: by its size, see allreduce_onebit)
   at::Tensor residual, server_residual;
   at::Tensor update_denominator;  // top-k's, the whole bucket's (undefined: none); each rank's shard takes its part
   CodecTimer* timer = nullptr;  // where the inter-node codec's time is added (the reducer's, for stats())

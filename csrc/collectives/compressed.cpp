@@ -5,6 +5,7 @@
 #include <functional>
 #include <vector>
 
+#include "kernels/int3.h"
 #include "kernels/sign.h"
 #include "ops/codecs.h"
 
@@ -31,7 +32,7 @@ int64_t segment_len(int64_t n, int64_t seg, int r) {
 
 // A chunked codec with error feedback, as the two-phase all-reduce uses it:
 // a segment of len elements travels as [payload (payload_ints(len) int32) |
-// scales (ceil(len/chunk) of scale_type: bf16 for onebit, float32 for fp8) |
+// scales (ceil(len/chunk) of scale_type: bf16 for onebit and int3, float32 for fp8) |
 // flag (int32: 1 where the input was not finite on the sender, see Finite)].
 struct SegmentCodec {
   std::function<int64_t(int64_t)> payload_ints;
@@ -71,6 +72,20 @@ const SegmentCodec& fp8_codec() {
       },
       [](const at::Tensor& payload, const at::Tensor& scales, int64_t len, int64_t chunk, at::Tensor out, bool acc) {
         ops::fp8_decode(payload.view(at::kByte).narrow(0, 0, len), scales, len, chunk, 1.0, out, acc);
+      }};
+  return c;
+}
+
+// 3-bit codes travel as three bit planes per 32 elements (kernels/int3.h).
+const SegmentCodec& int3_codec() {
+  static const SegmentCodec c{
+      [](int64_t len) { return kernels::int3_num_words(len); },
+      at::kBFloat16,
+      [](const at::Tensor& x, const at::Tensor& res, double d, int64_t chunk, at::Tensor words, at::Tensor scales) {
+        ops::int3_encode_into(x, res, d, chunk, words, scales);
+      },
+      [](const at::Tensor& words, const at::Tensor& scales, int64_t len, int64_t chunk, at::Tensor out, bool acc) {
+        ops::int3_decode(words, scales, len, chunk, 1.0, out, acc);
       }};
   return c;
 }
@@ -385,6 +400,13 @@ void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, c
                    const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold,
                    Finite* finite) {
   allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec(), pieces, fold,
+                      finite);
+}
+
+void allreduce_int3(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
+                    const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold,
+                    Finite* finite) {
+  allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, int3_codec(), pieces, fold,
                       finite);
 }
 

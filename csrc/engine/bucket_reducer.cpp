@@ -173,6 +173,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
     }
     case Codec::kOneBit:
     case Codec::kFP8:
+    case Codec::kInt3:
     case Codec::kTopK:
     case Codec::kLowRank: {
       // No all-reduce of a finiteness flag first (one round less a bucket:
@@ -199,9 +200,9 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       // the weighted mean of g), so the codec's error feedback runs on the
       // momentum and every rank gets the same new m; the optimizer is handed
       // m_new - beta m_old (its own buffer, beta m_old + that, becomes m_new)
-      // and m keeps m_new. Flat onebit / fp8 do both piece by piece inside the
+      // and m keeps m_new. Flat onebit / fp8 / int3 do both piece by piece inside the
       // exchange (the same bits, behind the wire); the others around it.
-      const bool two_phase = job.algo != Algo::kHierarchical && (job.codec == Codec::kOneBit || job.codec == Codec::kFP8);
+      const bool two_phase = job.algo != Algo::kHierarchical && (job.codec == Codec::kOneBit || job.codec == Codec::kFP8 || job.codec == Codec::kInt3);
       collectives::MomentumFold fold{job.momentum, job.beta * divisor / w, job.beta};
       const collectives::MomentumFold* folded = job.momentum.defined() && two_phase ? &fold : nullptr;
       if (job.momentum.defined() && folded == nullptr) ops::momentum_fold_in(x, job.momentum, fold.add_alpha);
@@ -227,6 +228,9 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       else if (job.codec == Codec::kFP8)
         collectives::allreduce_fp8(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded,
                                    &finite);
+      else if (job.codec == Codec::kInt3)
+        collectives::allreduce_int3(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded,
+                                    &finite);
       // lowrank's error feedback keeps what this rank's share of the sum (its batch weight, not the loss
       // scale) missed
       else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)

@@ -236,6 +236,53 @@ HC_HD float fp8_decode(float prev, uint8_t q, float scale, float alpha) {
   return mul_add_rn(alpha, fp8_value(q, scale), prev);
 }
 
+// ---- 3-bit linear (int3.h) ---------------------------------------------------
+constexpr float kInt3Max = 3.0f;
+constexpr uint32_t kInt3Zero = 3u;  // the code of 0 (codes are q + 3)
+
+// A chunk's scale from its largest magnitude: amax / 3 rounded to bf16 (the
+// bits that travel; every decoder multiplies by the same value).
+HC_HD uint16_t int3_scale_bits(float amax) { return float_to_bf16(div_rn(amax, kInt3Max)); }
+
+HC_HD float round_half_even(float y) {
+#if defined(__CUDA_ARCH__)
+  return rintf(y);
+#else
+  return __builtin_rintf(y);  // the default rounding mode: to nearest, ties to even
+#endif
+}
+
+// x's code (0..6) at `scale`: round(x / scale) clamped to [-3, 3], plus 3.
+// A zero scale (an all-zero chunk, or one whose max / 3 rounds to 0 in bf16)
+// or a non-finite one gives 0's code (the decoded value is then 0, or NaN
+// where the scale is not finite: a NaN or infinity in the chunk reaches every
+// decoded value of it).
+HC_HD uint32_t int3_code(float x, float scale) {
+  const bool usable = scale > 0.0f && float_bits(scale) < 0x7f800000u;
+  float y = usable ? div_rn(x, scale) : 0.0f;
+  y = y > kInt3Max ? kInt3Max : y;
+  y = y < -kInt3Max ? -kInt3Max : y;
+  y = y == y ? y : 0.0f;  // NaN (an x that is, at a finite scale: not reached through the encoders)
+  return static_cast<uint32_t>(static_cast<int32_t>(round_half_even(y)) + static_cast<int32_t>(kInt3Zero));
+}
+
+HC_HD float int3_value(uint32_t code, float scale) {
+  return mul_rn(static_cast<float>(static_cast<int32_t>(code) - static_cast<int32_t>(kInt3Zero)), scale);
+}
+
+// New residual: what the 3-bit message did not carry.
+HC_HD float int3_residual(float x, uint32_t code, float scale) { return add_rn(x, -int3_value(code, scale)); }
+
+// out (+)= alpha * q * scale
+HC_HD float int3_decode(float prev, uint32_t code, float scale, float alpha) {
+  return mul_add_rn(alpha, int3_value(code, scale), prev);
+}
+
+// Element j's code from the three bit planes of its 32.
+HC_HD uint32_t int3_unpack(uint32_t w0, uint32_t w1, uint32_t w2, int j) {
+  return ((w0 >> j) & 1u) | (((w1 >> j) & 1u) << 1) | (((w2 >> j) & 1u) << 2);
+}
+
 // ---- top-k ------------------------------------------------------------------
 HC_HD float magnitude(float x) { return x < 0.0f ? -x : x; }
 

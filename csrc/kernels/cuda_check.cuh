@@ -36,6 +36,16 @@ struct WarpChunk {
 };
 
 #ifdef __CUDACC__
+// The largest |grad / divisor + residual| of the warp's chunk, as bits (exact
+// in any order, NaN largest), on every lane (fp8's and int3's scales).
+__device__ inline uint32_t warp_amax_bits(const WarpChunk& w, float divisor) {
+  uint32_t amax = 0;
+  for (int64_t i = w.lane; i < w.len; i += kLanes)
+    amax = max(amax, magnitude_bits(ef_input(w.grad[i], divisor, w.residual ? w.residual[i] : 0.0f)));
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  return amax;
+}
+
 __device__ inline WarpChunk warp_chunk(const float* grad, float* residual, int64_t n, int64_t chunk_size) {
   WarpChunk w;
   w.lane = threadIdx.x % kLanes;

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/chunk_cpu.h"
 #include "kernels/codec_math.h"
 #include "kernels/fp8.h"
 
@@ -14,14 +15,7 @@ namespace {
 // then the residual.
 HC_CPU_CLONES
 void encode_chunk(const float* g, float* e, float divisor, int64_t len, float* x, uint8_t* codes, float* scale_out) {
-  if (e) {
-    for (int64_t i = 0; i < len; ++i) x[i] = ef_input(g[i], divisor, e[i]);
-  } else {
-    for (int64_t i = 0; i < len; ++i) x[i] = ef_input(g[i], divisor, 0.0f);
-  }
-  uint32_t amax = 0;
-  for (int64_t i = 0; i < len; ++i) amax = std::max(amax, magnitude_bits(x[i]));
-  const float scale = fp8_scale(bits_float(amax));
+  const float scale = fp8_scale(bits_float(ef_input_amax(g, e, divisor, len, x)));
   *scale_out = scale;
   const float inv = fp8_inverse(scale);
   for (int64_t i = 0; i < len; ++i) codes[i] = fp8_encode(x[i], inv);

@@ -16,11 +16,7 @@ __global__ void fp8_encode_kernel(Fp8EncodeParams p, int64_t nchunks) {
   const float* g = w.grad;
   float* e = w.residual;
 
-  uint32_t amax = 0;
-  for (int64_t i = w.lane; i < w.len; i += kLanes)
-    amax = max(amax, magnitude_bits(ef_input(g[i], p.divisor, e ? e[i] : 0.0f)));
-  for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const float scale = fp8_scale(bits_float(amax));
+  const float scale = fp8_scale(bits_float(warp_amax_bits(w, p.divisor)));
   if (w.lane == 0) p.scales[w.chunk] = scale;
 
   uint8_t* codes = p.codes + w.begin;

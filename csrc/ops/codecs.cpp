@@ -4,6 +4,7 @@
 
 #include "kernels/cast.h"
 #include "kernels/fp8.h"
+#include "kernels/int3.h"
 #include "kernels/lowrank.h"
 #include "kernels/sign.h"
 #include "ops/codecs_cpu.h"
@@ -239,6 +240,39 @@ at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t
   const k::Fp8DecodeParams p{d.codes.data_ptr<uint8_t>(), d.scales.data_ptr<float>(), d.out.data_ptr<float>(), n, chunk,
                              static_cast<float>(alpha), accumulate};
   HC_RUN(d.codes, "codes", cpu::fp8_decode(p), cuda::fp8_decode(p, d.codes.device()));
+  return d.out;
+}
+
+void int3_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                      at::Tensor& words, at::Tensor& scales) {
+  const at::Tensor g = check_encode(grad, residual, divisor, chunk);
+  const int64_t n = g.numel();
+  check_buffer(words, "words", g, at::kInt, k::int3_num_words(n), "3 * ceil(n/32)", true);
+  check_buffer(scales, "scales", g, at::kBFloat16, k::int3_num_chunks(n, chunk), "ceil(n/chunk)", true);
+  const k::Int3EncodeParams p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
+                              reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), bf16_bits(scales)};
+  HC_RUN(g, "grad", cpu::int3_encode(p), cuda::int3_encode(p, g.device()));
+}
+
+std::tuple<at::Tensor, at::Tensor> int3_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                               int64_t chunk) {
+  check_chunk(chunk);
+  check_float_vector(grad, "grad");
+  const int64_t n = grad.numel();
+  at::Tensor words = at::empty({k::int3_num_words(n)}, grad.options().dtype(at::kInt));
+  at::Tensor scales = at::empty({k::int3_num_chunks(n, chunk)}, grad.options().dtype(at::kBFloat16));
+  int3_encode_into(grad, residual, divisor, chunk, words, scales);
+  return {words, scales};
+}
+
+at::Tensor int3_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+                       at::Tensor out, bool accumulate) {
+  check_decode_sizes(n, chunk);  // (int3_num_chunks divides by the chunk)
+  const ChunkedDecode d = check_decode(words, "words", at::kInt, k::int3_num_words(n), "3 * ceil(n/32)", scales,
+                                       at::kBFloat16, n, k::int3_num_chunks(n, chunk), out, accumulate);
+  const k::Int3DecodeParams p{reinterpret_cast<const uint32_t*>(d.codes.data_ptr<int32_t>()), bf16_bits(d.scales),
+                              d.out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
+  HC_RUN(d.codes, "words", cpu::int3_decode(p), cuda::int3_decode(p, d.codes.device()));
   return d.out;
 }
 

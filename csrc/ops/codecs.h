@@ -37,6 +37,16 @@ void fp8_encode_into(const at::Tensor& grad, const at::Tensor& residual, double 
 at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                       at::Tensor out, bool accumulate);
 
+// 3-bit linear codes with a bf16 scale per chunk (kernels/int3.h). Returns
+// (words: int32[int3_num_words(n)], scales: bfloat16[ceil(n/chunk)]); residual as for sign_encode.
+std::tuple<at::Tensor, at::Tensor> int3_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                               int64_t chunk);
+void int3_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                      at::Tensor& words, at::Tensor& scales);
+// out (numel n, float32) = or += alpha * decoded. Returns out (allocated when undefined).
+at::Tensor int3_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+                       at::Tensor out, bool accumulate);
+
 // x = grad / divisor + residual; the k largest |x| -> (idx int32, val float32), ascending index.
 // The residual keeps the rest. exact=false uses the sampled threshold (about k, at most k).
 // denominator (optional, float32 > 0, one per element): the k largest |x| / denominator are

@@ -46,6 +46,16 @@ void fp8_decode(const k::Fp8DecodeParams& p) {
                    [&](int64_t b, int64_t e) { k::fp8_decode_cpu(p, b, e); });
 }
 
+void int3_encode(const k::Int3EncodeParams& p) {
+  at::parallel_for(0, k::int3_num_chunks(p.n, p.chunk), chunk_grain(p.chunk),
+                   [&](int64_t b, int64_t e) { k::int3_encode_cpu(p, b, e); });
+}
+
+void int3_decode(const k::Int3DecodeParams& p) {
+  at::parallel_for(0, k::int3_num_chunks(p.n, p.chunk), chunk_grain(p.chunk),
+                   [&](int64_t b, int64_t e) { k::int3_decode_cpu(p, b, e); });
+}
+
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t kk, bool exact) {
   const int64_t n = grad.numel();

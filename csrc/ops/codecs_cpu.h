@@ -10,6 +10,7 @@
 
 #include "kernels/cast.h"
 #include "kernels/fp8.h"
+#include "kernels/int3.h"
 #include "kernels/lowrank.h"
 #include "kernels/momentum.h"
 #include "kernels/sign.h"
@@ -22,6 +23,8 @@ void sign_encode(const kernels::SignEncodeParams& p);
 void sign_decode(const kernels::SignDecodeParams& p);
 void fp8_encode(const kernels::Fp8EncodeParams& p);
 void fp8_decode(const kernels::Fp8DecodeParams& p);
+void int3_encode(const kernels::Int3EncodeParams& p);
+void int3_decode(const kernels::Int3DecodeParams& p);
 // grad: float32, contiguous; residual: undefined or float32[grad.numel()]; 0 <= k <= n.
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t k, bool exact);

@@ -44,6 +44,16 @@ void fp8_decode(const k::Fp8DecodeParams& p, const at::Device& device) {
   k::fp8_decode_cuda(p, stream_of(device));
 }
 
+void int3_encode(const k::Int3EncodeParams& p, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::int3_encode_cuda(p, stream_of(device));
+}
+
+void int3_decode(const k::Int3DecodeParams& p, const at::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  k::int3_decode_cuda(p, stream_of(device));
+}
+
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t kk, bool exact) {
   c10::cuda::CUDAGuard guard(grad.device());

@@ -12,6 +12,7 @@
 
 #include "kernels/cast.h"
 #include "kernels/fp8.h"
+#include "kernels/int3.h"
 #include "kernels/lowrank.h"
 #include "kernels/momentum.h"
 #include "kernels/sign.h"
@@ -24,6 +25,8 @@ void sign_encode(const kernels::SignEncodeParams& p, const at::Device& device);
 void sign_decode(const kernels::SignDecodeParams& p, const at::Device& device);
 void fp8_encode(const kernels::Fp8EncodeParams& p, const at::Device& device);
 void fp8_decode(const kernels::Fp8DecodeParams& p, const at::Device& device);
+void int3_encode(const kernels::Int3EncodeParams& p, const at::Device& device);
+void int3_decode(const kernels::Int3DecodeParams& p, const at::Device& device);
 // grad: float32, contiguous, on the GPU; residual: undefined or float32[grad.numel()] beside it; 0 <= k <= n.
 std::tuple<at::Tensor, at::Tensor> topk_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t k, bool exact);

@@ -33,7 +33,7 @@ from . import common
 
 ALGOS = list(topology.ALGORITHMS)
 WIRES = ["none", "fp16", "onebit"]
-WIRE_CHOICES = ("none", "fp16", "bf16", "fp8", "onebit", "topk")  # every wire but lowrank (a DDP bucket's layout)
+WIRE_CHOICES = ("none", "fp16", "bf16", "fp8", "int3", "onebit", "topk")  # every wire but lowrank (a DDP bucket's layout)
 
 
 def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topology, state: Dict,
@@ -53,6 +53,8 @@ def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topolog
             t.allreduce_onebit(x, 1.0, options.chunk_for(None, wire), state["w"], state["s"], pieces=pieces)
         elif wire == "fp8":
             t.allreduce_fp8(x, 1.0, options.chunk_for(None, wire), state["w"], state["s"], pieces=pieces)
+        elif wire == "int3":
+            t.allreduce_int3(x, 1.0, options.chunk_for(None, wire), state["w"], state["s"], pieces=pieces)
         else:
             t.allreduce_topk(x, 1.0, topk_ratio, True, state["w"])
     else:  # hierarchical, compressed across nodes
@@ -167,7 +169,7 @@ def _worker(rank: int, world: int, sizes: List[int], algos: List[str], wires: Li
             base = _input(n, size, rank).to(device)
         for wire in wires:
             for algo, piece in [(a, p) for a in (["torch"] if device.type == "cuda" and wire == "none" else []) + algos
-                                for p in (pieces if a in ("native", "hierarchical") and wire in ("onebit", "fp8")
+                                for p in (pieces if a in ("native", "hierarchical") and wire in ("onebit", "fp8", "int3")
                                           else [None])]:
                 if not planner.applies(topo, algo, wire):
                     continue
