@@ -219,8 +219,12 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
             raise ValueError(f"mode {name!r}: the per mille after -k must be in 1..1000")
         if base + suffix not in MODES:
             raise ValueError(f"mode {name!r}: {base} has no {suffix} form")
+        if letter == "c" and not (0 < n <= 2**30 and n % 32 == 0):  # HookState's chunk_size rule, checked here
+            # so that a bench names it before it starts any run
+            raise ValueError(f"mode {name!r}: the elements per scale after -c must be a positive multiple of 32 "
+                             f"up to 2**30 (HookState's chunk_size)")
         m = MODES[base + suffix]
-        if letter == "c":  # HookState checks the chunk (a positive multiple of 32)
+        if letter == "c":
             return replace(m, name=name, options={**m.options, "chunk_size": n})
         if letter == "k":
             return replace(m, name=name, options={**m.options, "topk_ratio": n / 1000})

@@ -54,9 +54,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             7 bits per element on the wire (0.43x fp8's). A value under a
             sixth of its chunk's largest goes as 0 and waits in the residual;
             the gradient so compressed reached fp32's quality under SGD with
-            momentum and AdamW, but the 4-rank language model with SGD-m
-            spiked at its loss drop on one seed of two, so ``"auto"`` does
-            not offer it (bench/README "A 3-bit wire").
+            momentum and AdamW (bench/README "A 3-bit wire"); ``"auto"``
+            offers it where it offers fp8 for the gradient.
             ``"onebit"``: two-phase 1-bit all-reduce (sign + scale per chunk,
             worker and server error feedback), about 2 bits per element on the
             wire instead of 64.

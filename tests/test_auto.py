@@ -36,7 +36,7 @@ def test_choose_with_a_current_plan_switches_only_past_the_hysteresis():
 
 
 def test_safe_modes_follow_the_optimizer():
-    assert autoplan.safe_modes(None, True) == ("none", "bf16", "fp8")  # the gradient in fp8 with error feedback
+    assert autoplan.safe_modes(None, True) == ("none", "bf16", "fp8", "int3")  # the gradient, with error feedback
     assert autoplan.safe_modes("adam", False) == ("none", "fp16")  # torch's Adam attached: dense only
     assert autoplan.safe_modes("sgd", True) == ("none", "bf16", "fp8")  # onebit missed the regression, top-k the LM
     assert autoplan.safe_modes("hetcomm-adamw", True) == ("none", "bf16")  # onebit of Adam's momentum missed digits
@@ -44,7 +44,7 @@ def test_safe_modes_follow_the_optimizer():
     assert autoplan.safe_modes("sgd", True, warmed_up=True) == ("none", "bf16", "fp8", "onebit")
     assert autoplan.safe_modes("hetcomm-adamw", False, warmed_up=True) == ("none", "fp16", "onebit")
     assert autoplan.safe_modes("adam", True, warmed_up=True) == ("none", "bf16")
-    assert autoplan.safe_modes(None, True, warmed_up=True) == ("none", "bf16", "fp8")
+    assert autoplan.safe_modes(None, True, warmed_up=True) == ("none", "bf16", "fp8", "int3")
 
 
 def _rank_predict(first, hopeless=None):

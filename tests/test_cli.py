@@ -143,7 +143,7 @@ def test_bench_ddp_auto_is_the_readmes_one_line_and_auto_m_attaches_the_optimize
     # auto: HookState("auto") without attach_optimizer, the gradient compressed, lowrank offered under its guard
     # (which read it by step 120, inside the untimed warm-up); auto+m: SGD's momentum, no lowrank
     assert not rows["auto"]["momentum_compressed"] and rows["auto+m"]["momentum_compressed"]
-    assert rows["auto"]["auto"]["modes"] == ["none", "bf16", "fp8", "lowrank"], rows["auto"]["auto"]
+    assert rows["auto"]["auto"]["modes"] == ["none", "bf16", "fp8", "int3", "lowrank"], rows["auto"]["auto"]
     assert rows["auto"]["auto"]["lowrank_guard"]["step"] == 120
     assert rows["auto+m"]["auto"]["modes"] == ["none", "bf16", "fp8"] and "lowrank_guard" not in rows["auto+m"]["auto"]
     bad = subprocess.run(HETCOMM + ["bench", "ddp", "--modes", "onebit+m"], capture_output=True, text=True,
