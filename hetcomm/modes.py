@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from .options import LOWRANK_WIRES
+from .options import LOWRANK_WIRES, check_chunk_size
 from .topology import ALGORITHMS
 
 POWERSGD_RANK = 4
@@ -219,10 +219,11 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
             raise ValueError(f"mode {name!r}: the per mille after -k must be in 1..1000")
         if base + suffix not in MODES:
             raise ValueError(f"mode {name!r}: {base} has no {suffix} form")
-        if letter == "c" and not (0 < n <= 2**30 and n % 32 == 0):  # HookState's chunk_size rule, checked here
-            # so that a bench names it before it starts any run
-            raise ValueError(f"mode {name!r}: the elements per scale after -c must be a positive multiple of 32 "
-                             f"up to 2**30 (HookState's chunk_size)")
+        if letter == "c":  # HookState's rule, checked when the mode is named (a bench: before any run)
+            try:
+                check_chunk_size(n)
+            except ValueError as e:
+                raise ValueError(f"mode {name!r}: the elements per scale after -c: {e}") from None
         m = MODES[base + suffix]
         if letter == "c":
             return replace(m, name=name, options={**m.options, "chunk_size": n})

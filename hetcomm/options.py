@@ -50,6 +50,12 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def check_chunk_size(chunk_size: Optional[int]) -> None:
+    """The rule of ``chunk_size`` (elements per scale): None, or a positive multiple of 32 up to 2**30."""
+    if chunk_size is not None and (not _is_int(chunk_size) or not 0 < chunk_size <= 2**30 or chunk_size % 32):
+        raise ValueError(f"chunk_size must be None or a positive multiple of 32 up to 2**30, got {chunk_size!r}")
+
+
 def chunk_for(chunk_size: Optional[int], mode: str) -> int:
     """Elements per scale of the onebit, fp8 or int3 codec (``mode``): the
     option, or the codec's default (planner.DEFAULT_CHUNK says why: 32 for
@@ -79,8 +85,7 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
         raise ValueError(
             f"start_iter must be >= {MIN_START_ITER} with compression='auto' (got {start_iter}): its trial of the "
             "codecs runs in DDP's buckets as rebuilt in the second iteration")
-    if chunk_size is not None and (not _is_int(chunk_size) or not 0 < chunk_size <= 2**30 or chunk_size % 32):
-        raise ValueError(f"chunk_size must be None or a positive multiple of 32 up to 2**30, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     if not _is_int(min_compress_numel) or min_compress_numel < 0:
         raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
     if not _is_number(topk_ratio) or not 0.0 < float(topk_ratio) <= 1.0:

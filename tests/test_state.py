@@ -301,8 +301,8 @@ def test_a_rank_suffix_sets_lowrank_and_powersgds_rank_a_chunk_onebits_and_a_sha
     assert state.chunk_size == 64 and state.compression == "fp8"
     state.close()
     for bad in ("onebit-c100", "int3-c16", "fp8-c0"):  # named by the mode's name, before any HookState
-        with pytest.raises(ValueError, match=f"mode '{bad}': the elements per scale after -c must be a positive "
-                                             "multiple of 32"):
+        with pytest.raises(ValueError, match=f"mode '{bad}': the elements per scale after -c: chunk_size must be "
+                                             "None or a positive multiple of 32"):
             hetcomm.modes.get(bad)
     with pytest.raises(ValueError, match="chunk_size must be None or a positive multiple of 32"):
         hetcomm.HookState(compression="int3", chunk_size=16)
