@@ -43,7 +43,7 @@ def _bench(args) -> None:
                    eval_every=args.eval_every, json_path=args.json, png_path=args.png, lr_scale=args.lr_scale,
                    seeds=args.seeds, clip=args.clip_grad_norm, clip_handed=args.clip_handed,
                    schedule=args.schedule, device=args.device, bucket_mb=args.bucket_mb,
-                   reference=args.reference)
+                   reference=args.reference, first_seed=args.first_seed)
     elif args.what == "precision":
         from .benchmarks import precision
 
@@ -243,6 +243,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "sharing them); needs a CUDA build of hetcomm")
     tr.add_argument("--seeds", type=positive_int, default=1,
                     help="runs per mode with different initialisation and data order; >1 adds a table of means")
+    tr.add_argument("--first-seed", type=nonneg_int, default=0, metavar="N",
+                    help="run seeds N .. N + --seeds - 1 (to add seeds to an earlier run without repeating its own)")
     tr.add_argument("--reference", default=None, metavar="JSON",
                     help="take fp32's runs (the targets) from an earlier --json of the same tasks, optimizers, "
                          "seeds, steps and ranks instead of running fp32 again (its quality does not depend on the "
@@ -318,7 +320,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             try:  # before any rank starts: the reference must hold every fp32 run this one needs
                 bench_train.reference_runs(args.reference, args.ranks, args.tasks, args.optims, args.modes,
                                            args.scale, args.eval_every, args.lr_scale, args.seeds,
-                                           args.clip_grad_norm, args.schedule, args.device, args.bucket_mb)
+                                           args.clip_grad_norm, args.schedule, args.device, args.bucket_mb,
+                                           args.first_seed)
             except ValueError as e:
                 p.error(str(e))
     if args.cmd == "testbed":

@@ -389,6 +389,15 @@ def test_bench_train_takes_fp32s_runs_from_a_reference_instead_of_running_them_a
         assert rb["onebit+m"]["final"] == ra["onebit+m"]["final"]
         assert rb["onebit+m"]["target"] == ra["onebit+m"]["target"] == ra["fp32"]["final"]
         assert rb["onebit+m"]["steps_to_target"] == ra["onebit+m"]["steps_to_target"]
+    # --first-seed 1 runs seed 1 alone: the same runs as a.json's seed 1, fp32's taken from it
+    _run(common[:-1] + ["1", "--first-seed", "1", "--scale", "0.1", "--modes", "onebit+m", "--reference", "a.json",
+                        "--json", "c.json"], tmp_path)
+    c = json.load(open(tmp_path / "c.json"))
+    assert sorted((r["mode"], r["seed"]) for r in c["runs"]) == [("fp32", 1), ("onebit+m", 1)]
+    ra = {r["mode"]: r for r in a["runs"] if r["seed"] == 1}
+    rc = {r["mode"]: r for r in c["runs"]}
+    assert rc["onebit+m"]["final"] == ra["onebit+m"]["final"] and rc["onebit+m"]["target"] == ra["fp32"]["final"]
+    assert c["meta"]["first_seed"] == 1
     # a reference that lacks a run this one needs (other steps, other ranks, fp32 asked for too): a clear error
     for extra, said in ((["--scale", "0.2", "--modes", "onebit+m"], "no fp32 run with task regress"),
                         (["--scale", "0.1", "--modes", "onebit+m", "--ranks", "3"], "world_size 3"),
@@ -490,7 +499,7 @@ MALFORMED = [
     ["bench", "train", "--modes", "fp16+bal"], ["bench", "train", "--modes", "lowrank-r0"],
     ["bench", "train", "--modes", "torch-powersgd-r4+m"], ["bench", "train", "--modes", ""], ["bench", "train", "--scale", "0"], ["bench", "train", "--lr-scale", "-1"],
     ["bench", "train", "--eval-every", "0"], ["bench", "train", "--png", "/no/such/dir/x.png"],
-    ["bench", "train", "--seeds", "0"], ["bench", "train", "--clip-grad-norm", "0"],
+    ["bench", "train", "--seeds", "0"], ["bench", "train", "--first-seed", "-1"], ["bench", "train", "--clip-grad-norm", "0"],
     ["bench", "train", "--schedule", "step"], ["bench", "train", "--schedule", "warmup:0"],
     ["bench", "train", "--reference", "/no/such/runs.json"],
     ["bench", "train", "--reference", "/dev/null", "--modes", "onebit"], ["bench", "ddp", "--grid", "--grid-ranks", "3"],

@@ -173,13 +173,13 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
 def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: List[str], scale: float,
             eval_every: int, lr_scale: float, partial_path: Optional[str] = None, seeds: int = 1,
             clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
-            device: str = "cpu", bucket_mb: Optional[float] = None) -> List[Dict]:
+            device: str = "cpu", bucket_mb: Optional[float] = None, first_seed: int = 0) -> List[Dict]:
     out = []
     for name in tasks:
         task = TASKS[name]()
         steps = max(eval_every, int(task.steps * scale))
         for optim in optims:
-            for seed in range(seeds):
+            for seed in range(first_seed, first_seed + seeds):
                 task.seed = seed
                 for mode in modes:
                     r = _run(rank, task, optim, mode, steps, eval_every, task_lr(task, optim) * lr_scale, clip,
@@ -342,7 +342,7 @@ def load_reference(path: str, wanted: List[Dict], bucket_mb: Optional[float] = N
 def reference_runs(reference: str, ranks: int, tasks: List[str], optims: List[str], modes: List[str],
                    scale: float = 1.0, eval_every: int = 20, lr_scale: float = 1.0, seeds: int = 1,
                    clip: Optional[float] = None, schedule: str = "constant", device: str = "cpu",
-                   bucket_mb: Optional[float] = None) -> List[Dict]:
+                   bucket_mb: Optional[float] = None, first_seed: int = 0) -> List[Dict]:
     """The fp32 runs that :func:`run` with these arguments takes from
     ``reference`` (:func:`load_reference`); ValueError where it cannot."""
     if REFERENCE in modes:
@@ -355,7 +355,7 @@ def reference_runs(reference: str, ranks: int, tasks: List[str], optims: List[st
         steps = max(eval_every, int(TASKS[name]().steps * scale))
         evals = list(range(eval_every, steps + 1, eval_every)) + ([steps] if steps % eval_every else [])
         for optim in optims:
-            for seed in range(seeds):
+            for seed in range(first_seed, first_seed + seeds):
                 wanted.append({"task": name, "optimizer": optim, "seed": seed, "steps": steps, "evals": evals,
                                "lr": task_lr(TASKS[name](), optim) * lr_scale, "schedule": schedule,
                                "device": device, "world_size": world, "clip": clip})
@@ -366,7 +366,7 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
         eval_every: int = 20, lr_scale: float = 1.0, partial_path: Optional[str] = None,
         seeds: int = 1, clip: Optional[float] = None, clip_handed: bool = False,
         schedule: str = "constant", device: str = "cpu", bucket_mb: Optional[float] = None,
-        reference: Optional[str] = None) -> List[Dict]:
+        reference: Optional[str] = None, first_seed: int = 0) -> List[Dict]:
     """``clip``: every run clips its gradients at that norm after backward
     (hetcomm's modes by the reduced gradient's norm, HookState.clip_grad_norm_;
     with ``clip_handed`` by the handed one's, torch's clip_grad_norm_, as a
@@ -377,9 +377,13 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
     ``bucket_cap_mb`` for every mode but PowerSGD, which takes one bucket
     (None: DDP's default, whose first bucket holds 1 MB). ``reference``: an
     earlier run's JSON whose fp32 runs set the targets instead of running
-    fp32 again (:func:`load_reference`)."""
+    fp32 again (:func:`load_reference`). ``first_seed``: the seeds run are
+    ``first_seed`` .. ``first_seed + seeds - 1`` (to add seeds to an earlier
+    run without repeating its own)."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if first_seed < 0:
+        raise ValueError(f"first_seed must be >= 0, got {first_seed}")
     check_schedule(schedule)
     if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"clip must be a finite number > 0 or None, got {clip!r}")
@@ -399,11 +403,11 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
     copied: List[Dict] = []
     if reference is not None:
         copied = reference_runs(reference, ranks, tasks, optims, modes, scale, eval_every, lr_scale, seeds, clip,
-                                schedule, device, bucket_mb)
+                                schedule, device, bucket_mb, first_seed)
     elif REFERENCE not in modes:
         modes = [REFERENCE] + list(modes)
     runs = run_distributed(_worker, ranks, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds,
-                           clip, clip_handed, schedule, device, bucket_mb,
+                           clip, clip_handed, schedule, device, bucket_mb, first_seed,
                            backend=common.backend_for(device, ranks))
     return summarise(copied + runs) if runs is not None else []
 
@@ -415,10 +419,11 @@ def _fmt(v, f):
 def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
          json_path: Optional[str], png_path: Optional[str], lr_scale: float = 1.0, seeds: int = 1,
          clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
-         device: str = "cpu", bucket_mb: Optional[float] = None, reference: Optional[str] = None) -> None:
+         device: str = "cpu", bucket_mb: Optional[float] = None, reference: Optional[str] = None,
+         first_seed: int = 0) -> None:
     t0 = time.time()
     runs = run(ranks, tasks, optims, modes, scale, eval_every, lr_scale, json_path, seeds, clip, clip_handed,
-               schedule, device, bucket_mb, reference)
+               schedule, device, bucket_mb, reference, first_seed)
     if not runs:  # a rank other than 0 under torchrun / the testbed
         return
     world = runs[0]["world_size"]
@@ -437,7 +442,7 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
     meta = common.metadata(world, wall_s=time.time() - t0, scale=scale, eval_every=eval_every, lr_scale=lr_scale,
                            seeds=seeds, clip=clip, clip_handed=clip_handed, schedule=schedule, device=device,
-                           bucket_mb=bucket_mb, reference=reference)
+                           bucket_mb=bucket_mb, reference=reference, first_seed=first_seed)
     if reference is not None:
         print(f"# fp32's runs (the targets, and the base of 'vs fp32') from {reference}, not run again: their "
               "times are that run's machine and network")
