@@ -5,49 +5,28 @@
 #include "kernels/cast.h"
 #include "kernels/fp8.h"
 #include "kernels/int3.h"
-#include "kernels/lowrank.h"
 #include "kernels/sign.h"
-#include "ops/codecs_cpu.h"
-#ifdef HETCOMM_WITH_CUDA
-#include "ops/codecs_cuda.h"
-#define HC_CUDA(call) call
-#else
-#define HC_CUDA(call) TORCH_INTERNAL_ASSERT(false, "hetcomm: CUDA dispatch in a CPU-only build")
-#endif
-
-// Every op below checks its arguments first, for every device, then runs its
-// body on the input's device: cpu::X (codecs_cpu.h) or cuda::X (codecs_cuda.h).
-#define HC_RUN(t, name, cpu_call, cuda_call) \
-  do {                                       \
-    if (runs_on_cuda(t, name)) {             \
-      HC_CUDA(cuda_call);                    \
-    } else {                                 \
-      cpu_call;                              \
-    }                                        \
-  } while (0)
+#include "ops/dispatch.h"
 
 namespace hetcomm {
 namespace ops {
 
 namespace k = hetcomm::kernels;
+using detail::check_buffer;
+using detail::dtype_name;
+using detail::runs_on_cuda;
 
-namespace {
+namespace detail {
 
-void check_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "hetcomm: ", name, " must be a CPU tensor (got ", t.device(),
-                    "); CUDA tensors need a CUDA build of hetcomm (see hetcomm.build_info())");
-}
-
-// Whether `t` runs on CUDA (a CUDA tensor in a CUDA build); otherwise it must be a CPU tensor.
 bool runs_on_cuda(const at::Tensor& t, const char* name) {
 #ifdef HETCOMM_WITH_CUDA
   if (t.is_cuda()) return true;
 #endif
-  check_cpu(t, name);
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "hetcomm: ", name, " must be a CPU tensor (got ", t.device(),
+                    "); CUDA tensors need a CUDA build of hetcomm (see hetcomm.build_info())");
   return false;
 }
 
-// The Python name of a dtype, as the user wrote it.
 const char* dtype_name(at::ScalarType type) {
   switch (type) {
     case at::kFloat: return "float32";
@@ -61,10 +40,8 @@ const char* dtype_name(at::ScalarType type) {
   }
 }
 
-// t: defined, on `like`'s device, contiguous, of dtype `type`, at least `numel`
-// elements (exactly `numel` when `exact`).
 void check_buffer(const at::Tensor& t, const char* name, const at::Tensor& like, at::ScalarType type, int64_t numel,
-                  const char* size_rule, bool exact = false) {
+                  const char* size_rule, bool exact) {
   TORCH_CHECK_VALUE(t.defined(), "hetcomm: ", name, " is undefined");
   TORCH_CHECK_VALUE(t.device() == like.device(), "hetcomm: ", name, " must be on ", like.device(), ", got ",
                     t.device());
@@ -74,6 +51,10 @@ void check_buffer(const at::Tensor& t, const char* name, const at::Tensor& like,
   TORCH_CHECK_VALUE(exact ? t.numel() == numel : t.numel() >= numel, "hetcomm: ", name, " must hold ", size_rule,
                     " = ", numel, " elements, got ", t.numel());
 }
+
+}  // namespace detail
+
+namespace {
 
 // The error-feedback residual, when given: float32 with the gradient's numel, beside it.
 void check_residual(const at::Tensor& residual, const at::Tensor& grad) {
@@ -177,37 +158,105 @@ at::Tensor check_encode(const at::Tensor& grad, const at::Tensor& residual, doub
 
 }  // namespace
 
-void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
-                      at::Tensor& words, at::Tensor& scales) {
+namespace {
+
+// The bit-packed codecs (sign: 1 bit an element, int3: 3) share their
+// arguments' rules and buffers: int32 words holding uint32 bit patterns, a
+// bf16 scale per chunk. A codec names its kernels' parameters, sizes and ops.
+struct SignCodec {
+  using Encode = k::SignEncodeParams;
+  using Decode = k::SignDecodeParams;
+  static constexpr const char* kWordsRule = "ceil(n/32)";
+  static int64_t num_words(int64_t n) { return k::sign_num_words(n); }
+  static int64_t num_chunks(int64_t n, int64_t chunk) { return k::sign_num_chunks(n, chunk); }
+  static void encode(const Encode& p, const at::Tensor& on) {
+    HC_RUN(on, "grad", cpu::sign_encode(p), cuda::sign_encode(p, on.device()));
+  }
+  static void decode(const Decode& p, const at::Tensor& on) {
+    HC_RUN(on, "words", cpu::sign_decode(p), cuda::sign_decode(p, on.device()));
+  }
+};
+
+struct Int3Codec {
+  using Encode = k::Int3EncodeParams;
+  using Decode = k::Int3DecodeParams;
+  static constexpr const char* kWordsRule = "3 * ceil(n/32)";
+  static int64_t num_words(int64_t n) { return k::int3_num_words(n); }
+  static int64_t num_chunks(int64_t n, int64_t chunk) { return k::int3_num_chunks(n, chunk); }
+  static void encode(const Encode& p, const at::Tensor& on) {
+    HC_RUN(on, "grad", cpu::int3_encode(p), cuda::int3_encode(p, on.device()));
+  }
+  static void decode(const Decode& p, const at::Tensor& on) {
+    HC_RUN(on, "words", cpu::int3_decode(p), cuda::int3_decode(p, on.device()));
+  }
+};
+
+template <class C>
+void packed_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                        at::Tensor& words, at::Tensor& scales) {
   const at::Tensor g = check_encode(grad, residual, divisor, chunk);
   const int64_t n = g.numel();
-  check_buffer(words, "words", g, at::kInt, k::sign_num_words(n), "ceil(n/32)", true);
-  check_buffer(scales, "scales", g, at::kBFloat16, k::sign_num_chunks(n, chunk), "ceil(n/chunk)", true);
-  const k::SignEncodeParams p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
-                              reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), bf16_bits(scales)};
-  HC_RUN(g, "grad", cpu::sign_encode(p), cuda::sign_encode(p, g.device()));
+  check_buffer(words, "words", g, at::kInt, C::num_words(n), C::kWordsRule, true);
+  check_buffer(scales, "scales", g, at::kBFloat16, C::num_chunks(n, chunk), "ceil(n/chunk)", true);
+  const typename C::Encode p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
+                             reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), bf16_bits(scales)};
+  C::encode(p, g);
+}
+
+template <class C>
+std::tuple<at::Tensor, at::Tensor> packed_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                                 int64_t chunk) {
+  check_chunk(chunk);
+  check_float_vector(grad, "grad");
+  const int64_t n = grad.numel();
+  at::Tensor words = at::zeros({C::num_words(n)}, grad.options().dtype(at::kInt));
+  at::Tensor scales = at::empty({C::num_chunks(n, chunk)}, grad.options().dtype(at::kBFloat16));
+  packed_encode_into<C>(grad, residual, divisor, chunk, words, scales);
+  return {words, scales};
+}
+
+template <class C>
+at::Tensor packed_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+                         at::Tensor out, bool accumulate) {
+  check_decode_sizes(n, chunk);  // (num_chunks divides by the chunk)
+  const ChunkedDecode d = check_decode(words, "words", at::kInt, C::num_words(n), C::kWordsRule, scales,
+                                       at::kBFloat16, n, C::num_chunks(n, chunk), out, accumulate);
+  const typename C::Decode p{reinterpret_cast<const uint32_t*>(d.codes.data_ptr<int32_t>()), bf16_bits(d.scales),
+                             d.out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
+  C::decode(p, d.codes);
+  return d.out;
+}
+
+}  // namespace
+
+void sign_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                      at::Tensor& words, at::Tensor& scales) {
+  packed_encode_into<SignCodec>(grad, residual, divisor, chunk, words, scales);
 }
 
 std::tuple<at::Tensor, at::Tensor> sign_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
                                                int64_t chunk) {
-  check_chunk(chunk);
-  check_float_vector(grad, "grad");
-  const int64_t n = grad.numel();
-  at::Tensor words = at::zeros({k::sign_num_words(n)}, grad.options().dtype(at::kInt));
-  at::Tensor scales = at::empty({k::sign_num_chunks(n, chunk)}, grad.options().dtype(at::kBFloat16));
-  sign_encode_into(grad, residual, divisor, chunk, words, scales);
-  return {words, scales};
+  return packed_encode<SignCodec>(grad, residual, divisor, chunk);
 }
 
 at::Tensor sign_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
                        at::Tensor out, bool accumulate) {
-  check_decode_sizes(n, chunk);  // (sign_num_chunks divides by the chunk)
-  const ChunkedDecode d = check_decode(words, "words", at::kInt, k::sign_num_words(n), "ceil(n/32)", scales,
-                                       at::kBFloat16, n, k::sign_num_chunks(n, chunk), out, accumulate);
-  const k::SignDecodeParams p{reinterpret_cast<const uint32_t*>(d.codes.data_ptr<int32_t>()), bf16_bits(d.scales),
-                              d.out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
-  HC_RUN(d.codes, "words", cpu::sign_decode(p), cuda::sign_decode(p, d.codes.device()));
-  return d.out;
+  return packed_decode<SignCodec>(words, scales, n, chunk, alpha, out, accumulate);
+}
+
+void int3_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
+                      at::Tensor& words, at::Tensor& scales) {
+  packed_encode_into<Int3Codec>(grad, residual, divisor, chunk, words, scales);
+}
+
+std::tuple<at::Tensor, at::Tensor> int3_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
+                                               int64_t chunk) {
+  return packed_encode<Int3Codec>(grad, residual, divisor, chunk);
+}
+
+at::Tensor int3_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
+                       at::Tensor out, bool accumulate) {
+  return packed_decode<Int3Codec>(words, scales, n, chunk, alpha, out, accumulate);
 }
 
 void fp8_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
@@ -240,39 +289,6 @@ at::Tensor fp8_decode(const at::Tensor& codes, const at::Tensor& scales, int64_t
   const k::Fp8DecodeParams p{d.codes.data_ptr<uint8_t>(), d.scales.data_ptr<float>(), d.out.data_ptr<float>(), n, chunk,
                              static_cast<float>(alpha), accumulate};
   HC_RUN(d.codes, "codes", cpu::fp8_decode(p), cuda::fp8_decode(p, d.codes.device()));
-  return d.out;
-}
-
-void int3_encode_into(const at::Tensor& grad, const at::Tensor& residual, double divisor, int64_t chunk,
-                      at::Tensor& words, at::Tensor& scales) {
-  const at::Tensor g = check_encode(grad, residual, divisor, chunk);
-  const int64_t n = g.numel();
-  check_buffer(words, "words", g, at::kInt, k::int3_num_words(n), "3 * ceil(n/32)", true);
-  check_buffer(scales, "scales", g, at::kBFloat16, k::int3_num_chunks(n, chunk), "ceil(n/chunk)", true);
-  const k::Int3EncodeParams p{g.data_ptr<float>(), opt_ptr(residual), static_cast<float>(divisor), n, chunk,
-                              reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()), bf16_bits(scales)};
-  HC_RUN(g, "grad", cpu::int3_encode(p), cuda::int3_encode(p, g.device()));
-}
-
-std::tuple<at::Tensor, at::Tensor> int3_encode(const at::Tensor& grad, const at::Tensor& residual, double divisor,
-                                               int64_t chunk) {
-  check_chunk(chunk);
-  check_float_vector(grad, "grad");
-  const int64_t n = grad.numel();
-  at::Tensor words = at::empty({k::int3_num_words(n)}, grad.options().dtype(at::kInt));
-  at::Tensor scales = at::empty({k::int3_num_chunks(n, chunk)}, grad.options().dtype(at::kBFloat16));
-  int3_encode_into(grad, residual, divisor, chunk, words, scales);
-  return {words, scales};
-}
-
-at::Tensor int3_decode(const at::Tensor& words, const at::Tensor& scales, int64_t n, int64_t chunk, double alpha,
-                       at::Tensor out, bool accumulate) {
-  check_decode_sizes(n, chunk);  // (int3_num_chunks divides by the chunk)
-  const ChunkedDecode d = check_decode(words, "words", at::kInt, k::int3_num_words(n), "3 * ceil(n/32)", scales,
-                                       at::kBFloat16, n, k::int3_num_chunks(n, chunk), out, accumulate);
-  const k::Int3DecodeParams p{reinterpret_cast<const uint32_t*>(d.codes.data_ptr<int32_t>()), bf16_bits(d.scales),
-                              d.out.data_ptr<float>(), n, chunk, static_cast<float>(alpha), accumulate};
-  HC_RUN(d.codes, "words", cpu::int3_decode(p), cuda::int3_decode(p, d.codes.device()));
   return d.out;
 }
 
@@ -358,111 +374,6 @@ at::Tensor cast_decode(const at::Tensor& h, double mul, at::Tensor out) {
   const float m = static_cast<float>(mul);
   HC_RUN(hc, "h", cpu::cast_decode(fmt, in, m, o, hc.numel()), cuda::cast_decode(fmt, in, m, o, hc.numel(), hc.device()));
   return out;
-}
-
-void check_momentum(const at::Tensor& x, const at::Tensor& m, const char* m_name, double alpha, double beta) {
-  TORCH_CHECK_VALUE(x.defined(), "hetcomm: x is undefined");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "hetcomm: x must be float32, got ", dtype_name(x.scalar_type()));
-  TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
-  check_buffer(m, m_name, x, at::kFloat, x.numel(), "x's numel", true);
-  TORCH_CHECK_VALUE(std::isfinite(alpha), "hetcomm: alpha must be finite, got ", alpha);
-  check_beta(beta);
-}
-
-void check_beta(double beta) {
-  TORCH_CHECK_VALUE(beta >= 0.0 && beta < 1.0, "hetcomm: beta must be in [0, 1), got ", beta);
-}
-
-void momentum_fold_in(at::Tensor& x, const at::Tensor& m, double alpha) {
-  check_momentum(x, m, "m", alpha, 0.0);
-  float* xp = x.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
-  const float a = static_cast<float>(alpha);
-  HC_RUN(x, "x", cpu::momentum_fold_in(xp, mp, a, x.numel()), cuda::momentum_fold_in(xp, mp, a, x.numel(), x.device()));
-}
-
-void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta) {
-  check_momentum(x, m, "m", 0.0, beta);
-  float* xp = x.data_ptr<float>();
-  float* mp = m.data_ptr<float>();
-  const float b = static_cast<float>(beta);
-  HC_RUN(x, "x", cpu::momentum_handoff(xp, mp, b, x.numel()), cuda::momentum_handoff(xp, mp, b, x.numel(), x.device()));
-}
-
-namespace {
-
-// Whether t can hold a rows x cols float32 matrix in place beside p: contiguous, on p's device.
-bool holds_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const at::Tensor& p) {
-  return t.is_contiguous() && t.numel() == rows * cols && t.scalar_type() == at::kFloat && t.device() == p.device();
-}
-
-}  // namespace
-
-at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out) {
-  TORCH_CHECK_VALUE(p.dim() == 2 && qt.dim() == 2 && p.size(1) == qt.size(0), "hetcomm: p (rows x r) and qt (r x cols) "
-                    "must be matrices with matching r, got ", p.sizes(), " and ", qt.sizes());
-  TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat && qt.scalar_type() == at::kFloat, "hetcomm: p and qt must be float32");
-  TORCH_CHECK_VALUE(p.device() == qt.device(), "hetcomm: p and qt must be on one device, got ", p.device(), " and ",
-                    qt.device());
-  const at::Tensor pc = p.contiguous(), qc = qt.contiguous();
-  const int64_t rows = p.size(0), cols = qt.size(1), r = p.size(1);
-  if (!out.defined()) out = at::empty({rows, cols}, pc.options());
-  TORCH_CHECK_VALUE(holds_matrix(out, rows, cols, p),
-                    "hetcomm: out must be contiguous float32 with rows * cols elements on p's device");
-  const float* pp = pc.data_ptr<float>();
-  const float* qp = qc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  HC_RUN(pc, "p", cpu::lowrank_outer(pp, qp, op, rows, cols, r), cuda::lowrank_outer(pp, qp, op, rows, cols, r, pc.device()));
-  return out;
-}
-
-void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, const at::Tensor& residual,
-                    double divisor, double share) {
-  TORCH_CHECK_VALUE(p.dim() == 2 && qt.dim() == 2 && p.size(1) == qt.size(0) && p.is_contiguous() &&
-                        qt.is_contiguous() && p.scalar_type() == at::kFloat && qt.scalar_type() == at::kFloat,
-                    "hetcomm: p (rows x r) and qt (r x cols) must be contiguous float32 matrices with matching r, got ",
-                    p.sizes(), " and ", qt.sizes());
-  const int64_t rows = p.size(0), cols = qt.size(1), r = p.size(1);
-  TORCH_CHECK_VALUE(p.device() == qt.device() && holds_matrix(x, rows, cols, p) &&
-                        (!residual.defined() || holds_matrix(residual, rows, cols, p)),
-                    "hetcomm: x (and residual) must be contiguous float32 with rows * cols = ", rows * cols,
-                    " elements on p's device");
-  check_divisor(divisor);
-  TORCH_CHECK_VALUE(std::isfinite(share), "hetcomm: share must be finite, got ", share);
-  const float* pp = p.data_ptr<float>();
-  const float* qp = qt.data_ptr<float>();
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
-  const float d = static_cast<float>(divisor), s = static_cast<float>(share);
-  HC_RUN(p, "p", cpu::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r),
-         cuda::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r, p.device()));
-}
-
-void orthonormalize_columns(at::Tensor& p, double eps) {
-  TORCH_CHECK_VALUE(p.dim() == 2 && p.is_contiguous() && p.scalar_type() == at::kFloat,
-                    "hetcomm: p must be a contiguous float32 matrix");
-  at::Tensor flat = p.view({-1});
-  orthonormalize_blocks(flat, {k::ColumnBlock{0, p.size(0), p.size(1)}}, eps);
-}
-
-void orthonormalize_blocks(at::Tensor& flat, const std::vector<k::ColumnBlock>& blocks, double eps) {
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "hetcomm: eps must be finite and >= 0, got ", eps);
-  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous() && flat.scalar_type() == at::kFloat,
-                    "hetcomm: flat must be a contiguous 1-D float32 tensor");
-  int64_t end = 0;  // of the previous block
-  for (const auto& b : blocks) {
-    TORCH_CHECK_VALUE(b.offset >= 0 && b.rows >= 0 && b.cols >= 0 && b.offset <= flat.numel() &&
-                          (b.cols == 0 || b.rows <= (flat.numel() - b.offset) / b.cols),
-                      "hetcomm: blocks: a block of ", b.rows, " x ", b.cols, " at ", b.offset, " lies outside flat's ",
-                      flat.numel(), " elements");
-    TORCH_CHECK_VALUE(b.offset >= end, "hetcomm: blocks must be in order and must not overlap: one at ", b.offset,
-                      " starts before the previous one's end ", end);
-    end = b.offset + b.rows * b.cols;
-  }
-  float* base = flat.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  HC_RUN(flat, "flat", cpu::orthonormalize_blocks(base, blocks, e),
-         cuda::orthonormalize_blocks(base, blocks, e, flat.device()));
 }
 
 }  // namespace ops

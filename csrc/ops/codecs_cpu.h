@@ -1,6 +1,7 @@
 // CPU bodies of the codec ops in codecs.h: the torch-free kernels
 // (csrc/kernels/*_cpu.cpp) run under at::parallel_for. Arguments are checked
-// by codecs.cpp before they get here; codecs_cuda.h has the same calls for CUDA.
+// by codecs.cpp and dense_ops.cpp before they get here; codecs_cuda.h has the
+// same calls for CUDA.
 #pragma once
 
 #include <ATen/ATen.h>

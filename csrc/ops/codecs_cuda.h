@@ -1,8 +1,8 @@
 // CUDA bodies of the codec ops in codecs.h: the kernels of
 // csrc/kernels/*_cuda.cu (the same per-element math as the CPU's), enqueued on
-// `device`'s current stream. Arguments are checked by codecs.cpp before they
-// get here; codecs_cpu.h has the same calls for the CPU. CUDA builds only
-// (HETCOMM_WITH_CUDA).
+// `device`'s current stream. Arguments are checked by codecs.cpp (and
+// dense_ops.cpp) before they get here; codecs_cpu.h has the same calls for
+// the CPU. CUDA builds only (HETCOMM_WITH_CUDA).
 #pragma once
 
 #include <ATen/ATen.h>

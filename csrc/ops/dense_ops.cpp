@@ -1,0 +1,122 @@
+// The ops that do not encode: momentum compression's two passes and the
+// low-rank pieces every rank must compute to the same bits (codecs.h).
+#include <cmath>
+
+#include "kernels/lowrank.h"
+#include "ops/codecs.h"
+#include "ops/dispatch.h"
+
+namespace hetcomm {
+namespace ops {
+
+namespace k = hetcomm::kernels;
+using detail::check_buffer;
+using detail::dtype_name;
+
+void check_momentum(const at::Tensor& x, const at::Tensor& m, const char* m_name, double alpha, double beta) {
+  TORCH_CHECK_VALUE(x.defined(), "hetcomm: x is undefined");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "hetcomm: x must be float32, got ", dtype_name(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
+  check_buffer(m, m_name, x, at::kFloat, x.numel(), "x's numel", true);
+  TORCH_CHECK_VALUE(std::isfinite(alpha), "hetcomm: alpha must be finite, got ", alpha);
+  check_beta(beta);
+}
+
+void check_beta(double beta) {
+  TORCH_CHECK_VALUE(beta >= 0.0 && beta < 1.0, "hetcomm: beta must be in [0, 1), got ", beta);
+}
+
+void momentum_fold_in(at::Tensor& x, const at::Tensor& m, double alpha) {
+  check_momentum(x, m, "m", alpha, 0.0);
+  float* xp = x.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  const float a = static_cast<float>(alpha);
+  HC_RUN(x, "x", cpu::momentum_fold_in(xp, mp, a, x.numel()), cuda::momentum_fold_in(xp, mp, a, x.numel(), x.device()));
+}
+
+void momentum_handoff(at::Tensor& x, at::Tensor& m, double beta) {
+  check_momentum(x, m, "m", 0.0, beta);
+  float* xp = x.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  const float b = static_cast<float>(beta);
+  HC_RUN(x, "x", cpu::momentum_handoff(xp, mp, b, x.numel()), cuda::momentum_handoff(xp, mp, b, x.numel(), x.device()));
+}
+
+namespace {
+
+// Whether t can hold a rows x cols float32 matrix in place beside p: contiguous, on p's device.
+bool holds_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const at::Tensor& p) {
+  return t.is_contiguous() && t.numel() == rows * cols && t.scalar_type() == at::kFloat && t.device() == p.device();
+}
+
+}  // namespace
+
+at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor out) {
+  TORCH_CHECK_VALUE(p.dim() == 2 && qt.dim() == 2 && p.size(1) == qt.size(0), "hetcomm: p (rows x r) and qt (r x cols) "
+                    "must be matrices with matching r, got ", p.sizes(), " and ", qt.sizes());
+  TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat && qt.scalar_type() == at::kFloat, "hetcomm: p and qt must be float32");
+  TORCH_CHECK_VALUE(p.device() == qt.device(), "hetcomm: p and qt must be on one device, got ", p.device(), " and ",
+                    qt.device());
+  const at::Tensor pc = p.contiguous(), qc = qt.contiguous();
+  const int64_t rows = p.size(0), cols = qt.size(1), r = p.size(1);
+  if (!out.defined()) out = at::empty({rows, cols}, pc.options());
+  TORCH_CHECK_VALUE(holds_matrix(out, rows, cols, p),
+                    "hetcomm: out must be contiguous float32 with rows * cols elements on p's device");
+  const float* pp = pc.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  HC_RUN(pc, "p", cpu::lowrank_outer(pp, qp, op, rows, cols, r), cuda::lowrank_outer(pp, qp, op, rows, cols, r, pc.device()));
+  return out;
+}
+
+void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, const at::Tensor& residual,
+                    double divisor, double share) {
+  TORCH_CHECK_VALUE(p.dim() == 2 && qt.dim() == 2 && p.size(1) == qt.size(0) && p.is_contiguous() &&
+                        qt.is_contiguous() && p.scalar_type() == at::kFloat && qt.scalar_type() == at::kFloat,
+                    "hetcomm: p (rows x r) and qt (r x cols) must be contiguous float32 matrices with matching r, got ",
+                    p.sizes(), " and ", qt.sizes());
+  const int64_t rows = p.size(0), cols = qt.size(1), r = p.size(1);
+  TORCH_CHECK_VALUE(p.device() == qt.device() && holds_matrix(x, rows, cols, p) &&
+                        (!residual.defined() || holds_matrix(residual, rows, cols, p)),
+                    "hetcomm: x (and residual) must be contiguous float32 with rows * cols = ", rows * cols,
+                    " elements on p's device");
+  check_divisor(divisor);
+  TORCH_CHECK_VALUE(std::isfinite(share), "hetcomm: share must be finite, got ", share);
+  const float* pp = p.data_ptr<float>();
+  const float* qp = qt.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  const float d = static_cast<float>(divisor), s = static_cast<float>(share);
+  HC_RUN(p, "p", cpu::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r),
+         cuda::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r, p.device()));
+}
+
+void orthonormalize_columns(at::Tensor& p, double eps) {
+  TORCH_CHECK_VALUE(p.dim() == 2 && p.is_contiguous() && p.scalar_type() == at::kFloat,
+                    "hetcomm: p must be a contiguous float32 matrix");
+  at::Tensor flat = p.view({-1});
+  orthonormalize_blocks(flat, {k::ColumnBlock{0, p.size(0), p.size(1)}}, eps);
+}
+
+void orthonormalize_blocks(at::Tensor& flat, const std::vector<k::ColumnBlock>& blocks, double eps) {
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "hetcomm: eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous() && flat.scalar_type() == at::kFloat,
+                    "hetcomm: flat must be a contiguous 1-D float32 tensor");
+  int64_t end = 0;  // of the previous block
+  for (const auto& b : blocks) {
+    TORCH_CHECK_VALUE(b.offset >= 0 && b.rows >= 0 && b.cols >= 0 && b.offset <= flat.numel() &&
+                          (b.cols == 0 || b.rows <= (flat.numel() - b.offset) / b.cols),
+                      "hetcomm: blocks: a block of ", b.rows, " x ", b.cols, " at ", b.offset, " lies outside flat's ",
+                      flat.numel(), " elements");
+    TORCH_CHECK_VALUE(b.offset >= end, "hetcomm: blocks must be in order and must not overlap: one at ", b.offset,
+                      " starts before the previous one's end ", end);
+    end = b.offset + b.rows * b.cols;
+  }
+  float* base = flat.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  HC_RUN(flat, "flat", cpu::orthonormalize_blocks(base, blocks, e),
+         cuda::orthonormalize_blocks(base, blocks, e, flat.device()));
+}
+
+}  // namespace ops
+}  // namespace hetcomm
