@@ -68,6 +68,13 @@ struct Finite {
   bool everywhere = true;  // out: every rank's was (false: x as it came, save the momentum fold)
 };
 
+// Every rank passes a Finite to a reduction or none does: where this one's
+// caller passed none, no rank may have flagged its input.
+inline void check_none_flagged(const Finite* given, bool everywhere) {
+  TORCH_CHECK(given != nullptr || everywhere,
+              "hetcomm: a rank flagged its input as not finite where this one's caller did not pass Finite");
+}
+
 // Two-phase 1-bit all-reduce (x float32, contiguous). worker_residual: numel
 // x.numel(); server_residual: numel server_residual_numel(...) for this rank.
 // Either may be undefined (no error feedback). pieces: how many pieces the
