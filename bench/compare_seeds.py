@@ -9,7 +9,8 @@ seed's steps. Against torch-powersgd (where the file has it): the seeds with
 more / fewer steps and the mean difference (standard error), and the time to
 the first touch as the mean (median) of per-seed ratios and as the ratio of
 the summed times (bench train's own, `hetcomm.benchmarks.train.aggregate`),
-the same two for the stay. (fp32 taken from a
+the same two for the stay. Seeds where fp32 itself diverged are left out
+(`train.fp32_diverged`). (fp32 taken from a
 --reference file ran elsewhere, loopback: its times are that run's, its steps
 compare.)"""
 import json
@@ -37,8 +38,12 @@ def report(path):
 
 
 def report_cell(name, runs):
-    seeds = sorted(set.intersection(*[{s for s, r in by_seed.items() if r["reached"]} for by_seed in runs.values()]))
-    print(f"{name}: {len(seeds)} seeds reached by every mode")
+    # a seed whose fp32 run diverged has no target (every mode "reaches" it at once): left out, as aggregate does
+    diverged = sorted(s for s, r in runs.get(train.REFERENCE, {}).items() if train.fp32_diverged(r))
+    seeds = sorted(set.intersection(*[{s for s, r in by_seed.items() if r["reached"]} for by_seed in runs.values()])
+                   - set(diverged))
+    print(f"{name}: {len(seeds)} seeds reached by every mode"
+          + (f" (fp32 diverged on seeds {', '.join(map(str, diverged))}: left out)" if diverged else ""))
     for mode, by_seed in runs.items():
         first = sum(by_seed[s]["steps_to_target"] for s in seeds)
         stay = sum(by_seed[s]["steps_to_stay"] for s in seeds)

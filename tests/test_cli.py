@@ -342,6 +342,44 @@ def test_bench_train_plain_sgd_runs_without_momentum_at_its_own_rate(tmp_path):
         train.run(2, ["regress"], ["sgd", "plain"], ["onebit", "onebit+m", "topk+m-p10"])
 
 
+def _synthetic_run(task, mode, seed, values, metric):
+    curve = [{"step": 20 * (i + 1), "time_s": 0.1 * (i + 1), metric: v, "loss": 0.0} for i, v in enumerate(values)]
+    return {"task": task, "optimizer": "sgd", "mode": mode, "seed": seed, "curve": curve, "final": values[-1],
+            "finite": math.isfinite(values[-1]), "s_per_step": 0.01, "bytes_per_step": 1000}
+
+
+def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch, capsys):
+    from hetcomm.benchmarks import tasks, train
+
+    # the rule: the last evaluation over 1.5x the lowest (perplexity, MSE), 10 points under the highest (accuracy)
+    assert tasks.LanguageModel.diverged([5.0, 1.6, 2.5]) and not tasks.LanguageModel.diverged([5.0, 1.6, 2.3])
+    assert tasks.Regress.diverged([1.0, 0.2, float("nan")]) and tasks.LanguageModel.diverged([2.0, float("inf")])
+    assert tasks.Classify.diverged([90.0, 98.0, 87.5]) and not tasks.Classify.diverged([90.0, 98.0, 88.5])
+    # seed 1's fp32 blew up (13.3 against its own 1.6): against that target int3 "reaches" at once
+    runs = [_synthetic_run("lm", "fp32", 0, [3.0, 1.60, 1.60], "perplexity"),
+            _synthetic_run("lm", "int3", 0, [3.0, 1.70, 1.62], "perplexity"),
+            _synthetic_run("lm", "fp32", 1, [3.0, 1.60, 13.3], "perplexity"),
+            _synthetic_run("lm", "int3", 1, [3.0, 1.61, 1.61], "perplexity")]
+    runs = train.summarise(runs)
+    assert [r["fp32_diverged"] for r in runs] == [False, False, True, True]
+    assert runs[3]["reached"] and runs[3]["steps_to_target"] == 20  # what the means must not count
+    summary = {a["mode"]: a for a in train.aggregate(runs)}
+    for mode, final in (("fp32", 1.60), ("int3", 1.62)):
+        a = summary[mode]
+        assert (a["seeds"], a["fp32_diverged_seeds"], a["reached_seeds"]) == (1, 1, 1)
+        assert a["final_mean"] == pytest.approx(final) and a["fp32_mean"] == pytest.approx(1.60)
+        assert a["time_to_target_s"] == pytest.approx(0.3 if mode == "int3" else 0.2)
+    # every seed's fp32 diverged: nothing to average
+    alone = train.aggregate(train.summarise([dict(r) for r in runs[2:]]))
+    assert [(a["seeds"], a["fp32_diverged_seeds"], a["final_mean"]) for a in alone] == [(0, 1, None), (0, 1, None)]
+    # bench train's report names the seed
+    monkeypatch.setattr(train, "run", lambda *args, **kwargs: [dict(r, world_size=4) for r in runs])
+    train.main(4, ["lm"], ["sgd"], ["int3"], 1.0, 20, None, None, seeds=2)
+    out = capsys.readouterr().out
+    assert "# fp32 diverged on lm sgd seed 1 (its perplexity ended 13.3, its own best 1.6)" in out
+    assert "seed 0 (" not in out
+
+
 def test_bench_train_seeds_compare_means(tmp_path):
     out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
                 "--scale", "0.1", "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)

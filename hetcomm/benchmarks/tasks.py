@@ -29,7 +29,7 @@ fp32's rate, never retuned.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -61,6 +61,22 @@ class Task:
     def reached(value: float, reference: float) -> bool:
         """Whether quality ``value`` is within this task's tolerance of fp32's ``reference``."""
         raise NotImplementedError
+
+    higher_is_better = False  # the metric's sense (accuracy: higher; MSE, perplexity: lower)
+
+    @classmethod
+    def diverged(cls, values: Sequence[float]) -> bool:
+        """Whether a run's evaluations (in order) end far off their own best:
+        the last not finite, over 1.5x the lowest (MSE, perplexity), or over
+        10 points under the highest (accuracy). fp32 itself can, at the
+        tasks' learning rates (the language model with SGD-m on 4 ranks: 4
+        seeds of 20 at 400 steps); its final quality is then no target."""
+        last = values[-1]
+        if not math.isfinite(last):
+            return True
+        if cls.higher_is_better:
+            return last < max(values) - 10.0
+        return last > 1.5 * min(values)
 
     @staticmethod
     def _on(model: nn.Module, *tensors: torch.Tensor):
@@ -109,6 +125,7 @@ class Regress(Task):
 
 class Classify(Task):
     name, metric = "classify", "accuracy"
+    higher_is_better = True
     batch, steps = 32, 600
     # AdamW: 1e-2 had the best single run, but there the result is chaotic (the
     # same run with lr * (1 + 1e-6) or eps * 1.0001 ends anywhere in 95-98.9 %);

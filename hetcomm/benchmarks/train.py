@@ -207,6 +207,7 @@ def summarise(runs: List[Dict]) -> List[Dict]:
         task = TASKS[r["task"]]
         base = ref[(r["task"], r["optimizer"], r["seed"])]
         r["target"] = base["final"]
+        r["fp32_diverged"] = fp32_diverged(base)
         within = [r["finite"] and task.reached(p[task.metric], r["target"]) for p in r["curve"]]
         hit = next((p for p, ok in zip(r["curve"], within) if ok), None)
         if not within[-1]:
@@ -229,8 +230,17 @@ def summarise(runs: List[Dict]) -> List[Dict]:
     return runs
 
 
+def fp32_diverged(ref: Dict) -> bool:
+    """Whether fp32's run ``ref`` ended far off its own best (Task.diverged):
+    its final quality is then no target."""
+    task = TASKS[ref["task"]]
+    return task.diverged([p[task.metric] for p in ref["curve"]])
+
+
 def aggregate(runs: List[Dict]) -> List[Dict]:
-    """Per task, optimizer and mode over its seeds: the mean and spread of the
+    """Per task, optimizer and mode over its seeds (those where fp32's own run
+    did not diverge, :func:`fp32_diverged`: against its blown-up final every
+    mode "reaches" at once; their count is ``fp32_diverged_seeds``): the mean and spread of the
     final quality, fp32's mean, whether the mean is within the task's tolerance
     of fp32's mean, in how many seeds the run reached its own seed's target,
     the mean time to target over the seeds that reached it, and the mean of
@@ -241,9 +251,21 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
     out = []
     powersgd = {(r["task"], r["optimizer"], r["seed"]): r for r in runs if r["mode"] == "torch-powersgd"}
     keys = list(dict.fromkeys((r["task"], r["optimizer"], r["mode"]) for r in runs))
+    diverged = {(r["task"], r["optimizer"], r["seed"]) for r in runs if r["mode"] == REFERENCE and fp32_diverged(r)}
     for task_name, optim, mode in keys:
-        group = [r for r in runs if (r["task"], r["optimizer"], r["mode"]) == (task_name, optim, mode)]
-        ref = [r["final"] for r in runs if (r["task"], r["optimizer"], r["mode"]) == (task_name, optim, REFERENCE)]
+        cell = [r for r in runs if (r["task"], r["optimizer"]) == (task_name, optim)
+                and (task_name, optim, r["seed"]) not in diverged]
+        group = [r for r in cell if r["mode"] == mode]
+        ref = [r["final"] for r in cell if r["mode"] == REFERENCE]
+        left_out = len({r["seed"] for r in runs if (r["task"], r["optimizer"], r["mode"]) == (task_name, optim, mode)
+                        and (task_name, optim, r["seed"]) in diverged})
+        if not group:
+            out.append({"task": task_name, "optimizer": optim, "mode": mode, "seeds": 0,
+                        "fp32_diverged_seeds": left_out, "final_mean": None, "final_std": None, "fp32_mean": None,
+                        "reached_mean": False, "reached_seeds": 0, "time_to_target_s": None, "vs_powersgd": None,
+                        "vs_powersgd_seeds": 0, "stay_vs_powersgd": None, "summed_vs_powersgd": None,
+                        "s_per_step": None})
+            continue
         finals = torch.tensor([r["final"] for r in group], dtype=torch.float64)
         times = [r["time_to_target_s"] for r in group if r["reached"]]
         ratios = [r["vs_powersgd"] for r in group if r.get("vs_powersgd") is not None]
@@ -252,6 +274,7 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
                  for r in group if r.get("vs_powersgd") is not None]
         mean, ref_mean = finals.mean().item(), sum(ref) / len(ref)
         out.append({"task": task_name, "optimizer": optim, "mode": mode, "seeds": len(group),
+                    "fp32_diverged_seeds": left_out,
                     "final_mean": mean, "final_std": finals.std().item() if len(group) > 1 else 0.0,
                     "fp32_mean": ref_mean, "reached_mean": bool(math.isfinite(mean) and
                                                                 TASKS[task_name].reached(mean, ref_mean)),
@@ -446,6 +469,13 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
     if reference is not None:
         print(f"# fp32's runs (the targets, and the base of 'vs fp32') from {reference}, not run again: their "
               "times are that run's machine and network")
+    for r in runs:
+        if r["mode"] == REFERENCE and r["fp32_diverged"]:
+            task = TASKS[r["task"]]
+            best = (max if task.higher_is_better else min)(p[task.metric] for p in r["curve"])
+            print(f"# fp32 diverged on {r['task']} {r['optimizer']} seed {r['seed']} (its {task.metric} ended "
+                  f"{r['final']:.4g}, its own best {best:.4g}): that seed's target is no fp32 quality, and the means "
+                  "over seeds leave it out")
     summary = aggregate(runs)
     if seeds > 1:
         print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean; "
