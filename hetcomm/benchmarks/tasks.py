@@ -19,7 +19,9 @@ quality of fp32 runs at 0.3, 1, 3, 6 and 10 times a first guess on 2 ranks
 (``hetcomm bench train --modes fp32 --lr-scale X``; for digits with AdamW the
 best mean over seeds, see Classify); for the language model
 with SGD the largest rate that also trains on 4 ranks (0.3 was best on 2 and
-diverges on 4). SGD without momentum (``plain``): the best mean of 2 seeds
+diverges on 4); at 0.15 on 4 ranks fp32 itself still blows up on about one
+seed in five (4 of 20 at 400 steps, bench/README "fp32 spikes there too";
+``Task.diverged`` keeps such a seed out of the means). SGD without momentum (``plain``): the best mean of 2 seeds
 at 0.1, 0.2, 0.3, 0.5, 0.7, 1 and 3 times a first guess (0.2 for the
 regression, 1 for digits and the language model; 1x is unstable on digits,
 1x and up diverge on the language model). The compressed modes run at
