@@ -354,6 +354,7 @@ def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch
     # the rule: the last evaluation over 1.5x the lowest (perplexity, MSE), 10 points under the highest (accuracy)
     assert tasks.LanguageModel.diverged([5.0, 1.6, 2.5]) and not tasks.LanguageModel.diverged([5.0, 1.6, 2.3])
     assert tasks.Regress.diverged([1.0, 0.2, float("nan")]) and tasks.LanguageModel.diverged([2.0, float("inf")])
+    assert tasks.LanguageModel.diverged([float("nan"), 1.6, 2.5]) and not tasks.Regress.diverged([float("inf"), 0.3])
     assert tasks.Classify.diverged([90.0, 98.0, 87.5]) and not tasks.Classify.diverged([90.0, 98.0, 88.5])
     # seed 1's fp32 blew up (13.3 against its own 1.6): against that target int3 "reaches" at once
     runs = [_synthetic_run("lm", "fp32", 0, [3.0, 1.60, 1.60], "perplexity"),
