@@ -219,13 +219,12 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
             raise ValueError(f"mode {name!r}: the per mille after -k must be in 1..1000")
         if base + suffix not in MODES:
             raise ValueError(f"mode {name!r}: {base} has no {suffix} form")
+        m = MODES[base + suffix]
         if letter == "c":  # HookState's rule, checked when the mode is named (a bench: before any run)
             try:
                 check_chunk_size(n)
             except ValueError as e:
                 raise ValueError(f"mode {name!r}: the elements per scale after -c: {e}") from None
-        m = MODES[base + suffix]
-        if letter == "c":
             return replace(m, name=name, options={**m.options, "chunk_size": n})
         if letter == "k":
             return replace(m, name=name, options={**m.options, "topk_ratio": n / 1000})
