@@ -351,7 +351,8 @@ RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "t
                 ("small", "lowrank", "sgd-follow-sched"),  # the same without attaching: follow_lr's
                 ("small", "onebit", "adamw-attach-beta"),  # Adam's beta1 moved every step: the momentum's units too
                 ("small", "onebit", "sgd-extend"),  # resumed past the warm-up with a longer run: no second warm-up
-                ("small", "onebit", "adamw-extend-late")]  # the same attached after loading: an Adam's exact steps
+                ("small", "onebit", "adamw-extend-late"),  # the same attached after loading: an Adam's exact steps
+                ("default", "int3", "adamw")]  # the gradient in 3 bits, as auto sends it, under torch's AdamW
 
 
 def _resume_cases(rank, world, ckpt_dir):
