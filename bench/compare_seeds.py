@@ -8,16 +8,16 @@ the seeds every mode reached; mean final quality; median ms a step; each
 seed's steps. Against torch-powersgd (where the file has it): the seeds with
 more / fewer steps and the mean difference (standard error), and the time to
 the first touch as the mean (median) of per-seed ratios and as the ratio of
-the summed times (bench train's own, `hetcomm.benchmarks.train.aggregate`),
+the summed times (bench train's own, `hetcomm.benchmarks.train_results.aggregate`),
 the same two for the stay. Seeds where fp32 itself diverged are left out
-(`train.fp32_diverged`). (fp32 taken from a
+(`train_results.fp32_diverged`). (fp32 taken from a
 --reference file ran elsewhere, loopback: its times are that run's, its steps
 compare.)"""
 import json
 import statistics as st
 import sys
 
-from hetcomm.benchmarks import train
+from hetcomm.benchmarks import train_results as results
 
 BASE = "torch-powersgd"
 
@@ -39,7 +39,7 @@ def report(path):
 
 def report_cell(name, runs):
     # a seed whose fp32 run diverged has no target (every mode "reaches" it at once): left out, as aggregate does
-    diverged = sorted(s for s, r in runs.get(train.REFERENCE, {}).items() if train.fp32_diverged(r))
+    diverged = sorted(s for s, r in runs.get(results.REFERENCE, {}).items() if results.fp32_diverged(r))
     seeds = sorted(set.intersection(*[{s for s, r in by_seed.items() if r["reached"]} for by_seed in runs.values()])
                    - set(diverged))
     print(f"{name}: {len(seeds)} seeds reached by every mode"
@@ -54,7 +54,7 @@ def report_cell(name, runs):
     if BASE not in runs or len(seeds) < 2:
         return
     base = runs[BASE]
-    means = {m["mode"]: m for m in train.aggregate([r for by_seed in runs.values() for r in by_seed.values()])}
+    means = {m["mode"]: m for m in results.aggregate([r for by_seed in runs.values() for r in by_seed.values()])}
     for mode, by_seed in runs.items():
         if mode == BASE:
             continue

@@ -349,7 +349,7 @@ def _synthetic_run(task, mode, seed, values, metric):
 
 
 def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch, capsys):
-    from hetcomm.benchmarks import tasks, train
+    from hetcomm.benchmarks import tasks, train, train_results
 
     # the rule: the last evaluation over 1.5x the lowest (perplexity, MSE), 10 points under the highest (accuracy)
     assert tasks.LanguageModel.diverged([5.0, 1.6, 2.5]) and not tasks.LanguageModel.diverged([5.0, 1.6, 2.3])
@@ -361,17 +361,17 @@ def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch
             _synthetic_run("lm", "int3", 0, [3.0, 1.70, 1.62], "perplexity"),
             _synthetic_run("lm", "fp32", 1, [3.0, 1.60, 13.3], "perplexity"),
             _synthetic_run("lm", "int3", 1, [3.0, 1.61, 1.61], "perplexity")]
-    runs = train.summarise(runs)
+    runs = train_results.summarise(runs)
     assert [r["fp32_diverged"] for r in runs] == [False, False, True, True]
     assert runs[3]["reached"] and runs[3]["steps_to_target"] == 20  # what the means must not count
-    summary = {a["mode"]: a for a in train.aggregate(runs)}
+    summary = {a["mode"]: a for a in train_results.aggregate(runs)}
     for mode, final in (("fp32", 1.60), ("int3", 1.62)):
         a = summary[mode]
         assert (a["seeds"], a["fp32_diverged_seeds"], a["reached_seeds"]) == (1, 1, 1)
         assert a["final_mean"] == pytest.approx(final) and a["fp32_mean"] == pytest.approx(1.60)
         assert a["time_to_target_s"] == pytest.approx(0.3 if mode == "int3" else 0.2)
     # every seed's fp32 diverged: nothing to average
-    alone = train.aggregate(train.summarise([dict(r) for r in runs[2:]]))
+    alone = train_results.aggregate(train_results.summarise([dict(r) for r in runs[2:]]))
     assert [(a["seeds"], a["fp32_diverged_seeds"], a["final_mean"]) for a in alone] == [(0, 1, None), (0, 1, None)]
     # bench train's report names the seed
     monkeypatch.setattr(train, "run", lambda *args, **kwargs: [dict(r, world_size=4) for r in runs])
