@@ -1,19 +1,23 @@
 """The optimizer a HookState follows: :meth:`attach_optimizer` (its momentum
 compressed) and :meth:`follow_lr` (error feedback in its learning rate's
-units), a mixin of :class:`hetcomm.state.HookState`."""
+units), a mixin of :class:`hetcomm.state.HookState`; and what each step reads
+of it: a rate or momentum a schedule moved, the momentum and Adam's
+denominator laid out as a bucket."""
 
 from __future__ import annotations
 
+import logging
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 
-from . import options
-from .hooks import optimizer_beta
+from . import buckets, options
 
 if TYPE_CHECKING:
     from .state import HookState
+
+log = logging.getLogger("hetcomm")
 
 #: With an Adam attached, every this many compressed steps one is exact (attach_optimizer's default).
 EXACT_EVERY = 16
@@ -30,6 +34,29 @@ def _unwrapped(optimizer):
     if isinstance(inner, torch.optim.Optimizer) and type(optimizer).__name__ == "AcceleratedOptimizer":
         return inner
     return optimizer
+
+
+def _as_bucket(bucket: buckets.Bucket, buf: torch.Tensor, parts, fill: float) -> torch.Tensor:
+    """Per-parameter tensors (optimizer state, one per gradient of the
+    bucket, None where there is none) laid out as their gradients are in the
+    bucket's buffer: float32, ``fill`` elsewhere."""
+    out = torch.full((buf.numel(),), fill, dtype=torch.float32, device=buf.device)
+    for g, part in zip(bucket.grads, parts):
+        if part is not None:
+            off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+            out.narrow(0, off, g.numel()).copy_(part.detach().reshape(-1))
+    return out
+
+
+def optimizer_beta(optimizer: torch.optim.Optimizer, adam: bool, who: str) -> Tuple[float, str]:
+    """The momentum ``optimizer`` runs with, Adam's ``betas[0]`` or SGD's
+    ``momentum``, and its name; a ValueError starting with ``who`` when its
+    parameter groups differ (momentum compression keeps one for all)."""
+    what = "betas[0]" if adam else "momentum"
+    betas = {float(g["betas"][0]) if adam else float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
+    if len(betas) != 1:
+        raise ValueError(f"{who}: every parameter group must have the same {what}, got {sorted(betas)}")
+    return betas.pop(), what
 
 
 class OptimizerLink:
@@ -218,3 +245,118 @@ class OptimizerLink:
         if followed is not None and followed is not optimizer:
             raise ValueError(f"{who}: optimizer is not the one whose learning rate this state already follows "
                              f"({type(followed).__name__}); one HookState follows one optimizer")
+
+    def _follow_momentum(self) -> None:
+        """Follows a momentum that a schedule moves (``OneCycleLR``'s
+        ``cycle_momentum``, the default: SGD's ``momentum`` or Adam's
+        ``betas[0]``, every step). The step's momentum is sent and handed over
+        with the optimizer's beta of this step, and for an Adam, whose first
+        moment is ``(1 - beta1) m``, the compressed momentum kept is multiplied
+        by ``(1 - old) / (1 - new)``: the optimizer's buffer stays the
+        compressed momentum (tested after every step of a ``OneCycleLR`` run,
+        and across a resume: ``state_dict`` keeps the beta)."""
+        opt = self._optimizer()
+        if opt is None:
+            return
+        adam = self._attached != "sgd"
+        beta, what = optimizer_beta(opt, adam, "hetcomm: the attached optimizer (at this step)")
+        if beta == self._beta:
+            return
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"hetcomm: the attached optimizer's {what} moved to {beta}; momentum compression needs "
+                             f"it in [0, 1)")
+        if adam:
+            self._buckets.scale_momentum((1.0 - self._beta) / (1.0 - beta))
+        self._beta = beta
+
+    def _follow_lr(self) -> None:
+        """Keeps error feedback's state in update units under a learning-rate
+        schedule: when the followed optimizer's rate moved from ``a`` to ``b``
+        since the last step, what a bucket's residuals hold back is multiplied
+        by ``a / b``, so once sent it moves the parameters as far as it would
+        have when it was held back (a decaying rate otherwise shrinks it;
+        measured under a cosine schedule, README "Limits"). A group at rate 0
+        keeps its state as it is until its next nonzero rate. Groups moved by
+        different factors: each bucket by its groups' factor; a bucket whose
+        parameters' groups moved by different factors stays as it is (said
+        once). The optimizer is ``attach_optimizer``'s or ``follow_lr``'s."""
+        opt = self._lr_source()
+        if opt is None:
+            return
+        lrs = [float(g["lr"]) for g in opt.param_groups]
+        last = self._lrs
+        if last is None or len(last) != len(lrs):
+            self._lrs = lrs
+            return
+        # a group at rate 0 moves nothing this step: its state keeps the units of its last nonzero rate
+        lrs = [b if b > 0.0 else a for a, b in zip(last, lrs)]
+        self._lrs = lrs
+        if lrs == last:
+            return
+        factors = [a / b if a > 0.0 else 1.0 for a, b in zip(last, lrs)]
+
+        def one(fs: List[float]) -> Optional[float]:  # the factor they share (to float rounding), or None
+            return fs[0] if fs and max(fs) - min(fs) <= 1e-6 * max(fs) else None
+
+        shared = one(factors)
+        if shared is not None:
+            self._buckets.scale_error_feedback(lambda params: shared)
+            return
+        group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        left = self._buckets.scale_error_feedback(
+            lambda params: one([factors[group_of[id(p)]] for p in params if p is not None and id(p) in group_of]))
+        if left and not self._lr_warned:
+            self._lr_warned = True
+            log.warning("hetcomm: the followed optimizer's parameter groups changed their learning rates by "
+                        "different factors (%s -> %s) and %d bucket(s) hold parameters of groups that moved "
+                        "differently: their error-feedback residuals are not rescaled when that happens", last,
+                        lrs, left)
+
+    def _optimizer_momentum(self, bucket: buckets.Bucket, buf: torch.Tensor) -> torch.Tensor:
+        """The attached optimizer's momentum of the bucket's parameters as the
+        hook keeps it (m = beta m + g), laid out as their gradients are in the
+        bucket (zero where it has none yet): SGD's momentum buffer; Adam's
+        first moment divided by 1 - beta1 (exp_avg = (1 - beta1) m).
+        With SGD's weight decay the buffer holds the decay's momentum too: it
+        then goes on inside the compressed momentum, and the optimizer's
+        trajectory is the one it would follow itself."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        sgd = self._attached == "sgd"
+        name, scale = ("momentum_buffer", 1.0) if sgd else ("exp_avg", 1.0 / (1.0 - self._beta))
+        parts = []
+        for n in bucket.sig:
+            param = self._buckets.params.param(n)
+            parts.append(opt.state.get(param, {}).get(name) if opt is not None and param is not None else None)
+        m = _as_bucket(bucket, buf, parts, 0.0)
+        if scale != 1.0:
+            m.mul_(scale)
+        return m
+
+    def _update_denominator(self, bucket: buckets.Bucket, buf: torch.Tensor, key: str):
+        """An attached Adam's per-element denominator (``sqrt(v) + eps``, as
+        its step computes it) laid out as the bucket: top-k of its momentum
+        ranks the entries by the update each would make, ``|m| / denominator``,
+        not by ``|m|``: Adam moves every coordinate at about the learning
+        rate, so ranking by ``|m|`` keeps the coordinates with small gradients
+        waiting whatever their update. (lowrank approximating ``m /
+        denominator`` instead of ``m`` was measured and left out: no better.)
+        Rebuilt when the variance changes (hetcomm's AdamW: on its exact
+        steps); None while a parameter of the bucket has no optimizer state."""
+        from . import optim
+
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is None:
+            return None
+        params = [self._buckets.params.param(n) for n in bucket.sig]
+        if any(p is None for p in params):
+            return None
+        version = tuple(optim.variance_version(opt, p) for p in params)
+        cached = self._buckets.denominators.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        denominators = optim.update_denominators(opt, params)
+        if any(d is None for d in denominators):
+            return None
+        out = _as_bucket(bucket, buf, denominators, 1.0)  # (1 where the bucket has padding)
+        self._buckets.denominators[key] = (version, out)
+        return out
