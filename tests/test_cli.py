@@ -11,7 +11,7 @@ import torch
 
 import hetcomm.planner
 from hetcomm.benchmarks import tasks as bench_tasks
-from hetcomm.benchmarks import train
+from hetcomm.benchmarks import train, train_results
 
 HETCOMM = [sys.executable, "-m", "hetcomm.cli"]
 
@@ -349,7 +349,7 @@ def _synthetic_run(task, mode, seed, values, metric):
 
 
 def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch, capsys):
-    from hetcomm.benchmarks import tasks, train, train_results
+    from hetcomm.benchmarks import tasks
 
     # the rule: the last evaluation over 1.5x the lowest (perplexity, MSE), 10 points under the highest (accuracy)
     assert tasks.LanguageModel.diverged([5.0, 1.6, 2.5]) and not tasks.LanguageModel.diverged([5.0, 1.6, 2.3])
@@ -379,6 +379,29 @@ def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch
     out = capsys.readouterr().out
     assert "# fp32 diverged on lm sgd seed 1 (its perplexity ended 13.3, its own best 1.6)" in out
     assert "seed 0 (" not in out
+
+
+def test_compare_seeds_names_each_runs_spike_and_leaves_out_seeds_whose_fp32_diverged(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_seeds", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                                                                     "compare_seeds.py"))
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    runs = [_synthetic_run("lm", "fp32", 0, [3.0, 1.60, 1.60], "perplexity"),
+            _synthetic_run("lm", "int3", 0, [3.0, 2.6, 1.62], "perplexity"),  # 1.5x of 1.6 is 2.4: not yet
+            _synthetic_run("lm", "fp32", 1, [3.0, 1.60, 13.3], "perplexity"),  # blown up, never back
+            _synthetic_run("lm", "int3", 1, [3.0, 1.61, 1.61], "perplexity"),
+            _synthetic_run("classify", "fp32", 0, [90.0, 98.0, 98.0], "accuracy"),
+            _synthetic_run("classify", "int3", 0, [90.0, 98.0, 87.0, 98.0], "accuracy")]  # back to the target
+    assert [compare.spike(r) for r in runs] == [None, None, 60, None, None, 60]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"runs": train_results.summarise(runs)}))
+    compare.report(str(path))
+    out = capsys.readouterr().out
+    assert "(lm, sgd): 1 seeds reached by every mode (fp32 diverged on seeds 1: left out)" in out
+    assert "spiked 1: 1@60*" in out and "spiked 1: 0@60\n" in out  # fp32's seed 1 ends so; classify's recovers
+    assert out.count("spiked 0") == 2
 
 
 def test_bench_train_seeds_compare_means(tmp_path):
