@@ -130,9 +130,10 @@ def safe_modes(attached: Optional[str], bf16_everywhere: bool, warmed_up: bool =
         # so did int3 (3 bits and a bf16 scale per 32: 0.43x fp8's bytes), every
         # seed of 3 on 2 ranks and on 4. The 4-rank language model with SGD-m
         # spikes at its loss drop under either as often as under fp32 itself
-        # (20 seeds: fp32 4, fp8 4, int3 3): that cell's own edge of stability
+        # (20 seeds: fp32 4, fp8 4, int3 3): that cell's own edge of stability;
+        # at 0.1, where fp32 never spiked, both reached on 10 seeds of 10
         # (bench/README "A 3-bit wire", "int3's spike, counted", "fp32 spikes
-        # there too").
+        # there too", "The edge of stability, located").
         return ("none", half, "fp8", "int3")
     # torch's Adam attached (its variance sees the codec's error): dense only.
     return ("none", half)
