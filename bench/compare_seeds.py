@@ -11,9 +11,8 @@ the first touch as the mean (median) of per-seed ratios and as the ratio of
 the summed times (bench train's own, `hetcomm.benchmarks.train_results.aggregate`),
 the same two for the stay. Seeds where fp32 itself diverged are left out
 (`train_results.fp32_diverged`). Per mode also its spikes, over every seed:
-the first evaluation of a run at which `Task.diverged` holds for the curve
-up to it (perplexity or MSE over 1.5x its lowest so far, accuracy 10 points
-under its best so far), "seed@step", and "*" where the run ends so. (fp32 taken from a
+"seed@step" at the first evaluation far off the run's best so far
+(`train_results.spiked_at`), and "*" where the run ends so. (fp32 taken from a
 --reference file ran elsewhere, loopback: its times are that run's, its steps
 compare.)"""
 import json
@@ -21,7 +20,6 @@ import statistics as st
 import sys
 
 from hetcomm.benchmarks import train_results as results
-from hetcomm.benchmarks.tasks import TASKS
 
 BASE = "torch-powersgd"
 
@@ -34,13 +32,6 @@ def load(path):
     for r in data["runs"]:
         out.setdefault((r["task"], r["optimizer"]), {}).setdefault(r["mode"], {})[r["seed"]] = r
     return out
-
-
-def spike(run):
-    """The step of the run's first evaluation far off its best so far (None: none)."""
-    task = TASKS[run["task"]]
-    values = [p[task.metric] for p in run["curve"]]
-    return next((p["step"] for i, p in enumerate(run["curve"]) if task.diverged(values[:i + 1])), None)
 
 
 def report(path):
@@ -59,8 +50,8 @@ def report_cell(name, runs):
         first = sum(by_seed[s]["steps_to_target"] for s in seeds)
         stay = sum(by_seed[s]["steps_to_stay"] for s in seeds)
         each = " ".join(str(r["steps_to_target"]) if r["reached"] else "-" for _, r in sorted(by_seed.items()))
-        spikes = [f"{s}@{spike(r)}" + ("*" if results.fp32_diverged(r) else "")
-                  for s, r in sorted(by_seed.items()) if spike(r) is not None]
+        spikes = [f"{s}@{results.spiked_at(r)}" + ("*" if results.fp32_diverged(r) else "")
+                  for s, r in sorted(by_seed.items()) if results.spiked_at(r) is not None]
         print(f"  {mode:16s} reached {sum(r['reached'] for r in by_seed.values()):2d}/{len(by_seed)}  first touch "
               f"{first:5d}  stay {stay:5d}  final {st.mean(r['final'] for r in by_seed.values()):.2f}  step "
               f"{1e3 * st.median(r['s_per_step'] for r in by_seed.values()):.1f} ms  {each}  spiked "

@@ -364,10 +364,11 @@ def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch
     runs = train_results.summarise(runs)
     assert [r["fp32_diverged"] for r in runs] == [False, False, True, True]
     assert runs[3]["reached"] and runs[3]["steps_to_target"] == 20  # what the means must not count
+    assert [r["spiked_at"] for r in runs] == [None, None, 60, None]
     summary = {a["mode"]: a for a in train_results.aggregate(runs)}
     for mode, final in (("fp32", 1.60), ("int3", 1.62)):
         a = summary[mode]
-        assert (a["seeds"], a["fp32_diverged_seeds"], a["reached_seeds"]) == (1, 1, 1)
+        assert (a["seeds"], a["fp32_diverged_seeds"], a["reached_seeds"], a["spiked_seeds"]) == (1, 1, 1, 0)
         assert a["final_mean"] == pytest.approx(final) and a["fp32_mean"] == pytest.approx(1.60)
         assert a["time_to_target_s"] == pytest.approx(0.3 if mode == "int3" else 0.2)
     # every seed's fp32 diverged: nothing to average
@@ -384,8 +385,8 @@ def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch
 def test_compare_seeds_names_each_runs_spike_and_leaves_out_seeds_whose_fp32_diverged(tmp_path, capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("compare_seeds", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
-                                                                     "compare_seeds.py"))
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "compare_seeds.py")
+    spec = importlib.util.spec_from_file_location("compare_seeds", script)
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
     runs = [_synthetic_run("lm", "fp32", 0, [3.0, 1.60, 1.60], "perplexity"),
@@ -394,9 +395,12 @@ def test_compare_seeds_names_each_runs_spike_and_leaves_out_seeds_whose_fp32_div
             _synthetic_run("lm", "int3", 1, [3.0, 1.61, 1.61], "perplexity"),
             _synthetic_run("classify", "fp32", 0, [90.0, 98.0, 98.0], "accuracy"),
             _synthetic_run("classify", "int3", 0, [90.0, 98.0, 87.0, 98.0], "accuracy")]  # back to the target
-    assert [compare.spike(r) for r in runs] == [None, None, 60, None, None, 60]
+    assert [train_results.spiked_at(r) for r in runs] == [None, None, 60, None, None, 60]
+    summary = train_results.aggregate(train_results.summarise(runs))
+    assert [(a["task"], a["mode"], a["spiked_seeds"]) for a in summary] == [
+        ("lm", "fp32", 0), ("lm", "int3", 0), ("classify", "fp32", 0), ("classify", "int3", 1)]  # seed 1 left out
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"runs": train_results.summarise(runs)}))
+    path.write_text(json.dumps({"runs": runs}))
     compare.report(str(path))
     out = capsys.readouterr().out
     assert "(lm, sgd): 1 seeds reached by every mode (fp32 diverged on seeds 1: left out)" in out

@@ -318,6 +318,7 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
     cols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"), ("seed", "seed", "d"),
             ("final", "final", ".4g"),
             ("target", "fp32", ".4g"), ("steps_to_target", "steps", "d"), ("steps_to_stay", "stays from", "d"),
+            ("spiked_at", "spiked at", "d"),
             ("time_to_target_s", "time(s)", ".2f"),
             ("vs_fp32", "vs fp32", ".2f"), ("vs_powersgd", "vs PowerSGD", ".2f"), ("s_per_step", "ms/step", ".1f"),
             ("bytes_per_step", "KB/step", ".1f")]
@@ -343,10 +344,13 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
         print(f"# over {seeds} seeds: mean final quality; 'ok' = the mean is within tolerance of fp32's mean; "
               "time(s) = the mean over the seeds that reached; vs PowerSGD = the mean of the per-seed ratios, over "
               "the seeds where both reached ('of seeds'); stayed vs = the same ratio of the times from which each "
-              "stayed within tolerance; summed vs = their summed times to target over PowerSGD's")
+              "stayed within tolerance; summed vs = their summed times to target over PowerSGD's; spiked = the "
+              "seeds whose quality at some evaluation was far off its best so far (perplexity or MSE over 1.5x its "
+              "lowest, accuracy 10 points under its best), back or not")
         acols = [("task", "task", "s"), ("optimizer", "optim", "s"), ("mode", "mode", "s"),
                  ("final_mean", "mean", ".4g"), ("final_std", "std", ".3g"), ("fp32_mean", "fp32 mean", ".4g"),
-                 ("reached_mean", "ok", ""), ("reached_seeds", "seeds ok", "d"), ("time_to_target_s", "time(s)", ".2f"),
+                 ("reached_mean", "ok", ""), ("reached_seeds", "seeds ok", "d"), ("spiked_seeds", "spiked", "d"),
+                 ("time_to_target_s", "time(s)", ".2f"),
                  ("vs_powersgd", "vs PowerSGD", ".2f"), ("vs_powersgd_seeds", "of seeds", "d"),
                  ("stay_vs_powersgd", "stayed vs", ".2f"), ("summed_vs_powersgd", "summed vs", ".2f")]
         print("  ".join(f"{h:>11}" for _, h, _ in acols))

@@ -18,20 +18,32 @@ from .tasks import TASKS
 REFERENCE = "fp32"
 
 
+def spiked_at(run: Dict) -> Optional[int]:
+    """The step of the run's first evaluation far off its best so far
+    (:meth:`Task.diverged` of the curve up to it: perplexity or MSE over 1.5x
+    its lowest so far, accuracy 10 points under its best so far, or not
+    finite), whether or not the run came back; None where there is none."""
+    task = TASKS[run["task"]]
+    values = [p[task.metric] for p in run["curve"]]
+    return next((p["step"] for i, p in enumerate(run["curve"]) if task.diverged(values[:i + 1])), None)
+
+
 def summarise(runs: List[Dict]) -> List[Dict]:
     """Adds to each run: target (fp32's final quality), reached (the final
     quality is within the task's tolerance of it), steps / time to the first
     evaluation within it, steps / time to the evaluation from which every one
     stays within it (``steps_to_stay``: a run that touches the target on one
     lucky evaluation and falls back, as one on digits' 359 test images can,
-    has not yet stayed), and the time ratios against fp32 and torch-powersgd
-    (``vs_*`` by the first touch, ``stay_vs_*`` by the stay)."""
+    has not yet stayed), ``spiked_at`` (:func:`spiked_at`), and the time
+    ratios against fp32 and torch-powersgd (``vs_*`` by the first touch,
+    ``stay_vs_*`` by the stay)."""
     ref = {(r["task"], r["optimizer"], r["seed"]): r for r in runs if r["mode"] == REFERENCE}
     for r in runs:
         task = TASKS[r["task"]]
         base = ref[(r["task"], r["optimizer"], r["seed"])]
         r["target"] = base["final"]
         r["fp32_diverged"] = fp32_diverged(base)
+        r["spiked_at"] = spiked_at(r)
         within = [r["finite"] and task.reached(p[task.metric], r["target"]) for p in r["curve"]]
         hit = next((p for p, ok in zip(r["curve"], within) if ok), None)
         if not within[-1]:
@@ -68,7 +80,9 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
     final quality, fp32's mean, whether the mean is within the task's tolerance
     of fp32's mean, in how many seeds the run reached its own seed's target,
     the mean time to target over the seeds that reached it, and the mean of
-    the per-seed ratios to PowerSGD's time (over the seeds where both reached;
+    in how many seeds it spiked (:func:`spiked_at`; those where fp32 diverged
+    left out too), the mean of the per-seed ratios to PowerSGD's time (over
+    the seeds where both reached;
     with their count), by the first touch of the target and by the stay; also
     the ratio of the summed times over those seeds (first touch), which one
     seed's luck moves less than the mean of ratios."""
@@ -86,7 +100,8 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
         if not group:
             out.append({"task": task_name, "optimizer": optim, "mode": mode, "seeds": 0,
                         "fp32_diverged_seeds": left_out, "final_mean": None, "final_std": None, "fp32_mean": None,
-                        "reached_mean": False, "reached_seeds": 0, "time_to_target_s": None, "vs_powersgd": None,
+                        "reached_mean": False, "reached_seeds": 0, "spiked_seeds": 0, "time_to_target_s": None,
+                        "vs_powersgd": None,
                         "vs_powersgd_seeds": 0, "stay_vs_powersgd": None, "summed_vs_powersgd": None,
                         "s_per_step": None})
             continue
@@ -103,6 +118,7 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
                     "fp32_mean": ref_mean, "reached_mean": bool(math.isfinite(mean) and
                                                                 TASKS[task_name].reached(mean, ref_mean)),
                     "reached_seeds": sum(r["reached"] for r in group),
+                    "spiked_seeds": sum(spiked_at(r) is not None for r in group),
                     "time_to_target_s": sum(times) / len(times) if times else None,
                     "vs_powersgd": sum(ratios) / len(ratios) if ratios else None, "vs_powersgd_seeds": len(ratios),
                     "stay_vs_powersgd": sum(stayed) / len(stayed) if stayed else None,
