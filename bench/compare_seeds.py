@@ -10,7 +10,7 @@ more / fewer steps and the mean difference (standard error), and the time to
 the first touch as the mean (median) of per-seed ratios and as the ratio of
 the summed times (bench train's own, `hetcomm.benchmarks.train_results.aggregate`),
 the same two for the stay. Seeds where fp32 itself diverged are left out
-(`train_results.fp32_diverged`). Per mode also its spikes, over every seed:
+(`train_results.ended_diverged` of fp32's run). Per mode also its spikes, over every seed:
 "seed@step" at the first evaluation far off the run's best so far
 (`train_results.spiked_at`), and "*" where the run ends so. (fp32 taken from a
 --reference file ran elsewhere, loopback: its times are that run's, its steps
@@ -41,7 +41,7 @@ def report(path):
 
 def report_cell(name, runs):
     # a seed whose fp32 run diverged has no target (every mode "reaches" it at once): left out, as aggregate does
-    diverged = sorted(s for s, r in runs.get(results.REFERENCE, {}).items() if results.fp32_diverged(r))
+    diverged = sorted(s for s, r in runs.get(results.REFERENCE, {}).items() if results.ended_diverged(r))
     seeds = sorted(set.intersection(*[{s for s, r in by_seed.items() if r["reached"]} for by_seed in runs.values()])
                    - set(diverged))
     print(f"{name}: {len(seeds)} seeds reached by every mode"
@@ -50,8 +50,9 @@ def report_cell(name, runs):
         first = sum(by_seed[s]["steps_to_target"] for s in seeds)
         stay = sum(by_seed[s]["steps_to_stay"] for s in seeds)
         each = " ".join(str(r["steps_to_target"]) if r["reached"] else "-" for _, r in sorted(by_seed.items()))
-        spikes = [f"{s}@{results.spiked_at(r)}" + ("*" if results.fp32_diverged(r) else "")
-                  for s, r in sorted(by_seed.items()) if results.spiked_at(r) is not None]
+        at = {s: results.spiked_at(r) for s, r in sorted(by_seed.items())}
+        spikes = [f"{s}@{step}" + ("*" if results.ended_diverged(by_seed[s]) else "")
+                  for s, step in at.items() if step is not None]
         print(f"  {mode:16s} reached {sum(r['reached'] for r in by_seed.values()):2d}/{len(by_seed)}  first touch "
               f"{first:5d}  stay {stay:5d}  final {st.mean(r['final'] for r in by_seed.values()):.2f}  step "
               f"{1e3 * st.median(r['s_per_step'] for r in by_seed.values()):.1f} ms  {each}  spiked "

@@ -24,8 +24,9 @@ drop on 4 seeds of 20 (400 steps) and ends blown up on 3 (bench/README
 "fp32 spikes there too"; ``Task.diverged`` keeps such a seed out of the
 means). Over seeds 10-19 on 4 ranks 0.135 (``--lr-scale 0.9``) blew up on
 none at a median within 0.5 % of 0.15's, 0.1 never spiked but trains
-slower (bench/README "The edge of stability, located"). SGD without momentum (``plain``): the best mean of 2 seeds at 0.1,
-0.2, 0.3, 0.5, 0.7, 1 and 3 times a first guess (0.2 for the regression, 1
+slower (bench/README "The edge of stability, located"). SGD without
+momentum (``plain``): the best mean of 2 seeds at 0.1, 0.2, 0.3, 0.5, 0.7,
+1 and 3 times a first guess (0.2 for the regression, 1
 for digits and the language model; 1x is unstable on digits, 1x and up
 diverge on the language model). The compressed modes run at
 fp32's rate, never retuned.

@@ -2,7 +2,7 @@
 target (fp32's final quality on its seed), whether and when it reached it,
 its time against fp32's and PyTorch PowerSGD's (:func:`summarise`), the means
 over seeds (:func:`aggregate`, leaving out the seeds where fp32 itself
-diverged, :func:`fp32_diverged`), and fp32's runs taken from an earlier run's
+diverged, :func:`ended_diverged`), and fp32's runs taken from an earlier run's
 JSON (:func:`load_reference`)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def summarise(runs: List[Dict]) -> List[Dict]:
         task = TASKS[r["task"]]
         base = ref[(r["task"], r["optimizer"], r["seed"])]
         r["target"] = base["final"]
-        r["fp32_diverged"] = fp32_diverged(base)
+        r["fp32_diverged"] = ended_diverged(base)
         r["spiked_at"] = spiked_at(r)
         within = [r["finite"] and task.reached(p[task.metric], r["target"]) for p in r["curve"]]
         hit = next((p for p, ok in zip(r["curve"], within) if ok), None)
@@ -66,30 +66,29 @@ def summarise(runs: List[Dict]) -> List[Dict]:
     return runs
 
 
-def fp32_diverged(ref: Dict) -> bool:
-    """Whether fp32's run ``ref`` ended far off its own best (Task.diverged):
-    its final quality is then no target."""
-    task = TASKS[ref["task"]]
-    return task.diverged([p[task.metric] for p in ref["curve"]])
+def ended_diverged(run: Dict) -> bool:
+    """Whether ``run`` ended far off its own best (Task.diverged of its
+    curve); where fp32's run did, its final quality is no target."""
+    task = TASKS[run["task"]]
+    return task.diverged([p[task.metric] for p in run["curve"]])
 
 
 def aggregate(runs: List[Dict]) -> List[Dict]:
     """Per task, optimizer and mode over its seeds (those where fp32's own run
-    did not diverge, :func:`fp32_diverged`: against its blown-up final every
+    did not diverge, :func:`ended_diverged`: against its blown-up final every
     mode "reaches" at once; their count is ``fp32_diverged_seeds``): the mean and spread of the
     final quality, fp32's mean, whether the mean is within the task's tolerance
-    of fp32's mean, in how many seeds the run reached its own seed's target,
-    the mean time to target over the seeds that reached it, and the mean of
-    in how many seeds it spiked (:func:`spiked_at`; those where fp32 diverged
-    left out too), the mean of the per-seed ratios to PowerSGD's time (over
-    the seeds where both reached;
-    with their count), by the first touch of the target and by the stay; also
+    of fp32's mean, in how many seeds the run reached its own seed's target
+    and in how many it spiked (:func:`spiked_at`), the mean time to target
+    over the seeds that reached it, and the mean of the per-seed ratios to
+    PowerSGD's time (over the seeds where both reached; with their count), by
+    the first touch of the target and by the stay; also
     the ratio of the summed times over those seeds (first touch), which one
     seed's luck moves less than the mean of ratios."""
     out = []
     powersgd = {(r["task"], r["optimizer"], r["seed"]): r for r in runs if r["mode"] == "torch-powersgd"}
     keys = list(dict.fromkeys((r["task"], r["optimizer"], r["mode"]) for r in runs))
-    diverged = {(r["task"], r["optimizer"], r["seed"]) for r in runs if r["mode"] == REFERENCE and fp32_diverged(r)}
+    diverged = {(r["task"], r["optimizer"], r["seed"]) for r in runs if r["mode"] == REFERENCE and ended_diverged(r)}
     for task_name, optim, mode in keys:
         cell = [r for r in runs if (r["task"], r["optimizer"]) == (task_name, optim)
                 and (task_name, optim, r["seed"]) not in diverged]
@@ -101,9 +100,8 @@ def aggregate(runs: List[Dict]) -> List[Dict]:
             out.append({"task": task_name, "optimizer": optim, "mode": mode, "seeds": 0,
                         "fp32_diverged_seeds": left_out, "final_mean": None, "final_std": None, "fp32_mean": None,
                         "reached_mean": False, "reached_seeds": 0, "spiked_seeds": 0, "time_to_target_s": None,
-                        "vs_powersgd": None,
-                        "vs_powersgd_seeds": 0, "stay_vs_powersgd": None, "summed_vs_powersgd": None,
-                        "s_per_step": None})
+                        "vs_powersgd": None, "vs_powersgd_seeds": 0, "stay_vs_powersgd": None,
+                        "summed_vs_powersgd": None, "s_per_step": None})
             continue
         finals = torch.tensor([r["final"] for r in group], dtype=torch.float64)
         times = [r["time_to_target_s"] for r in group if r["reached"]]
