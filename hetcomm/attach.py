@@ -153,6 +153,11 @@ class OptimizerLink:
         from . import optim
 
         adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, optim.AdamW))
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+            raise ValueError("optimizer: a ZeroRedundancyOptimizer keeps each parameter's momentum on one rank "
+                             "only, and attach_optimizer needs it on every rank (every rank sends beta * m + g); "
+                             "with ZeRO compress the gradient (register the hook without attach_optimizer) or "
+                             "attach an unsharded torch.optim.SGD / Adam / AdamW")
         if isinstance(optimizer, torch.optim.SGD):
             if any(float(g.get("dampening", 0.0)) != 0.0 for g in optimizer.param_groups):
                 raise ValueError("optimizer: dampening must be 0 for momentum compression")

@@ -1,6 +1,7 @@
 """DDP's options for irregular training with hetcomm's hook: uneven inputs
 (``model.join()``, torch's Join), ``find_unused_parameters`` and ``static_graph``;
-and a ``torch.compile``d DDP model.
+a ``torch.compile``d DDP model; frozen parameters, ``ZeroRedundancyOptimizer`` and
+a second optimizer beside an attached one.
 
 Join: a rank whose inputs run out shadows the others' backward by running the hook
 over zero buckets, without a ``set_local_batch_size``; the reduced gradient of
@@ -239,3 +240,81 @@ def test_a_compiled_ddp_model_reduces_through_the_hook():
     for how in ("none", "onebit"):
         assert torch.equal(results[0][how]["final"], results[1][how]["final"]), how
     assert not torch.equal(results[0]["onebit"]["final"], results[0]["none"]["final"])  # it compressed
+
+
+FROZEN_STEPS = 6
+
+
+def _frozen(rank, world, how, zero):
+    """Fine-tuning as users write it: the first layer frozen
+    (``requires_grad_(False)``: DDP leaves it out of its buckets) but still in
+    the optimizer's ``model.parameters()``, AdamW, optionally sharded by
+    ``ZeroRedundancyOptimizer``; DDP's own all-reduce (``how`` "torch") or
+    hetcomm's hook in mode ``how``. "onebit+m": SGD-momentum attached for the
+    first two trainable tensors, a second SGD-momentum (not attached) for the
+    rest. ``attach_error``: what attaching the ZeRO optimizer raised."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = models.mlp(hidden=128)
+    frozen = list(model.parameters())[:2]
+    for p in frozen:
+        p.requires_grad_(False)
+    before = [p.clone() for p in frozen]
+    ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets
+    state = None
+    if how != "torch":
+        state = hetcomm.HookState(how.split("+")[0], min_compress_numel=1000)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    trainable = list(model.parameters())[2:]
+    if how == "onebit+m":
+        opts = [torch.optim.SGD(trainable[:2], lr=0.05, momentum=0.9),
+                torch.optim.SGD(trainable[2:], lr=0.05, momentum=0.9)]
+        state.attach_optimizer(opts[0])
+    elif zero:
+        opts = [ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)]
+    else:
+        opts = [torch.optim.AdamW(model.parameters(), lr=1e-3)]
+    attach_error = None
+    if zero and state is not None:
+        try:
+            hetcomm.HookState("onebit").attach_optimizer(opts[0])
+        except ValueError as e:
+            attach_error = str(e)
+    for step in range(FROZEN_STEPS):
+        x, y = models.batch(rank, step, 16)
+        if state is not None:
+            state.set_local_batch_size(16)
+        for opt in opts:
+            opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        for opt in opts:
+            opt.step()
+    return {"final": models.flat_params(model), "frozen_kept": all(torch.equal(a, b) for a, b in zip(before, frozen)),
+            "tail": torch.cat([p.detach().reshape(-1) for p in trainable[2:]]), "attach_error": attach_error,
+            "ratio": state.stats()["last_step"]["compression_ratio"] if state is not None else None}
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["adamw", "zero"])
+def test_frozen_parameters_and_zero_redundancy_optimizer(zero):
+    """Mode none equals DDP's own all-reduce to the bit with a frozen layer in
+    the optimizer, sharded by ZeRO or not; the frozen layer never moves;
+    compressed modes keep identical replicas; attaching a ZeRO optimizer is
+    refused naming the reason."""
+    hows = ["torch", "none", "fp8"] + ([] if zero else ["onebit+m"])
+    results = run_ranks(each_mode, 2, _frozen, hows, zero)
+    init = models.flat_params(models.mlp(hidden=128))
+    for r in results:
+        assert torch.equal(r["none"]["final"], r["torch"]["final"])
+        for how in hows:
+            assert r[how]["frozen_kept"], how
+    for how in hows:
+        assert torch.equal(results[0][how]["final"], results[1][how]["final"]), how
+        assert not torch.equal(results[0][how]["final"], init), how  # it trained
+    assert results[0]["fp8"]["ratio"] > 3 and not torch.equal(results[0]["fp8"]["final"], results[0]["none"]["final"])
+    if zero:
+        err = results[0]["none"]["attach_error"]
+        assert err is not None and "ZeroRedundancyOptimizer" in err and "without attach_optimizer" in err, err
+    else:  # the second optimizer's tensors move, reduced by the attached state's hook (its compressed momentum)
+        r = results[0]["onebit+m"]
+        tail0 = torch.cat([p.detach().reshape(-1) for p in list(models.mlp(hidden=128).parameters())[4:]])
+        assert r["ratio"] > 3 and torch.isfinite(r["tail"]).all() and not torch.equal(r["tail"], tail0)
