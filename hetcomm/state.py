@@ -425,7 +425,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         """Bytes and time of the last complete step and of the whole run:
         ``bytes_sent`` / ``bytes_recv`` (algorithmic, the ring-equivalent volume
         of each collective), ``fp32_bytes`` (what an fp32 ring all-reduce of the
-        same buckets sends), ``compression_ratio``, ``comm_s`` (inside
+        same buckets sends, 4 bytes a value whatever the parameters' dtype:
+        mode none on bf16 parameters reads 2), ``compression_ratio``, ``comm_s`` (inside
         collectives), ``codec_s`` (compressing and decompressing), ``numel``,
         ``buckets``, ``collectives`` (the collective calls made: an all-reduce
         or a point-to-point step, one each; every one waits for the ranks it
