@@ -178,6 +178,11 @@ class BucketStates:
         self.prev_touched = set(self.residuals) | set(self.server_residuals) | set(self.lowrank_q) | \
             set(self.momentum) | set(self.carry)
 
+    def saved_shapes(self) -> List[Tuple[int, ...]]:
+        """The parameter shapes of the model a restored state was saved with
+        ([] when none is to be checked)."""
+        return list(self._saved_shapes or [])
+
     def check_saved_shapes(self) -> None:
         """After the first step numbered the parameters: they must be the ones
         the restored state was saved with."""
@@ -186,7 +191,9 @@ class BucketStates:
             raise ValueError(
                 f"hetcomm: the restored HookState was saved for a model with {len(saved)} parameters of shapes "
                 f"{saved[:4]}..., this DDP model has {len(self.params.shapes)} of shapes {self.params.shapes[:4]}...: "
-                "load the state saved with this model")
+                "load the state saved with this model, or, where its trainable parameters changed (layers unfrozen "
+                "or frozen), load_state_dict(sd, strict=False): the step count and warm-up carry on, error "
+                "feedback starts afresh")
 
     def residual(self, store: Dict[str, torch.Tensor], key: str, numel: int,
                  device: torch.device = torch.device("cpu")) -> torch.Tensor:

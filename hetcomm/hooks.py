@@ -58,6 +58,8 @@ class BucketSteps:
         if not self._step_open:
             if not self._negotiated:
                 self._check_ddp_group(grad_bucket.parameters())
+            if self._loose_sd is not None:
+                self._check_loose_load(grad_bucket.parameters())
             self._open_step(engine, buf.device)
             if self._buckets.replay_layout is not None:
                 self._replaying = []

@@ -11,7 +11,7 @@ from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import buckets, clip, options, plan
+from . import buckets, clip, ddpfind, options, plan
 from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
 from .attach import OptimizerLink
 from .hooks import BucketSteps
@@ -250,6 +250,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self._saved_beta: Optional[float] = None  # the beta of a loaded state_dict's momentum
         #: a loaded state_dict's start_iter when its run was past it: the schedule a resumed run keeps
         self._resumed_start: Optional[int] = None
+        #: a state_dict loaded with strict=False on its own rank: its model is compared with DDP's at the first step
+        self._loose_sd: Optional[Dict[str, Any]] = None
         self._optimizer: Optional[Any] = None  # a weak reference to the attached optimizer
         self._lr_source: Optional[Any] = None  # a weak reference to the optimizer whose rate is followed
         #: The followed optimizer's learning rates (per group) that error feedback's state is in units of
@@ -369,14 +371,17 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
 
         ``strict=False`` also takes a state saved by another rank or another
         world size (an elastic restart on more or fewer nodes, each new rank
-        loading some old rank's file): it restores what the ranks share (the
+        loading some old rank's file), or for a model whose trainable
+        parameters changed (layers unfrozen or frozen, DDP wrapped again: told
+        at the first step, where DDP's parameters are compared with the saved
+        shapes): it restores what the ranks share (the
         step count and ``start_iter``, so a warm-up is not run again; the
         learning rates the error feedback follows; the momentum's beta; the
         clipping sketch) and starts what each rank keeps afresh, as a new
         state would (error feedback, compressed momenta, lowrank's Q, the
         bucket layout, auto's decisions, measured again on the new topology).
-        The ``hetcomm`` logger warns. For the same rank and world it is the
-        strict load."""
+        The ``hetcomm`` logger warns. For the same rank, world and model it
+        is the strict load."""
         if not isinstance(sd, dict) or sd.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"state_dict is not a hetcomm HookState state (version {_STATE_DICT_VERSION})")
         if sd["compression"] != self.compression:
@@ -408,9 +413,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             self._buckets.load_state_dict(sd, keyed_elsewhere=bool(auto.get("decided") or auto.get("candidates")))
             self._planner.auto.load_state_dict(auto)
             self._lowrank_share.load_state_dict(sd.get("lowrank_share", {}))
+            self._loose_sd = None if strict else sd
         else:  # another rank's state: only its model's shapes (checked at the first step); the rest afresh
-            self._buckets.load_state_dict({"param_shapes": sd.get("param_shapes", [])})
-            self._planner.auto.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
+            self._restore_shared_only(sd, sd.get("param_shapes", []))
         self._rank_ladder.load_state_dict(sd.get("lowrank_rank"))  # agreed by the ranks
         if self._rounds.on:
             self._rounds.load_state_dict(sd.get("lowrank_rounds"))  # agreed by the ranks
@@ -420,6 +425,35 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self._saved_beta = float(sd["momentum_beta"]) if sd.get("momentum_beta") is not None else None
         if self._beta is not None and self._saved_beta is not None:
             self._beta = self._saved_beta
+
+    def _restore_shared_only(self, sd: Dict[str, Any], shapes) -> None:
+        """Of a loaded state, what every rank shares for any model: each
+        rank's per-bucket state starts afresh (``shapes``: the model the
+        first step must meet, [] for any)."""
+        self._buckets.load_state_dict({"param_shapes": shapes})
+        self._planner.auto.load_state_dict({"guard": sd.get("auto", {}).get("guard", {})})  # agreed by the ranks
+        self._lowrank_share.load_state_dict({})
+
+    def _check_loose_load(self, params) -> None:
+        """The first step after ``load_state_dict(sd, strict=False)`` on the
+        rank that saved it: where DDP's trainable parameters are no longer
+        the saved model's (a layer unfrozen, DDP wrapped again), the per-bucket
+        state, numbered by the old model's parameters, starts afresh, before
+        anything of the step ran. DDP is found from a parameter (once); where
+        it is not, the shapes are checked after the step as a strict load's."""
+        sd, self._loose_sd = self._loose_sd, None
+        saved = self._buckets.saved_shapes()
+        ddp = ddpfind.owning_ddp(params[0]) if params and saved else None
+        if ddp is None:
+            return
+        shapes = [tuple(p.shape) for p in ddp.parameters() if p.requires_grad]
+        if sorted(shapes) == sorted(saved):
+            return
+        log.warning("hetcomm: the state loaded with strict=False was saved for a model with %d trainable parameters, "
+                    "DDP now has %d (layers unfrozen or frozen): step %d and start_iter kept; error feedback, "
+                    "compressed momenta, lowrank's Q and auto's decisions start afresh",
+                    len(saved), len(shapes), self.iter)
+        self._restore_shared_only(sd, [])
 
     def stats(self) -> Dict[str, Any]:
         """Bytes and time of the last complete step and of the whole run:

@@ -699,6 +699,77 @@ def test_a_state_saved_by_another_world_size_loads_with_strict_false_past_its_wa
     assert fresh[0]["wires"] != [["onebit"]] * 3, fresh[0]["wires"]
 
 
+def _unfreeze_span(rank, world, ckpt_dir, start, stop, strict, save=False):
+    """Fine-tuning with a layer unfrozen at a checkpoint: onebit of the
+    momentum with a warm-up (total_steps=60: steps 2-11 fp8), the first layer
+    frozen until ``start`` (0: the run that saves at ``stop``), then every
+    layer trainable, DDP wrapped again and the state loaded with ``strict``.
+    Returns the load's error, the state after the first step, each step's
+    wires, the first layer and the final parameters."""
+    model, ddp_kwargs = _model("small")
+    first = list(model.parameters())[:2]
+    for p in first:
+        p.requires_grad_(start > 0)
+    ddp = DDP(model, **ddp_kwargs)
+    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state.attach_optimizer(opt, total_steps=60)
+    out = {"error": None}
+    if start > 0:
+        ck = torch.load(os.path.join(ckpt_dir, f"rank{rank}.pt"), weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["hetcomm"], strict=strict)
+    wires, layer = [], models.flat_params(model)[:first[0].numel()]
+    try:
+        for step in range(start, stop):
+            models.train_step(ddp, opt, rank, step, 16)
+            wires.append(sorted({p.mode for p in state.last_plans.values()}))
+            if step == start:
+                b = state._buckets
+                out["after_first"] = {"iter": state.iter, "start_iter": state.start_iter,
+                                      "momenta": len(b.momentum), "params": len(b.params.shapes)}
+    except ValueError as e:
+        out["error"] = str(e)
+        return out
+    if save:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict()},
+                   os.path.join(ckpt_dir, f"rank{rank}.pt"))
+    out.update(wires=wires, layer_before=layer, layer=models.flat_params(model)[:first[0].numel()],
+               params=models.flat_params(model))
+    return out
+
+
+def test_a_state_saved_before_layers_were_unfrozen_loads_with_strict_false(tmp_path):
+    """Gradual unfreezing: 14 steps with the first layer frozen (past the
+    12-step warm-up), then every layer trainable in a new DDP. The strict load
+    is an error naming strict=False; with it the run goes on from step 14
+    compressed (no second warm-up), the per-bucket momenta rebuilt for the
+    6 parameters, replicas identical, the unfrozen layer training. On the
+    same model strict=False is the strict load: the same bits."""
+    saved = run_ranks(_unfreeze_span, 2, str(tmp_path), 0, 14, True, True)
+    assert saved[0]["wires"][12:] == [["onebit"]] * 2 and saved[0]["wires"][2] == ["fp8"], saved[0]["wires"]
+    strict = run_ranks(_unfreeze_span, 2, str(tmp_path), 14, 20, True)
+    for r in strict:
+        assert "strict=False" in r["error"] and "unfrozen" in r["error"], r["error"]
+    runs = run_ranks(_unfreeze_span, 2, str(tmp_path), 14, 20, False)
+    for r in runs:
+        assert r["error"] is None, r["error"]
+        assert r["after_first"]["iter"] == 15 and r["after_first"]["start_iter"] == 12, r["after_first"]
+        assert r["after_first"]["params"] == 6 and r["after_first"]["momenta"] > 0, r["after_first"]
+        assert r["wires"] == [["onebit"]] * 6, r["wires"]
+        assert torch.isfinite(r["params"]).all() and torch.equal(r["params"], runs[0]["params"])
+        assert not torch.equal(r["layer"], r["layer_before"])  # the unfrozen layer trains
+    # the same model loaded with strict=False: the strict load's bits
+    (tmp_path / "same").mkdir()
+    run_ranks(_elastic_span, 2, str(tmp_path / "same"), 0, 8, True, True)
+    same = {strict: run_ranks(_elastic_span, 2, str(tmp_path / "same"), 8, 16, strict) for strict in (True, False)}
+    for r_strict, r_loose in zip(same[True], same[False]):
+        assert r_loose["loaded"] == r_strict["loaded"] and r_strict["loaded"]["per_rank"] > 0
+        assert torch.equal(r_loose["params"], r_strict["params"])
+
+
 def _mismatch(rank, world, case):
     model = models.mlp()
     ddp = DDP(model)
