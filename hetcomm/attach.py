@@ -324,14 +324,20 @@ class OptimizerLink:
         first moment divided by 1 - beta1 (exp_avg = (1 - beta1) m).
         With SGD's weight decay the buffer holds the decay's momentum too: it
         then goes on inside the compressed momentum, and the optimizer's
-        trajectory is the one it would follow itself."""
+        trajectory is the one it would follow itself. A group with
+        ``maximize=True`` keeps the momentum of the negated gradient: its
+        buffer is negated here, into the units of the gradient the hook
+        reduces (the hook hands the optimizer the momentum's increment, which
+        it negates again)."""
         opt = self._optimizer() if self._optimizer is not None else None
         sgd = self._attached == "sgd"
         name, scale = ("momentum_buffer", 1.0) if sgd else ("exp_avg", 1.0 / (1.0 - self._beta))
+        maximized = {id(p) for g in opt.param_groups if g.get("maximize") for p in g["params"]} if opt else set()
         parts = []
         for n in bucket.sig:
             param = self._buckets.params.param(n)
-            parts.append(opt.state.get(param, {}).get(name) if opt is not None and param is not None else None)
+            part = opt.state.get(param, {}).get(name) if opt is not None and param is not None else None
+            parts.append(-part if part is not None and id(param) in maximized else part)
         m = _as_bucket(bucket, buf, parts, 0.0)
         if scale != 1.0:
             m.mul_(scale)

@@ -34,16 +34,16 @@ def regression_data():
 
 
 def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_decay=0.0, options=None,
-           adamw=torch.optim.AdamW, total_steps=None, nesterov=False, one_cycle=False):
+           adamw=torch.optim.AdamW, total_steps=None, nesterov=False, one_cycle=False, maximize=False):
     task = Regress()
     x, y = task.x, task.y
     model = task.model()
     ddp = DDP(model, bucket_cap_mb=0.03)
     if momentum is None:  # AdamW at lr
-        opt = adamw(ddp.parameters(), lr=lr, weight_decay=weight_decay or 0.01)
+        opt = adamw(ddp.parameters(), lr=lr, weight_decay=weight_decay or 0.01, **({"maximize": True} if maximize else {}))
     else:
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay,
-                              nesterov=nesterov)
+                              nesterov=nesterov, maximize=maximize)
     # OneCycleLR moves the lr and, by default (cycle_momentum), SGD's momentum / Adam's betas[0] every step
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps) if one_cycle else None
     state, gap = None, 0.0
@@ -57,7 +57,8 @@ def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_d
     for step in range(steps):
         idx = torch.randint(0, N, (16,), generator=torch.Generator().manual_seed(step * 10 + rank))
         opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x[idx]).squeeze(1), y[idx]).backward()
+        loss = torch.nn.functional.mse_loss(ddp(x[idx]).squeeze(1), y[idx])
+        (-loss if maximize else loss).backward()  # maximize=True: the optimizer climbs -loss
         opt.step()
         if sched is not None:
             if state is not None:  # the largest gap after any step (a schedule ending where it began hides one)
@@ -101,6 +102,22 @@ def test_momentum_compression_with_a_lossless_codec_is_sgd_momentum(nesterov):
     if nesterov:  # and Nesterov's steps are not plain momentum's: the test can fail
         plain = run_ranks(_train, 2, "allreduce_hook", False, *args)
         assert not torch.allclose(plain[0]["params"], ref[0]["params"], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_an_attached_optimizer_that_maximizes_mirrors_the_one_that_minimizes(optimizer):
+    """``maximize=True`` on -loss is the same run as minimizing the loss: the
+    optimizer negates the gradient the hook reduced and keeps the momentum of
+    the negated one, so the hook reads its buffer negated. int3 is symmetric
+    (its code of -x is minus its code of x), so every bit must agree; reading
+    the buffer as it is (before) compressed a momentum of the wrong sign from
+    step 1 on and differed by 3e-3 of the parameters' norm after 30 steps."""
+    args = (30, 0.02, 0.9, 1e-3) if optimizer == "sgd" else (30, 1e-3, None, 0.01)
+    runs = {m: run_ranks(_train, 2, "int3", True, *args, None, torch.optim.AdamW, None, False, False, m)
+            for m in (False, True)}
+    assert runs[True][0]["ratio"] > 3
+    assert torch.equal(runs[True][0]["params"], runs[True][1]["params"])
+    assert torch.equal(runs[True][0]["params"], runs[False][0]["params"])
 
 
 @pytest.fixture(scope="module")
