@@ -446,7 +446,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         ddp = ddpfind.owning_ddp(params[0]) if params and saved else None
         if ddp is None:
             return
-        shapes = [tuple(p.shape) for p in ddp.parameters() if p.requires_grad]
+        # (DDP's own list leaves out the parameters it was told to ignore; torch 2.13)
+        params = getattr(ddp, "_module_parameters", None) or list(ddp.parameters())
+        shapes = [tuple(p.shape) for p in params if p.requires_grad]
         if sorted(shapes) == sorted(saved):
             return
         log.warning("hetcomm: the state loaded with strict=False was saved for a model with %d trainable parameters, "
