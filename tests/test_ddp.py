@@ -679,17 +679,24 @@ def _elastic_span(rank, world, ckpt_dir, start, stop, strict, save=False):
     return out
 
 
+def _saved_then_loaded(span, world, tmp_path, named):
+    """``span`` saved at step 14 by 2 ranks, past its 12-step warm-up; then
+    its steps 14-20 on ``world`` ranks: loaded strictly, an error naming
+    strict=False and ``named`` on every rank; the runs loaded with
+    strict=False are returned."""
+    saved = run_ranks(span, 2, str(tmp_path), 0, 14, True, True)
+    assert saved[0]["wires"][12:] == [["onebit"]] * 2 and saved[0]["wires"][2] == ["fp8"], saved[0]["wires"]
+    for r in run_ranks(span, world, str(tmp_path), 14, 20, True):
+        assert "strict=False" in r["error"] and named in r["error"], r["error"]
+    return run_ranks(span, world, str(tmp_path), 14, 20, False)
+
+
 def test_a_state_saved_by_another_world_size_loads_with_strict_false_past_its_warm_up(tmp_path):
     """An elastic restart from 2 ranks to 3 at step 14 of a run whose first
     fifth (12 steps) is a warm-up: the strict load is an error naming
     strict=False; with it the run goes on from step 14 compressed (not a
     second warm-up), per-rank state fresh, replicas identical."""
-    saved = run_ranks(_elastic_span, 2, str(tmp_path), 0, 14, True, True)
-    assert saved[0]["wires"][12:] == [["onebit"]] * 2 and saved[0]["wires"][2] == ["fp8"], saved[0]["wires"]
-    strict = run_ranks(_elastic_span, 3, str(tmp_path), 14, 20, True)
-    for r in strict:
-        assert "strict=False" in r["error"] and "rank" in r["error"], r["error"]
-    runs = run_ranks(_elastic_span, 3, str(tmp_path), 14, 20, False)
+    runs = _saved_then_loaded(_elastic_span, 3, tmp_path, "rank")
     for r in runs:
         assert r["loaded"] == {"iter": 14, "start_iter": 12, "per_rank": 0}, r["loaded"]
         assert r["wires"] == [["onebit"]] * 6, r["wires"]
@@ -748,12 +755,7 @@ def test_a_state_saved_before_layers_were_unfrozen_loads_with_strict_false(tmp_p
     compressed (no second warm-up), the per-bucket momenta rebuilt for the
     6 parameters, replicas identical, the unfrozen layer training. On the
     same model strict=False is the strict load: the same bits."""
-    saved = run_ranks(_unfreeze_span, 2, str(tmp_path), 0, 14, True, True)
-    assert saved[0]["wires"][12:] == [["onebit"]] * 2 and saved[0]["wires"][2] == ["fp8"], saved[0]["wires"]
-    strict = run_ranks(_unfreeze_span, 2, str(tmp_path), 14, 20, True)
-    for r in strict:
-        assert "strict=False" in r["error"] and "unfrozen" in r["error"], r["error"]
-    runs = run_ranks(_unfreeze_span, 2, str(tmp_path), 14, 20, False)
+    runs = _saved_then_loaded(_unfreeze_span, 2, tmp_path, "unfrozen")
     for r in runs:
         assert r["error"] is None, r["error"]
         assert r["after_first"]["iter"] == 15 and r["after_first"]["start_iter"] == 12, r["after_first"]
