@@ -36,15 +36,36 @@ def _unwrapped(optimizer):
     return optimizer
 
 
-def _as_bucket(bucket: buckets.Bucket, buf: torch.Tensor, parts, fill: float) -> torch.Tensor:
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill their memory without gaps or overlaps in
+    some order of its dimensions (contiguous, channels_last, any permutation):
+    c10's is_non_overlapping_and_dense, which DDP's reducer asks of each parameter."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def _as_bucket(bucket: buckets.Bucket, buf: torch.Tensor, parts, params, fill: float) -> torch.Tensor:
     """Per-parameter tensors (optimizer state, one per gradient of the
     bucket, None where there is none) laid out as their gradients are in the
-    bucket's buffer: float32, ``fill`` elsewhere."""
+    bucket's buffer: float32, ``fill`` elsewhere. DDP keeps a gradient in the
+    bucket in its parameter's memory order where that parameter is dense (a
+    channels_last convolution's weight: NHWC), while the bucket's gradient
+    views claim contiguous strides (torch 2.13); so each tensor is copied
+    through its parameter's strides, as DDP's reducer lays the bucket out."""
     out = torch.full((buf.numel(),), fill, dtype=torch.float32, device=buf.device)
-    for g, part in zip(bucket.grads, parts):
+    for g, part, p in zip(bucket.grads, parts, params):
         if part is not None:
             off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
-            out.narrow(0, off, g.numel()).copy_(part.detach().reshape(-1))
+            slot = out.narrow(0, off, g.numel())
+            if p is not None and _dense(p):
+                slot = slot.as_strided(p.shape, p.stride())
+            else:
+                slot, part = slot.view(g.shape), part.reshape(g.shape)
+            slot.copy_(part.detach())
     return out
 
 
@@ -333,12 +354,11 @@ class OptimizerLink:
         sgd = self._attached == "sgd"
         name, scale = ("momentum_buffer", 1.0) if sgd else ("exp_avg", 1.0 / (1.0 - self._beta))
         maximized = {id(p) for g in opt.param_groups if g.get("maximize") for p in g["params"]} if opt else set()
-        parts = []
-        for n in bucket.sig:
-            param = self._buckets.params.param(n)
+        parts, params = [], [self._buckets.params.param(n) for n in bucket.sig]
+        for param in params:
             part = opt.state.get(param, {}).get(name) if opt is not None and param is not None else None
             parts.append(-part if part is not None and id(param) in maximized else part)
-        m = _as_bucket(bucket, buf, parts, 0.0)
+        m = _as_bucket(bucket, buf, parts, params, 0.0)
         if scale != 1.0:
             m.mul_(scale)
         return m
@@ -368,6 +388,6 @@ class OptimizerLink:
         denominators = optim.update_denominators(opt, params)
         if any(d is None for d in denominators):
             return None
-        out = _as_bucket(bucket, buf, denominators, 1.0)  # (1 where the bucket has padding)
+        out = _as_bucket(bucket, buf, denominators, params, 1.0)  # (1 where the bucket has padding)
         self._buckets.denominators[key] = (version, out)
         return out

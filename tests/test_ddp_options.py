@@ -2,7 +2,7 @@
 (``model.join()``, torch's Join), ``find_unused_parameters`` and ``static_graph``;
 a ``torch.compile``d DDP model; frozen parameters, ``ZeroRedundancyOptimizer`` and
 a second optimizer beside an attached one; parameters in bf16 or fp16, the
-whole model or one layer.
+whole model or one layer; a channels_last convolutional model.
 
 Join: a rank whose inputs run out shadows the others' backward by running the hook
 over zero buckets, without a ``set_local_batch_size``; the reduced gradient of
@@ -390,3 +390,59 @@ def test_bf16_and_fp16_parameters_reduce_through_the_hook(dtype, whole):
             assert rel < 0.05, (how, rel)
         if how not in ("torch", "none"):
             assert r["ratio"] > 2.5 and rel > 0, (how, r["ratio"], rel)  # it compressed (none reads 2: fp32's bytes)
+
+
+def _channels_last(rank, world, optimizer, total_steps):
+    """A small convolutional net in channels_last (DDP keeps its weights'
+    gradients in the bucket in NHWC order), its momentum attached under
+    top-k at ratio 1 (lossless: the hook's momentum is then the optimizer's,
+    to float rounding). After each step, the largest gap between the
+    momentum the hook keeps for its buckets and the optimizer's own, read
+    through each parameter's strides, relative to the buffer's largest value."""
+    from hetcomm.buckets import sig_of
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(8 * 4 * 4, 10)).to(memory_format=torch.channels_last)
+    ddp = DDP(net, bucket_cap_mb=0.001)
+    state = hetcomm.HookState("topk", topk_ratio=1.0, min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    adam = optimizer == "adamw"
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3) if adam else \
+        torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    state.attach_optimizer(opt, total_steps=total_steps)
+    gaps = []
+    for step in range(10):
+        g = torch.Generator().manual_seed(step * 7 + rank)
+        x = torch.randn(16, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        gap = 0.0
+        for key, m in state._buckets.momentum.items():
+            if key not in state.last_plans:  # a bucket of the first step's layout
+                continue
+            off = 0
+            for n in sig_of(key):  # DDP packs a bucket's parameters in this order
+                p = state._buckets.params.param(n)
+                theirs = opt.state[p]["exp_avg"] / 0.1 if adam else opt.state[p]["momentum_buffer"]
+                mine = m.narrow(0, off, p.numel()).as_strided(p.shape, p.stride())
+                gap = max(gap, ((mine - theirs).abs().max() / theirs.abs().max()).item())
+                off += p.numel()
+        gaps.append(gap)
+    return {"gaps": gaps, "cl": net[0].weight.is_contiguous(memory_format=torch.channels_last)
+            and not net[0].weight.is_contiguous()}
+
+
+@pytest.mark.parametrize("optimizer,total_steps", [("sgd", None), ("sgd", 20), ("adamw", 20)])
+def test_a_channels_last_models_momentum_is_laid_out_as_ddps_bucket(optimizer, total_steps):
+    """The momentum the hook starts from (read from the optimizer at DDP's
+    rebuilt buckets, step 1, and where the warm-up of total_steps=20 ends,
+    step 4) is laid out in the bucket as DDP lays the gradients: by each
+    weight's strides. Read in logical order (before), the channels_last
+    weights' momenta were scrambled: 107-135 % of the buffer apart, decaying
+    by beta a step."""
+    r = run_ranks(_channels_last, 2, optimizer, total_steps)[0]
+    assert r["cl"]
+    assert max(r["gaps"]) < 1e-5, r["gaps"]
