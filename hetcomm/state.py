@@ -526,6 +526,13 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         except Exception:
             pass
 
+    def __reduce_ex__(self, protocol):
+        # copy.deepcopy and pickle: a state holds a process group and a comm thread, which neither can copy
+        raise TypeError(
+            "hetcomm.HookState cannot be copied or pickled (it holds a process group and a comm thread): for an EMA "
+            "or other copy of a model copy ddp.module, not the DDP model whose hook it serves; for a checkpoint "
+            "save state.state_dict() and load it into a new HookState")
+
     # ---- used by the hook ------------------------------------------------------
     def _compressed_at(self, step: int) -> bool:
         """Whether step ``step``'s compressed-mode buckets are compressed: from

@@ -2,7 +2,8 @@
 (``model.join()``, torch's Join), ``find_unused_parameters`` and ``static_graph``;
 a ``torch.compile``d DDP model; frozen parameters, ``ZeroRedundancyOptimizer`` and
 a second optimizer beside an attached one; parameters in bf16 or fp16, the
-whole model or one layer; a channels_last convolutional model.
+whole model or one layer; a channels_last convolutional model; copies of the
+model (an EMA's deepcopy).
 
 Join: a rank whose inputs run out shadows the others' backward by running the hook
 over zero buckets, without a ``set_local_batch_size``; the reduced gradient of
@@ -446,3 +447,39 @@ def test_a_channels_last_models_momentum_is_laid_out_as_ddps_bucket(optimizer, t
     r = run_ranks(_channels_last, 2, optimizer, total_steps)[0]
     assert r["cl"]
     assert max(r["gaps"]) < 1e-5, r["gaps"]
+
+
+def _copies(rank, world):
+    """deepcopy of the DDP model (whose hook holds the state), of its module
+    (what an EMA copies) and pickling the state, after a step; then a step."""
+    import copy
+    import pickle
+
+    model = models.mlp()
+    ddp = DDP(model)
+    state = hetcomm.HookState("fp8", min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    models.train_step(ddp, opt, rank, 0, 8, state)
+    out = {}
+    for name, copy_of in (("ddp", lambda: copy.deepcopy(ddp)), ("module", lambda: copy.deepcopy(ddp.module)),
+                          ("pickle", lambda: pickle.dumps(state))):
+        try:
+            made = copy_of()
+            out[name] = torch.equal(models.flat_params(made), models.flat_params(model)) if name == "module" else made
+        except TypeError as e:
+            out[name] = str(e)
+    models.train_step(ddp, opt, rank, 1, 8, state)
+    out["steps"] = state.iter
+    return out
+
+
+def test_copying_the_ddp_model_names_its_module_and_the_state_dict():
+    """A HookState holds a process group and a comm thread: copying the DDP
+    model or pickling the state is a TypeError naming what to copy or save
+    instead (torch's own message named a ProcessGroup); copying the module
+    works, and training goes on."""
+    for r in run_ranks(_copies, 2):
+        assert r["module"] is True and r["steps"] == 2
+        for name in ("ddp", "pickle"):
+            assert "ddp.module" in r[name] and "state_dict()" in r[name], r[name]
