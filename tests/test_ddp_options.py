@@ -2,7 +2,7 @@
 (``model.join()``, torch's Join), ``find_unused_parameters`` and ``static_graph``;
 a ``torch.compile``d DDP model; frozen parameters, ``ZeroRedundancyOptimizer`` and
 a second optimizer beside an attached one; parameters in bf16 or fp16, the
-whole model or one layer; a channels_last convolutional model; copies of the
+whole model or one layer, and in fp64; a channels_last convolutional model; copies of the
 model (an EMA's deepcopy).
 
 Join: a rank whose inputs run out shadows the others' backward by running the hook
@@ -369,13 +369,13 @@ def _half_params(rank, world, how, dtype, whole):
 HALF_MODES = ["torch", "none", "fp8", "int3", "onebit+m", "topk+m", "lowrank"]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=["bf16", "fp16", "fp64"])
 @pytest.mark.parametrize("whole", [True, False], ids=["model", "one-layer"])
-def test_bf16_and_fp16_parameters_reduce_through_the_hook(dtype, whole):
-    """Mode none equals DDP's own all-reduce to the bit on buckets of half
-    parameters; the compressed modes keep identical replicas and end near
-    DDP's own run (8 steps: within 5 % of its parameters' norm, measured
-    0.03-2.1 %; bytes reread in the wrong dtype would be far off)."""
+def test_half_and_double_parameters_reduce_through_the_hook(dtype, whole):
+    """Mode none equals DDP's own all-reduce to the bit on buckets of bf16,
+    fp16 or fp64 parameters; the compressed modes keep identical replicas
+    and end near DDP's own run (8 steps: within 5 % of its parameters' norm,
+    measured 0.02-2.1 %; bytes reread in the wrong dtype would be far off)."""
     results = run_ranks(each_mode, 2, _half_params, HALF_MODES, dtype, whole)
     want = {str(dtype)} | (set() if whole else {"torch.float32"})
     ref = results[0]["torch"]["final"]
