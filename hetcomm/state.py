@@ -371,7 +371,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
 
         ``strict=False`` also takes a state saved by another rank or another
         world size (an elastic restart on more or fewer nodes, each new rank
-        loading some old rank's file), or for a model whose trainable
+        loading some old rank's file), with another ``compression``, or for a model whose trainable
         parameters changed (layers unfrozen or frozen, DDP wrapped again: told
         at the first step, where DDP's parameters are compared with the saved
         shapes): it restores what the ranks share (the
@@ -380,12 +380,16 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         clipping sketch) and starts what each rank keeps afresh, as a new
         state would (error feedback, compressed momenta, lowrank's Q, the
         bucket layout, auto's decisions, measured again on the new topology).
-        The ``hetcomm`` logger warns. For the same rank, world and model it
-        is the strict load."""
+        The ``hetcomm`` logger warns. For the same rank, world, compression
+        and model it is the strict load."""
         if not isinstance(sd, dict) or sd.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"state_dict is not a hetcomm HookState state (version {_STATE_DICT_VERSION})")
-        if sd["compression"] != self.compression:
-            raise ValueError(f"state_dict compression {sd['compression']!r} != this state's {self.compression!r}")
+        same_mode = sd["compression"] == self.compression
+        if not same_mode and strict:
+            raise ValueError(
+                f"state_dict compression {sd['compression']!r} != this state's {self.compression!r}: load a state "
+                "saved with this compression, or, to go on in another one, load_state_dict(sd, strict=False): the "
+                "step count and warm-up carry on, error feedback starts afresh")
         same_place = sd["rank"] == self._rank() and sd["world_size"] == self._world()
         if not same_place and strict:
             raise ValueError(
@@ -394,10 +398,11 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
                 "restart) load_state_dict(sd, strict=False): the step count and warm-up carry on, error feedback "
                 "starts afresh. (torch.distributed.checkpoint keeps one copy of what every rank saves under one key: "
                 "save hetcomm.checkpoint.PerRank(state) there, each rank's state under a key of its own)")
-        if not same_place:
-            log.warning("hetcomm: state saved by rank %d of %d loaded on rank %d of %d (strict=False): step %d and "
-                        "start_iter kept; error feedback, compressed momenta, lowrank's Q and auto's decisions "
-                        "start afresh", sd["rank"], sd["world_size"], self._rank(), self._world(), int(sd["iter"]))
+        if not (same_place and same_mode):
+            log.warning("hetcomm: state saved by rank %d of %d with compression %r loaded on rank %d of %d with %r "
+                        "(strict=False): step %d and start_iter kept; error feedback, compressed momenta, lowrank's "
+                        "Q and auto's decisions start afresh", sd["rank"], sd["world_size"], sd["compression"],
+                        self._rank(), self._world(), self.compression, int(sd["iter"]))
         self._drain()
         self.iter = int(sd["iter"])
         saved_start = sd.get("start_iter")  # (None from a state saved before it was kept)
@@ -406,7 +411,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             log.info("hetcomm: resumed at step %d, past the saved start_iter %d: kept (this state's: %d)",
                      self.iter, self._resumed_start, self.start_iter)
             self.start_iter = self._resumed_start
-        if same_place:
+        if same_place and same_mode:
             if sd.get("resolved_compression") is not None:
                 self.resolved_compression = sd["resolved_compression"]
             auto = sd.get("auto", {})  # auto's choices, or its running trial, per bucket key
@@ -414,7 +419,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             self._planner.auto.load_state_dict(auto)
             self._lowrank_share.load_state_dict(sd.get("lowrank_share", {}))
             self._loose_sd = None if strict else sd
-        else:  # another rank's state: only its model's shapes (checked at the first step); the rest afresh
+        else:  # another rank's or mode's state: only its model's shapes (checked at the first step); the rest afresh
             self._restore_shared_only(sd, sd.get("param_shapes", []))
         self._rank_ladder.load_state_dict(sd.get("lowrank_rank"))  # agreed by the ranks
         if self._rounds.on:

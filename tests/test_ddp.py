@@ -644,14 +644,14 @@ def test_resume_without_the_residuals_differs(resumed_runs):
     assert not torch.equal(zeroed, straight["params"])
 
 
-def _elastic_span(rank, world, ckpt_dir, start, stop, strict, save=False):
-    """onebit of the momentum with a warm-up (total_steps=60: steps 2-11 fp8);
-    saved at ``start`` by a job of another size, each rank loading old rank
-    ``rank % 2``'s file. Returns the error of a strict load, the state right
-    after the load, each step's wires and the final parameters."""
+def _elastic_span(rank, world, ckpt_dir, start, stop, strict, save=False, mode="onebit"):
+    """onebit (or ``mode``) of the momentum with a warm-up (total_steps=60:
+    steps 2-11 fp8); saved at ``start`` by a job of another size, each rank
+    loading old rank ``rank % 2``'s file. Returns the error of a strict load,
+    the state right after the load, each step's wires and the final parameters."""
     model, ddp_kwargs = _model("small")
     ddp = DDP(model, **ddp_kwargs)
-    state = hetcomm.HookState("onebit", min_compress_numel=0)
+    state = hetcomm.HookState(mode, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     state.attach_optimizer(opt, total_steps=60)
@@ -704,6 +704,23 @@ def test_a_state_saved_by_another_world_size_loads_with_strict_false_past_its_wa
     # without the load the same span would warm up again: its first steps are not onebit
     fresh = run_ranks(_elastic_span, 3, str(tmp_path), 0, 3, False)
     assert fresh[0]["wires"] != [["onebit"]] * 3, fresh[0]["wires"]
+
+
+def _switch_span(rank, world, ckpt_dir, start, stop, strict, save=False):
+    """The elastic span on as many ranks, saved in onebit and resumed in fp8."""
+    return _elastic_span(rank, world, ckpt_dir, start, stop, strict, save, "onebit" if start == 0 else "fp8")
+
+
+def test_a_state_saved_in_another_compression_loads_with_strict_false(tmp_path):
+    """onebit of the momentum saved at step 14 (past its 12-step warm-up),
+    resumed in fp8: the strict load is an error naming strict=False; with it
+    the step count and warm-up carry on (fp8 of the momentum from step 14,
+    not a second warm-up), per-rank state fresh, replicas identical."""
+    runs = _saved_then_loaded(_switch_span, 2, tmp_path, "compression")
+    for r in runs:
+        assert r["loaded"] == {"iter": 14, "start_iter": 12, "per_rank": 0}, r["loaded"]
+        assert r["wires"] == [["fp8"]] * 6, r["wires"]
+        assert torch.isfinite(r["params"]).all() and torch.equal(r["params"], runs[0]["params"])
 
 
 def _unfreeze_span(rank, world, ckpt_dir, start, stop, strict, save=False):
