@@ -371,10 +371,10 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
 
         ``strict=False`` also takes a state saved by another rank or another
         world size (an elastic restart on more or fewer nodes, each new rank
-        loading some old rank's file), with another ``compression``, or for a model whose trainable
-        parameters changed (layers unfrozen or frozen, DDP wrapped again: told
-        at the first step, where DDP's parameters are compared with the saved
-        shapes): it restores what the ranks share (the
+        loading some old rank's file), with another ``compression``, or for a
+        model whose trainable parameters changed (layers unfrozen or frozen,
+        DDP wrapped again: told at the first step, where DDP's parameters are
+        compared with the saved shapes): it restores what the ranks share (the
         step count and ``start_iter``, so a warm-up is not run again; the
         learning rates the error feedback follows; the momentum's beta; the
         clipping sketch) and starts what each rank keeps afresh, as a new
@@ -421,6 +421,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
             self._loose_sd = None if strict else sd
         else:  # another rank's or mode's state: only its model's shapes (checked at the first step); the rest afresh
             self._restore_shared_only(sd, sd.get("param_shapes", []))
+            self._loose_sd = sd  # (strict=False: a model whose trainable parameters changed is taken too)
         self._rank_ladder.load_state_dict(sd.get("lowrank_rank"))  # agreed by the ranks
         if self._rounds.on:
             self._rounds.load_state_dict(sd.get("lowrank_rounds"))  # agreed by the ranks
