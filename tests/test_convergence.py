@@ -40,7 +40,8 @@ def _train(rank, world, mode, attach, steps=300, lr=0.02, momentum=0.9, weight_d
     model = task.model()
     ddp = DDP(model, bucket_cap_mb=0.03)
     if momentum is None:  # AdamW at lr
-        opt = adamw(ddp.parameters(), lr=lr, weight_decay=weight_decay or 0.01, **({"maximize": True} if maximize else {}))
+        opt = adamw(ddp.parameters(), lr=lr, weight_decay=weight_decay or 0.01,
+                    **({"maximize": True} if maximize else {}))  # (hetcomm's AdamW has no maximize)
     else:
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay,
                               nesterov=nesterov, maximize=maximize)
