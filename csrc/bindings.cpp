@@ -11,8 +11,11 @@
 #include <pybind11/stl.h>
 #include <torch/version.h>
 
+#include <unistd.h>
+
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "bindings.h"
 #include "collectives/algorithms.h"
@@ -33,6 +36,19 @@ namespace {
 
 py::object wrap_future(const FuturePtr& fut) {
   return py::cast(std::make_shared<torch::jit::PythonFutureWrapper>(fut));
+}
+
+// Every Engine Python holds is made here. Dropped in a child forked from the
+// process that made it (a DataLoader worker's garbage collection freeing a
+// HookState the parent had dropped), it is let go of without its destructor:
+// that would wait for a comm thread the fork did not copy (and on a condition
+// variable that thread waited on), and free a process group's or NCCL's
+// resources that are the parent's.
+template <class... Args>
+std::shared_ptr<Engine> make_engine(Args&&... args) {
+  return std::shared_ptr<Engine>(new Engine(std::forward<Args>(args)...), [owner = getpid()](Engine* e) {
+    if (getpid() == owner) delete e;
+  });
 }
 
 py::dict totals_dict(const ReduceTotals& t) {
@@ -192,11 +208,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<Codec> codec_enum(m, "Codec", "A bucket's wire format (csrc/collectives/algorithms.h)");
   for (const auto& [n, c] : kCodecNames) codec_enum.value(n, c);
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("process_group"),
-           py::arg("device") = at::Device(at::kCPU))
+      .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device) {
+             return make_engine(std::move(pg), device);
+           }),
+           py::arg("process_group"), py::arg("device") = at::Device(at::kCPU))
 #ifdef HETCOMM_WITH_CUDA
       .def_static(
-          "with_nccl", [](std::shared_ptr<NcclTransport> t) { return std::make_shared<Engine>(std::static_pointer_cast<Transport>(t)); },
+          "with_nccl", [](std::shared_ptr<NcclTransport> t) { return make_engine(std::static_pointer_cast<Transport>(t)); },
           py::arg("transport"))
 #endif
       .def(

@@ -2,9 +2,14 @@
 
 Run on its own with ``pytest -m reliability tests``."""
 
+import gc
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import weakref
 
 import pytest
 import torch
@@ -320,8 +325,6 @@ def test_a_step_without_a_batch_size_is_an_error_once_weighting_is_on():
 def _values_left_alive(rank, world, rounds):
     """How many of ``rounds`` completed engine jobs still held their result
     once Python let go of the future and its value."""
-    import weakref
-
     engine = hetcomm._C.Engine(torch.distributed.group.WORLD)
     alive = 0
     for i in range(rounds):
@@ -366,6 +369,73 @@ def _second_model(rank, world):
 def test_one_state_on_two_models_is_an_error_naming_the_fix():
     for err in run_ranks(_second_model, 2):
         assert err is not None and "HookState per DDP model" in err
+
+
+def _trained(mode, steps):
+    """A DDP MLP under HookState(mode) after ``steps`` of SGD-momentum: (ddp, opt, state)."""
+    ddp = DDP(models.mlp(hidden=64), bucket_cap_mb=0.01)
+    state = _hook_state(mode, min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        models.train_step(ddp, opt, torch.distributed.get_rank(), step, 8)
+    return ddp, opt, state
+
+
+def _in_a_forked_child(rank, world, mode):
+    """A HookState dropped into a reference cycle (as a run that wraps its
+    model in a new DDP and HookState leaves the old ones), then a fork (a
+    DataLoader worker) whose garbage collection frees it, and which then
+    tries to train through the live state. The parent trains on after it."""
+    gc.disable()  # the dropped state waits for a collection, which the child runs
+    try:
+        dropped = weakref.ref(_trained(mode, 3)[2])
+        cyclic = dropped() is not None  # (else the parent freed it at once, and the child has nothing to free)
+        ddp, opt, state = _trained(mode, 3)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into the harness
+            try:
+                os.close(read)
+                gc.collect()
+                report = {"freed": dropped() is None}
+                try:
+                    models.train_step(ddp, opt, rank, 3, 8)
+                    report["trained"] = "no error"
+                except RuntimeError as e:
+                    report["trained"] = str(e)
+                os.write(write, json.dumps(report).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        deadline = time.monotonic() + 60
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return {"hung": True}
+            time.sleep(0.05)
+        with os.fdopen(read) as f:
+            report = json.loads(f.read() or "{}")
+    finally:
+        gc.enable()
+    for step in range(3, 6):
+        models.train_step(ddp, opt, rank, step, 8)
+    state.close()
+    return {"cyclic": cyclic, **report, "params": models.flat_params(ddp.module)}
+
+
+@pytest.mark.parametrize("mode", ["none", "int3"])
+def test_a_forked_child_frees_a_dropped_state_and_cannot_train_through_a_live_one(mode):
+    # Before: the child hung in its garbage collection (the engine's destructor waited for a comm
+    # thread a fork does not copy), or a DataLoader worker died of a segmentation fault, a run
+    # with num_workers > 0 after its model was wrapped again ("DataLoader worker exited unexpectedly").
+    res = run_ranks(_in_a_forked_child, 2, mode, timeout=180)
+    for r in res:
+        assert not r.get("hung"), "the forked child hung"
+        assert r["cyclic"] and r["freed"], r
+        assert "was forked from it (a DataLoader worker, os.fork)" in r["trained"], r["trained"]
+    assert torch.equal(res[0]["params"], res[1]["params"])  # the parent's comm thread went on
 
 
 def _replicas(rank, world, mode, steps):

@@ -112,6 +112,7 @@ Engine::~Engine() {
 }
 
 void Engine::close() {
+  if (worker_.forked()) return;  // a forked child: the thread and what it holds are the parent's
   // A bucket parked by an interrupted step ends its step before the thread
   // stops (every rank's engine runs the same jobs, so the same all-reduce).
   // Nothing parked (the usual case): the job takes no GIL, which may be

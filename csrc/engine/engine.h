@@ -48,6 +48,8 @@ class Engine {
   explicit Engine(std::shared_ptr<Transport> t);
   // Dropped while jobs are queued (no close()): the comm thread needs the GIL
   // to complete their futures, so it is waited for without holding the GIL.
+  // (In a child forked from the process that made it, the bindings let go of
+  // an engine without this destructor: see make_engine in bindings.cpp.)
   ~Engine();
 
   // Checks the job (codec, algorithm, sizes, devices of its state), then
@@ -67,10 +69,12 @@ class Engine {
 
   // Blocks until the queued jobs have run (a pipelined lowrank bucket may
   // still wait for the step's next bucket: see BucketReducer::pipelines).
+  // Submits and drain() in a forked child: a std::runtime_error (Worker::post).
   void drain() { worker_.drain(); }
   // Stops the comm thread after its queued jobs, then lets go of the process
   // group: destroy_process_group() then frees it while Python is alive, not
-  // at interpreter exit (where gloo's threads abort the process).
+  // at interpreter exit (where gloo's threads abort the process). Nothing in
+  // a forked child (HookState's __del__ and atexit close there too).
   void close();
   int64_t nonfinite_steps() const { return reducer_.nonfinite_steps(); }
   int64_t carry_holds() const { return reducer_.carry_holds(); }

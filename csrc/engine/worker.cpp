@@ -2,15 +2,33 @@
 
 #include <ATen/Parallel.h>
 
+#include <unistd.h>
+
 #include <stdexcept>
+#include <string>
 
 namespace hetcomm {
 
-Worker::Worker() : thread_([this] { loop(); }) {}
+namespace {
+
+void refuse_in_child(pid_t owner) {
+  throw std::runtime_error(
+      "hetcomm: this HookState's comm thread runs in process " + std::to_string(owner) +
+      "; this process (" + std::to_string(getpid()) +
+      ") was forked from it (a DataLoader worker, os.fork) and has no such thread, so it cannot reduce through it: "
+      "train in the process that made the HookState, or make a HookState (and DDP model) in the child");
+}
+
+}  // namespace
+
+Worker::Worker() : owner_(getpid()), thread_([this] { loop(); }) {}
 
 Worker::~Worker() { close(); }
 
+bool Worker::forked() const { return getpid() != owner_; }
+
 void Worker::post(std::function<void()> job) {
+  if (forked()) refuse_in_child(owner_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) throw std::runtime_error("hetcomm: the comm worker is closed (HookState.close() was called)");
@@ -20,11 +38,13 @@ void Worker::post(std::function<void()> job) {
 }
 
 void Worker::drain() {
+  if (forked()) refuse_in_child(owner_);
   std::unique_lock<std::mutex> lock(mu_);
   idle_cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
 }
 
 bool Worker::close() {
+  if (forked()) return false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <thread>
 
+#include <sys/types.h>
+
 namespace hetcomm {
 
 class Worker {
@@ -18,14 +20,20 @@ class Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
-  // Jobs must not throw (they report their own errors).
+  // Jobs must not throw (they report their own errors). In a forked child:
+  // a std::runtime_error (the thread stayed in the parent).
   void post(std::function<void()> job);
-  // Blocks until every job posted so far has run.
+  // Blocks until every job posted so far has run. In a forked child: as post.
   void drain();
   // Runs what is queued, then stops the thread. Idempotent. Returns whether
-  // the thread has ended (false when called from the thread itself).
+  // the thread has ended (false when called from the thread itself, and in a
+  // forked child, where it does nothing).
   bool close();
   bool closed() const;
+  // Whether this process is a child forked from the one that made the thread
+  // (a DataLoader worker, os.fork): the thread did not come along, and the
+  // mutex and condition variables may be held or waited on by it forever.
+  bool forked() const;
 
  private:
   void loop();
@@ -36,6 +44,7 @@ class Worker {
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
   bool busy_ = false;
+  const pid_t owner_;  // the process whose thread this is
   std::thread thread_;
 };
 
