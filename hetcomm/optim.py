@@ -53,6 +53,32 @@ class AdamW(torch.optim.Optimizer):
         #: was reduced exactly (None: unattached, every step is).
         self._exact: Optional[Callable[[], bool]] = None
 
+    def __setstate__(self, state: dict) -> None:
+        """Also what ``load_state_dict`` restores through: a state saved by
+        ``torch.optim.AdamW`` (or ``Adam`` with decoupled weight decay, or
+        none), as a run switching to this optimizer resumes it. Each group
+        takes this optimizer's ``variance_floor`` where it has none, and
+        torch's variance, updated every step, covers every step taken; what
+        this optimizer cannot do (amsgrad, maximize, Adam's weight decay
+        added to the gradient) is a ValueError naming it, not a change of
+        method."""
+        super().__setstate__(state)
+        for i, group in enumerate(self.param_groups):
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise ValueError(f"hetcomm.optim.AdamW: the loaded state's param_groups[{i}] has {flag}=True, "
+                                     "which this optimizer does not support (keep the optimizer that saved it)")
+            if group.get("decoupled_weight_decay") is False and group.get("weight_decay", 0.0) != 0.0:
+                raise ValueError(
+                    f"hetcomm.optim.AdamW: the loaded state's param_groups[{i}] is torch.optim.Adam's, whose "
+                    f"weight_decay ({group['weight_decay']}) is added to the gradient; this optimizer decays the "
+                    "weights (AdamW): keep the optimizer that saved it, or save it with weight_decay=0")
+            group.setdefault("variance_floor", self.defaults.get("variance_floor", 0.1))
+        for st in self.state.values():
+            if "step" in st and "variance_step" not in st:
+                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).cpu().clone()
+                st["variance_step"] = st["step"].clone()
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = None

@@ -194,6 +194,46 @@ def test_hetcomm_adamw_unattached_is_torchs_adamw():
     assert "exp_avg_sq" in ours.state_dict()["state"][0]
 
 
+def test_hetcomm_adamw_resumes_what_torchs_adamw_saved():
+    # A run that switches to hetcomm's AdamW resumes the checkpoint torch's AdamW saved: unattached, it goes on as
+    # torch's would (its state had no variance_step, its groups no variance_floor: a KeyError at the first step).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(D, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    twin = copy.deepcopy(model)
+    kw = dict(lr=3e-3, betas=(0.8, 0.99), weight_decay=0.05, foreach=False)
+    first, theirs = torch.optim.AdamW(model.parameters(), **kw), torch.optim.AdamW(twin.parameters(), **kw)
+    x, y = regression_data()
+
+    def steps(pairs, span):
+        for step in span:
+            for m, opt in pairs:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(x[step::50]).squeeze(1), y[step::50]).backward()
+                opt.step()
+    steps(((model, first), (twin, theirs)), range(20))
+    ours = hetcomm.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.0)  # the checkpoint's rates and decay win
+    ours.load_state_dict(first.state_dict())
+    assert ours.param_groups[0]["lr"] == 3e-3 and ours.param_groups[0]["variance_floor"] == 0.1
+    steps(((model, ours), (twin, theirs)), range(20, 50))
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert all(ours.state[p]["variance_step"].item() == ours.state[p]["step"].item() == 50 for p in model.parameters())
+    ours._exact = lambda: False  # attached, a compressed step: the variance frozen and floored
+    steps(((model, ours),), range(50, 51))
+    assert all(ours.state[p]["variance_step"].item() == 50 for p in model.parameters())
+    # what it cannot do is named, not changed: amsgrad; Adam's weight decay added to the gradient (Adam without
+    # weight decay loads)
+    for bad, needle in ((torch.optim.AdamW(model.parameters(), amsgrad=True), "amsgrad=True"),
+                        (torch.optim.Adam(model.parameters(), weight_decay=0.01), "added to the gradient"),
+                        (torch.optim.Adam(model.parameters()), None)):
+        steps(((model, bad),), range(1))
+        if needle is None:
+            hetcomm.optim.AdamW(model.parameters()).load_state_dict(bad.state_dict())
+        else:
+            with pytest.raises(ValueError, match=needle):
+                hetcomm.optim.AdamW(model.parameters()).load_state_dict(bad.state_dict())
+
+
 ADAMW_LR = 3e-3  # fp32's best on this task (bench train's sweep)
 
 
