@@ -203,7 +203,7 @@ class NormSketch:
         x = buf.reshape(-1).float() * signs
         k = SKETCH_SIZE
         full = n - n % k
-        part = x[:full].view(-1, k).sum(0) if full else torch.zeros(k, device=buf.device)
+        part = x[:full].view(-1, k).sum(0) if full else torch.zeros(k, dtype=torch.float32, device=buf.device)
         part[:n - full] += x[full:]
         self.vec = part if self.vec is None else self.vec.add_(part)
         self.params.update(id(p) for p in params if p is not None)

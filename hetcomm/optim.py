@@ -76,7 +76,7 @@ class AdamW(torch.optim.Optimizer):
             group.setdefault("variance_floor", self.defaults.get("variance_floor", 0.1))
         for st in self.state.values():
             if "step" in st and "variance_step" not in st:
-                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).cpu().clone()
+                st["step"] = torch.tensor(float(st["step"]))  # (on the CPU, as this optimizer keeps it)
                 st["variance_step"] = st["step"].clone()
 
     @torch.no_grad()

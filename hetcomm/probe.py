@@ -103,7 +103,7 @@ def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20,
         raise ValueError(f"nodes must name the node of each of the group's {world} ranks, got {len(nodes)}")
     mine = {}
     sizing = min(PROBE_SIZING, large)
-    buf = torch.zeros(max(small, sizing, large) // 4, device=device)
+    buf = torch.zeros(max(small, sizing, large) // 4, dtype=torch.float32, device=device)
 
     def exchange(peer: int, first: bool, nbytes: int, reps: int, tag: int, warm_up: bool = True) -> float:
         """The least one-way time of ``reps`` exchanges after a warm-up one
@@ -187,7 +187,8 @@ def measure_codec_gbps(numel: int = 1 << 20, device: Optional[torch.device] = No
     from . import ops
 
     device = device or torch.device("cpu")
-    g, e = torch.randn(numel, device=device), torch.zeros(numel, device=device)
+    g = torch.randn(numel, dtype=torch.float32, device=device)
+    e = torch.zeros_like(g)
     best = math.inf
     for _ in range(3):
         sync(device)

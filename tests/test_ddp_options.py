@@ -11,6 +11,8 @@ those steps is checked against a single-process gradient of the samples the
 ranks still training had, scaled as DDP's ``divide_by_initial_world_size``
 says."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -391,6 +393,45 @@ def test_half_and_double_parameters_reduce_through_the_hook(dtype, whole):
             assert rel < 0.05, (how, rel)
         if how not in ("torch", "none"):
             assert r["ratio"] > 2.5 and rel > 0, (how, r["ratio"], rel)  # it compressed (none reads 2: fp32's bytes)
+
+
+def _float64_default(rank, world, how, cache_dir):
+    """``torch.set_default_dtype(torch.float64)`` (as scientific codes set
+    it) before the model is built: float64 parameters, and every tensor made
+    without a dtype float64 too. SGD-momentum, clipped through the state."""
+    os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    torch.set_default_dtype(torch.float64)
+    net = models.mlp(hidden=128)
+    ddp = DDP(net, bucket_cap_mb=0.02)
+    state = None
+    if how != "torch":
+        state = hetcomm.HookState(how.split("+")[0], min_compress_numel=1000)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if how.endswith("+m"):
+        state.attach_optimizer(opt)
+    for step in range(HALF_STEPS):
+        x, y = models.batch(rank, step, 16)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x.double()), y).backward()
+        (state or torch.nn.utils).clip_grad_norm_(net.parameters(), 5.0)
+        opt.step()
+    return {"final": models.flat_params(net), "dtype": str(next(net.parameters()).dtype),
+            "modes": sorted({p.mode for p in state.last_plans.values()}) if state is not None else None}
+
+
+def test_a_float64_default_dtype_runs_every_mode(tmp_path):
+    # lowrank's Q and auto (its lowrank candidate) were made in the default dtype: "flat must be a contiguous 1-D
+    # float32 tensor" at the first compressed step; the topology probe's buffer was twice its bytes
+    how_list = ["torch", "none", "lowrank", "auto", "onebit+m", "int3"]
+    results = run_ranks(each_mode, 2, _float64_default, how_list, str(tmp_path))
+    ref = results[0]["torch"]["final"]
+    for how in how_list:
+        r = results[0][how]
+        assert r["dtype"] == "torch.float64" and torch.equal(r["final"], results[1][how]["final"]), how
+        rel = ((r["final"] - ref).norm() / ref.norm()).item()
+        assert rel == 0.0 if how in ("torch", "none") else 0 < rel < 0.05, (how, rel)
+    assert results[0]["lowrank"]["modes"] == ["lowrank"]
 
 
 def _channels_last(rank, world, optimizer, total_steps):
