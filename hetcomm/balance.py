@@ -172,7 +172,8 @@ class UnevenBatchSampler(Sampler[List[int]]):
 
     def __iter__(self) -> Iterator[List[int]]:
         if self.shuffle:
-            perm = torch.randperm(self.dataset_len, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            perm = torch.randperm(self.dataset_len, generator=gen, device="cpu")
         else:
             perm = torch.arange(self.dataset_len)
         steps = len(self)

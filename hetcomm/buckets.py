@@ -294,7 +294,8 @@ class BucketStates:
             log.warning("hetcomm: a rebuilt bucket of %d elements holds parameters of %d: what the earlier buckets' "
                         "error feedback owed its parameters is dropped", numel, held)
             return
-        self.carry[key] = torch.cat([p.to(device) if p is not None else torch.zeros(self._size(n), dtype=torch.float32, device=device)
+        self.carry[key] = torch.cat([p.to(device) if p is not None
+                                     else torch.zeros(self._size(n), dtype=torch.float32, device=device)
                                      for n, p in zip(sig, pieces)])
         self._carry_sent.pop(key, None)
 
@@ -392,7 +393,7 @@ class BucketStates:
         if q is None or q.numel() != n:
             # The same random start on every rank (the key is the same everywhere), each matrix's Q
             # orthonormal, as every later step's (see LowrankStep::finish)
-            q = torch.randn(n, generator=q_generator(key), dtype=torch.float32)
+            q = torch.randn(n, generator=q_generator(key), dtype=torch.float32, device="cpu")
             _C.orthonormalize_blocks(q, q_blocks(layout), 0.0)
             q = self.lowrank_q[key] = q.to(device)
         elif q.device != device:  # restored from a checkpoint on another device

@@ -60,13 +60,13 @@ def q_at(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, key: str) -> tor
     matrix's Q is orthonormal (the same bits on every rank: Q is)."""
     device, q = q.device, q.detach().cpu()
     gen = q_generator(key)
-    out = torch.empty(_C.lowrank_q_numel(new), dtype=torch.float32)
+    out = torch.empty(_C.lowrank_q_numel(new), dtype=torch.float32, device="cpu")
     olds = old.tolist() if len(old) == len(new) else [[-1, 0, 0, 0]] * len(new)  # (another split: nothing kept)
     at_old, at_new = 0, 0
     for (o_off, _, o_cols, o_rank), (n_off, _, n_cols, n_rank) in zip(olds, new.tolist()):
         keep = min(o_rank, n_rank) if (o_off, o_cols) == (n_off, n_cols) else 0
         if n_rank:
-            block = torch.randn(n_cols, n_rank, generator=gen, dtype=torch.float32)
+            block = torch.randn(n_cols, n_rank, generator=gen, dtype=torch.float32, device="cpu")
             if keep:
                 block[:, :keep] = q.narrow(0, at_old, o_cols * o_rank).view(o_cols, o_rank)[:, :keep]
             out.narrow(0, at_new, n_cols * n_rank).copy_(block.reshape(-1))

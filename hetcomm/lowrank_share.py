@@ -76,7 +76,7 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     # over half of a reading's 15 ms on a 1024 x 1104 matrix, one thread)
     total = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
     gf = g.float()  # float32 products: a share, not a bit-exact quantity
-    omega = torch.randn(gf.shape[1], k, generator=gen, dtype=torch.float32).to(gf.device)
+    omega = torch.randn(gf.shape[1], k, generator=gen, dtype=torch.float32, device="cpu").to(gf.device)
     y = gf @ omega
     for _ in range(POWER_STEPS):
         y = torch.linalg.qr(y)[0]
