@@ -31,6 +31,11 @@ def hook(state: "BucketSteps", bucket: dist.GradBucket) -> torch.futures.Future[
     """
     if not isinstance(state, BucketSteps):
         raise ValueError(f"hetcomm.hook: state must be a hetcomm.HookState, got {type(state).__name__}")
+    if isinstance(bucket, torch.Tensor):  # FSDP's hooks hand over a tensor (fully_shard's set_all_reduce_hook)
+        raise ValueError("hetcomm.hook: bucket must be DDP's GradBucket (register the hook with "
+                         "DistributedDataParallel.register_comm_hook), got a tensor: FSDP's hooks "
+                         "(FullyShardedDataParallel.register_comm_hook, fully_shard's set_all_reduce_hook) are not "
+                         "supported")
     return state._submit(bucket)
 
 

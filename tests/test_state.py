@@ -93,6 +93,12 @@ def test_non_float_bucket_is_a_value_error():
         hetcomm.hook(hetcomm.HookState(), _FakeBucket(torch.zeros(4, dtype=torch.int64)))
 
 
+def test_a_tensor_for_a_bucket_names_ddps_grad_bucket():
+    # what FSDP's hooks hand over (fully_shard's set_all_reduce_hook with functools.partial(hetcomm.hook, state))
+    with pytest.raises(ValueError, match="bucket must be DDP's GradBucket .*FSDP's hooks"):
+        hetcomm.hook(hetcomm.HookState(), torch.zeros(4))
+
+
 def test_sparse_bucket_is_a_value_error_naming_sparse_false():
     # DDP hands an nn.Embedding(sparse=True)'s gradient over as a sparse bucket (every rank alike)
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,))
