@@ -58,7 +58,7 @@ def _as_bucket(bucket: buckets.Bucket, buf: torch.Tensor, parts, params, fill: f
     through its parameter's strides, as DDP's reducer lays the bucket out."""
     out = torch.full((buf.numel(),), fill, dtype=torch.float32, device=buf.device)
     for g, part, p in zip(bucket.grads, parts, params):
-        if part is not None:
+        if part is not None and g.numel():  # (an empty tensor's data_ptr is no offset into the bucket)
             off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
             slot = out.narrow(0, off, g.numel())
             if p is not None and _dense(p):

@@ -22,7 +22,9 @@ def matrix_layout(bucket, rank: int) -> torch.Tensor:
     rows, offset = [], 0
     for g in bucket.grads:
         n = g.numel()
-        off = (g.data_ptr() - buf.data_ptr()) // buf.element_size() if g.numel() else offset
+        if n == 0:  # an empty parameter (a dimension of 0) has no place in the buffer
+            continue
+        off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
         if g.dim() >= 2:
             r_rows, cols = g.shape[0], n // g.shape[0]
             if compressed_at(r_rows, cols, rank):

@@ -434,6 +434,61 @@ def test_a_float64_default_dtype_runs_every_mode(tmp_path):
     assert results[0]["lowrank"]["modes"] == ["lowrank"]
 
 
+class _WithEmpty(nn.Module):
+    """The tests' MLP with a parameter of 0 elements (a table whose
+    configured size is 0) and a 1-element one between its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = models.mlp(hidden=128)
+        self.empty, self.one = nn.Parameter(torch.empty(0, 128)), nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        h = torch.relu(self.m[0](x)) + self.empty.sum(0) + self.one
+        return self.m[4](torch.relu(self.m[2](h)))
+
+
+def _empty_param(rank, world, how):
+    """8 steps of SGD-momentum on :class:`_WithEmpty`, in one bucket and in
+    buckets of a few kB (the empty parameter in one of its own or beside
+    others); hetcomm's runs clipped through the state."""
+    out = {}
+    for cap in (25, 0.0001):
+        net = _WithEmpty()
+        ddp = DDP(net, bucket_cap_mb=cap)
+        state, opt = None, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        if how != "torch":
+            state = hetcomm.HookState(how.split("+")[0], min_compress_numel=0)
+            ddp.register_comm_hook(state, hetcomm.hook)
+            if how.endswith("+m"):
+                state.attach_optimizer(opt)
+        for step in range(HALF_STEPS):
+            x, y = models.batch(rank, step, 16)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            if state is not None:
+                state.clip_grad_norm_(net.parameters(), 5.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 5.0)
+            opt.step()
+        out[cap] = models.flat_params(net)
+    return out
+
+
+def test_a_parameter_of_no_elements_trains_in_every_mode():
+    # lowrank (and auto, whose candidates hold it) divided by its 0 rows; the attached momentum was placed at the
+    # empty gradient's data_ptr, which is no offset into the bucket (an IndexError at a garbage offset)
+    how_list = ["torch", "none", "lowrank", "auto", "onebit+m", "topk+m", "int3"]
+    results = run_ranks(each_mode, 2, _empty_param, how_list)
+    for cap in (25, 0.0001):
+        ref = results[0]["torch"][cap]
+        for how in how_list:
+            r = results[0][how][cap]
+            assert torch.equal(r, results[1][how][cap]), (how, cap)
+            rel = ((r - ref).norm() / ref.norm()).item()
+            assert rel == 0.0 if how in ("torch", "none") else 0 < rel < 0.05, (how, cap, rel)
+
+
 def _channels_last(rank, world, optimizer, total_steps):
     """A small convolutional net in channels_last (DDP keeps its weights'
     gradients in the bucket in NHWC order), its momentum attached under
