@@ -489,6 +489,41 @@ def test_a_parameter_of_no_elements_trains_in_every_mode():
             assert rel == 0.0 if how in ("torch", "none") else 0 < rel < 0.05, (how, cap, rel)
 
 
+def _one_rank(rank, world, how):
+    """8 steps of SGD-momentum on one rank (``torchrun --nproc-per-node 1``,
+    as people debug a script) in buckets of a few kB; "topk-lossless": top-k
+    at ratio 1."""
+    net = models.mlp(hidden=128)
+    ddp = DDP(net, bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    if how != "torch":
+        name = how.split("+")[0].split("-")[0]
+        state = hetcomm.HookState(name, min_compress_numel=0, topk_ratio=1.0 if how == "topk-lossless" else 0.05)
+        ddp.register_comm_hook(state, hetcomm.hook)
+        if how.endswith("+m"):
+            state.attach_optimizer(opt)
+    for step in range(HALF_STEPS):
+        x, y = models.batch(rank, step, 16)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return models.flat_params(net)
+
+
+def test_one_rank_runs_every_mode():
+    # top-k read its ranks' counts as int32 from a row whose stride, with one rank, was the header's length in
+    # bytes: "self.stride(0) must be divisible by 4" for most bucket sizes
+    how_list = ["torch", "none", "topk-lossless", "topk", "topk+m", "onebit", "int3", "lowrank", "auto"]
+    res = run_ranks(each_mode, 1, _one_rank, how_list)[0]
+    ref = res["torch"]
+    for how in how_list:
+        rel = ((res[how] - ref).norm() / ref.norm()).item()
+        if how in ("none", "topk-lossless"):
+            assert rel < 1e-6, (how, rel)
+        else:
+            assert torch.isfinite(res[how]).all() and rel < 0.5, (how, rel)
+
+
 def _channels_last(rank, world, optimizer, total_steps):
     """A small convolutional net in channels_last (DDP keeps its weights'
     gradients in the bucket in NHWC order), its momentum attached under

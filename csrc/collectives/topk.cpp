@@ -72,7 +72,9 @@ void allreduce_topk(Transport& t, at::Tensor& x, double divisor, double ratio, b
   Timed _(timer);
   // every rank's header to the host at once (a few bytes a block)
   const at::Tensor headers = all.view({w, lay.bytes()}).narrow(1, 0, lay.header_bytes()).cpu().contiguous();
-  const bool flagged = (headers.narrow(1, 0, 4).contiguous().view(at::kInt) == -1).any().item<bool>();
+  // flatten(): each rank's 4 count bytes in a row of their own (with one rank contiguous() would keep the
+  // header's row stride, which a view as int32 refuses unless it is a multiple of 4)
+  const bool flagged = (headers.narrow(1, 0, 4).flatten().view(at::kInt) == -1).any().item<bool>();
   check_none_flagged(finite, !flagged);
   if (finite != nullptr) finite->everywhere = !flagged;
   if (flagged) return;  // x as it came
