@@ -187,7 +187,10 @@ class OptimizerLink:
                              f"torch.optim.Adam or torch.optim.AdamW, got {type(optimizer).__name__}")
         beta, what = optimizer_beta(optimizer, adam, "optimizer")
         if not 0.0 < beta < 1.0:
-            raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}")
+            raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}"
+                             + (": without momentum there is none to compress; leave the optimizer unattached and "
+                                "compress the gradient (compression=\"int3\", \"fp8\" or \"auto\")"
+                                if beta == 0.0 else ""))
         if exact_every is not None and not (options._is_int(exact_every) and exact_every >= 0):
             raise ValueError(f"exact_every must be an int >= 0 or None, got {exact_every!r}")
         if exact_every and not adam:

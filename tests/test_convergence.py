@@ -548,6 +548,11 @@ def _attach_errors(rank, world):
     state6.attach_optimizer(sgd6, total_steps=600, warmup_fraction=0.05 if rank == 1 else None)
     ddp6.register_comm_hook(state6, hetcomm.hook)
     out.append(models.first_error(ddp6, sgd6, rank))
+    try:  # StyleGAN's Adam: no momentum to compress
+        hetcomm.HookState("onebit").attach_optimizer(torch.optim.Adam(model.parameters(), betas=(0.0, 0.99)))
+        out.append(None)
+    except ValueError as e:
+        out.append(str(e))
     return out
 
 
@@ -562,6 +567,9 @@ def test_attach_optimizer_rejects_what_it_cannot_compress_and_agrees_across_rank
         assert "warmup_compression (attach_optimizer) differs" in errs[8] and "rank 1: 'none'" in errs[8]
         assert "warmup_fraction (attach_optimizer) differs" in errs[9]
         assert "rank 0: 0.2" in errs[9] and "rank 1: 0.05" in errs[9]
+        for e in (errs[1], errs[10]):  # a momentum of 0 names what to do instead
+            assert "must be in (0, 1)" in e and "leave the optimizer unattached and compress the gradient" in e, e
+        assert "betas[0]" in errs[10]
 
 
 def test_fp8_of_the_gradient_reaches_fp32s_loss_with_sgd_momentum_and_adamw(fp32_sgd_momentum, fp32_adamw):
