@@ -232,7 +232,8 @@ def clip_grad_norm_(state, parameters, max_norm: float, norm_type: float = 2.0,
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or float(norm_type) != 2.0:
         raise ValueError(f"norm_type must be 2.0: hetcomm estimates the 2-norm of the reduced gradient, got "
                          f"{norm_type!r} (use torch.nn.utils.clip_grad_norm_ for other norms of the handed one)")
-    params = [p for p in _as_list(parameters) if p.grad is not None]
+    given = _as_list(parameters)
+    params = [p for p in given if p.grad is not None]
     if state._step_open:
         raise RuntimeError("hetcomm: clip_grad_norm_ was called while the step's buckets are being reduced: call it "
                            "after backward() returns, before optimizer.step()")
@@ -246,7 +247,9 @@ def clip_grad_norm_(state, parameters, max_norm: float, norm_type: float = 2.0,
         log.warning("hetcomm: clip_grad_norm_ was first called after step %d, whose compressed buckets were not "
                     "sketched: that step is clipped by the handed gradient's norm; the steps from the next on by "
                     "the reduced gradient's", last)
-    ids = {id(p) for p in params}
+    # (a parameter DDP left without a gradient, one no rank used this step, is given all the same: its zeros are
+    # in its bucket's sketch)
+    ids = {id(p) for p in given}
     missing = len(sketched - ids)
     if missing:
         raise ValueError(f"parameters must hold every parameter of the compressed buckets (model.parameters()): "
