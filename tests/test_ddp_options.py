@@ -153,6 +153,20 @@ def _hooked(ddp, how, min_numel):
     return state, opt
 
 
+def _sgd_hooked(ddp, how, min_numel, **options):
+    """SGD-momentum on ``ddp`` with DDP's own all-reduce (``how`` "torch") or
+    hetcomm's hook in mode ``how`` ("+m": the momentum attached), HookState's
+    ``options`` besides: (HookState or None, optimizer)."""
+    state = None
+    if how != "torch":
+        state = hetcomm.HookState(how.split("+")[0], min_compress_numel=min_numel, **options)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if how.endswith("+m"):
+        state.attach_optimizer(opt)
+    return state, opt
+
+
 class _Branchy(nn.Module):
     """A model whose head depends on the step (and rank): some parameters get
     no gradient on some ranks, one never does."""
@@ -349,13 +363,7 @@ def _half_params(rank, world, how, dtype, whole):
     hook in mode ``how`` ("+m": the momentum attached)."""
     net = models.mlp(hidden=128).to(dtype) if whole else _OneLayerIn(dtype)
     ddp = DDP(net, bucket_cap_mb=0.02)
-    state = None
-    if how != "torch":
-        state = hetcomm.HookState(how.split("+")[0], min_compress_numel=1000)
-        ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    if how.endswith("+m"):
-        state.attach_optimizer(opt)
+    state, opt = _sgd_hooked(ddp, how, 1000)
     for step in range(HALF_STEPS):
         x, y = models.batch(rank, step, 16)
         if state is not None:
@@ -403,13 +411,7 @@ def _float64_default(rank, world, how, cache_dir):
     torch.set_default_dtype(torch.float64)
     net = models.mlp(hidden=128)
     ddp = DDP(net, bucket_cap_mb=0.02)
-    state = None
-    if how != "torch":
-        state = hetcomm.HookState(how.split("+")[0], min_compress_numel=1000)
-        ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    if how.endswith("+m"):
-        state.attach_optimizer(opt)
+    state, opt = _sgd_hooked(ddp, how, 1000)
     for step in range(HALF_STEPS):
         x, y = models.batch(rank, step, 16)
         opt.zero_grad()
@@ -456,12 +458,7 @@ def _empty_param(rank, world, how):
     for cap in (25, 0.0001):
         net = _WithEmpty()
         ddp = DDP(net, bucket_cap_mb=cap)
-        state, opt = None, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        if how != "torch":
-            state = hetcomm.HookState(how.split("+")[0], min_compress_numel=0)
-            ddp.register_comm_hook(state, hetcomm.hook)
-            if how.endswith("+m"):
-                state.attach_optimizer(opt)
+        state, opt = _sgd_hooked(ddp, how, 0)
         for step in range(HALF_STEPS):
             x, y = models.batch(rank, step, 16)
             opt.zero_grad()
@@ -495,13 +492,7 @@ def _one_rank(rank, world, how):
     at ratio 1."""
     net = models.mlp(hidden=128)
     ddp = DDP(net, bucket_cap_mb=0.0001)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    if how != "torch":
-        name = how.split("+")[0].split("-")[0]
-        state = hetcomm.HookState(name, min_compress_numel=0, topk_ratio=1.0 if how == "topk-lossless" else 0.05)
-        ddp.register_comm_hook(state, hetcomm.hook)
-        if how.endswith("+m"):
-            state.attach_optimizer(opt)
+    _, opt = _sgd_hooked(ddp, how.replace("-lossless", ""), 0, topk_ratio=1.0 if how == "topk-lossless" else 0.05)
     for step in range(HALF_STEPS):
         x, y = models.batch(rank, step, 16)
         opt.zero_grad()
