@@ -32,6 +32,22 @@ def _close_states() -> None:
         state.close()
 
 
+def destroy_own_group(group) -> None:
+    """Frees a gloo group a HookState made for itself once its comm thread
+    stopped (a local act: no rank waits for another), so that a process
+    making many states (a sweep, a notebook) does not keep each one's gloo
+    threads and sockets (3 and 5 a state, measured) until
+    ``destroy_process_group()``. Any other backend's group is left to that:
+    an NCCL communicator's abort may be collective."""
+    if not dist.is_initialized():
+        return  # destroy_process_group() ran: every group went with it
+    try:
+        if dist.get_backend(group) == "gloo":
+            dist.destroy_process_group(group)
+    except (ValueError, RuntimeError):
+        pass  # not a group c10d knows any more
+
+
 def across_nodes(topo) -> bool:
     """Whether a compressed mode left at the default algorithm runs its
     compressed buckets hierarchically on ``topo``: several nodes, the same
@@ -90,6 +106,7 @@ class Negotiation:
             if not dist.is_initialized():
                 raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
             self._process_group = dist.new_group(timeout=self._timeout or _default_group_timeout())
+            self._own_group = True
             _live_states.add(self)
         return self._process_group
 

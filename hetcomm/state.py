@@ -18,7 +18,7 @@ from .hooks import BucketSteps
 from .lowrank_rounds import RoundsTrial
 from .lowrank_ladder import DEFAULT_RANK, RankLadder
 from .lowrank_share import LowrankShare
-from .negotiation import Negotiation
+from .negotiation import Negotiation, destroy_own_group
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
 log = logging.getLogger("hetcomm")
@@ -240,6 +240,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self.resolved_compression: Optional[str] = None if compression == "auto-precision" else compression
 
         self._process_group = process_group
+        self._own_group = False  # the group is one _group() made (dist.new_group), not the caller's
         self._placement: Optional[Tuple[int, int]] = None  # (rank, world size) in the group, kept past close()
         self._closed = False
         self._timeout = timeout
@@ -518,13 +519,17 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
     def close(self) -> None:
         """Finish queued work, stop the comm thread and let go of the process
         group, so that ``destroy_process_group()`` frees it now (a group that
-        lives on to interpreter exit can abort the process there). The state's
+        lives on to interpreter exit can abort the process there); a gloo
+        group the state made for itself is destroyed here (its threads and
+        sockets go now, not at ``destroy_process_group()``). The state's
         ``stats()`` and ``state_dict()`` still work; reducing does not."""
         if self._engine is not None:
             self._engine.close()
         self._sketch.close()
         self._closed = True
-        self._process_group = None
+        group, self._process_group = self._process_group, None
+        if group is not None and self._own_group:
+            destroy_own_group(group)
 
     def __del__(self) -> None:
         try:
