@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import weakref
 from datetime import timedelta
 from typing import Any, Optional, Tuple
@@ -106,7 +107,7 @@ class Negotiation:
             if not dist.is_initialized():
                 raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
             self._process_group = dist.new_group(timeout=self._timeout or _default_group_timeout())
-            self._own_group = True
+            self._own_group = os.getpid()
             _live_states.add(self)
         return self._process_group
 

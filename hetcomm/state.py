@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import weakref
 from datetime import timedelta
 from typing import Any, Dict, Literal, Optional, Sequence, Tuple
@@ -240,7 +241,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self.resolved_compression: Optional[str] = None if compression == "auto-precision" else compression
 
         self._process_group = process_group
-        self._own_group = False  # the group is one _group() made (dist.new_group), not the caller's
+        self._own_group: Optional[int] = None  # the pid that made the group in _group() (dist.new_group), if it did
         self._placement: Optional[Tuple[int, int]] = None  # (rank, world size) in the group, kept past close()
         self._closed = False
         self._timeout = timeout
@@ -528,7 +529,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         self._sketch.close()
         self._closed = True
         group, self._process_group = self._process_group, None
-        if group is not None and self._own_group:
+        if group is not None and self._own_group == os.getpid():  # (not in a forked child: the parent's group)
             destroy_own_group(group)
 
     def __del__(self) -> None:
