@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import weakref
 from datetime import timedelta
@@ -292,7 +293,16 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         """This rank's number of samples in the coming step (> 0). Call it on
         every rank before every step, starting before the first one. (Inside
         ``ddp.join()`` a rank whose inputs ran out calls nothing: the steps DDP
-        shadows for it are weighed as DDP divides, see the README.)"""
+        shadows for it are weighed as DDP divides, see the README.) Any real
+        number but a bool: an int, a float, a NumPy scalar, or a one-element
+        tensor (a token count, ``mask.sum()``; on a GPU reading it waits for
+        the GPU)."""
+        if isinstance(batch_size, torch.Tensor) and batch_size.numel() == 1 and not batch_size.is_complex() and \
+                batch_size.dtype != torch.bool:
+            batch_size = batch_size.item()
+        elif isinstance(batch_size, numbers.Real) and not isinstance(batch_size, (bool, int, float)) and \
+                type(batch_size).__name__ != "bool_":  # a NumPy scalar (numpy.bool_ is no number of samples)
+            batch_size = float(batch_size)
         if not options._is_number(batch_size) or not (math.isfinite(batch_size) and 0 < batch_size <= 2**40):
             raise ValueError(f"batch_size must be a number in (0, 2**40] (samples in this rank's step), got "
                              f"{batch_size!r}")

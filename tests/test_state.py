@@ -5,6 +5,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -65,10 +66,15 @@ def test_start_iter_0_is_fine_for_every_codec_but_auto():
 
 def test_set_local_batch_size_validates():
     s = hetcomm.HookState()
-    for bad in (0, -3, float("nan"), float("inf"), True, "8"):
+    for bad in (0, -3, float("nan"), float("inf"), True, "8", torch.tensor([3, 4]), torch.tensor(True),
+                torch.tensor(0), np.bool_(True), np.int64(-2)):
         with pytest.raises(ValueError, match="batch_size"):
             s.set_local_batch_size(bad)
-    s.set_local_batch_size(7)
+    # what a loop has at hand: an int, a NumPy scalar (a NumPy sampler), a token count as a one-element tensor
+    for good, want in ((7, 7.0), (np.int64(9), 9.0), (np.float32(2.5), 2.5), (torch.tensor(517), 517.0),
+                       (torch.tensor([12.0]), 12.0)):
+        s.set_local_batch_size(good)
+        assert s._local_batch == want and type(s._local_batch) is float
 
 
 class _FakeBucket:
