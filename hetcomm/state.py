@@ -300,9 +300,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         if isinstance(batch_size, torch.Tensor) and batch_size.numel() == 1 and not batch_size.is_complex() and \
                 batch_size.dtype != torch.bool:
             batch_size = batch_size.item()
-        elif isinstance(batch_size, numbers.Real) and not isinstance(batch_size, (bool, int, float)) and \
-                type(batch_size).__name__ != "bool_":  # a NumPy scalar (numpy.bool_ is no number of samples)
-            batch_size = float(batch_size)
+        elif isinstance(batch_size, numbers.Real) and not isinstance(batch_size, (int, float)):
+            batch_size = float(batch_size)  # a NumPy scalar (numpy.bool_ is no numbers.Real)
         if not options._is_number(batch_size) or not (math.isfinite(batch_size) and 0 < batch_size <= 2**40):
             raise ValueError(f"batch_size must be a number in (0, 2**40] (samples in this rank's step), got "
                              f"{batch_size!r}")
