@@ -728,16 +728,10 @@ def _many_states(rank, world):
         return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
     out = [counts()]
     for run in range(12):
-        model = models.mlp(hidden=32)
-        ddp = DDP(model)
-        state = hetcomm.HookState("onebit")
-        ddp.register_comm_hook(state, hetcomm.hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        for step in range(2):
-            models.train_step(ddp, opt, rank, step, 8)
+        ddp, opt, state = _trained("onebit", 2)
         if run % 2 == 0:
             state.close()
-        del state, ddp, model, opt
+        del state, ddp, opt
         gc.collect()
         if run in (0, 11):
             out.append(counts())
