@@ -382,13 +382,19 @@ def test_bench_train_leaves_out_the_seeds_where_fp32_itself_diverged(monkeypatch
     assert "seed 0 (" not in out
 
 
-def test_compare_seeds_names_each_runs_spike_and_leaves_out_seeds_whose_fp32_diverged(tmp_path, capsys):
+def _bench_script(name: str):
+    """bench/NAME.py, imported as a module."""
     import importlib.util
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "compare_seeds.py")
-    spec = importlib.util.spec_from_file_location("compare_seeds", script)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", name + ".py")
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_seeds_names_each_runs_spike_and_leaves_out_seeds_whose_fp32_diverged(tmp_path, capsys):
+    compare = _bench_script("compare_seeds")
     runs = [_synthetic_run("lm", "fp32", 0, [3.0, 1.60, 1.60], "perplexity"),
             _synthetic_run("lm", "int3", 0, [3.0, 2.6, 1.62], "perplexity"),  # 1.5x of 1.6 is 2.4: not yet
             _synthetic_run("lm", "fp32", 1, [3.0, 1.60, 13.3], "perplexity"),  # blown up, never back
@@ -406,6 +412,21 @@ def test_compare_seeds_names_each_runs_spike_and_leaves_out_seeds_whose_fp32_div
     assert "(lm, sgd): 1 seeds reached by every mode (fp32 diverged on seeds 1: left out)" in out
     assert "spiked 1: 1@60*" in out and "spiked 1: 0@60\n" in out  # fp32's seed 1 ends so; classify's recovers
     assert out.count("spiked 0") == 2
+
+
+def test_adam_shadow_reads_fp8s_step_as_fp32s_and_int3s_as_smaller():
+    """bench/adam_shadow.py: Adam's update from fp8's message is fp32's (its error is 3 % of the gradient's); from
+    int3's, whose error is a quarter of it and adds to the second moment, it is smaller, most where v is small."""
+    shadow = _bench_script("adam_shadow").shadow
+    fp8, int3 = list(shadow("fp8", 6, 3)), list(shadow("int3", 6, 3))
+    assert [row[0] for row in fp8] == [row[0] for row in int3] == [3, 6]
+    for _, size, cosine, error, growth in fp8:
+        assert abs(size - 1) < 0.01 and cosine > 0.999 and error < 0.06 and all(abs(x - 1) < 0.01 for x in growth)
+    for _, size, cosine, error, growth in int3:
+        assert 0.9 < size < 0.99 and 0.95 < cosine < 0.999 and 0.15 < error < 0.5
+        assert all(x > 1.01 for x in growth) and growth[0] > growth[3]
+    with pytest.raises(ValueError, match="codec must be int3 or fp8"):
+        next(shadow("onebit", 2, 1))
 
 
 def test_bench_train_seeds_compare_means(tmp_path):
