@@ -429,6 +429,30 @@ def test_adam_shadow_reads_fp8s_step_as_fp32s_and_int3s_as_smaller():
         next(shadow("onebit", 2, 1))
 
 
+def test_sim_wires_shuffled_control_moves_each_blocks_errors_within_it():
+    """bench/sim_wires' sim-int3shuf-b32 control: each block's values permuted within the block, the partial last
+    block's padding left out, another permutation each call; run in a child (importing simwires adds modes)."""
+    code = """
+import sys, torch
+sys.path.insert(0, 'bench/sim_wires')
+import simwires
+from hetcomm import modes
+gen = torch.Generator().manual_seed(0)
+d = torch.arange(70.0)
+a, b = simwires.shuffled_within_blocks(d, 32, gen), simwires.shuffled_within_blocks(d, 32, gen)
+for e in (a, b):
+    for lo, hi in ((0, 32), (32, 64), (64, 70)):
+        assert sorted(e[lo:hi].tolist()) == list(range(lo, hi)), (lo, e[lo:hi])
+assert not torch.equal(a, d) and not torch.equal(a, b)
+m = modes.get('sim-int3shuf-b32')
+assert m.options == {'kind': 'int3', 'block': 32, 'shuffle': True}
+print('ok')
+"""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_bench_train_seeds_compare_means(tmp_path):
     out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
                 "--scale", "0.1", "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)

@@ -13,6 +13,17 @@ int2 = ternary; fp4: e2m1's values times max|x| / 6) and values rounded to the
 nearest level; the residual keeps the rest; the ranks sum the decoded values
 (on 2 ranks what hetcomm's one exchange does). ``sim2p-``: the sum quantized
 again with a server residual, as the two phases do on 3 or more ranks.
+``sim-int3shuf-b32``: a control of int3's error in time, not a wire. Each
+rank runs int3's error feedback as ``sim-int3-b32`` does, so its message
+would err by d = q - x / world (the residual's change, e_{t-1} - e_t); it
+sends x / world + d shuffled within each block of 32 instead: the same
+errors, by block, but at other positions each step, so a value's error no
+longer repays its last one (white in time, where error feedback's is blue).
+The residual stays int3's (bench/README "int3's 2-rank cells on the Intel
+Xeon"):
+
+    PYTHONPATH=bench/sim_wires hetcomm bench train --tasks lm --optims sgd --seeds 33 \
+        --modes sim-int3-b32,sim-int3shuf-b32
 """
 import torch
 import torch.distributed as dist
@@ -39,9 +50,21 @@ def quant(v: torch.Tensor, kind: str, block: int) -> torch.Tensor:
 
 
 class SimState:
-    def __init__(self, kind: str, block: int, two_phase: bool = False) -> None:
-        self.kind, self.block, self.two_phase = kind, block, two_phase
+    def __init__(self, kind: str, block: int, two_phase: bool = False, shuffle: bool = False) -> None:
+        self.kind, self.block, self.two_phase, self.shuffle = kind, block, two_phase, shuffle
         self.res, self.server = {}, {}
+        # the same permutations on every rank (seeded alike), another each step
+        self.gen = torch.Generator().manual_seed(12345)
+
+
+def shuffled_within_blocks(d: torch.Tensor, block: int, gen: torch.Generator) -> torch.Tensor:
+    """d's values moved to random positions inside each block of ``block`` (the last, partial block too)."""
+    n = d.numel()
+    b = torch.nn.functional.pad(d, (0, (-n) % block)).view(-1, block)
+    keys = torch.rand(b.shape, generator=gen)
+    if n % block:  # the padding stays in the padding: its keys sort last
+        keys.view(-1)[n:] = 2.0
+    return b.gather(1, keys.argsort(1)).view(-1)[:n]
 
 
 def _kept(store: dict, i: int, like: torch.Tensor) -> torch.Tensor:
@@ -54,6 +77,8 @@ def sim_hook(st: SimState, bucket):
     v = x / dist.get_world_size() + _kept(st.res, i, x)
     q = quant(v, st.kind, st.block)
     st.res[i] = v - q
+    if st.shuffle:  # send the unquantized value plus the same errors at other places (white in time)
+        q = x / dist.get_world_size() + shuffled_within_blocks(q - x / dist.get_world_size(), st.block, st.gen)
     x.copy_(q)
 
     def server(fut):
@@ -72,7 +97,8 @@ _hook, _bytes = Mode.comm_hook, Mode.torch_bytes
 
 def comm_hook(self, **overrides):
     if self.hook == "sim":
-        return SimState(self.options["kind"], self.options["block"], self.options.get("two_phase", False)), sim_hook, None
+        return SimState(self.options["kind"], self.options["block"], self.options.get("two_phase", False),
+                        self.options.get("shuffle", False)), sim_hook, None
     return _hook(self, **overrides)
 
 
@@ -87,3 +113,4 @@ for _kind in TOP:
     for _block in (32, 16):
         modes.MODES[f"sim-{_kind}-b{_block}"] = Mode(f"sim-{_kind}-b{_block}", "sim", {"kind": _kind, "block": _block})
     modes.MODES[f"sim2p-{_kind}-b32"] = Mode(f"sim2p-{_kind}-b32", "sim", {"kind": _kind, "block": 32, "two_phase": True})
+modes.MODES["sim-int3shuf-b32"] = Mode("sim-int3shuf-b32", "sim", {"kind": "int3", "block": 32, "shuffle": True})
