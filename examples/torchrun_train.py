@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 examples/torchrun_train.py --steps 300 --ckpt /tmp/ckpt --resume
     torchrun --nproc_per_node 2 examples/torchrun_train.py --compression onebit --attach --ckpt /tmp/ckpt1
     torchrun --nproc_per_node 2 examples/torchrun_train.py --optim adamw --precisions bf16,fp16 --ckpt /tmp/ckpt2
+    torchrun --nproc_per_node 2 examples/torchrun_train.py --optim adamw --schedule linear --clip 1 --ckpt /tmp/ckpt3
 
 Trains an MLP on scikit-learn's digits with SGD (momentum 0.9; --optim adamw:
 hetcomm.optim.AdamW) and hetcomm's default, compression="auto" (or
@@ -11,7 +12,8 @@ hetcomm.optim.AdamW) and hetcomm's default, compression="auto" (or
 the run's length, as onebit and topk want under a momentum); --precisions: rank
 r computes in the r-th entry (cycled) under hetcomm.amp.GradScaler, as if the
 ranks were different GPUs, and --overflow-at makes the fp16 ranks' loss overflow
-at that step (every rank skips it). Saves model, optimizer, the scaler and each
+at that step (every rank skips it); --schedule linear: a warm-up and a linear
+decay of the rate. Saves model, optimizer, the scaler, the schedule and each
 rank's hetcomm state every --save-every steps; --resume continues from the last
 checkpoint as if the run had never stopped (bit for bit with a fixed mode; with
 auto, whose choices follow measured step times, wherever the resumed run
@@ -50,6 +52,9 @@ def main() -> None:
     p.add_argument("--precisions", default=None,
                    help="comma-separated fp32 / bf16 / fp16, rank r takes entry r (cycled); default: no autocast")
     p.add_argument("--overflow-at", type=int, default=-1, help="the fp16 ranks' loss overflows at this step")
+    p.add_argument("--schedule", choices=("constant", "linear"), default="constant",
+                   help="linear: a warm-up over the run's first tenth, then a linear decay to 0 (as transformers' "
+                        "get_linear_schedule_with_warmup), over --total-steps or --steps; saved with the checkpoint")
     args = p.parse_args()
 
     dist.init_process_group("gloo")  # torchrun's env:// variables
@@ -69,6 +74,11 @@ def main() -> None:
     if args.precisions:
         names = args.precisions.split(",")
         scaler = hetcomm.amp.GradScaler(state, "cpu", precision=names[rank % len(names)])
+    planned = args.total_steps or args.steps
+    warm = max(1, planned // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, (lambda s: min((s + 1) / warm, max(0.0, (planned - s) / (planned - warm)))) if args.schedule == "linear"
+        else (lambda s: 1.0))
     taken = [0]  # the optimizer steps taken (a non-finite gradient on any rank skips the step on every rank)
     opt.register_step_post_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
 
@@ -82,6 +92,7 @@ def main() -> None:
         ck = torch.load(path if os.path.exists(path) else os.path.join(args.ckpt, "rank0.pt"), weights_only=True)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
+        sched.load_state_dict(ck["sched"])
         state.load_state_dict(ck["hetcomm"], strict=False)
         if scaler is not None:
             scaler.load_state_dict(ck["scaler"])  # the loss scale as the saving run left it (an fp16 backoff)
@@ -106,9 +117,11 @@ def main() -> None:
         else:
             scaler.step(opt)
             scaler.update()
+        sched.step()
         if (step + 1) % args.save_every == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict(),
-                        "scaler": scaler.state_dict() if scaler is not None else None, "step": step + 1,
+                        "scaler": scaler.state_dict() if scaler is not None else None, "sched": sched.state_dict(),
+                        "step": step + 1,
                         "optimizer_steps": taken[0]}, path)
     flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
     every, mine = [None] * world, [None] * world
@@ -126,7 +139,7 @@ def main() -> None:
                           "plans": sorted(f"{p['mode']}/{p['algorithm']}" for p in stats["plans"].values()),
                           "lowrank_guard": stats.get("auto", {}).get("lowrank_guard"),
                           "lowrank_share": stats.get("lowrank_share"), "precisions": stats.get("precisions"),
-                          "clip": stats.get("clip"),
+                          "clip": stats.get("clip"), "lr": opt.param_groups[0]["lr"],
                           "ranks": mine,
                           "checksum": float(flat.double().sum())}))
     state.close()

@@ -58,6 +58,18 @@ def test_torchrun_example_resumes_mixed_precision_and_adamw_bit_for_bit(tmp_path
     assert straight["accuracy"] > 0.8
 
 
+def test_torchrun_example_resumes_a_linear_schedule_bit_for_bit(tmp_path):
+    # an HF-style run: int3 of the gradient, hetcomm's AdamW, a warm-up over 6 steps and a linear decay to 0 at step
+    # 60, clipped at 1 through the state; the schedule saved after step 29 with the rest
+    straight, resumed = _straight_and_resumed(tmp_path, "--optim", "adamw", "--compression", "int3",
+                                              "--schedule", "linear", "--clip", "1")
+    for r, clipped in ((straight, 60), (resumed, 30)):  # stats() count this process's calls
+        assert r["replicas_identical"] and r["hook_steps"] == 60 and r["plans"] == ["int3/native"] * len(r["plans"])
+        assert r["lr"] == 0.0 and r["clip"]["calls"] == clipped
+    assert resumed["checksum"] == straight["checksum"]
+    assert straight["accuracy"] > 0.8
+
+
 def test_torchrun_example_resumes_its_default_auto_through_an_overflow(tmp_path):
     # the default: auto, saved after step 29, inside the guard's first window (steps 20, 25 and 30 read), which
     # the resumed run closes with the saved readings; the fp16 rank's overflow at step 25 skips the step on both
