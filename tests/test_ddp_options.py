@@ -139,21 +139,7 @@ def test_clipping_compressed_buckets_inside_a_join_is_a_clear_error():
     assert results[1] is None or results[1]["error"] is not None
 
 
-def _hooked(ddp, how, min_numel):
-    """SGD-momentum on ``ddp`` with DDP's own all-reduce (``how`` "torch") or
-    hetcomm's hook in mode ``how`` (the momentum attached for onebit):
-    (HookState or None, optimizer)."""
-    state = None
-    if how != "torch":
-        state = hetcomm.HookState(how, min_compress_numel=min_numel)
-        ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    if how == "onebit":
-        state.attach_optimizer(opt)
-    return state, opt
-
-
-def _sgd_hooked(ddp, how, min_numel, **options):
+def _hooked(ddp, how, min_numel, **options):
     """SGD-momentum on ``ddp`` with DDP's own all-reduce (``how`` "torch") or
     hetcomm's hook in mode ``how`` ("+m": the momentum attached), HookState's
     ``options`` besides: (HookState or None, optimizer)."""
@@ -189,7 +175,7 @@ def _unused(rank, world, how, option):
     """``find_unused_parameters=True`` with the head switching per step and
     rank, or ``static_graph=True`` with one head always unused; DDP's own
     all-reduce (``how`` "torch") or hetcomm's hook in mode ``how``
-    (SGD-momentum attached for onebit). Each step's gradients by name."""
+    ("+m": SGD-momentum attached). Each step's gradients by name."""
     net = DDP(_Branchy(), bucket_cap_mb=0.001, **{option: True})  # a bucket or two per layer
     state, opt = _hooked(net, how, 100)
     grads = []
@@ -210,20 +196,20 @@ def test_unused_parameters_reduce_as_ddp_does(option):
     """Mode none gives DDP's own gradients to the bit, None where DDP leaves
     one None (a parameter no rank used); compressed momentum keeps the
     replicas identical."""
-    results = run_ranks(each_mode, 2, _unused, ["torch", "none", "onebit"], option)
+    results = run_ranks(each_mode, 2, _unused, ["torch", "none", "onebit+m"], option)
     for r in results:
         for step in range(UNUSED_STEPS):
             theirs, ours = r["torch"]["grads"][step], r["none"]["grads"][step]
             assert theirs.keys() == ours.keys()
             for name, g in theirs.items():
                 if g is None:
-                    assert ours[name] is None and r["onebit"]["grads"][step][name] is None, (option, step, name)
+                    assert ours[name] is None and r["onebit+m"]["grads"][step][name] is None, (option, step, name)
                 else:
                     assert torch.equal(g, ours[name]), (option, step, name)
         assert theirs["never.weight"] is None
-    for how in ("none", "onebit"):
+    for how in ("none", "onebit+m"):
         assert torch.equal(results[0][how]["final"], results[1][how]["final"]), how
-    assert not torch.equal(results[0]["onebit"]["final"], results[0]["none"]["final"])  # it compressed
+    assert not torch.equal(results[0]["onebit+m"]["final"], results[0]["none"]["final"])  # it compressed
 
 
 COMPILE_STEPS = 5
@@ -250,14 +236,14 @@ def _compiled(rank, world, how):
 
 
 def test_a_compiled_ddp_model_reduces_through_the_hook():
-    results = run_ranks(each_mode, 2, _compiled, ["torch", "none", "onebit"])
+    results = run_ranks(each_mode, 2, _compiled, ["torch", "none", "onebit+m"])
     for r in results:
         for step in range(COMPILE_STEPS):
             assert torch.equal(r["none"]["grads"][step], r["torch"]["grads"][step]), step
-        assert r["none"]["iter"] == r["onebit"]["iter"] == COMPILE_STEPS  # the hook ran once a step
-    for how in ("none", "onebit"):
+        assert r["none"]["iter"] == r["onebit+m"]["iter"] == COMPILE_STEPS  # the hook ran once a step
+    for how in ("none", "onebit+m"):
         assert torch.equal(results[0][how]["final"], results[1][how]["final"]), how
-    assert not torch.equal(results[0]["onebit"]["final"], results[0]["none"]["final"])  # it compressed
+    assert not torch.equal(results[0]["onebit+m"]["final"], results[0]["none"]["final"])  # it compressed
 
 
 FROZEN_STEPS = 6
@@ -363,7 +349,7 @@ def _half_params(rank, world, how, dtype, whole):
     hook in mode ``how`` ("+m": the momentum attached)."""
     net = models.mlp(hidden=128).to(dtype) if whole else _OneLayerIn(dtype)
     ddp = DDP(net, bucket_cap_mb=0.02)
-    state, opt = _sgd_hooked(ddp, how, 1000)
+    state, opt = _hooked(ddp, how, 1000)
     for step in range(HALF_STEPS):
         x, y = models.batch(rank, step, 16)
         if state is not None:
@@ -411,7 +397,7 @@ def _float64_default(rank, world, how, cache_dir):
     torch.set_default_dtype(torch.float64)
     net = models.mlp(hidden=128)
     ddp = DDP(net, bucket_cap_mb=0.02)
-    state, opt = _sgd_hooked(ddp, how, 1000)
+    state, opt = _hooked(ddp, how, 1000)
     for step in range(HALF_STEPS):
         x, y = models.batch(rank, step, 16)
         opt.zero_grad()
@@ -458,7 +444,7 @@ def _empty_param(rank, world, how):
     for cap in (25, 0.0001):
         net = _WithEmpty()
         ddp = DDP(net, bucket_cap_mb=cap)
-        state, opt = _sgd_hooked(ddp, how, 0)
+        state, opt = _hooked(ddp, how, 0)
         for step in range(HALF_STEPS):
             x, y = models.batch(rank, step, 16)
             opt.zero_grad()
@@ -492,7 +478,7 @@ def _one_rank(rank, world, how):
     at ratio 1."""
     net = models.mlp(hidden=128)
     ddp = DDP(net, bucket_cap_mb=0.0001)
-    _, opt = _sgd_hooked(ddp, how.replace("-lossless", ""), 0, topk_ratio=1.0 if how == "topk-lossless" else 0.05)
+    _, opt = _hooked(ddp, how.replace("-lossless", ""), 0, topk_ratio=1.0 if how == "topk-lossless" else 0.05)
     for step in range(HALF_STEPS):
         x, y = models.batch(rank, step, 16)
         opt.zero_grad()
