@@ -74,11 +74,12 @@ def _kept(store: dict, i: int, like: torch.Tensor) -> torch.Tensor:
 
 def sim_hook(st: SimState, bucket):
     x, i = bucket.buffer(), bucket.index()
-    v = x / dist.get_world_size() + _kept(st.res, i, x)
+    share = x / dist.get_world_size()
+    v = share + _kept(st.res, i, x)
     q = quant(v, st.kind, st.block)
     st.res[i] = v - q
     if st.shuffle:  # send the unquantized value plus the same errors at other places (white in time)
-        q = x / dist.get_world_size() + shuffled_within_blocks(q - x / dist.get_world_size(), st.block, st.gen)
+        q = share + shuffled_within_blocks(q - share, st.block, st.gen)
     x.copy_(q)
 
     def server(fut):
