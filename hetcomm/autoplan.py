@@ -26,10 +26,12 @@
    time per round and the fastest round: the same choice everywhere, whatever
    each rank measured (:func:`choose`).
 4. Re-check (round 0: the current plans), switching only to a round at least
-   ``1 / AUTO_HYSTERESIS`` faster: first ``AUTO_SETTLE`` compressed steps
+   ``1 / AUTO_HYSTERESIS`` faster (to a round with the guarded lowrank from
+   one without it, by lowrank's margin alone, see 5): first ``AUTO_SETTLE`` compressed steps
    after the first decision (whose trial ran in the run's first steps, slower
    and noisier than the steady state: measured, it could pick a plan 10-40 %
-   slower than the best), then every ``AUTO_RECHECK``, each once none of
+   slower than the best; so too after a re-check that ended inside the first
+   AUTO_SETTLE compressed steps), then every ``AUTO_RECHECK``, each once none of
    its steps would take a share reading of the guard's. A re-check leaves out
    the candidates its last measurement found more than ``AUTO_SPAN`` times
    slower than the chosen round (fp32 at 100 Mbit: 10x a compressed step,
@@ -47,7 +49,8 @@
    where rank 8 carries as much as the bar asks of rank 4; the first at
    the bar admits it, 100-120 under it refuses it); admitted,
    every bucket takes the fastest round the last trial measured, lowrank's
-   included. A round with the guarded lowrank wins only at
+   included, and where none takes lowrank, a re-check measures it at once
+   at the rank it now runs at (the trials timed it at 16). A round with the guarded lowrank wins only at
    ``LOWRANK_MARGIN`` (0.7) times the best round without it or less: an
    approximation must buy a clear speed-up. Where the cost model predicts
    it fastest (a slow link) and it may run, it is the first trial's round
@@ -526,7 +529,10 @@ class AutoPlanner:
         if self.trial_start is not None and not self._in_trial():
             self._decide(engine)
             self.trial_start = None
-            self.next_check = self.compressed_steps + (AUTO_SETTLE if self.rechecks == 0 else AUTO_RECHECK)
+            # a trial in the run's first AUTO_SETTLE compressed steps (the first; one measuring lowrank as it is
+            # admitted) is checked again AUTO_SETTLE steps later: early steps are slower and noisier
+            self.next_check = self.compressed_steps + (AUTO_SETTLE if self.compressed_steps < AUTO_SETTLE else
+                                                       AUTO_RECHECK)
             if any(self._blocked(self.candidates[k][j]) for k, j in self.decided.items()):
                 self._first_trial_again()  # lowrank, refused while the trial ran, was all it measured
         elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check and \
@@ -545,7 +551,14 @@ class AutoPlanner:
             raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
                              "(different topologies or options): construct HookState alike on every rank")
         self.round_times = [max(c) for c in zip(*times)]
-        best = choose([self._judged(r) for r in times], 0 if self._rechecking and self._allowed(0) else None)
+        judged = [self._judged(r) for r in times]
+        current = 0 if self._rechecking and self._allowed(0) else None
+        if current is not None and self._runs_guarded(choose(judged)) and not self._runs_guarded(current):
+            # toward the guarded lowrank its margin (0.7) asks more than the hysteresis (0.9), not both: by both it
+            # had to take 0.63x the current round, and a wide-model run measuring it at 0.636x kept int3 at 1.6x
+            # lowrank's step for the rest of the run (away from lowrank both still apply: a band, no flapping)
+            current = None
+        best = choose(judged, current)
         changed = 0
         for k in keys:
             j = self._candidate_in_round(k, best)
@@ -578,13 +591,16 @@ class AutoPlanner:
         """Whether trial round ``c`` ran no blocked candidate on any bucket."""
         return not any(self._blocked(cand) for cand in self._round_candidates(c))
 
+    def _runs_guarded(self, c: int) -> bool:
+        """Whether trial round ``c`` runs the guarded lowrank on some bucket."""
+        return any(self._guarded(cand[0]) for cand in self._round_candidates(c))
+
     def _judged(self, times: Sequence[float]) -> List[float]:
         """Round times as a decision weighs them: inf where a round runs a
         blocked candidate; a round that runs the guarded lowrank, its time
         over LOWRANK_MARGIN."""
-        def guarded(c: int) -> bool:
-            return any(self._guarded(cand[0]) for cand in self._round_candidates(c))
-        return [INF if not self._allowed(c) else t / LOWRANK_MARGIN if guarded(c) else t for c, t in enumerate(times)]
+        return [INF if not self._allowed(c) else t / LOWRANK_MARGIN if self._runs_guarded(c) else t
+                for c, t in enumerate(times)]
 
     def _read_guard(self, engine) -> None:
         """After a window of share readings: every rank all-gathers its means
@@ -598,14 +614,28 @@ class AutoPlanner:
                                              "compression='auto'")
         if lowest is None:
             return
-        before = self.guard.state
+        before, timed_at = self.guard.state, self.guard.rank_now if self.guard.provisional else None
         if self.guard.update(lowest[-1], step, lowest[0] if width > 1 else None):
             if before != "refused":
                 self._repick()
+                if self.guard.state == "admitted" and timed_at not in (None, self.s._rank_ladder.rank) and \
+                        self._lost_provisionally():
+                    self.next_check = self.compressed_steps  # a re-check, once its rounds miss every reading
             elif self.trial_start is not None:
                 self._start_trial()  # taken back while a trial runs without it: the trial again, with it
             else:  # taken back: the trials since its refusal left it out; a re-check measures it, as soon as its
                 self.next_check = self.compressed_steps  # rounds miss every reading (begin_step, _reads_during)
+
+    def _lost_provisionally(self) -> bool:
+        """Whether no bucket runs lowrank after its admission though the last
+        trial timed it, provisionally (at rank 16, or 8 while it waited),
+        where it runs at the ladder's rank now (4): on the 2 x 2 testbed at
+        100 Mbit the wide model's large bucket then ran int3 at 68-80 ms a
+        step until the re-check AUTO_SETTLE steps later measured lowrank at
+        44-49, on 8 runs of 20; the re-check comes at once instead."""
+        return self.trial_start is None and \
+            not any(self._guarded(self.candidates[k][j][0]) for k, j in self.decided.items()) and \
+            any(t < INF and self._runs_guarded(c) for c, t in enumerate(self.round_times))
 
     def _repick(self) -> None:
         """The guard admitted or refused lowrank: every bucket takes the

@@ -799,10 +799,12 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
 def _guarded_planner_run(monkeypatch, first_share, cost, readings=None):
     """The planner alone, one 1M-element bucket on a clock of its own, steps
     0 .. 2 LATER + 29: lowrank guarded, its guard's first reading
-    ``first_share`` (at step 0); a step costs ``cost[mode]``, 5 more where
-    the guard reads. ``readings``: {step: this rank's window means, set
-    before that step begins}. (auto, [(step, mode, why)], the trial steps,
-    the first step after the first trial, whether a step reads)."""
+    ``first_share`` (at step 0; None: none, lowrank provisional until
+    ``readings`` give one); a step costs ``cost[mode]`` (a callable: of the
+    step and the rank lowrank runs at), 5 more where the guard reads.
+    ``readings``: {step: this rank's window means, set before that step
+    begins}. (auto, [(step, mode, why)], the trial steps, the first step
+    after the first trial, whether a step reads)."""
     from types import SimpleNamespace
 
     topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
@@ -816,7 +818,7 @@ def _guarded_planner_run(monkeypatch, first_share, cost, readings=None):
     auto = plans.auto
     auto.modes = ("none", "bf16", "fp8")
     auto.offer_guarded()
-    assert auto.guard.update(first_share, 0)
+    assert first_share is None or auto.guard.update(first_share, 0)
     layout = torch.tensor([[0, 1024, 1024, 16]])
     clock = [0.0]
     monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
@@ -833,7 +835,8 @@ def _guarded_planner_run(monkeypatch, first_share, cost, readings=None):
         auto.begin_step(engine)
         p = plans.plan(1 << 20, "0", 0, step, lambda r=None: layout)
         ran.append((step, p.mode, p.why))
-        clock[0] += cost[p.mode] + (5.0 if reads(step) else 0.0)
+        c = cost[p.mode]
+        clock[0] += (c(step, auto.lowrank_rank() or 4) if callable(c) else c) + (5.0 if reads(step) else 0.0)
         auto.end_step(True)
     trial = [s for s, _, why in ran if why == "trial"]
     decided = next(s for s, _, why in ran if why != "trial")  # the first trial's end
@@ -876,6 +879,67 @@ def test_a_refused_lowrank_taken_back_is_measured_once_its_rounds_miss_every_rea
     assert recheck[0] == lowrank_share.next_close(back + 1) + 1 and not any(reads(s) for s in recheck), recheck
     assert recheck == list(range(recheck[0], recheck[-1] + 1))  # one re-check, its rounds in a row ...
     assert "lowrank" in {m for s, m, _ in ran if s in recheck}  # ... which measured lowrank
+    assert auto.rechecks == 1 and ran[-1][1:] == ("lowrank", "measured")
+
+
+@pytest.mark.parametrize("later", [0.65, 0.72])
+def test_a_recheck_takes_lowrank_by_its_margin_alone(monkeypatch, later):
+    """The planner alone, lowrank admitted from the start: the first trial
+    times it at 0.9x fp8's step (not by its margin: fp8 runs), the re-check
+    at ``later``. At 0.65x (by the margin, 0.7) it takes lowrank: the
+    hysteresis (0.9) is not asked on top, by which lowrank had to take 0.63x
+    (a wide-model run on the testbed kept int3 at 1.6x lowrank's step,
+    measuring it at 0.636x). At 0.72x fp8 stays."""
+    def lowrank(step, rank):
+        return 0.9 if step < 50 else later  # the first trial's steps, then the re-check's (after step 120)
+    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": lowrank, "none": 10.0}
+    auto, ran, trial, decided, reads = _guarded_planner_run(monkeypatch, 0.99, cost)
+    assert decided < 50 and ran[decided][1] == "fp8" and auto.rechecks == 1
+    assert min(s for s in trial if s > decided) > 50
+    assert ran[-1][1:] == ("lowrank" if later < autoplan.LOWRANK_MARGIN else "fp8", "measured")
+
+
+def test_lowrank_admitted_at_another_rank_than_the_trial_timed_is_measured_again_at_once(monkeypatch):
+    """The planner alone: before its reading lowrank runs provisionally at
+    rank 16, where it takes 1.2x fp8's step, and fp8 wins the first trial;
+    the reading of steps 20-30 admits it, at rank 4, where it takes 0.5x. A
+    re-check starts at once (step 31: admitted, the guard reads no window
+    before 100), measures lowrank at rank 4 and takes it; the next comes
+    AUTO_SETTLE steps after it (it ended inside the run's first AUTO_SETTLE
+    compressed steps) and keeps it. It waited for the re-check AUTO_SETTLE
+    steps after the first decision: on the 2 x 2 testbed the wide model's
+    large bucket ran int3 at 68-80 ms a step there, lowrank at 44-49, on 8
+    runs of 20."""
+    close = lowrank_share.FIRST + lowrank_share.FIRST_SPAN  # 30
+
+    def lowrank(step, rank):
+        return 1.2 if rank == lowrank_guard.PROVISIONAL_RANK else 0.5
+    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": lowrank, "none": 10.0}
+    auto, ran, trial, decided, reads = _guarded_planner_run(
+        monkeypatch, None, cost, {close + 1: {"step": close, "share": 0.99, "ladder": [0.995, 0.99]}})
+    assert auto.guard.state == "admitted" and auto.guard.changed_at == [close, 0.99]
+    assert decided < close and {m for s, m, _ in ran[decided:close + 1]} == {"fp8"}  # fp8 won the first trial
+    recheck = [s for s in trial if s > decided]
+    after = next(s for s in range(close + 1, len(ran)) if ran[s][2] != "trial")  # the first re-check's end
+    assert recheck[0] == close + 1 and after > close + 1, recheck
+    assert "lowrank" in {m for s, m, _ in ran[close + 1:after]}
+    settle = next(s for s in recheck if s > after)
+    assert settle >= after + autoplan.AUTO_SETTLE and auto.rechecks == 2, (after, settle)
+    assert {ran[s][1:] for s in range(after, settle)} == {("lowrank", "measured")}, ran[after:after + 5]
+    assert ran[-1][1:] == ("lowrank", "measured")
+
+
+def test_lowrank_that_won_the_trial_provisionally_is_not_measured_again_at_its_admission(monkeypatch):
+    """The same, lowrank at 0.6x fp8's step at rank 16 too: it won the first
+    trial provisionally, runs on after its admission, and the first
+    re-check comes AUTO_SETTLE steps after the first decision, not at the
+    admission."""
+    close = lowrank_share.FIRST + lowrank_share.FIRST_SPAN
+    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": lambda step, rank: 0.6 if rank == 16 else 0.5, "none": 10.0}
+    auto, ran, trial, decided, reads = _guarded_planner_run(
+        monkeypatch, None, cost, {close + 1: {"step": close, "share": 0.99, "ladder": [0.995, 0.99]}})
+    assert auto.guard.state == "admitted" and ran[decided][1] == "lowrank"
+    assert min(s for s in trial if s > decided) >= decided + autoplan.AUTO_SETTLE
     assert auto.rechecks == 1 and ran[-1][1:] == ("lowrank", "measured")
 
 
