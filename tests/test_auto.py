@@ -836,7 +836,8 @@ def _guarded_planner_run(monkeypatch, first_share, cost, readings=None):
         p = plans.plan(1 << 20, "0", 0, step, lambda r=None: layout)
         ran.append((step, p.mode, p.why))
         c = cost[p.mode]
-        clock[0] += (c(step, auto.lowrank_rank() or 4) if callable(c) else c) + (5.0 if reads(step) else 0.0)
+        at_rank = auto.lowrank_rank() or state._rank_ladder.rank  # as HookState._lowrank_rank
+        clock[0] += (c(step, at_rank) if callable(c) else c) + (5.0 if reads(step) else 0.0)
         auto.end_step(True)
     trial = [s for s, _, why in ran if why == "trial"]
     decided = next(s for s, _, why in ran if why != "trial")  # the first trial's end
@@ -935,7 +936,9 @@ def test_lowrank_that_won_the_trial_provisionally_is_not_measured_again_at_its_a
     re-check comes AUTO_SETTLE steps after the first decision, not at the
     admission."""
     close = lowrank_share.FIRST + lowrank_share.FIRST_SPAN
-    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": lambda step, rank: 0.6 if rank == 16 else 0.5, "none": 10.0}
+    def lowrank(step, rank):
+        return 0.6 if rank == lowrank_guard.PROVISIONAL_RANK else 0.5
+    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": lowrank, "none": 10.0}
     auto, ran, trial, decided, reads = _guarded_planner_run(
         monkeypatch, None, cost, {close + 1: {"step": close, "share": 0.99, "ladder": [0.995, 0.99]}})
     assert auto.guard.state == "admitted" and ran[decided][1] == "lowrank"

@@ -649,19 +649,29 @@ def test_a_batchnorm_cnn_trains_in_every_mode_with_its_buffers_in_step():
     compressed mode keeps the replicas identical and learns (its loss down
     by a tenth, its parameters within 10 % of DDP's after 12 steps; onebit+m,
     compressed from step 2, is 4 % away, the others under 1 %)."""
-    how_list = ["torch", "none", "fp8", "int3", "onebit+m", "lowrank", "auto"]
-    results = run_ranks(each_mode, 2, _batchnorm, how_list)
+    results = run_ranks(each_mode, 2, _batchnorm, EVERY_MODE)
     ref = results[0]["torch"]
     assert ref["buffers"].abs().sum() > 0 and ref["losses"][-1] < 0.8 * ref["losses"][0], ref["losses"]
-    for how in how_list:
+    _every_mode_learns_in_step(results, ("params", "buffers"))
+    assert torch.equal(results[0]["none"]["buffers"], ref["buffers"])
+
+
+EVERY_MODE = ["torch", "none", "fp8", "int3", "onebit+m", "lowrank", "auto"]
+
+
+def _every_mode_learns_in_step(results, parts=("params",)):
+    """Each mode of :data:`EVERY_MODE` in ``results`` (per rank, per mode: the
+    ``parts`` and the losses) kept the ranks' ``parts`` identical, lowered
+    its loss by a tenth, and ended with parameters DDP's own (``torch`` and
+    ``none``) or 0 < rel < 0.1 from them (the compressed modes)."""
+    ref = results[0]["torch"]
+    for how in EVERY_MODE:
         r = results[0][how]
-        for part in ("params", "buffers"):
+        for part in parts:
             assert torch.equal(r[part], results[1][how][part]), (how, part)
         rel = ((r["params"] - ref["params"]).norm() / ref["params"].norm()).item()
         assert rel == 0.0 if how in ("torch", "none") else 0 < rel < 0.1, (how, rel)
         assert r["losses"][-1] < 0.9 * r["losses"][0], (how, r["losses"])
-        if how == "none":
-            assert torch.equal(r["buffers"], ref["buffers"])
 
 
 class _TiedLM(nn.Module):
@@ -707,11 +717,10 @@ def _tied_lm(rank, world, how, reentrant):
     ddp = DDP(net, bucket_cap_mb=0.01, static_graph=reentrant)
     _, opt = _hooked(ddp, how, 0, lr=0.15)
     g = torch.Generator().manual_seed(rank)
-    losses = []
+    losses, micros = [], 1 if reentrant else 2
     for step in range(10):
         opt.zero_grad()
         total = 0.0
-        micros = 1 if reentrant else 2
         for micro in range(micros):
             w = data[torch.randint(0, len(data) - 25, (16 // micros,), generator=g)[:, None] + torch.arange(25)]
             with ddp.no_sync() if micro < micros - 1 else contextlib.nullcontext():
@@ -733,13 +742,6 @@ def test_a_tied_lm_under_activation_checkpointing_and_accumulation_trains_in_eve
     ``none`` gives DDP's bits, every mode keeps the replicas identical and
     the weights tied, and learns (loss down by a tenth, parameters within
     10 % of DDP's)."""
-    how_list = ["torch", "none", "fp8", "int3", "onebit+m", "lowrank", "auto"]
-    results = run_ranks(each_mode, 2, _tied_lm, how_list, reentrant)
-    ref = results[0]["torch"]
-    assert ref["losses"][-1] < 0.9 * ref["losses"][0], ref["losses"]
-    for how in how_list:
-        r = results[0][how]
-        assert r["tied"] and torch.equal(r["params"], results[1][how]["params"]), how
-        rel = ((r["params"] - ref["params"]).norm() / ref["params"].norm()).item()
-        assert rel == 0.0 if how in ("torch", "none") else 0 < rel < 0.1, (how, rel)
-        assert r["losses"][-1] < 0.9 * r["losses"][0], (how, r["losses"])
+    results = run_ranks(each_mode, 2, _tied_lm, EVERY_MODE, reentrant)
+    assert all(results[0][how]["tied"] for how in EVERY_MODE)
+    _every_mode_learns_in_step(results)
