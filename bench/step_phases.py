@@ -5,16 +5,21 @@ optimizer, the whole step, hetcomm's codec and comm time
 (``stats()["last_step"]``), this process's CPU time a step (all its
 threads: gloo's, hetcomm's comm thread), and its minor page faults and
 voluntary context switches a step (counts, not ms); then forward and
-backward alone under ``no_sync`` (no hook). Run once per rank under torch.distributed's
-env:// variables (bench/README "What the testbed's step is made of"):
+backward alone under ``no_sync`` (no hook). With CLIP, every step clips
+the gradient at that norm after backward (hetcomm's modes through
+``HookState.clip_grad_norm_``, PyTorch's hooks through torch's), timed as
+``clip``. Run once per rank under torch.distributed's env:// variables
+(bench/README "What the testbed's step is made of", "Clipping's sum moves
+with the last bucket"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- \\
-        python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP]]]
+        python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP [CLIP]]]]
 """
 import resource
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +28,7 @@ from torch import nn
 from hetcomm import modes
 from hetcomm.benchmarks import tasks, train
 
-COLUMNS = ("fwd", "bwd", "opt", "step", "codec", "comm", "cpu", "faults", "vcsw", "fwd_alone", "bwd_alone")
+COLUMNS = ("fwd", "bwd", "clip", "opt", "step", "codec", "comm", "cpu", "faults", "vcsw", "fwd_alone", "bwd_alone")
 COUNTS = (COLUMNS.index("faults"), COLUMNS.index("vcsw"))  # counts a step, not seconds
 
 
@@ -33,7 +38,7 @@ def _counts(before) -> tuple:
     return now.ru_minflt - before.ru_minflt, now.ru_nvcsw - before.ru_nvcsw
 
 
-def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
+def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[float]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -53,10 +58,15 @@ def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        if clip is not None and state is not None:
+            state.clip_grad_norm_(ddp.parameters(), clip)
+        elif clip is not None:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+        tc = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
         last = state.stats()["last_step"] if state is not None else {}
-        rows.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0, last.get("codec_s", 0.0), last.get("comm_s", 0.0),
+        rows.append((t1 - t0, t2 - t1, tc - t2, t3 - tc, t3 - t0, last.get("codec_s", 0.0), last.get("comm_s", 0.0),
                      time.process_time() - c0, *_counts(u0)))
     alone = []
     with ddp.no_sync():
@@ -72,7 +82,9 @@ def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
     gathered = [torch.zeros(len(ms), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor(ms, dtype=torch.float64))
     if rank == 0:
-        print(f"{mode_name} on {task_name}, ms (faults, vcsw: counts) a step, median over steps {skip}-{steps - 1}")
+        clipped = f", clipped at {clip}" if clip is not None else ""
+        print(f"{mode_name} on {task_name}{clipped}, ms (faults, vcsw: counts) a step, median over steps "
+              f"{skip}-{steps - 1}")
         print("rank " + " ".join(f"{c:>9}" for c in COLUMNS))
         for r, values in enumerate(gathered):
             print(f"{r:>4} " + " ".join(f"{v:9.1f}" for v in values.tolist()))
@@ -84,4 +96,4 @@ def main(mode_name: str, steps: int, task_name: str, skip: int) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     main(args[0], int(args[1]) if len(args) > 1 else 200, args[2] if len(args) > 2 else "wide",
-         int(args[3]) if len(args) > 3 else 40)
+         int(args[3]) if len(args) > 3 else 40, float(args[4]) if len(args) > 4 else None)

@@ -223,7 +223,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c10::optional<at::Tensor> residual, c10::optional<at::Tensor> server_residual, bool last,
              c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, Algo algo,
              c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry,
-             c10::optional<at::Tensor> update_denominator, bool pipeline, const std::string& lowrank_wire, bool hold) {
+             c10::optional<at::Tensor> update_denominator, bool pipeline, const std::string& lowrank_wire, bool hold,
+             c10::optional<at::Tensor> sum_first) {
             BucketJob job;
             job.index = index;
             job.buffer = buffer;
@@ -244,6 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             job.update_denominator = opt(update_denominator);
             job.pipeline = pipeline;
             job.hold = hold;
+            job.sum_first = opt(sum_first);
             return wrap_future(e.submit_bucket(std::move(job)));
           },
           py::arg("index"), py::arg("buffer"), py::arg("codec"), py::arg("chunk"), py::arg("topk_ratio"),
@@ -251,7 +253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("layout") = py::none(), py::arg("q_state") = py::none(), py::arg("algorithm") = Algo::kNative,
           py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none(),
           py::arg("update_denominator") = py::none(), py::arg("pipeline") = false, py::arg("lowrank_wire") = "fp32",
-          py::arg("hold") = false)
+          py::arg("hold") = false, py::arg("sum_first") = py::none())
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("set_loss_scale", &Engine::set_loss_scale, py::arg("scale"))
       .def(
@@ -262,6 +264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("config"))
       .def(
           "submit_sum", [](Engine& e, at::Tensor x) { return wrap_future(e.submit_sum(x)); }, py::arg("x"))
+      .def("finish_sum", [](Engine& e) { return wrap_future(e.finish_sum()); })
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)

@@ -294,7 +294,8 @@ class BucketSteps:
                                    algorithm=_ALGOS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
                                    carry=carry, update_denominator=denominator, pipeline=True,
                                    lowrank_wire=self.lowrank_wire,
-                                   hold=p.mode == "lowrank" and self._rounds.hold(self.iter))
+                                   hold=p.mode == "lowrank" and self._rounds.hold(self.iter),
+                                   sum_first=self._sketch.message(self.iter) if bucket.last else None)
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event

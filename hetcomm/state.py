@@ -340,11 +340,13 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         Buckets reduced exactly (or through fp16, bf16, fp8) count with their
         handed gradient; those of a lossy step with an estimate of the reduced
         gradient's norm from a sketch of each rank's local gradient (one sum
-        of 8 KB over the ranks per step; relative error of the norm about
-        1.6 %; :mod:`hetcomm.clip`). Sketching starts at the first call: call
-        it from the first step on (the steps before ``start_iter`` are exact
-        anyway). Parameters outside the DDP model count with their local
-        gradient, as with torch. ``norm_type`` must be 2."""
+        of 8 KB over the ranks per step, started by the step's last bucket so
+        that it moves while that bucket is reduced; relative error of the norm
+        about 1.6 %; :mod:`hetcomm.clip`). Sketching starts at the first call:
+        call it from the first step on (the steps before ``start_iter`` are
+        exact anyway); a step that does not call it still sends its sketch.
+        Parameters outside the DDP model count with their local gradient, as
+        with torch. ``norm_type`` must be 2."""
         return clip.clip_grad_norm_(self, parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def _reduced_param(self, p: torch.Tensor) -> bool:

@@ -170,12 +170,14 @@ def fuzz_transport_p2p(a, b, peer, tag):
 @given(ints, tensors(), st.one_of(st.sampled_from(list(_C.Codec.__members__.values())), st.integers(-2, 8)), ints,
        floats, st.booleans(), opt_tensors, opt_tensors, st.booleans(),
        st.one_of(st.sampled_from(list(_C.Algo.__members__.values())), st.integers(-1, 6)), node_lists, node_lists,
-       floats, opt_tensors)
-def fuzz_engine(index, buf, codec, chunk, ratio, exact, res, sres, last, algo, order, nodes, batch, denominator):
+       floats, opt_tensors, opt_tensors)
+def fuzz_engine(index, buf, codec, chunk, ratio, exact, res, sres, last, algo, order, nodes, batch, denominator,
+                first):
     def submit():
         ENGINE.submit_bucket(index, buf, codec, chunk, ratio, exact, res, sres, last, None, None, algo,
-                             update_denominator=denominator).wait()
+                             update_denominator=denominator, sum_first=first).wait()
     call("Engine.submit_bucket", submit)
+    call("Engine.finish_sum", lambda: ENGINE.finish_sum().wait())
     call("Engine.set_topology", ENGINE.set_topology, order, nodes)
     call("Engine.submit_batch_size", lambda: ENGINE.submit_batch_size(batch).wait())
     call("Engine.submit_config", lambda: ENGINE.submit_config(buf.long() if buf.is_floating_point() else buf).wait())

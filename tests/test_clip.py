@@ -145,6 +145,79 @@ def _check_clipped(results, case):
         assert r0["stats"]["last_step"]["compression_ratio"] > 3
 
 
+CLIP_AT = (1, 3, 4, 7)  # step 1 exact (it turns sketching on); 2, 5 and 6 sketched, their sums started, not clipped
+
+
+def _clipped_now_and_then(rank, world):
+    """Clipping on some steps only: a sum the last bucket started that no
+    clip_grad_norm_ finished is waited for when the next one starts."""
+    model = models.mlp(hidden=96)
+    ddp = models.ddp(model, rank, bucket_cap_mb=0.02)
+    state = hetcomm.HookState("onebit", start_iter=START)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state.attach_optimizer(opt)
+    out = {"params": [], "norm": {}}
+    for step in range(STEPS):
+        out["params"].append(models.flat_params(model))
+        x, y = _batch(rank, step)
+        state.set_local_batch_size(len(x))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        if step in CLIP_AT:
+            out["norm"][step] = state.clip_grad_norm_(model.parameters(), MAX_NORM).item()
+        opt.step()
+    out["stats"] = state.stats()
+    state.close()
+    return out
+
+
+def test_clipping_on_some_steps_only_estimates_the_steps_it_clips():
+    runs = run_ranks(_clipped_now_and_then, 3)
+    for r in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], runs[0]["params"]))
+        assert r["norm"] == runs[0]["norm"]
+    for step, norm in runs[0]["norm"].items():
+        true = _full_batch_grad(runs[0]["params"][step], step, 3).norm().item()
+        assert abs(norm - true) / true < (1e-5 if step < START else 0.08), (step, norm, true)
+    assert runs[0]["stats"]["clip"] == {"calls": len(CLIP_AT), "estimated_steps": 3}
+
+
+def _started_sums(rank, world):
+    """The engine's sum_first: a bucket's job starts a sum over the ranks
+    before its own collectives, and finish_sum hands it over."""
+    engine = hetcomm._C.Engine(torch.distributed.group.WORLD)
+    out = {"buckets": [], "sums": {}, "errors": []}
+    for call in (lambda: engine.finish_sum().wait(),
+                 lambda: engine.submit_bucket(0, torch.ones(8), hetcomm._C.Codec.none, 2048, 0.5, True, None, None,
+                                              True, sum_first=torch.ones(2, 2)).wait()):
+        try:
+            call()
+            out["errors"].append(None)
+        except Exception as e:
+            out["errors"].append(str(e))
+    for step, codec in enumerate((hetcomm._C.Codec.onebit, hetcomm._C.Codec.fp8, hetcomm._C.Codec.none)):
+        buf = torch.full((64,), float(rank + 1 + step))
+        first = torch.arange(5.0) * (rank + 1) + step
+        engine.submit_bucket(0, buf, codec, 2048, 0.5, True, torch.zeros(64), None, True, sum_first=first).wait()
+        out["buckets"].append(buf)
+        if step != 1:  # step 1's sum is started and never finished: step 2's start waits for it
+            out["sums"][step] = engine.finish_sum().wait()
+    engine.close()
+    return out
+
+
+def test_a_bucket_starts_a_sum_that_finish_sum_hands_over():
+    w = 3
+    for r in run_ranks(_started_sums, w):
+        assert "finish_sum: no bucket started a sum" in r["errors"][0]
+        assert "sum_first must be a 1-D floating-point vector" in r["errors"][1]
+        for step in (0, 2):  # closed form: sum over ranks of arange(5) (rank + 1) + step
+            assert r["sums"][step].tolist() == (torch.arange(5.0) * w * (w + 1) / 2 + w * step).tolist()
+        for step, buf in enumerate(r["buckets"]):  # the bucket itself reduced as ever: the mean of rank + 1 + step
+            torch.testing.assert_close(buf, torch.full((64,), (w + 1) / 2 + step), rtol=0.02, atol=0)
+
+
 def _plan(mode):
     from hetcomm.plan import BucketPlan
     return BucketPlan(mode, "native", "fixed")

@@ -73,6 +73,28 @@ at::Tensor BucketReducer::sum(const at::Tensor& x) {
   return own_copy(v, v);
 }
 
+void BucketReducer::start_sum(BucketJob& job) {
+  if (!job.sum_first.defined()) return;
+  Transport& t = *transport_;
+  const WireMark mark = wire_mark();
+  started_pending_.wait();
+  started_sum_ = job.sum_first.to(t.device()).contiguous().clone();
+  started_pending_ = t.start_all_reduce_sum(started_sum_);
+  add_wire_since(mark);
+}
+
+at::Tensor BucketReducer::finish_sum() {
+  TORCH_CHECK(started_sum_.defined(), "hetcomm: no sum was started (a bucket's sum_first) to finish");
+  Transport& t = *transport_;
+  const WireMark mark = wire_mark();
+  started_pending_.wait();
+  t.synchronize();
+  add_wire_since(mark);
+  at::Tensor v = std::move(started_sum_);
+  started_sum_ = at::Tensor();
+  return own_copy(v, v);
+}
+
 void BucketReducer::check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int w) {
   TORCH_CHECK_VALUE(ring_order.empty() || static_cast<int>(ring_order.size()) == w, "hetcomm: ring order needs ", w,
                     " ranks");
@@ -134,6 +156,7 @@ bool any_rank_nonfinite(Transport& t, const at::Tensor& x) {
 }  // namespace
 
 at::Tensor BucketReducer::reduce(BucketJob& job) {
+  start_sum(job);
   const auto started = std::chrono::steady_clock::now();
   Transport& t = *transport_;
   const WireMark mark = wire_mark();
@@ -365,6 +388,7 @@ void BucketReducer::flush(Parked& out) {
 }
 
 void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
+  start_sum(job);
   Transport& t = *transport_;
   // one all-reduce for both: the same algorithm and the same wire dtype
   const auto same = [&job](const ParkedBucket& p) {

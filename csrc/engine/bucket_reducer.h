@@ -54,6 +54,11 @@ struct BucketJob {
   // all-reduce waits for the step's next bucket, and the step's buckets then
   // send two rounds together (BucketReducer::reduce_pipelined).
   bool hold = false;
+  // A small floating-point vector (clip_grad_norm_'s sketch of the step) whose
+  // sum over the ranks starts before this job's own collectives, so that it
+  // moves while the bucket is reduced; BucketReducer::finish_sum returns it.
+  // May be undefined.
+  at::Tensor sum_first;
 };
 
 // A lowrank bucket between its two all-reduces: it waits for the next bucket
@@ -118,6 +123,8 @@ class BucketReducer {
   // Sums a small floating-point vector over the ranks (exact, in its dtype;
   // counted in the totals): returns the sum on the CPU.
   at::Tensor sum(const at::Tensor& x);
+  // The sum a job's sum_first started (waits for it): on the CPU.
+  at::Tensor finish_sum();
   // Ring order and node of each rank (from the topology), used by kRing and kHierarchical.
   void set_topology(std::vector<int> ring_order, std::vector<int> node_of);
   static void check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int world);
@@ -144,6 +151,9 @@ class BucketReducer {
   void reduce_nonfinite(BucketJob& job, double divisor);
   // lowrank's sum of a factor buffer with the bucket's algorithm.
   void sum_by(Algo algo, at::Tensor& b);
+  // Starts job.sum_first's sum (if any), after waiting for a started one that
+  // nobody finished (the ranks started it alike, so it completes).
+  void start_sum(BucketJob& job);
   // The accounting of one bucket's job (bytes, time, the step's end).
   void end_bucket(const BucketJob& job, std::chrono::steady_clock::time_point started, const WireMark& mark);
 
@@ -155,6 +165,8 @@ class BucketReducer {
   // Where a compressed bucket's residuals are copied before its reduction
   // (put back where a rank's input was not finite); grown to the largest.
   at::Tensor saved_;
+  at::Tensor started_sum_;  // a job's sum_first on the transport's device, in flight until finish_sum
+  Pending started_pending_;
   std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0}, calls_{0};
   std::atomic<int64_t> nonfinite_steps_{0}, nonfinite_buckets_{0}, carry_holds_{0};
   bool step_nonfinite_ = false;

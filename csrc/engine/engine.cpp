@@ -301,6 +301,12 @@ FuturePtr Engine::submit_bucket(BucketJob job) {
   TORCH_CHECK_VALUE(job.topk_ratio > 0.0 && job.topk_ratio <= 1.0, "hetcomm: topk_ratio must be in (0, 1], got ",
                     job.topk_ratio);
   ops::check_beta(job.beta);
+  TORCH_CHECK_VALUE(!job.sum_first.defined() ||
+                        (job.sum_first.dim() == 1 && at::isFloatingType(job.sum_first.scalar_type()) &&
+                         job.sum_first.numel() <= (int64_t{1} << 20)),
+                    "hetcomm: sum_first must be a 1-D floating-point vector of <= 2**20 elements, got ",
+                    job.sum_first.defined() ? job.sum_first.dim() : 0, "-D ",
+                    job.sum_first.defined() ? job.sum_first.scalar_type() : at::kFloat);
   const int64_t n = job.buffer.numel();
   TORCH_CHECK_VALUE(!job.momentum.defined() || job.momentum.numel() == n, "hetcomm: momentum must have the bucket's ",
                     n, " elements");
@@ -323,6 +329,7 @@ FuturePtr Engine::submit_bucket(BucketJob job) {
     TORCH_CHECK_VALUE(job.residual.numel() == n, "hetcomm: residual must have the bucket's ", n, " elements, got ",
                       job.residual.numel());
   job.buffer = job.buffer.view({-1});
+  sum_started_ = sum_started_ || job.sum_first.defined();
   if (BucketReducer::pipelines(job)) return run_pipelined(std::move(job));
   return run([this, job]() mutable { return reducer_.reduce(job); }, job.buffer);
 }
@@ -354,6 +361,13 @@ FuturePtr Engine::submit_sum(at::Tensor x) {
   TORCH_CHECK_VALUE(x.numel() <= (int64_t{1} << 20), "hetcomm: submit_sum is for small vectors (<= 2**20 elements), got ",
                     x.numel());
   return run([this, x] { return reducer_.sum(x); });
+}
+
+FuturePtr Engine::finish_sum() {
+  TORCH_CHECK_VALUE(sum_started_, "hetcomm: finish_sum: no bucket started a sum (submit_bucket's sum_first) since the "
+                                  "last finish_sum");
+  sum_started_ = false;
+  return run([this] { return reducer_.finish_sum(); });
 }
 
 void Engine::set_topology(std::vector<int> order, std::vector<int> node_of) {

@@ -64,6 +64,8 @@ class Engine {
   // Sums a small 1-D floating-point vector over the ranks, in order with the
   // buckets (the gradient-norm sketch of HookState.clip_grad_norm_).
   FuturePtr submit_sum(at::Tensor x);
+  // The sum a bucket's sum_first started (BucketJob): a future of it on the CPU.
+  FuturePtr finish_sum();
   // Applies to buckets submitted after this call (FIFO on the comm thread).
   void set_topology(std::vector<int> order, std::vector<int> node_of);
 
@@ -109,6 +111,7 @@ class Engine {
   void record_failure(const std::exception& e);
   std::exception_ptr refusal() const;
   void check_device(const at::Tensor& bucket) const;  // the transport's device, or undefined
+  bool sum_started_ = false;  // a bucket's sum_first since the last finish_sum (the caller's thread's view)
   // A job's future: CUDA-aware on a CUDA transport (completed with events on the comm stream).
   FuturePtr new_future() const;
   // On the caller's thread: for a CUDA transport, an event after what the

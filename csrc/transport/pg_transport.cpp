@@ -118,6 +118,13 @@ void ProcessGroupTransport::do_all_reduce_sum(at::Tensor& t) {
   wait(group().allreduce(v, opts), "all_reduce", start);
 }
 
+Pending ProcessGroupTransport::do_start_all_reduce_sum(at::Tensor& t) {
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  return pending(group().allreduce(v, opts), "all_reduce");
+}
+
 Pending ProcessGroupTransport::pending(c10::intrusive_ptr<c10d::Work> work, const char* what) {
   return Pending([this, work = std::move(work), what] { wait(work, what, std::chrono::steady_clock::now()); });
 }

@@ -37,6 +37,7 @@ class ProcessGroupTransport : public Transport {
   Pending do_start_all_gather(at::Tensor& out, const at::Tensor& in) override;
   Pending do_start_all_to_all(at::Tensor& out, const at::Tensor& in) override;
   Pending do_start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) override;
+  Pending do_start_all_reduce_sum(at::Tensor& t) override;
 
  private:
   // Waits for work (the process group's timeout bounds it: a dead peer

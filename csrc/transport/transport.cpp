@@ -56,12 +56,14 @@ Pending Transport::start_send_recv(const at::Tensor& out, int dst, at::Tensor& i
   return do_start_send_recv(out, dst, in, src, tag);
 }
 
-void Transport::all_reduce_sum(at::Tensor& t) {
+void Transport::all_reduce_sum(at::Tensor& t) { start_all_reduce_sum(t).wait(); }
+
+Pending Transport::start_all_reduce_sum(at::Tensor& t) {
   check_tensor(t, "all_reduce tensor");
   const int w = size();
-  if (w > 1) do_all_reduce_sum(t);
   const int64_t ring = w > 1 ? 2 * (w - 1) * nbytes(t) / w : 0;
   count(ring, ring);
+  return w > 1 ? do_start_all_reduce_sum(t) : Pending();
 }
 
 void Transport::all_gather(at::Tensor& out, const at::Tensor& in) { start_all_gather(out, in).wait(); }
@@ -103,6 +105,11 @@ Pending Transport::do_start_all_gather(at::Tensor& out, const at::Tensor& in) {
 
 Pending Transport::do_start_all_to_all(at::Tensor& out, const at::Tensor& in) {
   do_all_to_all(out, in);
+  return {};
+}
+
+Pending Transport::do_start_all_reduce_sum(at::Tensor& t) {
+  do_all_reduce_sum(t);
   return {};
 }
 

@@ -71,6 +71,8 @@ class Transport {
   Pending start_all_gather(at::Tensor& out, const at::Tensor& in);
   Pending start_all_to_all(at::Tensor& out, const at::Tensor& in);
   Pending start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag);
+  // all_reduce_sum started (t stays alive and untouched until wait()).
+  Pending start_all_reduce_sum(at::Tensor& t);
   // Whether started collectives progress while the host encodes the next
   // piece (a process group's own threads move host tensors).
   virtual bool overlaps() const { return false; }
@@ -100,6 +102,7 @@ class Transport {
   virtual Pending do_start_all_gather(at::Tensor& out, const at::Tensor& in);
   virtual Pending do_start_all_to_all(at::Tensor& out, const at::Tensor& in);
   virtual Pending do_start_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag);
+  virtual Pending do_start_all_reduce_sum(at::Tensor& t);
   // Where a transport needs its tensors (NCCL: on its device); the default takes any.
   virtual void check_place(const at::Tensor& /*t*/, const char* /*name*/) const {}
 
