@@ -9,8 +9,8 @@ backward alone under ``no_sync`` (no hook). With CLIP, every step clips
 the gradient at that norm after backward (hetcomm's modes through
 ``HookState.clip_grad_norm_``, PyTorch's hooks through torch's), timed as
 ``clip``. Run once per rank under torch.distributed's env:// variables
-(bench/README "What the testbed's step is made of", "Clipping's sum moves
-with the last bucket"):
+(bench/README "What the testbed's step is made of", "The language model clipped, and
+clipping's sum moves with the last bucket"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- \\
         python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP [CLIP]]]]
