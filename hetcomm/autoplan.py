@@ -614,7 +614,7 @@ class AutoPlanner:
                                              "compression='auto'")
         if lowest is None:
             return
-        before, timed_at = self.guard.state, self.guard.rank_now if self.guard.provisional else None
+        before, timed_at = self.guard.state, self.lowrank_rank()
         if self.guard.update(lowest[-1], step, lowest[0] if width > 1 else None):
             if before != "refused":
                 self._repick()

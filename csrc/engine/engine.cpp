@@ -292,6 +292,17 @@ void Engine::execute(FuturePtr& fut, const std::function<at::Tensor()>& fn, cons
   fut.reset();
 }
 
+namespace {
+
+// A small vector the ranks sum exactly (submit_sum's, a bucket's sum_first).
+void check_small_sum(const at::Tensor& x, const char* name) {
+  TORCH_CHECK_VALUE(x.dim() == 1 && at::isFloatingType(x.scalar_type()) && x.numel() <= (int64_t{1} << 20), "hetcomm: ",
+                    name, " must be a 1-D floating-point vector of <= 2**20 elements, got ", x.dim(), "-D ",
+                    x.scalar_type(), " of ", x.numel());
+}
+
+}  // namespace
+
 FuturePtr Engine::submit_bucket(BucketJob job) {
   TORCH_CHECK_VALUE(job.codec != Codec::kLowRank || (job.layout.defined() && job.q_state.defined()),
                     "hetcomm: the lowrank codec needs a layout and a Q state");
@@ -301,12 +312,7 @@ FuturePtr Engine::submit_bucket(BucketJob job) {
   TORCH_CHECK_VALUE(job.topk_ratio > 0.0 && job.topk_ratio <= 1.0, "hetcomm: topk_ratio must be in (0, 1], got ",
                     job.topk_ratio);
   ops::check_beta(job.beta);
-  TORCH_CHECK_VALUE(!job.sum_first.defined() ||
-                        (job.sum_first.dim() == 1 && at::isFloatingType(job.sum_first.scalar_type()) &&
-                         job.sum_first.numel() <= (int64_t{1} << 20)),
-                    "hetcomm: sum_first must be a 1-D floating-point vector of <= 2**20 elements, got ",
-                    job.sum_first.defined() ? job.sum_first.dim() : 0, "-D ",
-                    job.sum_first.defined() ? job.sum_first.scalar_type() : at::kFloat);
+  if (job.sum_first.defined()) check_small_sum(job.sum_first, "sum_first");
   const int64_t n = job.buffer.numel();
   TORCH_CHECK_VALUE(!job.momentum.defined() || job.momentum.numel() == n, "hetcomm: momentum must have the bucket's ",
                     n, " elements");
@@ -356,10 +362,7 @@ FuturePtr Engine::submit_config(at::Tensor config) {
 }
 
 FuturePtr Engine::submit_sum(at::Tensor x) {
-  TORCH_CHECK_VALUE(x.dim() == 1 && at::isFloatingType(x.scalar_type()),
-                    "hetcomm: submit_sum takes a 1-D floating-point tensor, got ", x.dim(), "-D ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.numel() <= (int64_t{1} << 20), "hetcomm: submit_sum is for small vectors (<= 2**20 elements), got ",
-                    x.numel());
+  check_small_sum(x, "submit_sum's x");
   return run([this, x] { return reducer_.sum(x); });
 }
 

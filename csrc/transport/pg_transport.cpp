@@ -110,13 +110,7 @@ Pending ProcessGroupTransport::do_start_send_recv(const at::Tensor& out, int dst
   });
 }
 
-void ProcessGroupTransport::do_all_reduce_sum(at::Tensor& t) {
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<at::Tensor> v{t};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  wait(group().allreduce(v, opts), "all_reduce", start);
-}
+void ProcessGroupTransport::do_all_reduce_sum(at::Tensor& t) { do_start_all_reduce_sum(t).wait(); }
 
 Pending ProcessGroupTransport::do_start_all_reduce_sum(at::Tensor& t) {
   std::vector<at::Tensor> v{t};
