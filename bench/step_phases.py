@@ -38,6 +38,17 @@ def _counts(before) -> tuple:
     return now.ru_minflt - before.ru_minflt, now.ru_nvcsw - before.ru_nvcsw
 
 
+def _plans(st: dict) -> str:
+    """Each bucket's mode and algorithm at the end, lowrank's rank and rounds."""
+    out = ", ".join(f"{k}: {p['mode']}@{p['algorithm']}" for k, p in sorted(st.get("plans", {}).items()))
+    rank = st.get("auto", {}).get("lowrank_rank", st.get("lowrank_rank"))
+    if rank is not None:
+        out += f"; lowrank's rank {rank}"
+    if "lowrank_rounds" in st:
+        out += f"; rounds {st['lowrank_rounds']}"
+    return out
+
+
 def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[float]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,6 +100,8 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
         for r, values in enumerate(gathered):
             print(f"{r:>4} " + " ".join(f"{v:9.1f}" for v in values.tolist()))
     if state is not None:
+        if rank == 0:
+            print("plans at the end:", _plans(state.stats()))
         state.close()
     dist.destroy_process_group()
 

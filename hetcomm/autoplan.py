@@ -66,6 +66,9 @@
    again without lowrank. The guard reads on: a later window at its bar
    takes lowrank back, and a re-check measures it (the trials since the
    refusal left it out) once none of its steps would take a reading.
+   Wherever it leads some bucket's order, a trial runs it in one round on
+   every bucket that offers it (:meth:`AutoPlanner._align_guarded`): lowrank's
+   buckets send their all-reduces together.
 
 6. Saved (:meth:`AutoPlanner.state_dict`): the choices, each bucket's
    candidates, the last trial's round order and times, a running trial's
@@ -318,7 +321,9 @@ class AutoPlanner:
                 self.candidates[key] = cands
                 if self.trial_start is None:
                     self._start_trial()
-            self._order.setdefault(key, self._order_of(key))
+            if key not in self._order:
+                self._order[key] = self._order_of(key)
+                self._align_guarded([key])
         cands = self.candidates[key]
         if self._in_trial():
             j = self._candidate_in_round(key, self._round())
@@ -366,6 +371,7 @@ class AutoPlanner:
         self.round_times = []
         if self._replanned_at == self.compressed_steps:  # a trial begun this step for another bucket: its rounds
             self._order[key] = self._order_of(key)
+            self._align_guarded([key])
         else:
             self._replanned_at = self.compressed_steps
             self._start_trial(full=True)  # what was measured hopeless elsewhere is measured again
@@ -401,6 +407,39 @@ class AutoPlanner:
             rest.insert(0, lead)
         return rest if first is None else [first] + rest
 
+    def _align_guarded(self, keys: List[str]) -> None:
+        """The guarded lowrank in one round on every bucket that offers it,
+        where it leads some bucket's order (round 0 of a first trial, round 1
+        of a re-check, whose round 0 is the current plans): ``keys``' orders
+        move it there. lowrank's buckets send their all-reduces together (a
+        step's B buckets in B + 1 rounds, or 2), so the round that runs it on
+        every bucket is the one to time; bucket by bucket the prediction put
+        it first on the wide model's large bucket and last on its small one,
+        the trial never ran the two together, and its re-checks kept int3 on
+        the small one on 2 runs of 3 (36-41 ms a step on the 2 x 2 testbed at
+        100 Mbit; lowrank on both, its rounds together, 31-33: bench/README
+        "lowrank's round on every bucket"). A bucket that runs lowrank now (a re-check's round 0)
+        runs it again in round 1 where another does not run it now. Only
+        ``keys``: a bucket planned after a trial began (DDP hands its buckets
+        over one by one in the first step) joins the others' round; theirs
+        have run."""
+        at = {}
+        for k, order in self._order.items():
+            i = next((i for i, j in enumerate(order) if self._guarded(self.candidates[k][j][0])), None)
+            if i is not None:
+                at[k] = i
+        target = 1 if self._rechecking else 0
+        if len(at) < 2 or min(at.values()) > target or min(at.values()) == max(at.values()):
+            return
+        for k in keys:
+            if k not in at or at[k] == target:
+                continue
+            order = self._order[k]
+            if at[k] < target:  # runs lowrank now: again in round 1, with the others
+                order.insert(target, order[at[k]])
+            else:
+                order.insert(target, order.pop(at[k]))
+
     def _candidate_in_round(self, key: str, c: int) -> int:
         """The candidate of ``key`` that trial round ``c`` runs (a bucket with
         fewer candidates than rounds runs its first again)."""
@@ -420,6 +459,7 @@ class AutoPlanner:
             self.rechecks += 1
             prune = not full and self.rechecks % AUTO_FULL_EVERY != 0
         self._order = {k: self._order_of(k, prune) for k in self.candidates}
+        self._align_guarded(list(self._order))
         self._step_times, self._times, self._kept, self._skipped = {}, {}, None, None
 
     def _in_trial(self) -> bool:

@@ -95,9 +95,11 @@ class BucketSteps:
         self._planner.auto.begin_step(engine)
         if self._rank_ladder.pending and LowrankShare.closes(self.iter - 1):
             self._choose_rank(engine)
-        if self._rounds.pending:  # a step counts where it ran lowrank and no other compressed plan
-            modes = {p.mode for p in self.last_plans.values() if p.compressed}
-            self._rounds.open_step(self.iter, engine, modes == {"lowrank"})
+        if self._rounds.pending or self._rounds.unmeasured:  # a step counts where it ran lowrank alone
+            alone = {p.mode for p in self.last_plans.values() if p.compressed} == {"lowrank"}
+            if self._rounds.unmeasured and alone:
+                self._rounds.reopen(self.iter)
+            self._rounds.open_step(self.iter, engine, alone)
         self._buckets.begin_step(engine.carry_holds())
         if self._optimizer is not None:
             self._follow_momentum()

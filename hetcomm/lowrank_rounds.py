@@ -23,7 +23,10 @@ identical schedules differed by 13-15 % on the 2 x 2 testbed. Each rank takes
 the median of each one's step times (the time between the steps' first
 buckets, so an evaluation between two steps counts once at most), and at
 step 31 the ranks all-gather them; the slowest rank's medians decide, the
-same on every rank. The choice changes the order in which the sums' terms
+same on every rank. Under auto, whose guard admits lowrank at step 30 or
+later, a window where some rank ran no step of an arm decides pipelined for
+now, and the first step after one whose every compressed bucket ran lowrank
+opens another (at most AGAIN more). The choice changes the order in which the sums' terms
 are added, not what is computed (on 2 ranks not a bit). ``state_dict()``
 keeps it and the times so far: a run resumed after step 31 runs the same
 schedule; one saved inside the trial decides from the saved times and those
@@ -40,6 +43,7 @@ from .lowrank_share import agreed_lowest
 
 TRIAL = (11, 31)  #: steps [a, b) after start_iter - 1, in turns; decided when step b opens
 ARMS = ("pipelined", "together")  # in turns A B B A from TRIAL[0]
+AGAIN = 3  #: windows more, at most, where one measured nothing (auto ran no lowrank there) and lowrank runs later
 
 
 class RoundsTrial:
@@ -47,7 +51,8 @@ class RoundsTrial:
 
     def __init__(self, on: bool, start_iter: int = 1) -> None:
         self.on = on  # a mode whose lowrank buckets measure their rounds (else pipelined, not saved)
-        self.base = start_iter - 1
+        self.start = start_iter - 1 + TRIAL[0]  # the window's first step
+        self.again = 0  # windows opened after the first (reopen)
         self.choice: Optional[str] = None if on else "pipelined"
         self.times: Dict[str, List[float]] = {arm: [] for arm in ARMS}
         self.medians: Optional[Dict[str, float]] = None  # the ranks' slowest, when decided
@@ -64,9 +69,9 @@ class RoundsTrial:
         return self._arm(step) == "together"
 
     def _arm(self, step: int) -> Optional[str]:
-        if not self.base + TRIAL[0] <= step < self.base + TRIAL[1]:
+        if not self.start <= step < self.start + TRIAL[1] - TRIAL[0]:
             return None
-        return ARMS[(step - self.base - TRIAL[0]) % 4 in (1, 2)]
+        return ARMS[(step - self.start) % 4 in (1, 2)]
 
     def open_step(self, step: int, engine, counts: bool = True) -> None:
         """At each step's first bucket: the last step's time goes to its arm
@@ -80,7 +85,7 @@ class RoundsTrial:
         if arm is not None and counts and self._opened is not None and self._opened[0] == step - 1:
             self.times[arm].append(now - self._opened[1])
         self._opened = (step, now)
-        if step >= self.base + TRIAL[1]:
+        if step >= self.start + TRIAL[1] - TRIAL[0]:
             self._decide(engine, step)
 
     def _decide(self, engine, step: int) -> None:
@@ -91,6 +96,25 @@ class RoundsTrial:
             return
         self.medians = dict(zip(ARMS, slowest))
         self.choice = "together" if self.medians["together"] < self.medians["pipelined"] else "pipelined"
+
+    @property
+    def unmeasured(self) -> bool:
+        """Decided pipelined because some rank had no step of an arm (auto
+        ran other plans through the window), with windows left to open."""
+        return self.on and self.choice == "pipelined" and self.medians is None and self.again < AGAIN
+
+    def reopen(self, step: int) -> None:
+        """A window from ``step`` (its turns as the first's), where the last
+        measured nothing and every compressed bucket of the step before ran
+        lowrank: auto admits lowrank at step 30 or later, after the first
+        window, and on the wide model at 100 Mbit its buckets then ran
+        pipelined at 35-37 ms a step where together took 30-32 (2 x 2
+        testbed; bench/README "lowrank's round on every bucket"). The
+        caller decides from the agreed plans, so every rank opens it at the
+        same step (a run resumed there may open it a step later: its first
+        step has no plans before it; the choice is a measurement either way)."""
+        self.start, self.again, self.choice, self._opened = step, self.again + 1, None, None
+        self.times = {arm: [] for arm in ARMS}
 
     def settle(self) -> None:
         """Nothing to measure (auto without lowrank among its modes): pipelined."""
@@ -103,14 +127,16 @@ class RoundsTrial:
 
     def state_dict(self) -> dict:
         return {"choice": self.choice, "times": {k: list(v) for k, v in self.times.items()},
-                "medians": self.medians}
+                "medians": self.medians, "start": self.start, "again": self.again}
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
         """A state saved before the trial existed ran pipelined: it stays so."""
         if sd is None:
-            self.choice = "pipelined"
+            self.choice, self.again = "pipelined", AGAIN
             return
         self.choice = sd["choice"]
         self.times = {arm: [float(t) for t in sd["times"].get(arm, [])] for arm in ARMS}
         self.medians = sd.get("medians")
+        self.start = int(sd.get("start", self.start))
+        self.again = int(sd.get("again", 0))
         self._opened = None

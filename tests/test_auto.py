@@ -306,6 +306,26 @@ def test_auto_measures_lowrank_rounds_on_the_steps_that_ran_lowrank(tmp_path):
         assert torch.equal(r0["params"], r1["params"])
 
 
+def test_auto_measures_lowrank_rounds_once_lowrank_runs_after_the_first_window(tmp_path):
+    # lowrank refused at its first reading (step 9, eight samples a rank) runs in no step of 11-30, so that window
+    # decides pipelined unmeasured; one sample a rank from step 30: a later window takes lowrank back (step 39), a
+    # re-check measures it (steps 45-50, in turns with fp32) and chooses it, and the step after its first step of
+    # lowrank alone opens another window (A B B A, 20 steps): the fp32 steps inside it not counted, the ranks agree
+    steps = 72
+    res = run_ranks(_auto_run, 2, steps, None, None, 0.01, False, False, str(tmp_path), False,
+                    [8] * 30 + [1] * (steps - 30),
+                    {"FIRST": 8, "FIRST_SPAN": 1, "FIRST_DROP": 0.95, "WAIT": 1.01, "LATER": 40, "SPAN": 2})
+    r0, r1 = res
+    assert r0["auto"]["lowrank_guard"]["readmitted"] == 1
+    alone = [s for s, w in enumerate(r0["wires"]) if w == ["lowrank"]]
+    assert not any(11 <= s + 1 <= 30 for s in alone) and alone[-1] == steps - 1  # (wires[s]: step s + 1)
+    counted = r0["rounds_counted"]
+    assert counted == r1["rounds_counted"] and counted["pipelined"] > 2 and counted["together"] > 2, counted
+    assert r0["rounds"]["state"] == "chosen" and r0["rounds"] == r1["rounds"]
+    assert set(r0["rounds"]["median_s"]) == {"pipelined", "together"}
+    assert torch.equal(r0["params"], r1["params"])
+
+
 def _resume_inside_a_window(rank, world, cache_dir, ckpt_dir, save_at):
     # the big model: its 1024 x 1024 matrix is read by the randomized range finder (lowrank_share's generator)
     args = (rank, world, 22, None, None, 0.01, True, False, cache_dir, False, 8,
@@ -981,6 +1001,24 @@ def test_the_guarded_lowrank_wins_only_by_its_margin():
     assert autoplan.choose([listed._judged([1.0, 3.0, 0.9])]) == 2
 
 
+def _testbed_wide_buckets():
+    """A planner's state on the 2 x 2 testbed's probed links (a slow intra-node
+    latency, as a busy 2-core machine measures it), and the wide model's two
+    buckets, (numel, layout), at rank 16, where auto's lowrank runs until its
+    first reading (10 x 1024 goes dense there): the large one, then the small."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=4, nodes=["a", "a", "b", "b"], devices=[{}] * 4,
+                             links={"intra": topology.LinkClass(616e-6, 1 / 4.95e9),
+                                    "inter": topology.LinkClass(1e-7, 1 / 13.0e6)})
+    state = SimpleNamespace(algorithm="auto", _forced_algo=None, topology=topo, _rank_given=None, iter=0,
+                            matrix_approximation_rank=4, lowrank_wire="bf16", topk_ratio=0.01)
+    big = (1024 * 1024 + 1024 + 10 * 1024 + 10, torch.tensor([[0, 1024, 1024, 16], [1048576, 1, 1024, 0],
+                                                               [1049600, 10, 1024, 0], [1059840, 1, 10, 0]]))
+    small = (64 * 1024 + 1024, torch.tensor([[0, 1024, 64, 16], [65536, 1, 1024, 0]]))
+    return state, big, small
+
+
 def test_the_guarded_lowrank_runs_one_algorithm_on_every_bucket():
     """The planner alone, on the 2 x 2 testbed's probed links (a slow
     intra-node latency, as a busy 2-core machine measures it): bucket by
@@ -989,17 +1027,8 @@ def test_the_guarded_lowrank_runs_one_algorithm_on_every_bucket():
     their all-reduces together (39-41 ms a step against 30-32 with one
     algorithm, bench/README). Every bucket's guarded lowrank takes the first
     one's algorithm."""
-    from types import SimpleNamespace
-
-    topo = topology.Topology(world=4, nodes=["a", "a", "b", "b"], devices=[{}] * 4,
-                             links={"intra": topology.LinkClass(616e-6, 1 / 4.95e9),
-                                    "inter": topology.LinkClass(1e-7, 1 / 13.0e6)})
-    state = SimpleNamespace(algorithm="auto", _forced_algo=None, topology=topo, _rank_given=None, iter=0,
-                            matrix_approximation_rank=4, lowrank_wire="bf16", topk_ratio=0.01)
-    # the layouts at rank 16, where auto's lowrank runs until its first reading (10 x 1024 goes dense there)
-    big = (1024 * 1024 + 1024 + 10 * 1024 + 10, torch.tensor([[0, 1024, 1024, 16], [1048576, 1, 1024, 0],
-                                                               [1049600, 10, 1024, 0], [1059840, 1, 10, 0]]))
-    small = (64 * 1024 + 1024, torch.tensor([[0, 1024, 64, 16], [65536, 1, 1024, 0]]))
+    state, big, small = _testbed_wide_buckets()
+    topo = state.topology
     fractions = [plan.lowrank_fraction(lay, n, "bf16") for n, lay in (big, small)]
     own = [min(("native", "hierarchical"), key=lambda a: planner_mod.predict(topo, n * 4, a, plan.wire_of(
         "lowrank", 0.01, f))) for (n, _), f in zip((big, small), fractions)]
@@ -1021,6 +1050,48 @@ def test_the_guarded_lowrank_runs_one_algorithm_on_every_bucket():
     for planner_, algo in ((resumed, "hierarchical"), (fresh, "native")):
         cands = planner_._candidates(small[0], lambda r=None: small[1])
         assert [c[1] for c in cands if c[0] == "lowrank"] == [algo]
+
+
+def test_the_guarded_lowrank_runs_in_one_round_on_every_bucket():
+    """The planner alone, on the 2 x 2 testbed's probed links, the wide
+    model's two buckets handed over as DDP hands them (the large first):
+    bucket by bucket the prediction puts lowrank first on the large bucket
+    and last on the small one, and round c runs each bucket's c-th
+    candidate, so no round ran lowrank on both, whose all-reduces go out
+    together (on the testbed the trials kept int3 on the small bucket: 36-40
+    ms a step, against 30-36 with lowrank on both; bench/README "lowrank's
+    round on every bucket"). The first trial's round 0 runs it on both; a
+    re-check's round 1 (round 0: the plans as they run), also where one
+    bucket runs it now and the other does not."""
+    state, big, small = _testbed_wide_buckets()
+    auto = plan.Planner(state).auto
+    auto.modes = ("none", "bf16", "fp8", "int3")
+    auto.offer_guarded()
+    for index, (key, (n, lay)) in enumerate((("5,4,3,2", big), ("1,0", small))):
+        assert auto.plan(n, key, index, lambda r=None, lay=lay: lay).why == "trial"
+
+    def names(key, order=None):
+        return [auto.candidates[key][j][0] for j in (auto._order[key] if order is None else order)]
+    # what each bucket's own order would be: the case this guards against
+    assert names("5,4,3,2", auto._order_of("5,4,3,2"))[0] == "lowrank"
+    assert names("1,0", auto._order_of("1,0"))[-1] == "lowrank"
+    assert sorted(names("1,0")) == sorted(names("1,0", auto._order_of("1,0")))  # the same candidates, moved
+    assert [c[0] for c in auto._round_candidates(0)] == ["lowrank", "lowrank"]
+    assert all("lowrank" not in [c[0] for c in auto._round_candidates(c)] for c in range(1, auto._rounds()))
+
+    def recheck(decided):
+        auto.trial_start = None
+        auto.decided = {k: [c[0] for c in auto.candidates[k]].index(m) for k, m in decided.items()}
+        auto._start_trial(full=True)
+        return [[c[0] for c in auto._round_candidates(c)] for c in range(auto._rounds())]
+    rounds = recheck({"5,4,3,2": "int3", "1,0": "int3"})
+    assert rounds[:2] == [["int3", "int3"], ["lowrank", "lowrank"]] and \
+        all("lowrank" not in r for r in rounds[2:])
+    rounds = recheck({"5,4,3,2": "lowrank", "1,0": "int3"})  # round 0 as they run; round 1 lowrank on both
+    assert rounds[:2] == [["lowrank", "int3"], ["lowrank", "lowrank"]], rounds
+    assert names("5,4,3,2")[:2] == ["lowrank", "lowrank"] and names("1,0").count("lowrank") == 1
+    rounds = recheck({"5,4,3,2": "lowrank", "1,0": "lowrank"})  # both on it: nothing to move
+    assert rounds[0] == ["lowrank", "lowrank"] and all("lowrank" not in r for r in rounds[1:])
 
 
 def test_the_guarded_lowrank_predicted_fastest_is_the_first_round_and_a_refusal_runs_the_trial_without_it(

@@ -275,11 +275,12 @@ def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(
         assert ranks[1] == {"reduced": True, "calls": 2, "untouched": False}
 
 
-def _engine_steps(rank, world, kinds, pipeline, device, steps=2, wires=None):
+def _engine_steps(rank, world, kinds, pipeline, device, steps=2, wires=None, carry=False):
     """Buckets of ``kinds`` ("lowrank": LAYOUT with its own Q and residual; "dense": N floats reduced exactly)
     through the engine on ``device``, ``steps`` steps (``pipeline``: True, False or "hold": pipelined, each
-    lowrank bucket waiting for the next before its first all-reduce); per step the inputs, outputs, residuals
-    and collective calls (tensors on the CPU)."""
+    lowrank bucket waiting for the next before its first all-reduce; ``carry``: each lowrank bucket with a
+    carry, what an earlier plan owed); per step the inputs, outputs, residuals, carries before and after, and
+    collective calls (tensors on the CPU)."""
     dev = models.rank_device(rank, device)
     engine = hetcomm._C.Engine(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
@@ -289,17 +290,21 @@ def _engine_steps(rank, world, kinds, pipeline, device, steps=2, wires=None):
     out = []
     for _ in range(steps):
         xs = [torch.randn(N, generator=g) for _ in kinds]
+        cs = [0.1 * torch.randn(N, generator=g) if carry and kind == "lowrank" else None for kind in kinds]
         bufs = [x.to(dev, copy=True) for x in xs]
+        carries = [c.to(dev, copy=True) if c is not None else None for c in cs]
         futs = []
         for b, (kind, buf) in enumerate(zip(kinds, bufs)):
             lowrank = kind == "lowrank"
             futs.append(engine.submit_bucket(
                 b, buf, _C.Codec.lowrank if lowrank else _C.Codec.none, 2048, 0.01, True, res[b] if lowrank else None,
                 None, b == len(kinds) - 1, layout=lay if lowrank else None, q_state=qs[b] if lowrank else None,
-                pipeline=bool(pipeline), lowrank_wire=wires[b] if wires else "fp32", hold=pipeline == "hold"))
+                pipeline=bool(pipeline), lowrank_wire=wires[b] if wires else "fp32", hold=pipeline == "hold",
+                carry=carries[b]))
         for f in futs:
             f.wait()
         out.append({"xs": xs, "outs": [b.cpu() for b in bufs], "res": [r.to("cpu", copy=True) for r in res],
+                    "cs": cs, "carries": [c.cpu() if c is not None else None for c in carries],
                     "collectives": engine.stats()["last_step"]["collectives"]})
     engine.close()
     return out
@@ -335,6 +340,34 @@ def test_pipelined_lowrank_buckets_send_a_buckets_second_all_reduce_with_the_nex
             assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
 
 
+@pytest.mark.parametrize("world,pipeline", [(2, True), (2, "hold"), (3, "hold")])
+def test_pipelined_lowrank_buckets_with_a_carry_pipeline_and_add_it(world, pipeline, device):
+    # A bucket whose plan changed carries what the last plan owed (auto's trials switch plans every step): it is
+    # pipelined (or held) as one without, its input the bucket plus the carry (in units of its contribution: times
+    # the divisor, the world here), the carry zeroed; on 2 ranks the same bits as the unpipelined path's
+    kinds = ["lowrank", "lowrank", "dense", "lowrank"]
+    piped = run_ranks(_engine_steps, world, kinds, pipeline, device.type, 2, None, True)
+    alone = run_ranks(_engine_steps, world, kinds, False, device.type, 2, None, True)
+    assert [s["collectives"] for s in piped[0]] == [3 + 1 + 2 if pipeline is True else 2 + 1 + 2] * 2
+    assert [s["collectives"] for s in alone[0]] == [2 * 3 + 1] * 2
+    qs = [_initial_qs(LAYOUT) for _ in kinds]
+    res = [[torch.zeros(N) for _ in range(world)] for _ in kinds]
+    for step in range(2):
+        for b, kind in enumerate(kinds):
+            if kind == "dense":
+                continue
+            assert all(torch.equal(r[step]["carries"][b], torch.zeros(N)) for r in piped)  # added, then zeroed
+            xs = [r[step]["xs"][b] + world * r[step]["cs"][b] for r in piped]
+            want, want_res, qs[b] = _reference_step(xs, [float(world)] * world, res[b], qs[b], LAYOUT)
+            torch.testing.assert_close(piped[0][step]["outs"][b], want, rtol=1e-4, atol=1e-5)
+            for k in range(world):
+                torch.testing.assert_close(piped[k][step]["res"][b], want_res[k], rtol=1e-4, atol=1e-5)
+            res[b] = [r[step]["res"][b] for r in piped]
+    if world == 2:
+        for s, s0 in zip(piped[0], alone[0]):
+            assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
+
+
 def _held_with_an_overflow(rank, world, device):
     dev = models.rank_device(rank, device)
     engine = hetcomm._C.Engine(dist.group.WORLD, dev)
@@ -345,29 +378,34 @@ def _held_with_an_overflow(rank, world, device):
     if rank == world - 1:
         xs[0][7] = float("inf")  # the held bucket, on one rank
     bufs = [x.to(dev, copy=True) for x in xs]
+    cs = [0.1 * torch.randn(N, generator=g) for _ in range(2)]  # what earlier plans owed
+    carries = [c.to(dev, copy=True) for c in cs]
     futs = [engine.submit_bucket(b, bufs[b], _C.Codec.lowrank, 2048, 0.01, True, res[b], None, b == 1, layout=lay,
-                                 q_state=qs[b], pipeline=True, hold=True) for b in range(2)]
+                                 q_state=qs[b], pipeline=True, hold=True, carry=carries[b]) for b in range(2)]
     for f in futs:
         f.wait()
-    out = xs, [b.cpu() for b in bufs], [r.cpu() for r in res], engine.stats()["last_step"]["collectives"]
+    out = (xs, [b.cpu() for b in bufs], [r.cpu() for r in res], engine.stats()["last_step"]["collectives"], cs,
+           [c.cpu() for c in carries])
     engine.close()
     return out
 
 
 def test_held_lowrank_buckets_send_their_rounds_together_and_an_overflow_reduces_its_bucket_exactly(device):
-    # Two held buckets (the step's buckets together): one all-reduce of both P's, where bucket 0's sum is not
-    # finite (one rank's Inf): it is reduced exactly (every rank sees the Inf, its residual untouched), and
-    # bucket 1 ends its lowrank step alone: 3 all-reduces
+    # Two held buckets (the step's buckets together), each with a carry: one all-reduce of both P's, where bucket
+    # 0's sum is not finite (one rank's Inf): it is reduced exactly (every rank sees the Inf; its residual and
+    # its carry untouched, the carry left for the next step), and bucket 1 ends its lowrank step alone, its carry
+    # added and zeroed: 3 all-reduces
     ranks = run_ranks(_held_with_an_overflow, 3, device.type)
     xs0 = [r[0][0] for r in ranks]
-    xs1 = [r[0][1] for r in ranks]
+    xs1 = [r[0][1] + 3 * r[4][1] for r in ranks]
     want1, want_res1, _ = _reference_step(xs1, [3.0] * 3, [torch.zeros(N)] * 3, _initial_qs(LAYOUT), LAYOUT)
-    for k, (_, outs, res, calls) in enumerate(ranks):
+    for k, (_, outs, res, calls, cs, carries) in enumerate(ranks):
         assert calls == 3
         torch.testing.assert_close(outs[0], sum(xs0) / 3)  # exact, the Inf included
-        assert torch.isinf(outs[0][7]) and torch.equal(res[0], torch.zeros(N))
+        assert torch.isinf(outs[0][7]) and torch.equal(res[0], torch.zeros(N)) and torch.equal(carries[0], cs[0])
         torch.testing.assert_close(outs[1], want1, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(res[1], want_res1[k], rtol=1e-4, atol=1e-5)
+        assert torch.equal(carries[1], torch.zeros(N))
 
 
 def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire(device):
@@ -719,6 +757,44 @@ class _Gathers:
         return types.SimpleNamespace(wait=lambda: gathered)
 
 
+def test_lowrank_rounds_that_measured_nothing_open_another_window_when_lowrank_runs(monkeypatch):
+    # auto admits lowrank at step 30 or later: a window where some rank ran no step of an arm decides pipelined for
+    # now; a window from the step the caller reopens it at (A B B A from there) measures, and decides when its 20
+    # steps are over. At most AGAIN more windows; the window's start and their count are saved.
+    from hetcomm import lowrank_rounds
+    clock = [0.0]
+    monkeypatch.setattr(lowrank_rounds.time, "monotonic", lambda: clock[0])
+    trial = lowrank_rounds.RoundsTrial(True)
+    nothing = _Gathers([[31, -1, -1]])
+    for step in range(1, 32):
+        trial.open_step(step, nothing, counts=False)  # auto ran int3 through steps 11-30
+        clock[0] += 0.040
+    assert trial.choice == "pipelined" and trial.medians is None and trial.unmeasured
+    assert not lowrank_rounds.RoundsTrial(True).unmeasured  # (not decided yet)
+    trial.reopen(45)
+    assert trial.pending and trial.again == 1 and not trial.unmeasured
+    assert [s for s in range(40, 70) if trial.hold(s)] == [46, 47, 50, 51, 54, 55, 58, 59, 62, 63]
+    saved = trial.state_dict()
+    assert (saved["start"], saved["again"]) == (45, 1)
+    engine = _Gathers([[65, int(0.050e9), int(0.020e9)]])
+    for step in range(45, 66):
+        trial.open_step(step, engine)
+        clock[0] += 0.030 if trial.hold(step) else 0.040
+    assert engine.rows == [[65, 40_000_000, 30_000_000]]
+    assert trial.choice == "together" and trial.medians == pytest.approx({"pipelined": 0.050, "together": 0.030})
+    assert not trial.unmeasured  # measured: no window more
+    resumed = lowrank_rounds.RoundsTrial(True)  # resumed inside the reopened window: its steps and turns
+    resumed.load_state_dict(saved)
+    assert resumed.pending and resumed.again == 1 and [s for s in range(44, 48) if resumed.hold(s)] == [46, 47]
+    capped = lowrank_rounds.RoundsTrial(True)
+    capped._decide(_Gathers([[31, -1, -1]]), 31)
+    for k in range(lowrank_rounds.AGAIN):
+        assert capped.unmeasured
+        capped.reopen(100 * (k + 1))
+        capped._decide(_Gathers([[100 * (k + 1) + 20, -1, -1]]), 100 * (k + 1) + 20)
+    assert capped.choice == "pipelined" and not capped.unmeasured
+
+
 def test_lowrank_rounds_measure_both_schedules_in_turns_and_the_slowest_ranks_medians_decide(monkeypatch):
     from hetcomm import lowrank_rounds
     clock = [0.0]
@@ -752,7 +828,7 @@ def test_lowrank_rounds_measure_both_schedules_in_turns_and_the_slowest_ranks_me
     assert resumed.choice == "together" and resumed.times == trial.times
     old = lowrank_rounds.RoundsTrial(True)
     old.load_state_dict(None)
-    assert old.choice == "pipelined" and not old.pending
+    assert old.choice == "pipelined" and not old.pending and not old.unmeasured
     assert not lowrank_rounds.RoundsTrial(False).pending  # other modes: nothing to measure
     # auto: a step that ran another compressed plan is not counted (steps 12 and 15 here)
     mixed = lowrank_rounds.RoundsTrial(True)

@@ -317,8 +317,19 @@ void BucketReducer::reduce_nonfinite(BucketJob& job, double divisor) {
 }
 
 bool BucketReducer::pipelines(const BucketJob& job) {
+  // with a carry too: auto's trials switch a bucket's plan every step, so each of their lowrank steps has one, and
+  // timed unpipelined (and not together) lowrank's round read 1.4x its steady step on the wide model at 100 Mbit,
+  // int3's 1.0-1.1x (bench/README "lowrank's round on every bucket")
   return job.pipeline && job.codec == Codec::kLowRank && job.buffer.scalar_type() == at::kFloat &&
-         !job.carry.defined() && !job.momentum.defined();
+         !job.momentum.defined();
+}
+
+void ParkedBucket::finish() {
+  step->finish();
+  if (job.carry.defined()) {
+    job.buffer.copy_(input);
+    job.carry.zero_();
+  }
 }
 
 void BucketReducer::sum_by(Algo algo, at::Tensor& b) {
@@ -369,14 +380,14 @@ void BucketReducer::reduce_group(Parked& group) {
   std::vector<at::Tensor*> seconds;
   for (ParkedBucket* p : finite) seconds.push_back(&p->step->second());
   sum_together(seconds, sum);
-  for (ParkedBucket* p : finite) p->step->finish();
+  for (ParkedBucket* p : finite) p->finish();
 }
 
 void BucketReducer::flush(Parked& out) {
   const WireMark mark = wire_mark();
   if (parked_) {
     sum_by(parked_->job.algo, parked_->step->second());
-    parked_->step->finish();
+    parked_->finish();
     out.push_back(std::move(parked_));
   }
   if (!held_.empty()) {
@@ -405,17 +416,19 @@ void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
   const WireMark mark = wire_mark();
   if (job.algo == Algo::kHierarchical) collectives::hierarchy_of(node_of_, t.rank(), t.size());  // checks node_of
   const double divisor = divisor_ * loss_scale_;
+  // a carry joins a copy: the bucket stays as it came until the step is known finite everywhere (reduce_nonfinite)
+  at::Tensor input = job.carry.defined() ? job.buffer.clone().add_(job.carry, divisor) : job.buffer;
   // lowrank's error feedback keeps what this rank's share of the sum (its batch weight, not the loss scale) missed
-  auto step = std::make_unique<collectives::LowrankStep>(job.buffer, divisor, job.layout, job.q_state, job.residual,
+  auto step = std::make_unique<collectives::LowrankStep>(input, divisor, job.layout, job.q_state, job.residual,
                                                          codec_, 1.0 / divisor_, job.lowrank_wire);
   if (holds) {  // P is computed (behind backward); its all-reduce waits for the next bucket
-    held_.push_back(std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)}));
+    held_.push_back(std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step), input}));
     out.parked = true;
     end_bucket(job, started, mark);
     return;
   }
   if (!held_.empty()) {  // the held buckets and this one: two rounds together
-    held_.push_back(std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)}));
+    held_.push_back(std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step), input}));
     reduce_group(held_);
     held_.pop_back();  // this job's own step: done
     for (auto& p : held_) out.earlier.push_back(std::move(p));
@@ -425,7 +438,7 @@ void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
     if (joins) {
       at::Tensor& second = parked_->step->second();
       sum_together({&second, &step->first()}, [this, &job](at::Tensor& b) { sum_by(job.algo, b); });
-      parked_->step->finish();
+      parked_->finish();
       out.earlier.push_back(std::move(parked_));
       out.earlier_done = true;
     } else {
@@ -435,9 +448,9 @@ void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
       reduce_nonfinite(job, divisor);
     } else if (job.last) {
       sum_by(job.algo, step->second());
-      step->finish();
+      ParkedBucket{job, std::move(step), input}.finish();
     } else {
-      parked_ = std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step)});
+      parked_ = std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step), input});
       out.parked = true;
     }
   }

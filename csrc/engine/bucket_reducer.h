@@ -62,10 +62,15 @@ struct BucketJob {
 };
 
 // A lowrank bucket between its two all-reduces: it waits for the next bucket
-// to send its second one together with that bucket's first.
+// to send its second one together with that bucket's first. With a carry the
+// step runs on input, a copy of the bucket with the carry added (the bucket
+// stays as it came until the step is known finite everywhere); finish() ends
+// the step and, with a carry, writes the bucket and zeroes the carry.
 struct ParkedBucket {
   BucketJob job;
   std::unique_ptr<collectives::LowrankStep> step;
+  at::Tensor input;
+  void finish();
 };
 
 // Buckets whose futures are still open, in the order they came.
@@ -97,7 +102,7 @@ class BucketReducer {
   void set_loss_scale(double s);
   at::Tensor reduce(BucketJob& job);
   // Whether job goes through reduce_pipelined: a lowrank bucket of the hook
-  // (job.pipeline) in a float32 buffer (CPU or CUDA) with no carry and no momentum.
+  // (job.pipeline) in a float32 buffer (CPU or CUDA) with no momentum.
   // Each lowrank bucket costs two rounds of all-reduces, and every round
   // waits for the slowest rank; pipelined, the step's B buckets cost B + 1:
   // a bucket's second all-reduce (Q^T) goes with the next bucket's first
