@@ -43,6 +43,7 @@ from .lowrank_share import agreed_lowest
 
 TRIAL = (11, 31)  #: steps [a, b) after start_iter - 1, in turns; decided when step b opens
 ARMS = ("pipelined", "together")  # in turns A B B A from TRIAL[0]
+WINDOW = TRIAL[1] - TRIAL[0]  #: a window's steps (a reopened one's too)
 AGAIN = 3  #: windows more, at most, where one measured nothing (auto ran no lowrank there) and lowrank runs later
 
 
@@ -69,7 +70,7 @@ class RoundsTrial:
         return self._arm(step) == "together"
 
     def _arm(self, step: int) -> Optional[str]:
-        if not self.start <= step < self.start + TRIAL[1] - TRIAL[0]:
+        if not self.start <= step < self.start + WINDOW:
             return None
         return ARMS[(step - self.start) % 4 in (1, 2)]
 
@@ -85,7 +86,7 @@ class RoundsTrial:
         if arm is not None and counts and self._opened is not None and self._opened[0] == step - 1:
             self.times[arm].append(now - self._opened[1])
         self._opened = (step, now)
-        if step >= self.start + TRIAL[1] - TRIAL[0]:
+        if step >= self.start + WINDOW:
             self._decide(engine, step)
 
     def _decide(self, engine, step: int) -> None:
@@ -117,9 +118,11 @@ class RoundsTrial:
         self.times = {arm: [] for arm in ARMS}
 
     def settle(self) -> None:
-        """Nothing to measure (auto without lowrank among its modes): pipelined."""
+        """Nothing to measure (auto without lowrank among its modes): pipelined,
+        and no window to open later (the hook then looks at no step's plans)."""
         if self.choice is None:
             self.choice = "pipelined"
+        self.again = AGAIN
 
     def describe(self) -> dict:
         return {"state": "measuring" if self.choice is None else "chosen", "rounds": self.choice,

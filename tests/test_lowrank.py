@@ -837,5 +837,5 @@ def test_lowrank_rounds_measure_both_schedules_in_turns_and_the_slowest_ranks_me
         clock[0] += 0.030 if mixed.hold(step) else 0.040
     assert mixed.times["pipelined"] == pytest.approx([0.040, 0.040])
     assert mixed.times["together"] == pytest.approx([0.030])
-    mixed.settle()  # auto without lowrank: pipelined, nothing gathered
-    assert mixed.choice == "pipelined" and len(engine.rows) == 1
+    mixed.settle()  # auto without lowrank: pipelined, nothing gathered, no window to open later
+    assert mixed.choice == "pipelined" and len(engine.rows) == 1 and not mixed.unmeasured
