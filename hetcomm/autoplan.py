@@ -25,9 +25,7 @@
 3. Decision: every rank all-gathers its round times, takes the slowest rank's
    time per round and the fastest round: the same choice everywhere, whatever
    each rank measured (:func:`choose`).
-4. Re-check (round 0: the current plans; after its first cycle each round it
-   keeps runs ``RECHECK_BLOCK`` steps in a row, the first, which switches
-   plans, not timed), switching only to a round at least
+4. Re-check (round 0: the current plans), switching only to a round at least
    ``1 / AUTO_HYSTERESIS`` faster (to a round with the guarded lowrank from
    one without it, by lowrank's margin alone, see 5): first ``AUTO_SETTLE`` compressed steps
    after the first decision (whose trial ran in the run's first steps, slower
@@ -100,13 +98,6 @@ log = logging.getLogger("hetcomm")
 
 AUTO_TOP = 3          # candidates by prediction kept for the trial (plus fp32 native)
 AUTO_REPEATS = 3      # trial steps per candidate, interleaved (the minimum counts: the first may warm up)
-# after a re-check's first cycle, each round it keeps runs this many steps in a row, the first not timed: a step
-# that switches plans pays for the switch (its buckets' new state: on the testbed 1000-3000 page faults a rank) and
-# for other ranks' late finish of the step before. Interleaved, every step a re-check timed did, and on the wide
-# model at 100 Mbit the re-check at lowrank's admission read lowrank at 0.75x int3's step where it runs at 0.6x,
-# keeping int3 for 100 steps (bench/README "The provisional lowrank's own margin, and a re-check's rounds in
-# blocks")
-RECHECK_BLOCK = AUTO_REPEATS
 AUTO_SETTLE = 100     # compressed steps from the first decision to the first re-check
 AUTO_RECHECK = 1000   # compressed steps between later re-checks
 AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
@@ -123,7 +114,7 @@ LOWRANK_MARGIN = 0.7
 # the reading decides again by LOWRANK_MARGIN (an admitted lowrank that won by this alone is measured again at once,
 # at its rank then). The trial's one-step rounds time it above its steady step (it follows another plan's step):
 # on the wide model at 100 Mbit rank 16 took 0.66x int3's step over 200 steps and read 0.83-0.86x in first trials,
-# so int3 ran steps 11-30 on 9 runs of 20 (bench/README "The provisional lowrank's own margin, and ...")
+# so int3 ran steps 11-30 on 9 runs of 20 (bench/README "The provisional lowrank's own margin")
 PROVISIONAL_MARGIN = 0.9
 
 
@@ -484,11 +475,7 @@ class AutoPlanner:
         if self.trial_start is None:
             return False
         t, first = self.compressed_steps - self.trial_start, len(self._cycle())
-        return t < first or (self._kept is not None and t < first + self._repeats() * len(self._kept))
-
-    def _repeats(self) -> int:
-        """Steps each kept round runs after the trial's first cycle."""
-        return RECHECK_BLOCK if self._rechecking else AUTO_REPEATS - 1
+        return t < first or (self._kept is not None and t < first + (AUTO_REPEATS - 1) * len(self._kept))
 
     def _rounds(self) -> int:
         return max((len(o) for o in self._order.values()), default=0)
@@ -498,21 +485,10 @@ class AutoPlanner:
         return [c for c in range(self._rounds()) if c not in (self._skipped or ())]
 
     def _round(self) -> int:
-        """This step's trial round: the first cycle's rounds take turns, and
-        so do the first trial's repeats (a drifting load, another job or a
-        warming cache, weighs on every candidate alike); a re-check runs each
-        round it kept RECHECK_BLOCK steps in a row."""
+        """This step's trial round: rounds take turns, so a drifting load
+        (another job, a warming cache) weighs on every candidate alike."""
         t, cycle = self.compressed_steps - self.trial_start, self._cycle()
-        if t < len(cycle):
-            return cycle[t]
-        u = t - len(cycle)
-        return self._kept[u // RECHECK_BLOCK] if self._rechecking else self._kept[u % len(self._kept)]
-
-    def _timed(self) -> bool:
-        """Whether this trial step's time counts: not the first of a
-        re-check's block (it switches plans)."""
-        u = self.compressed_steps - self.trial_start - len(self._cycle())
-        return not self._rechecking or u < 0 or u % RECHECK_BLOCK != 0
+        return cycle[t] if t < len(cycle) else self._kept[(t - len(cycle)) % len(self._kept)]
 
     def _skip_hopeless(self, engine) -> None:
         """The first trial, after its first round (each bucket's best
@@ -568,7 +544,7 @@ class AutoPlanner:
         """After the step's last bucket was submitted."""
         self._last_round = None
         if compressed and self.s.resolved_compression == "auto":
-            if self._in_trial() and self._timed():
+            if self._in_trial():
                 self._last_round = self._round()
             self.compressed_steps += 1
         self._last_trial, self._step_trial = self._step_trial, {}
@@ -609,7 +585,7 @@ class AutoPlanner:
             if any(self._blocked(self.candidates[k][j]) for k, j in self.decided.items()):
                 self._first_trial_again()  # lowrank, refused while the trial ran, was all it measured
         elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check and \
-                not self._reads_during((1 + RECHECK_BLOCK) * max(map(len, self.candidates.values()), default=1)):
+                not self._reads_during(AUTO_REPEATS * max(map(len, self.candidates.values()), default=1)):
             self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
 
     def _decide(self, engine) -> None:
