@@ -55,7 +55,11 @@
    approximation must buy a clear speed-up. While it runs provisionally the
    margin is ``PROVISIONAL_MARGIN`` (0.9): the reading decides again by the
    full one, and where lowrank's round did not meet that, its admission
-   takes the round without it and measures lowrank again at once. Where the cost model predicts
+   takes the round without it and measures lowrank again at once. A
+   re-check that keeps a round without the admitted lowrank by its margin
+   alone (lowrank's round measured faster, not by the margin) is confirmed
+   by another ``AUTO_CONFIRM`` steps later, once
+   (:meth:`AutoPlanner._kept_by_margin`). Where the cost model predicts
    it fastest (a slow link) and it may run, it is the first trial's round
    0, so that the rounds hopeless against it do not run: a skipped round's
    predicted communication alone is over AUTO_SPAN times lowrank's step, so
@@ -100,6 +104,7 @@ AUTO_TOP = 3          # candidates by prediction kept for the trial (plus fp32 n
 AUTO_REPEATS = 3      # trial steps per candidate, interleaved (the minimum counts: the first may warm up)
 AUTO_SETTLE = 100     # compressed steps from the first decision to the first re-check
 AUTO_RECHECK = 1000   # compressed steps between later re-checks
+AUTO_CONFIRM = 20     # compressed steps to a re-check that confirms one kept from the admitted lowrank by its margin
 AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
 AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
 AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
@@ -195,6 +200,10 @@ class AutoPlanner:
         self._skipped: Optional[List[int]] = None  # the first trial's rounds its first cycle leaves out (once agreed)
         self._rechecking = False
         self.rechecks = 0                  # re-checks started so far
+        #: the compressed step from which a re-check confirms the last one's keep (_kept_by_margin), else None
+        self.confirm_at: Optional[int] = None
+        self.confirms = 0                  # of the re-checks, those that confirmed one (not in the full ones' count)
+        self._confirming = False           # the running re-check is one
         #: per bucket key, the (mode, algorithm) pairs a pruned re-check leaves out
         self.pruned: Dict[str, set] = {}
         self._opened: Optional[float] = None
@@ -463,10 +472,14 @@ class AutoPlanner:
     def _start_trial(self, full: bool = False) -> None:
         self.trial_start = self.compressed_steps
         self._rechecking = bool(self.decided)
+        self._confirming = self._rechecking and self.confirm_at is not None and \
+            self.compressed_steps >= self.confirm_at
+        self.confirm_at = None  # a trial that starts for another reason measures what it would have
         prune = False
         if self._rechecking:
             self.rechecks += 1
-            prune = not full and self.rechecks % AUTO_FULL_EVERY != 0
+            self.confirms += self._confirming
+            prune = not full and (self._confirming or (self.rechecks - self.confirms) % AUTO_FULL_EVERY != 0)
         self._order = {k: self._order_of(k, prune) for k in self.candidates}
         self._align_guarded(list(self._order))
         self._step_times, self._times, self._kept, self._skipped = {}, {}, None, None
@@ -582,10 +595,12 @@ class AutoPlanner:
             # admitted) is checked again AUTO_SETTLE steps later: early steps are slower and noisier
             self.next_check = self.compressed_steps + (AUTO_SETTLE if self.compressed_steps < AUTO_SETTLE else
                                                        AUTO_RECHECK)
+            self._confirming = False
             if any(self._blocked(self.candidates[k][j]) for k, j in self.decided.items()):
                 self._first_trial_again()  # lowrank, refused while the trial ran, was all it measured
-        elif self.trial_start is None and self.decided and self.compressed_steps >= self.next_check and \
-                not self._reads_during(AUTO_REPEATS * max(map(len, self.candidates.values()), default=1)):
+        elif self.trial_start is None and self.decided and \
+                self.compressed_steps >= min(self.next_check, INF if self.confirm_at is None else self.confirm_at) \
+                and not self._reads_during(AUTO_REPEATS * max(map(len, self.candidates.values()), default=1)):
             self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
 
     def _decide(self, engine) -> None:
@@ -625,6 +640,8 @@ class AutoPlanner:
             per_bucket = self._times.get(k, {})
             self.measured[k] = [min(per_bucket[i]) if per_bucket.get(i) else None
                                 for i in range(len(self.candidates[k]))]
+        self.confirm_at = self.compressed_steps + AUTO_CONFIRM if self._rechecking and not self._confirming and \
+            self._kept_by_margin(best) else None
         waits = not self._allowed(min(range(len(times[0])), key=lambda c: (self.round_times[c], c)))
         log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s; buckets: %s%s", best,
                  ", ".join(f"{1000 * t:.4g}" for t in self.round_times),
@@ -632,7 +649,8 @@ class AutoPlanner:
                  "; ".join(f"[{k[:24]}] {self.candidates[k][self.decided[k]][0]}/"
                            f"{self.candidates[k][self.decided[k]][1]}" for k in keys),
                  f" (a faster round with lowrank waits for its reading at step {lowrank_share.next_close(self.s.iter)})"
-                 if waits else "")
+                 if waits else f" (lowrank's round faster, not by its margin: a re-check confirms it {AUTO_CONFIRM} "
+                 "steps on)" if self.confirm_at is not None else "")
         self._times, self._step_times = {}, {}
 
     # ---- the guard on lowrank ----------------------------------------------------------
@@ -657,6 +675,20 @@ class AutoPlanner:
         return [INF if not self._allowed(c) else t / margin if self._runs_guarded(c) else t
                 for c, t in enumerate(times)]
 
+    def _kept_by_margin(self, best: int) -> bool:
+        """Whether the decision for round ``best`` kept a round without the
+        admitted lowrank by its margin alone: a round with it measured faster
+        (the slowest rank's time). On the wide model at 100 Mbit (2 x 2
+        testbed) the re-check at lowrank's admission read rank 4 at
+        0.38-0.64x int3's step on most runs but kept int3 on 1-3 of 12, which
+        then ran at 1.5x lowrank's step until the re-check AUTO_SETTLE steps
+        later took lowrank (bench/README "A re-check that kept int3 by
+        lowrank's margin alone, confirmed")."""
+        if self.guard is None or self.guard.state != "admitted" or self._runs_guarded(best):
+            return False
+        return any(self._runs_guarded(c) and self._allowed(c) and t < self.round_times[best]
+                   for c, t in enumerate(self.round_times))
+
     def _read_guard(self, engine) -> None:
         """After a window of share readings: every rank all-gathers its means
         (at WAIT_RANK and lowrank's rank; -1: none, e.g. a non-finite
@@ -671,6 +703,8 @@ class AutoPlanner:
             return
         before, timed_at = self.guard.state, self.lowrank_rank()
         if self.guard.update(lowest[-1], step, lowest[0] if width > 1 else None):
+            if self.guard.state != "admitted":
+                self.confirm_at = None  # what it would confirm is no longer allowed
             if before != "refused":
                 self._repick()
                 if self.guard.state == "admitted" and timed_at not in (None, self.s._rank_ladder.rank) and \
@@ -723,12 +757,13 @@ class AutoPlanner:
         a running trial's progress and step times, the guard."""
         out = {"decided": {k: list(self.candidates[k][j][:2]) for k, j in self.decided.items()},
                "compressed_steps": self.compressed_steps, "next_check": self.next_check,
-               "rechecks": self.rechecks, "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v},
+               "rechecks": self.rechecks, "confirm_at": self.confirm_at, "confirms": self.confirms,
+               "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v},
                "candidates": {k: [list(c) for c in v] for k, v in self.candidates.items()},
                "order": {k: list(v) for k, v in self._order.items()}, "round_times": list(self.round_times)}
         if self.trial_start is not None:
-            out["trial"] = {"start": self.trial_start, "rechecking": self._rechecking, "kept": self._kept,
-                            "skipped": self._skipped,
+            out["trial"] = {"start": self.trial_start, "rechecking": self._rechecking, "confirming": self._confirming,
+                            "kept": self._kept, "skipped": self._skipped,
                             "step_times": {c: list(v) for c, v in self._step_times.items()}}
         if self.guard is not None:
             out["guard"] = self.guard.state_dict()
@@ -740,6 +775,8 @@ class AutoPlanner:
         self.compressed_steps = int(sd.get("compressed_steps", 0))
         self.next_check = int(sd.get("next_check", 0))
         self.rechecks = int(sd.get("rechecks", 0))
+        self.confirm_at = None if sd.get("confirm_at") is None else int(sd["confirm_at"])
+        self.confirms, self._confirming = int(sd.get("confirms", 0)), False
         self.pruned = {str(k): {tuple(c) for c in v} for k, v in sd.get("pruned", {}).items()}
         self.candidates, self.decided, self.trial_start, self._times, self._order = {}, {}, None, {}, {}
         self._restored, self._unverified, self.round_times, self._step_times, self._kept = {}, set(), [], {}, None
@@ -757,6 +794,7 @@ class AutoPlanner:
             trial = sd.get("trial")
             if trial is not None:
                 self.trial_start, self._rechecking = int(trial["start"]), bool(trial["rechecking"])
+                self._confirming = bool(trial.get("confirming", False))
                 self._kept = None if trial["kept"] is None else [int(c) for c in trial["kept"]]
                 self._skipped = None if trial.get("skipped") is None else [int(c) for c in trial["skipped"]]
                 self._step_times = {int(c): [float(t) for t in v] for c, v in trial["step_times"].items()}

@@ -520,7 +520,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         if self.compression == "auto":
             pl = self._planner.auto
             out["auto"] = {"modes": list(pl.modes), "round_step_s": pl.round_times, "rechecks": pl.rechecks,
-                           "next_check": pl.next_check, "compressed_steps": pl.compressed_steps,
+                           "confirms": pl.confirms, "next_check": pl.next_check, "confirm_at": pl.confirm_at,
+                           "compressed_steps": pl.compressed_steps,
                            "buckets": pl.describe()}
             if pl.guard is not None:
                 out["auto"]["lowrank_guard"] = pl.guard.state_dict()

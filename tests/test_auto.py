@@ -816,15 +816,17 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     assert fresh.pruned == planner.pruned and fresh.rechecks == planner.rechecks
 
 
-def _guarded_planner_run(monkeypatch, first_share, cost, readings=None):
+def _guarded_planner_run(monkeypatch, first_share, cost, readings=None, resume_at=None):
     """The planner alone, one 1M-element bucket on a clock of its own, steps
     0 .. 2 LATER + 29: lowrank guarded, its guard's first reading
     ``first_share`` (at step 0; None: none, lowrank provisional until
     ``readings`` give one); a step costs ``cost[mode]`` (a callable: of the
     step and the rank lowrank runs at), 5 more where the guard reads.
     ``readings``: {step: this rank's window means, set before that step
-    begins}. (auto, [(step, mode, why)], the trial steps, the first step
-    after the first trial, whether a step reads)."""
+    begins}; ``resume_at``: before that step a new planner goes on from the
+    old one's ``state_dict()`` (its first step after it untimed, as a
+    resumed run's). (auto, [(step, mode, why)], the trial steps, the first
+    step after the first trial, whether a step reads)."""
     from types import SimpleNamespace
 
     topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
@@ -834,10 +836,15 @@ def _guarded_planner_run(monkeypatch, first_share, cost, readings=None):
                             min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0, _rank_given=None,
                             matrix_approximation_rank=4, lowrank_wire="bf16", _compressed_at=lambda step: True,
                             _lowrank_share=share, _rank_ladder=SimpleNamespace(rank=4))
-    plans = plan.Planner(state)
-    auto = plans.auto
-    auto.modes = ("none", "bf16", "fp8")
-    auto.offer_guarded()
+    def planner(saved=None):
+        plans = plan.Planner(state)
+        plans.auto.modes = ("none", "bf16", "fp8")
+        plans.auto.offer_guarded()
+        if saved is not None:
+            plans.auto.load_state_dict(saved)
+        return plans, plans.auto
+
+    plans, auto = planner()
     assert first_share is None or auto.guard.update(first_share, 0)
     layout = torch.tensor([[0, 1024, 1024, 16]])
     clock = [0.0]
@@ -850,6 +857,8 @@ def _guarded_planner_run(monkeypatch, first_share, cost, readings=None):
     ran = []  # (step, plan, why)
     for step in range(2 * lowrank_share.LATER + 30):
         state.iter = step
+        if step == resume_at:
+            plans, auto = planner(auto.state_dict())
         if step in (readings or {}):
             share.last = readings[step]
         auto.begin_step(engine)
@@ -910,12 +919,14 @@ def test_a_recheck_takes_lowrank_by_its_margin_alone(monkeypatch, later):
     at ``later``. At 0.65x (by the margin, 0.7) it takes lowrank: the
     hysteresis (0.9) is not asked on top, by which lowrank had to take 0.63x
     (a wide-model run on the testbed kept int3 at 1.6x lowrank's step,
-    measuring it at 0.636x). At 0.72x fp8 stays."""
+    measuring it at 0.636x). At 0.72x fp8 stays, and a second re-check
+    confirms it (faster, not by the margin)."""
     def lowrank(step, rank):
         return 0.9 if step < 50 else later  # the first trial's steps, then the re-check's (after step 120)
     cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": lowrank, "none": 10.0}
     auto, ran, trial, decided, reads = _guarded_planner_run(monkeypatch, 0.99, cost)
-    assert decided < 50 and ran[decided][1] == "fp8" and auto.rechecks == 1
+    kept = later >= autoplan.LOWRANK_MARGIN
+    assert decided < 50 and ran[decided][1] == "fp8" and (auto.rechecks, auto.confirms) == (1 + kept, kept)
     assert min(s for s in trial if s > decided) > 50
     assert ran[-1][1:] == ("lowrank" if later < autoplan.LOWRANK_MARGIN else "fp8", "measured")
 
@@ -989,7 +1000,86 @@ def test_lowrank_that_won_the_trial_by_its_provisional_margin_alone_is_measured_
     after = next(s for s in range(close + 1, len(ran)) if ran[s][2] != "trial")
     assert recheck[0] == close + 1 and "lowrank" in {m for s, m, _ in ran[close + 1:after]}, recheck
     assert ran[after][1:] == ("lowrank" if at_rank_4 < autoplan.LOWRANK_MARGIN else "fp8", "measured")
-    assert ran[-1][1] == ran[after][1]
+    assert [m for s, m, why in ran if why != "trial"][-1] == ran[after][1]  # (at 0.8 its confirmations keep fp8)
+
+
+def _recheck_starts(ran, trial, after):
+    """The first step of each re-check after step ``after``."""
+    return [s for s in trial if s > after and ran[s - 1][2] != "trial"]
+
+
+@pytest.mark.parametrize("confirmed", [0.5, 0.8])
+@pytest.mark.parametrize("resume_at", [None, 45, 62])
+def test_a_recheck_that_kept_a_round_without_lowrank_by_its_margin_alone_is_confirmed_once(
+        monkeypatch, confirmed, resume_at):
+    """The planner alone: lowrank wins the first trial provisionally (0.8x
+    fp8's step at rank 16), is admitted at step 30 at rank 4, and the
+    re-check then measures it at 0.8x: faster than fp8, not by its margin
+    (0.7), so fp8 runs. Its one-step rounds are noisy (on the wide model at
+    100 Mbit such a re-check kept int3 on 1-3 runs of 12, at 1.5x lowrank's
+    step until the next re-check 100 steps later), so another re-check
+    confirms it AUTO_CONFIRM steps later, pruned as a re-check is. Measured
+    there at 0.5x it takes lowrank; at 0.8x fp8 stays, and the next re-check
+    comes AUTO_SETTLE steps after it, not another confirmation. A run resumed
+    while the confirmation is due (45) or runs (62) goes on the same."""
+    close = lowrank_share.FIRST + lowrank_share.FIRST_SPAN
+
+    def lowrank(step, rank):
+        return 0.8 if rank == lowrank_guard.PROVISIONAL_RANK or step < 50 else confirmed
+    cost = {"fp8": 1.0, "bf16": 1.3, "lowrank": lowrank, "none": 10.0}
+    readings = {close + 1: {"step": close, "share": 0.99, "ladder": [0.995, 0.99]}}
+    auto, ran, trial, decided, reads = _guarded_planner_run(monkeypatch, None, cost, readings, resume_at)
+    starts = _recheck_starts(ran, trial, decided)
+    assert starts[0] == close + 1  # lowrank won provisionally, lost by the full margin at its admission
+    after = next(s for s in range(starts[0], len(ran)) if ran[s][2] != "trial")
+    assert ran[after][1:] == ("fp8", "measured")
+    assert starts[1] == after + autoplan.AUTO_CONFIRM, (after, starts)  # confirmed once, soon
+    confirm = [s for s in trial if starts[1] <= s < starts[2]]
+    ran_there = {ran[s][1] for s in confirm}
+    assert {"fp8", "lowrank"} <= ran_there and "none" not in ran_there  # pruned
+    end = confirm[-1] + 1
+    assert starts[2] >= end + autoplan.AUTO_SETTLE  # the confirmation asks for none itself
+    if confirmed < autoplan.LOWRANK_MARGIN:
+        assert {ran[s][1:] for s in range(end, len(ran)) if s not in trial} == {("lowrank", "measured")}
+        assert auto.confirms == 1 and len(starts) == 3  # a re-check that took lowrank asks no confirmation
+    else:  # the re-check after it keeps fp8 by the margin alone too: confirmed after the window 200-220
+        assert ran[end][1:] == ("fp8", "measured")
+        assert auto.confirms == 2 and len(starts) == 4 and starts[3] > 2 * lowrank_share.LATER + lowrank_share.SPAN
+    assert auto.rechecks == len(starts)
+    if resume_at is not None:  # the same decisions as the run not interrupted ...
+        whole, uninterrupted, _, _, _ = _guarded_planner_run(monkeypatch, None, cost, readings)
+        assert (auto.rechecks, auto.confirms) == (whole.rechecks, whole.confirms)
+
+        def decisions(r):
+            return [(m, why) for (_, _, before), (_, m, why) in zip(r, r[1:]) if before == "trial" != why]
+        assert decisions(ran) == decisions(uninterrupted)
+        if resume_at < starts[1]:  # ... and, resumed outside a trial, the same steps: nothing was left untimed
+            assert ran == uninterrupted
+
+
+def test_a_recheck_keeps_no_lowrank_measured_slower_or_refused_and_asks_no_confirmation():
+    """_kept_by_margin, the rule alone: a decision without lowrank is
+    confirmed only where lowrank is admitted and its round measured faster
+    than the kept one's; not where it was slower, nor before it is admitted
+    (a provisional lowrank's reading decides again), nor after its refusal,
+    nor where the decision took lowrank."""
+    from types import SimpleNamespace
+
+    planner = plan.Planner(SimpleNamespace(_rank_given=None, iter=0)).auto
+    planner.modes = ("none", "fp8")
+    planner.offer_guarded()
+    planner.candidates = {"k": [("fp8", "native", None), ("none", "native", None), ("lowrank", "native", None)]}
+    planner._order = {"k": [0, 1, 2]}
+    planner.round_times = [1.0, 3.0, 0.8]
+    assert planner.guard.provisional and not planner._kept_by_margin(0)
+    planner.guard.update(0.99, 30)
+    assert planner.guard.state == "admitted"
+    assert planner._kept_by_margin(0) and not planner._kept_by_margin(2)
+    planner.round_times = [1.0, 3.0, 1.1]
+    assert not planner._kept_by_margin(0)
+    planner.round_times = [1.0, 3.0, 0.8]
+    planner.guard.update(0.5, 120)
+    assert planner.guard.state == "refused" and not planner._kept_by_margin(0)
 
 
 def test_the_guarded_lowrank_wins_only_by_its_margin():
