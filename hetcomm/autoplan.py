@@ -682,8 +682,12 @@ class AutoPlanner:
         testbed) the re-check at lowrank's admission read rank 4 at
         0.38-0.64x int3's step on most runs but kept int3 on 1-3 of 12, which
         then ran at 1.5x lowrank's step until the re-check AUTO_SETTLE steps
-        later took lowrank (bench/README "A re-check that kept int3 by
-        lowrank's margin alone, confirmed")."""
+        later took lowrank. A confirmation helps where that reading was
+        noisy, not where it was biased: as glibc's malloc comes, a step that
+        switches plans faults its temporaries in afresh, and one AdamW run
+        read lowrank at 0.72x four times and kept int3 to its end
+        (bench/README "A re-check that keeps int3 by lowrank's margin alone
+        is confirmed")."""
         if self.guard is None or self.guard.state != "admitted" or self._runs_guarded(best):
             return False
         return any(self._runs_guarded(c) and self._allowed(c) and t < self.round_times[best]
