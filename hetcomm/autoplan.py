@@ -595,7 +595,6 @@ class AutoPlanner:
             # admitted) is checked again AUTO_SETTLE steps later: early steps are slower and noisier
             self.next_check = self.compressed_steps + (AUTO_SETTLE if self.compressed_steps < AUTO_SETTLE else
                                                        AUTO_RECHECK)
-            self._confirming = False
             if any(self._blocked(self.candidates[k][j]) for k, j in self.decided.items()):
                 self._first_trial_again()  # lowrank, refused while the trial ran, was all it measured
         elif self.trial_start is None and self.decided and \
