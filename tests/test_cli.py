@@ -188,6 +188,18 @@ def test_bench_ddp_on_cuda_without_a_gpu_says_what_is_missing(tmp_path):
     assert out.returncode != 0 and "needs a visible GPU and a CUDA build of hetcomm" in out.stderr
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="minor page faults are counted where getrusage counts them (Linux)")
+def test_bench_train_counts_the_page_faults_of_fresh_memory():
+    from hetcomm.benchmarks.train import _minor_faults
+
+    before = _minor_faults()
+    block = torch.empty(64 << 20, dtype=torch.uint8)  # over glibc's largest mmap threshold: fresh pages from the kernel
+    block.fill_(1)
+    touched = _minor_faults() - before
+    assert touched >= 32, touched  # 64 MiB in pages of 4 KiB (16384), or of 2 MiB where huge pages back it (32)
+    del block
+
+
 def test_bench_train_time_to_accuracy(tmp_path):
     out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
                 "--scale", "0.2", "--eval-every", "10", "--json", "t.json", "--png", "t.png"], tmp_path)
@@ -200,6 +212,7 @@ def test_bench_train_time_to_accuracy(tmp_path):
     for r in runs.values():
         times = [p["time_s"] for p in r["curve"]]
         assert times == sorted(times) and r["s_per_step"] * r["steps"] >= times[-1] * 0.999
+        assert isinstance(r["minor_faults_per_step"], float) and r["minor_faults_per_step"] >= 0
         within = [p["mse"] <= 1.02 * fp32["final"] for p in r["curve"]]
         if r["reached"]:  # the first evaluation within 2 % of fp32's final MSE
             first = next(p for p in r["curve"] if p["mse"] <= 1.02 * fp32["final"])

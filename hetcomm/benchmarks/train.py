@@ -4,8 +4,10 @@ one run; the reference is PyTorch's own fp32 all-reduce (``allreduce_hook``).
 
 Per run: the quality curve against training wall time (evaluation paused
 out of the clock), the final quality, whether and when (steps, seconds) it
-came within the task's tolerance of fp32's final quality, seconds per step
-and bytes sent per step (ring-equivalent, per rank). Under ``hetcomm testbed``
+came within the task's tolerance of fp32's final quality, seconds per step,
+bytes sent per step (ring-equivalent, per rank) and rank 0's minor page
+faults per step (inside the clock; thousands a step on a CPU: the allocator
+hands memory back and faults it in again, README "Limits"). Under ``hetcomm testbed``
 the same command measures a simulated cluster (e.g. 2 nodes x 2 ranks at
 100 Mbit between nodes)."""
 
@@ -15,6 +17,11 @@ import math
 import os
 import sys
 import time
+
+try:
+    import resource
+except ImportError:  # not on Windows: no fault counts there
+    resource = None
 from typing import Dict, List, Optional
 
 import torch
@@ -118,6 +125,12 @@ def _clip(state, model: nn.Module, clip: Optional[float], handed: bool) -> bool:
     return bool(norm > clip)
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far, every thread's (0 where the
+    platform does not count them)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
 def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: int, lr: float,
          clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
          device: str = "cpu", bucket_mb: Optional[float] = None) -> Optional[Dict]:
@@ -128,9 +141,10 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
     opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
     state, bytes_per_step = _register(ddp, mode, opt, steps)
     sched = make_schedule(opt, schedule, steps)
-    curve, train_s, clipped = [], 0.0, 0
+    curve, train_s, clipped, faults = [], 0.0, 0, 0
     for step in range(steps):
         x, y = (t.to(dev) for t in task.batch_for(step, rank))
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         opt.zero_grad()
         task.loss(ddp(x), y).backward()
@@ -140,6 +154,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
             sched.step()
         common.sync(dev)  # a GPU's step counts when it is done, not when it is queued
         train_s += time.perf_counter() - t0
+        faults += _minor_faults() - f0
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             if rank == 0:
                 point = {"step": step + 1, "time_s": train_s, **task.evaluate(model)}
@@ -163,7 +178,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
             "schedule": schedule, "steps": steps, "device": device,
             "world_size": dist.get_world_size(),
             "curve": curve, "final": final[task.metric], "final_loss": final["loss"],
-            "s_per_step": train_s / steps, "bytes_per_step": sent,
+            "s_per_step": train_s / steps, "bytes_per_step": sent, "minor_faults_per_step": faults / steps,
             "clip": None if clip is None else {"max_norm": clip, "by": "handed" if clip_handed or state is None
                                                else "reduced", "clipped_steps": clipped},
             "finite": math.isfinite(final["loss"])}
@@ -186,7 +201,8 @@ def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: L
                     if r is not None:
                         plans = r["curve"][-1].get("plans")
                         print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
-                              f"{1000 * r['s_per_step']:.1f} ms/step" + (f"  last step: {plans}" if plans else ""),
+                              f"{1000 * r['s_per_step']:.1f} ms/step  {r['minor_faults_per_step']:.0f} faults/step" +
+                              (f"  last step: {plans}" if plans else ""),
                               file=sys.stderr, flush=True)
                         out.append(r)
                         common.write_json(partial_path, {"partial": True, "runs": out})  # kept if a later run fails
