@@ -229,6 +229,8 @@ class BucketStates:
                 order = list(dict.fromkeys(node_of))
                 n, peers, me = _C.hierarchical_shard_numel(numel, list(node_of), rank), len(order), \
                     order.index(node_of[rank])
+            if mode == "lowrank" or (mode in ("onebit", "fp8", "int3") and not hierarchical):
+                self._carry_into_residual(key, n, device)
             residual = self.residual(self.residuals, key, n, device)
             if mode in ("onebit", "fp8", "int3"):  # two-phase codecs: among three or more peers this rank sums a segment
                 size = _C.server_residual_numel(n, peers, me)
@@ -239,14 +241,42 @@ class BucketStates:
                     self._owe(key, numel, self.server_residuals.pop(key), off, device)
         return residual, server, self._pending_carry(key, device)
 
+    def _carry_into_residual(self, key: str, numel: int, device: torch.device) -> None:
+        """A plan whose worker residual is the whole bucket's, in the carry's
+        units (lowrank, flat or across nodes; onebit, fp8 and int3 flat: each
+        encodes x / divisor + residual, and a carry joins x as its contribution
+        times the divisor), takes the bucket's carry into its residual here:
+        the carry becomes the residual where there is none yet (after a plan
+        switch, the usual case), else is added to it. The same sum, without
+        the comm thread's copy of the bucket to add the carry to, the copy
+        back and the carry's clearing, and without a fresh residual's zeros:
+        on the wide model (4 loopback ranks on 2 cores) a lowrank step after
+        an int3 step took 7 ms more CPU a rank than a steady one (bench/README
+        "A carry joins the residual"). A non-finite step leaves the residual
+        as it was (lowrank does not write it; the others put it back), so
+        what the carry owed stays owed, as a held carry did."""
+        carry = self.carry.pop(key, None)
+        if carry is None:
+            return
+        self._carry_sent.pop(key, None)
+        self.touched.add(key)
+        r = self.residuals.get(key)
+        if r is None or r.numel() != numel:
+            self.residuals[key] = carry.to(device)
+        else:
+            r.add_(carry.to(device))
+
     def _owe(self, key: str, numel: int, owed: Optional[torch.Tensor], offset: int, device) -> None:
         """Adds what a residual held back (this rank's part of the sum, at
         ``offset`` in the bucket; None: nothing) to the bucket's carry, made
         if it has none."""
         carry = self.carry.get(key)
-        carry = torch.zeros(numel, dtype=torch.float32, device=device) if carry is None else carry.to(device)
-        if owed is not None:
-            carry.narrow(0, offset, owed.numel()).add_(owed.to(device))
+        if carry is None and owed is not None and owed.numel() == numel:  # a whole bucket's residual: it is the carry
+            carry = owed.to(device)
+        else:
+            carry = torch.zeros(numel, dtype=torch.float32, device=device) if carry is None else carry.to(device)
+            if owed is not None:
+                carry.narrow(0, offset, owed.numel()).add_(owed.to(device))
         self.carry[key] = carry
         self._carry_sent.pop(key, None)
 

@@ -569,6 +569,81 @@ def test_a_plan_change_delivers_the_error_feedback_it_owed(tmp_path, world, two_
         assert torch.equal(r["params"], res[0]["params"])
 
 
+def _carry_or_residual(rank, world, codec, pipeline):
+    """One reduction of a bucket whose earlier plan owes ``c``, two ways: the
+    carry handed to the engine (joining x as c times the divisor), and the
+    carry taken into the worker residual (BucketStates._carry_into_residual).
+    Each rank's x, residual r and carry c differ."""
+    import torch.distributed as dist
+
+    from hetcomm import _C
+
+    layout = torch.tensor([[0, 40, 24, 3], [960, 1, 30, 0], [990, 16, 16, 2]])
+    n = 990 + 256
+    g = torch.Generator().manual_seed(rank)
+    x, r, c = torch.randn(n, generator=g), 0.05 * torch.randn(n, generator=g), 0.1 * torch.randn(n, generator=g)
+    out = []
+    for residual, carry in ((r.clone(), c.clone()), (r + c, None)):
+        engine = _C.Engine(dist.group.WORLD, torch.device("cpu"))
+        buf = x.clone()
+        lowrank = codec == "lowrank"
+        q = torch.randn(_C.lowrank_q_numel(layout), generator=torch.Generator().manual_seed(5)) if lowrank else None
+        size = 0 if lowrank else _C.server_residual_numel(n, world, rank)
+        server = torch.zeros(size) if size else None
+        engine.submit_bucket(0, buf, getattr(_C.Codec, codec), 32, 0.01, True, residual, server, True,
+                             layout=layout if lowrank else None, q_state=q, carry=carry, pipeline=pipeline).wait()
+        engine.close()
+        out.append((buf, residual, carry))
+    return out
+
+
+@pytest.mark.parametrize("codec,world,pipeline", [("lowrank", 2, True), ("lowrank", 3, False), ("int3", 2, False),
+                                                  ("int3", 3, False), ("fp8", 3, False), ("onebit", 2, False)])
+def test_a_carry_taken_into_the_worker_residual_reduces_as_the_carry_did(codec, world, pipeline):
+    # BucketStates hands lowrank (flat or across nodes) and flat onebit / fp8 / int3 no carry: it joins their worker
+    # residual, whose units are the carry's (each encodes x / divisor + residual; the carry joins x times the
+    # divisor). Reduced either way, the sum and the new residual are the same, up to float32's rounding of a sum
+    for (buf, res, carry), (buf2, res2, _) in run_ranks(_carry_or_residual, world, codec, pipeline):
+        assert torch.equal(carry, torch.zeros_like(carry))  # the engine added the carry and cleared it
+        torch.testing.assert_close(buf2, buf, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res2, res, rtol=1e-5, atol=1e-6)
+
+
+def test_a_switch_between_whole_bucket_residuals_keeps_the_residual_and_hands_no_carry():
+    # int3 flat -> lowrank: the owed residual is the whole bucket's; it becomes the carry and the carry lowrank's
+    # residual, the same tensor (no pass over the bucket). int3 across nodes -> lowrank: the shard's residual lands
+    # at its offset in the new residual, zeros elsewhere. lowrank -> int3 across nodes: a shard-sized residual
+    # cannot hold it, so the carry goes to the engine as before
+    from hetcomm import buckets
+
+    numel, key, node_of = 1000, "0,1", [0, 0, 1, 1]
+    bs = buckets.BucketStates()
+
+    def plan_of(mode, algorithm):
+        return plan.BucketPlan(mode=mode, algorithm=algorithm, why="trial")
+
+    def state(mode, algorithm):
+        return bs.state_for(plan_of(mode, algorithm), key, numel, torch.device("cpu"), error_feedback=True, world=4,
+                            rank=1, node_of=node_of)
+
+    r, _, carry = state("int3", "native")
+    assert carry is None and r.numel() == numel
+    r.copy_(torch.arange(numel, dtype=torch.float32))
+    lr, _, carry = state("lowrank", "native")
+    assert carry is None and lr is r and torch.equal(lr, torch.arange(numel, dtype=torch.float32))
+    shard, _, carry = state("int3", "hierarchical")
+    assert carry is not None and torch.equal(carry, torch.arange(numel, dtype=torch.float32))  # lowrank's, owed
+    assert shard.numel() < numel
+    carry.zero_()  # the engine added it to the reduction and cleared it
+    shard.fill_(1.0)
+    bs.begin_step(0)
+    lr, _, carry = state("lowrank", "hierarchical")
+    off = hetcomm._C.state_offsets(numel, 4, 1, node_of, True)[0]
+    want = torch.zeros(numel)
+    want[off:off + shard.numel()] = 1.0
+    assert carry is None and torch.equal(lr, want)
+
+
 def _forced(rank, world, cache_dir):
     os.environ["HETCOMM_ALGO"] = "ring"
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
