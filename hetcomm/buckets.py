@@ -251,10 +251,10 @@ class BucketStates:
         the comm thread's copy of the bucket to add the carry to, the copy
         back and the carry's clearing, and without a fresh residual's zeros:
         on the wide model (4 loopback ranks on 2 cores) a lowrank step after
-        an int3 step took 7 ms more CPU a rank than a steady one (bench/README
-        "A carry joins the residual"). A non-finite step leaves the residual
-        as it was (lowrank does not write it; the others put it back), so
-        what the carry owed stays owed, as a held carry did."""
+        an int3 step took 5-7 ms more CPU a rank than a steady one, 2.5 with
+        this (bench/README "A carry joins the residual"). A non-finite step
+        leaves the residual as it was (lowrank does not write it; the others
+        put it back), so what the carry owed stays owed, as a held carry did."""
         carry = self.carry.pop(key, None)
         if carry is None:
             return
