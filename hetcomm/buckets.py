@@ -259,7 +259,6 @@ class BucketStates:
         if carry is None:
             return
         self._carry_sent.pop(key, None)
-        self.touched.add(key)
         r = self.residuals.get(key)
         if r is None or r.numel() != numel:
             self.residuals[key] = carry.to(device)

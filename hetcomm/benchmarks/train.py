@@ -17,12 +17,12 @@ import math
 import os
 import sys
 import time
+from typing import Dict, List, Optional
 
 try:
     import resource
 except ImportError:  # not on Windows: no fault counts there
     resource = None
-from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
