@@ -14,6 +14,7 @@ from hetcomm import planner as planner_mod
 from . import models
 from .dist_harness import run_ranks
 from .test_ddp import _train_span
+from .test_lowrank import LAYOUT, N, _q_state
 
 INF = float("inf")
 
@@ -578,8 +579,7 @@ def _carry_or_residual(rank, world, codec, pipeline):
 
     from hetcomm import _C
 
-    layout = torch.tensor([[0, 40, 24, 3], [960, 1, 30, 0], [990, 16, 16, 2]])
-    n = 990 + 256
+    layout, n = torch.tensor(LAYOUT), N
     g = torch.Generator().manual_seed(rank)
     x, r, c = torch.randn(n, generator=g), 0.05 * torch.randn(n, generator=g), 0.1 * torch.randn(n, generator=g)
     out = []
@@ -587,7 +587,7 @@ def _carry_or_residual(rank, world, codec, pipeline):
         engine = _C.Engine(dist.group.WORLD, torch.device("cpu"))
         buf = x.clone()
         lowrank = codec == "lowrank"
-        q = torch.randn(_C.lowrank_q_numel(layout), generator=torch.Generator().manual_seed(5)) if lowrank else None
+        q = _q_state(LAYOUT) if lowrank else None
         size = 0 if lowrank else _C.server_residual_numel(n, world, rank)
         server = torch.zeros(size) if size else None
         engine.submit_bucket(0, buf, getattr(_C.Codec, codec), 32, 0.01, True, residual, server, True,
