@@ -655,6 +655,45 @@ def test_a_dead_peer_is_an_error_on_the_survivor_in_every_mode_and_algorithm(tmp
     assert r0["seconds"] < 20
 
 
+def _ops_after_the_peer_died(rank, world):
+    """Rank 1 leaves after one all-reduce; rank 0 then runs every transport op
+    toward it. The first receive waits until gloo sees the closed pair; after
+    that gloo raises at once, while posting an op rather than from its wait."""
+    import torch.distributed as dist
+
+    from hetcomm import _C
+
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    x = torch.ones(8)
+    t.all_reduce_sum(x)
+    if rank == 1:
+        os._exit(3)
+    errors = {}
+    ops = {
+        "recv": lambda: t.recv(x, 1),
+        "send": lambda: t.send(x, 1),
+        "send_recv": lambda: t.send_recv(x, 1, torch.empty(8), 1),
+        "all_reduce": lambda: t.all_reduce_sum(x),
+        "all_gather": lambda: t.all_gather(torch.empty(16), x),
+        "barrier": lambda: t.barrier(),
+    }
+    for name, op in ops.items():
+        try:
+            op()
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    return errors
+
+
+def test_an_op_toward_a_dead_peer_fails_naming_hetcomm_and_the_op():
+    errors = run_ranks(_ops_after_the_peer_died, 2, check=False, pg_timeout=6, timeout=90)[0]
+    assert errors is not None
+    for name, error in errors.items():
+        op = "recv" if name == "send_recv" else name  # its receive is posted first
+        assert error and error.startswith(f"hetcomm: {op} on pg:gloo failed (rank 0/2): "), (name, error)
+
+
 def _rss(rank, world, mode, steps):
     import os
 

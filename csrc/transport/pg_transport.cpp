@@ -53,18 +53,31 @@ void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, con
   try {
     work->wait();
   } catch (const std::exception& e) {
-    throw std::runtime_error(std::string("hetcomm: ") + what + " on " + name() + " failed (rank " +
-                             std::to_string(rank()) + "/" + std::to_string(size()) + "): " + e.what());
+    fail(what, e);
   }
   counters_.comm_ns +=
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTransport::issue(
+    const char* what, const std::function<c10::intrusive_ptr<c10d::Work>()>& call) {
+  try {
+    return call();
+  } catch (const std::exception& e) {
+    fail(what, e);
+  }
+}
+
+void ProcessGroupTransport::fail(const char* what, const std::exception& e) const {
+  throw std::runtime_error(std::string("hetcomm: ") + what + " on " + name() + " failed (rank " +
+                           std::to_string(rank()) + "/" + std::to_string(size()) + "): " + e.what());
 }
 
 void ProcessGroupTransport::do_send(const at::Tensor& t, int dst, int tag) {
   if (staged(t)) return do_send(on_host(t), dst, tag);
   const auto start = std::chrono::steady_clock::now();
   std::vector<at::Tensor> v{t};
-  wait(group().send(v, dst, tag), "send", start);
+  wait(issue("send", [&] { return group().send(v, dst, tag); }), "send", start);
 }
 
 void ProcessGroupTransport::do_recv(at::Tensor& t, int src, int tag) {
@@ -76,7 +89,7 @@ void ProcessGroupTransport::do_recv(at::Tensor& t, int src, int tag) {
   }
   const auto start = std::chrono::steady_clock::now();
   std::vector<at::Tensor> v{t};
-  wait(group().recv(v, src, tag), "recv", start);
+  wait(issue("recv", [&] { return group().recv(v, src, tag); }), "recv", start);
 }
 
 void ProcessGroupTransport::do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
@@ -101,8 +114,8 @@ Pending ProcessGroupTransport::do_start_send_recv(const at::Tensor& out, int dst
   // the flow. Measured on the testbed (2 x 2 ranks, 100 Mbit, two 4 MiB
   // exchange steps between nodes, two flows per link): receive first 1.48 s
   // median, steady; send first 1.7-2.4 s median, 1.44-2.77 s per call.
-  if (src >= 0) wr = group().recv(vr, src, tag);
-  if (dst >= 0) ws = group().send(vs, dst, tag);
+  if (src >= 0) wr = issue("recv", [&] { return group().recv(vr, src, tag); });
+  if (dst >= 0) ws = issue("send", [&] { return group().send(vs, dst, tag); });
   return Pending([this, wr = std::move(wr), ws = std::move(ws)] {
     const auto start = std::chrono::steady_clock::now();
     if (wr) wait(wr, "recv", start);
@@ -116,7 +129,7 @@ Pending ProcessGroupTransport::do_start_all_reduce_sum(at::Tensor& t) {
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  return pending(group().allreduce(v, opts), "all_reduce");
+  return pending(issue("all_reduce", [&] { return group().allreduce(v, opts); }), "all_reduce");
 }
 
 Pending ProcessGroupTransport::pending(c10::intrusive_ptr<c10d::Work> work, const char* what) {
@@ -129,7 +142,8 @@ Pending ProcessGroupTransport::do_start_all_gather(at::Tensor& out, const at::Te
   std::vector<std::vector<at::Tensor>> outs(1);
   for (int r = 0; r < size(); ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
   std::vector<at::Tensor> ins{in};
-  return pending(group().allgather(outs, ins), "all_gather");
+  auto work = issue("all_gather", [&] { return group().allgather(outs, ins); });
+  return pending(std::move(work), "all_gather");
 }
 
 void ProcessGroupTransport::do_all_to_all(at::Tensor& out, const at::Tensor& in) {
@@ -150,10 +164,11 @@ Pending ProcessGroupTransport::do_start_all_to_all(at::Tensor& out, const at::Te
   std::vector<int64_t> splits;  // empty: equal splits
   at::Tensor in_mut = in;
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-  return pending(group().all_to_all_single(out, in_mut, splits, splits), "all_to_all");
+  auto work = issue("all_to_all", [&] { return group().all_to_all_single(out, in_mut, splits, splits); });
 #else  // the same op under its older name
-  return pending(group().alltoall_base(out, in_mut, splits, splits), "all_to_all");
+  auto work = issue("all_to_all", [&] { return group().alltoall_base(out, in_mut, splits, splits); });
 #endif
+  return pending(std::move(work), "all_to_all");
 }
 
 void ProcessGroupTransport::do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
@@ -168,15 +183,16 @@ void ProcessGroupTransport::do_reduce_scatter_sum(at::Tensor& out, const at::Ten
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-  wait(group().reduce_scatter_single(out, in_mut, opts), "reduce_scatter", start);
+  auto work = issue("reduce_scatter", [&] { return group().reduce_scatter_single(out, in_mut, opts); });
 #else
-  wait(group()._reduce_scatter_base(out, in_mut, opts), "reduce_scatter", start);
+  auto work = issue("reduce_scatter", [&] { return group()._reduce_scatter_base(out, in_mut, opts); });
 #endif
+  wait(work, "reduce_scatter", start);
 }
 
 void ProcessGroupTransport::do_barrier() {
   const auto start = std::chrono::steady_clock::now();
-  wait(group().barrier(), "barrier", start);
+  wait(issue("barrier", [&] { return group().barrier(); }), "barrier", start);
 }
 
 }  // namespace hetcomm

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <functional>
 
 #include "transport/transport.h"
 
@@ -45,6 +46,12 @@ class ProcessGroupTransport : public Transport {
   // pending(): the same wait later, counting only the time spent waiting.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, std::chrono::steady_clock::time_point start);
   Pending pending(c10::intrusive_ptr<c10d::Work> work, const char* what);
+  // Posts an op through call(). gloo raises at once, not from wait(), when
+  // the pair to a peer already knows the peer closed it (a send or receive
+  // to a dead rank): that error reads the same as one from wait().
+  c10::intrusive_ptr<c10d::Work> issue(const char* what, const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
+  // The error of a failed op: "hetcomm: <op> on pg:<backend> failed (rank r/n): <why>".
+  [[noreturn]] void fail(const char* what, const std::exception& e) const;
   // A CUDA tensor on a group whose CUDA backend is gloo, for an op gloo takes
   // only on the host: the op runs on pinned host copies.
   bool staged(const at::Tensor& t) const;
