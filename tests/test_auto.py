@@ -644,6 +644,38 @@ def test_a_switch_between_whole_bucket_residuals_keeps_the_residual_and_hands_no
     assert carry is None and torch.equal(lr, want)
 
 
+def test_a_bucket_back_on_lowrank_after_other_plans_goes_on_from_its_q():
+    # lowrank's Q is the power iteration's warm start (the same on every rank), not a debt: a switch to int3 (a
+    # trial's next round, a re-check's) and back finds it as lowrank's last step left it, also after steps on the
+    # other plan; back at another rank (auto's lowrank after its first reading) it keeps its first columns
+    from types import SimpleNamespace
+
+    from hetcomm import buckets
+
+    buf = torch.zeros(64 * 32 + 32)
+    bucket = SimpleNamespace(buffer=buf, grads=[buf[:64 * 32].view(64, 32), buf[64 * 32:]])
+    key = "0,1"
+    bs = buckets.BucketStates()
+
+    def step(mode, rank=None):
+        bs.begin_step(0)
+        bs.state_for(plan.BucketPlan(mode=mode, algorithm="native", why="trial"), key, buf.numel(),
+                     torch.device("cpu"), error_feedback=True, world=2, rank=0, node_of=[0, 1])
+        q = bs.lowrank_q_state(key, bs.lowrank_parts(bucket, key, rank)) if mode == "lowrank" else None
+        bs.end_step()
+        return q
+
+    left = torch.randn(32 * 8)
+    step("lowrank", 8).copy_(left)  # as a step leaves Q (cols x rank, row-major)
+    for _ in range(3):
+        step("int3")
+    assert torch.equal(step("lowrank", 8), left)
+    step("int3")
+    q4, first = step("lowrank", 4).view(32, 4), left.view(32, 8)[:, :4]
+    torch.testing.assert_close(q4.T @ q4, torch.eye(4), atol=1e-5, rtol=0)  # orthonormal, as every step's Q
+    torch.testing.assert_close(q4 @ (q4.T @ first), first, atol=1e-5, rtol=0)  # ... spanning the first 4 columns
+
+
 def _forced(rank, world, cache_dir):
     os.environ["HETCOMM_ALGO"] = "ring"
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
