@@ -86,7 +86,8 @@ A bucket's error-feedback state belongs to the plan that made it: when a
 bucket's compressed plan changes, what its residuals still owe is folded into
 a *carry* that the next step's reduction adds, or that joins the next
 plan's residual where that is the whole bucket's (see
-:meth:`hetcomm.buckets.BucketStates.state_for`), so nothing is dropped.
+:meth:`hetcomm.buckets.BucketStates.state_for`), so nothing is dropped. lowrank's Q
+(a warm start, not a debt) stays, and a bucket back on lowrank goes on from it.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ class BucketStates:
         ``plan`` (a :class:`hetcomm.plan.BucketPlan`). When the bucket's
         compressed plan changed, the old plan's residuals are folded into the
         carry first (placed where they belong in the bucket: they are parts of
-        this rank's contribution to the sum) and dropped."""
+        this rank's contribution to the sum) and dropped; lowrank's Q stays."""
         new = plan.state_class if error_feedback else None
         old = self.plan_of.get(key)
         if old is not None and plan.interim:
@@ -289,7 +289,7 @@ class BucketStates:
         # lowrank's Q stays: it is no debt but the warm start of the power iteration, the same on every rank, and a
         # bucket back on lowrank (a trial's or a re-check's next lowrank round) goes on from it, at a changed rank by
         # its first columns (lowrank_parts). Drawn afresh there, rank 4's first step on the wide model's gradient
-        # took 0.04-0.24 less of its energy (bench/README "lowrank's Q kept across a plan switch")
+        # took 0.12-0.15 less of its energy, on average (bench/README "lowrank's Q kept through a plan switch")
         self.plan_of.pop(key, None)
 
     def _size(self, n: int) -> int:
