@@ -59,13 +59,21 @@ void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, con
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupTransport::issue(
-    const char* what, const std::function<c10::intrusive_ptr<c10d::Work>()>& call) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupTransport::issue(const char* what, const Post& post) {
   try {
-    return call();
+    return post();
   } catch (const std::exception& e) {
     fail(what, e);
   }
+}
+
+void ProcessGroupTransport::complete(const char* what, const Post& post) {
+  const auto start = std::chrono::steady_clock::now();
+  wait(issue(what, post), what, start);
+}
+
+Pending ProcessGroupTransport::pending(const char* what, const Post& post) {
+  return Pending([this, work = issue(what, post), what] { wait(work, what, std::chrono::steady_clock::now()); });
 }
 
 void ProcessGroupTransport::fail(const char* what, const std::exception& e) const {
@@ -75,9 +83,8 @@ void ProcessGroupTransport::fail(const char* what, const std::exception& e) cons
 
 void ProcessGroupTransport::do_send(const at::Tensor& t, int dst, int tag) {
   if (staged(t)) return do_send(on_host(t), dst, tag);
-  const auto start = std::chrono::steady_clock::now();
   std::vector<at::Tensor> v{t};
-  wait(issue("send", [&] { return group().send(v, dst, tag); }), "send", start);
+  complete("send", [&] { return group().send(v, dst, tag); });
 }
 
 void ProcessGroupTransport::do_recv(at::Tensor& t, int src, int tag) {
@@ -87,9 +94,8 @@ void ProcessGroupTransport::do_recv(at::Tensor& t, int src, int tag) {
     t.copy_(h);
     return;
   }
-  const auto start = std::chrono::steady_clock::now();
   std::vector<at::Tensor> v{t};
-  wait(issue("recv", [&] { return group().recv(v, src, tag); }), "recv", start);
+  complete("recv", [&] { return group().recv(v, src, tag); });
 }
 
 void ProcessGroupTransport::do_send_recv(const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
@@ -129,11 +135,7 @@ Pending ProcessGroupTransport::do_start_all_reduce_sum(at::Tensor& t) {
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  return pending(issue("all_reduce", [&] { return group().allreduce(v, opts); }), "all_reduce");
-}
-
-Pending ProcessGroupTransport::pending(c10::intrusive_ptr<c10d::Work> work, const char* what) {
-  return Pending([this, work = std::move(work), what] { wait(work, what, std::chrono::steady_clock::now()); });
+  return pending("all_reduce", [&] { return group().allreduce(v, opts); });
 }
 
 void ProcessGroupTransport::do_all_gather(at::Tensor& out, const at::Tensor& in) { do_start_all_gather(out, in).wait(); }
@@ -142,8 +144,7 @@ Pending ProcessGroupTransport::do_start_all_gather(at::Tensor& out, const at::Te
   std::vector<std::vector<at::Tensor>> outs(1);
   for (int r = 0; r < size(); ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
   std::vector<at::Tensor> ins{in};
-  auto work = issue("all_gather", [&] { return group().allgather(outs, ins); });
-  return pending(std::move(work), "all_gather");
+  return pending("all_gather", [&] { return group().allgather(outs, ins); });
 }
 
 void ProcessGroupTransport::do_all_to_all(at::Tensor& out, const at::Tensor& in) {
@@ -163,12 +164,13 @@ Pending ProcessGroupTransport::do_start_all_to_all(at::Tensor& out, const at::Te
   }
   std::vector<int64_t> splits;  // empty: equal splits
   at::Tensor in_mut = in;
+  return pending("all_to_all", [&] {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-  auto work = issue("all_to_all", [&] { return group().all_to_all_single(out, in_mut, splits, splits); });
+    return group().all_to_all_single(out, in_mut, splits, splits);
 #else  // the same op under its older name
-  auto work = issue("all_to_all", [&] { return group().alltoall_base(out, in_mut, splits, splits); });
+    return group().alltoall_base(out, in_mut, splits, splits);
 #endif
-  return pending(std::move(work), "all_to_all");
+  });
 }
 
 void ProcessGroupTransport::do_reduce_scatter_sum(at::Tensor& out, const at::Tensor& in) {
@@ -178,21 +180,20 @@ void ProcessGroupTransport::do_reduce_scatter_sum(at::Tensor& out, const at::Ten
     out.copy_(h);
     return;
   }
-  const auto start = std::chrono::steady_clock::now();
   at::Tensor in_mut = in;
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
+  complete("reduce_scatter", [&] {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-  auto work = issue("reduce_scatter", [&] { return group().reduce_scatter_single(out, in_mut, opts); });
+    return group().reduce_scatter_single(out, in_mut, opts);
 #else
-  auto work = issue("reduce_scatter", [&] { return group()._reduce_scatter_base(out, in_mut, opts); });
+    return group()._reduce_scatter_base(out, in_mut, opts);
 #endif
-  wait(work, "reduce_scatter", start);
+  });
 }
 
 void ProcessGroupTransport::do_barrier() {
-  const auto start = std::chrono::steady_clock::now();
-  wait(issue("barrier", [&] { return group().barrier(); }), "barrier", start);
+  complete("barrier", [&] { return group().barrier(); });
 }
 
 }  // namespace hetcomm

@@ -41,15 +41,18 @@ class ProcessGroupTransport : public Transport {
   Pending do_start_all_reduce_sum(at::Tensor& t) override;
 
  private:
+  using Post = std::function<c10::intrusive_ptr<c10d::Work>()>;
   // Waits for work (the process group's timeout bounds it: a dead peer
   // raises, naming the op) and adds the time since start to comm_ns.
-  // pending(): the same wait later, counting only the time spent waiting.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, std::chrono::steady_clock::time_point start);
-  Pending pending(c10::intrusive_ptr<c10d::Work> work, const char* what);
-  // Posts an op through call(). gloo raises at once, not from wait(), when
+  // Posts an op through post(). gloo raises at once, not from wait(), when
   // the pair to a peer already knows the peer closed it (a send or receive
   // to a dead rank): that error reads the same as one from wait().
-  c10::intrusive_ptr<c10d::Work> issue(const char* what, const std::function<c10::intrusive_ptr<c10d::Work>()>& call);
+  c10::intrusive_ptr<c10d::Work> issue(const char* what, const Post& post);
+  // The op posted and waited for, its time from before the post.
+  void complete(const char* what, const Post& post);
+  // The op posted now and waited for later, counting only the time spent waiting.
+  Pending pending(const char* what, const Post& post);
   // The error of a failed op: "hetcomm: <op> on pg:<backend> failed (rank r/n): <why>".
   [[noreturn]] void fail(const char* what, const std::exception& e) const;
   // A CUDA tensor on a group whose CUDA backend is gloo, for an op gloo takes
