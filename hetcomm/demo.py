@@ -14,12 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 from . import modes as mode_table
+from .benchmarks.common import plan_summary
 from .launch import run_distributed
 
 MODES = tuple(mode_table.MODES)  # every mode of hetcomm.modes
-#: PyTorch's allreduce, fp16 and PowerSGD (rank 4) hooks next to hetcomm's modes, auto (the README's one line) last
-DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "onebit", "onebit+m", "topk",
-                 "topk+m", "lowrank", "auto"]
+#: PyTorch's allreduce, fp16 and PowerSGD (rank 4) hooks next to hetcomm's modes (bf16, fp8 and int3 among them:
+#: the wires auto chooses from), auto (the README's one line) last
+DEFAULT_MODES = ["torch-allreduce", "torch-fp16", "torch-powersgd", "none", "fp16", "bf16", "fp8", "int3", "onebit",
+                 "onebit+m", "topk", "topk+m", "lowrank", "auto"]
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0):
@@ -75,9 +77,11 @@ def train_digits(rank: int, world: int, names: List[str], steps: int = 600, batc
             loss = nn.functional.cross_entropy(logits, y_te).item()
         numel = sum(p.numel() for p in model.parameters())
         window = max(1, steps // 50)
+        plans: Dict[str, int] = {}
         if state is not None:
             st = state.stats()
             bytes_per_step = st["last_step"]["bytes_sent"]
+            plans = plan_summary(state)
             state.close()
         else:
             bytes_per_step = mode_table.get(mode).torch_bytes(model, world)
@@ -87,6 +91,7 @@ def train_digits(rank: int, world: int, names: List[str], steps: int = 600, batc
             "test_loss": loss,
             "step_ms": 1000 * times[len(times) // 2],
             "bytes_per_step": bytes_per_step,
+            "plans": plans,  # the last step's buckets per wire/algorithm (what auto chose); {} for PyTorch's hooks
             "fp32_bytes_per_step": mode_table.ring_bytes(numel, world),
             "params": numel,
             # rank 0's training loss, averaged over windows of steps (for --plot)
@@ -98,11 +103,13 @@ def train_digits(rank: int, world: int, names: List[str], steps: int = 600, batc
 
 
 def format_table(results: Dict[str, dict], world: int) -> str:
-    lines = [f"{'mode':<16} {'accuracy %':>10} {'test loss':>10} {'bytes/step':>12} {'vs fp32':>8} {'step ms':>8}"]
+    lines = [f"{'mode':<16} {'accuracy %':>10} {'test loss':>10} {'bytes/step':>12} {'vs fp32':>8} {'step ms':>8}  "
+             "last step's buckets"]
     for mode, r in results.items():
         ratio = r["fp32_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("nan")
+        plans = ", ".join(f"{k} x{n}" for k, n in r.get("plans", {}).items()) or "-"
         lines.append(f"{mode:<16} {r['accuracy']:>10.2f} {r['test_loss']:>10.4f} {r['bytes_per_step']:>12,d} "
-                     f"{ratio:>7.1f}x {r['step_ms']:>8.2f}")
+                     f"{ratio:>7.1f}x {r['step_ms']:>8.2f}  {plans}")
     return "\n".join(lines)
 
 

@@ -40,6 +40,14 @@ def test_demo_prints_a_table_and_writes_json(tmp_path):
     ratio = 4 / hetcomm.planner.wire_bytes_per_element("onebit")
     assert 0.97 * ratio < res["none"]["bytes_per_step"] / res["onebit"]["bytes_per_step"] <= ratio
     assert res["none"]["accuracy"] == res["torch-allreduce"]["accuracy"]  # bit-identical training
+    # the last step's buckets per wire/algorithm, in the JSON and the table's last column (PyTorch's hooks: none)
+    assert res["torch-allreduce"]["plans"] == {} and sum(res["onebit"]["plans"].values()) >= 1
+    assert all(k.split("/")[0] == "onebit" for k in res["onebit"]["plans"])
+    assert all(k.split("/")[0] == "none" for k in res["none"]["plans"])
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
+    for mode in ("none", "onebit"):
+        assert all(f"{k} x{n}" in rows[mode] for k, n in res[mode]["plans"].items()), rows[mode]
+    assert rows["torch-allreduce"].rstrip().endswith(" -")
 
 
 def test_demo_rejects_unknown_mode(tmp_path):
