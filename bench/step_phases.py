@@ -5,7 +5,12 @@ optimizer, the whole step, hetcomm's codec and comm time
 (``stats()["last_step"]``), this process's CPU time a step (all its
 threads: gloo's, hetcomm's comm thread), and its minor page faults and
 voluntary context switches a step (counts, not ms); then forward and
-backward alone under ``no_sync`` (no hook). With CLIP, every step clips
+backward alone under ``no_sync`` (no hook). Then, as the mean a step over
+steps SKIP.. from the kernel's per-thread clocks (/proc's schedstat), the CPU
+time of the training thread (``main``), of hetcomm's comm thread (``comm``),
+of the process's other threads (``others``: gloo's), and how long its threads
+waited, runnable, for a core (``runq``: where it is not small, the ranks
+share too few cores and the step is bound by the CPU, whatever the link). With CLIP, every step clips
 the gradient at that norm after backward (hetcomm's modes through
 ``HookState.clip_grad_norm_``, PyTorch's hooks through torch's), timed as
 ``clip``. Run once per rank under torch.distributed's env:// variables
@@ -15,9 +20,11 @@ clipping's sum moves with the last bucket"):
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- \\
         python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP [CLIP]]]]
 """
+import os
 import resource
 import statistics
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -25,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetcomm import modes
+from hetcomm import _C, modes
 from hetcomm.benchmarks import tasks, train
 
-COLUMNS = ("fwd", "bwd", "clip", "opt", "step", "codec", "comm", "cpu", "faults", "vcsw", "fwd_alone", "bwd_alone")
+COLUMNS = ("fwd", "bwd", "clip", "opt", "step", "codec", "comm", "cpu", "faults", "vcsw", "fwd_alone", "bwd_alone",
+           "main", "comm_thr", "others", "runq")
 COUNTS = (COLUMNS.index("faults"), COLUMNS.index("vcsw"))  # counts a step, not seconds
 
 
@@ -36,6 +44,32 @@ def _counts(before) -> tuple:
     """Minor page faults and voluntary context switches since ``before``."""
     now = resource.getrusage(resource.RUSAGE_SELF)
     return now.ru_minflt - before.ru_minflt, now.ru_nvcsw - before.ru_nvcsw
+
+
+def _thread_clocks() -> dict:
+    """Per thread of this process: (name, ns on a core, ns runnable waiting for one)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run_ns, wait_ns = (int(v) for v in f.read().split()[:2])
+        except (OSError, ValueError):  # a thread that ended while listed; a kernel without schedstat
+            continue
+        out[int(tid)] = (name, run_ns, wait_ns)
+    return out
+
+
+def _thread_split(before: dict, after: dict, steps: int) -> list:
+    """ms a step: the main thread's CPU, the comm thread's, the others', all threads' run-queue wait."""
+    main_tid, split = threading.get_native_id(), [0.0, 0.0, 0.0, 0.0]
+    for tid, (name, run_ns, wait_ns) in after.items():
+        _, run0, wait0 = before.get(tid, (name, 0, 0))
+        col = 0 if tid == main_tid else 1 if name == _C.COMM_THREAD_NAME else 2
+        split[col] += run_ns - run0
+        split[3] += wait_ns - wait0
+    return [v / 1e6 / max(steps, 1) for v in split]
 
 
 def _plans(st: dict) -> str:
@@ -61,7 +95,10 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
     if hook is not None:
         ddp.register_comm_hook(hook_state, hook)
     rows = []
+    clocks = {}
     for step in range(steps):
+        if step == skip:
+            clocks = _thread_clocks()
         x, y = task.batch_for(step, rank)
         t0, c0, u0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         opt.zero_grad()
@@ -79,6 +116,7 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
         last = state.stats()["last_step"] if state is not None else {}
         rows.append((t1 - t0, t2 - t1, tc - t2, t3 - tc, t3 - t0, last.get("codec_s", 0.0), last.get("comm_s", 0.0),
                      time.process_time() - c0, *_counts(u0)))
+    split = _thread_split(clocks, _thread_clocks(), steps - skip)
     alone = []
     with ddp.no_sync():
         for step in range(20):
@@ -90,12 +128,13 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
             alone.append((t1 - t0, time.perf_counter() - t1))
     ms = [(1 if i in COUNTS else 1000) * statistics.median(r[i] for r in rows[skip:]) for i in range(len(rows[0]))]
     ms += [1000 * statistics.median(a[i] for a in alone) for i in range(2)]
+    ms += split
     gathered = [torch.zeros(len(ms), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor(ms, dtype=torch.float64))
     if rank == 0:
         clipped = f", clipped at {clip}" if clip is not None else ""
         print(f"{mode_name} on {task_name}{clipped}, ms (faults, vcsw: counts) a step, median over steps "
-              f"{skip}-{steps - 1}")
+              f"{skip}-{steps - 1} (main, comm_thr, others, runq: the mean)")
         print("rank " + " ".join(f"{c:>9}" for c in COLUMNS))
         for r, values in enumerate(gathered):
             print(f"{r:>4} " + " ".join(f"{v:9.1f}" for v in values.tolist()))

@@ -22,6 +22,7 @@
 #include "collectives/compressed.h"
 #include "collectives/lowrank.h"
 #include "engine/engine.h"
+#include "engine/worker.h"
 #include "ops/codecs.h"
 #include "transport/pg_transport.h"
 #ifdef HETCOMM_WITH_CUDA
@@ -89,6 +90,8 @@ at::ScalarType wire_dtype(const std::string& name) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hetcomm C++ core: torch-free kernels, transports, the comm engine";
   m.def("build_info", &build_info, "What this build of hetcomm contains (cuda, archs, nccl version).");
+  // each HookState's comm thread carries this name (/proc/PID/task/*/comm, top -H, py-spy)
+  m.attr("COMM_THREAD_NAME") = Worker::kThreadName;
 
   // ---- kernels -------------------------------------------------------------
   m.def(

@@ -724,6 +724,18 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _comm_threads() -> int:
+    """This process's threads named as hetcomm's comm thread names itself."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended while listed
+            pass
+    return names.count(hetcomm._C.COMM_THREAD_NAME)
+
+
 def _let_go_of_the_group(rank, world):
     """A HookState kept alive (as one in a reference cycle is until the garbage
     collector runs, or never at exit): the threads of this rank before a gloo
@@ -739,23 +751,26 @@ def _let_go_of_the_group(rank, world):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for step in range(3):
         models.train_step(ddp, opt, rank, step, 8, state)
-    during = _threads()
+    during, named = _threads(), _comm_threads()
     state.close()
+    closed_named = _comm_threads()
     dist.destroy_process_group(group)
     del ddp, opt, group  # DDP's reducer holds the group too, and so did this frame
     after = _threads()
     with pytest.raises(RuntimeError, match="closed"):
         state._engine.submit_batch_size(1.0)
-    return before, during, after, state.iter
+    return before, during, after, state.iter, (named, closed_named)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
 def test_close_lets_go_of_the_process_group_so_destroying_it_ends_gloos_threads():
     # A gloo group kept alive past destroy_process_group() is freed at interpreter exit,
     # where its threads abort the process ("terminate called without an active exception").
-    for before, during, after, steps in run_ranks(_let_go_of_the_group, 2):
+    for before, during, after, steps, named in run_ranks(_let_go_of_the_group, 2):
         assert steps == 3 and during > before  # gloo's threads and the comm thread ran
         assert after <= before, (before, during, after)
+        # the comm thread is named (a profile tells its CPU from the trainer's), one a state, ended by close()
+        assert named == (1, 0), named
 
 
 def _many_states(rank, world):

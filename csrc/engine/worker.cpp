@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <stdexcept>
@@ -60,6 +61,9 @@ bool Worker::closed() const {
 }
 
 void Worker::loop() {
+  // A name for top -H, py-spy and /proc/PID/task/*/comm (at most 15 characters),
+  // so a profile tells this thread's CPU from the trainer's and gloo's.
+  pthread_setname_np(pthread_self(), kThreadName);
   // Take the intra-op thread count set by torch.set_num_threads.
   at::init_num_threads();
   for (;;) {

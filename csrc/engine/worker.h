@@ -15,6 +15,8 @@ namespace hetcomm {
 
 class Worker {
  public:
+  static constexpr const char* kThreadName = "hetcomm_comm";
+
   Worker();
   ~Worker();
   Worker(const Worker&) = delete;
