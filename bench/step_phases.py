@@ -7,7 +7,7 @@ threads: gloo's, hetcomm's comm thread), and its minor page faults and
 voluntary context switches a step (counts, not ms); then forward and
 backward alone under ``no_sync`` (no hook). Then, as the mean a step over
 steps SKIP.. from the kernel's per-thread clocks (/proc's schedstat), the CPU
-time of the training thread (``main``), of hetcomm's comm thread (``comm``),
+time of the training thread (``main``), of hetcomm's comm thread (``comm_thr``),
 of the process's other threads (``others``: gloo's), and how long its threads
 waited, runnable, for a core (``runq``: where it is not small, the ranks
 share too few cores and the step is bound by the CPU, whatever the link). With CLIP, every step clips

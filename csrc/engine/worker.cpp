@@ -63,7 +63,9 @@ bool Worker::closed() const {
 void Worker::loop() {
   // A name for top -H, py-spy and /proc/PID/task/*/comm (at most 15 characters),
   // so a profile tells this thread's CPU from the trainer's and gloo's.
+#ifdef __linux__
   pthread_setname_np(pthread_self(), kThreadName);
+#endif
   // Take the intra-op thread count set by torch.set_num_threads.
   at::init_num_threads();
   for (;;) {
