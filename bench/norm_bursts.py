@@ -1,7 +1,6 @@
 """The language model's gradient-norm bursts on fp32's trajectory, and how
 well clipping's count sketch (hetcomm/clip.py) estimates the norm there
-(bench/README "The language model's late excursions sit on fp32's own
-gradient bursts").
+(bench/README "The language model on a third CPU").
 
 One process plays the 4 ranks of ``hetcomm bench train --tasks lm --optims
 sgd --scale 4 --clip-grad-norm 2`` (each rank's batch of the seed, their
@@ -26,13 +25,8 @@ RANKS, MAX_NORM, AFTER = 4, 2.0, 400
 
 
 def sketch_norm(flat: torch.Tensor, signs: torch.Tensor) -> float:
-    """The sketch's estimate of ``flat``'s norm (entry i into sum i mod SKETCH_SIZE, as NormSketch.add)."""
-    k = clip.SKETCH_SIZE
-    x = flat * signs
-    full = flat.numel() - flat.numel() % k
-    part = x[:full].view(-1, k).sum(0)
-    part[:flat.numel() - full] += x[full:]
-    return float(part.double().pow(2).sum()) ** 0.5
+    """The sketch's estimate of ``flat``'s norm (the sums NormSketch.add makes)."""
+    return float(clip.fold(flat * signs).double().pow(2).sum()) ** 0.5
 
 
 def quantile(values: list, f: float) -> float:

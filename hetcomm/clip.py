@@ -216,13 +216,18 @@ class NormSketch:
             bits = torch.randint(0, 2, (n,), generator=g, dtype=torch.int8, device="cpu")
             signs = (bits * 2 - 1).float().to(buf.device)
             signs_cache[key] = signs
-        x = buf.reshape(-1).float() * signs
-        k = SKETCH_SIZE
-        full = n - n % k
-        part = x[:full].view(-1, k).sum(0) if full else torch.zeros(k, dtype=torch.float32, device=buf.device)
-        part[:n - full] += x[full:]
+        part = fold(buf.reshape(-1).float() * signs)
         self.vec = part if self.vec is None else self.vec.add_(part)
         self.params.update(id(p) for p in params if p is not None)
+
+
+def fold(x: torch.Tensor) -> torch.Tensor:
+    """The sketch's SKETCH_SIZE sums of the signed 1-D float32 ``x``: entry i into sum i mod SKETCH_SIZE."""
+    k, n = SKETCH_SIZE, x.numel()
+    full = n - n % k
+    part = x[:full].view(-1, k).sum(0) if full else torch.zeros(k, dtype=torch.float32, device=x.device)
+    part[:n - full] += x[full:]
+    return part
 
 
 def _as_list(parameters: Union[torch.Tensor, Iterable[torch.Tensor]]) -> List[torch.Tensor]:
