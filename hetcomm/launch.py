@@ -4,8 +4,9 @@
 multiprocessing's fork server, FileStore rendezvous, gloo on the loopback
 interface or NCCL with a GPU per rank): a rank that raises or dies fails the
 run at once (the others are killed), nothing waits longer than ``timeout``,
-and every CPU-quota cgroup it made (:class:`hetcomm.testbed.CpuQuota`) is
-removed. :func:`run_distributed` joins the job instead when it runs under
+every CPU-quota cgroup it made (:class:`hetcomm.testbed.CpuQuota`) is
+removed, and a rank ends when the process that started it does (killed by a
+signal too: ``kill``, a CI job's cancel). :func:`run_distributed` joins the job instead when it runs under
 torchrun or ``hetcomm testbed``. torch.distributed does the rendezvous and the
 sockets; this only starts and watches processes.
 """
@@ -19,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Callable, List, Optional, Sequence
@@ -48,7 +50,28 @@ def _context():
     return ctx
 
 
+def _exit_with_parent() -> None:
+    """Ends this rank when the process that started it ends. A rank is the
+    fork server's child, not the caller's: the caller killed by SIGTERM (no
+    Python cleanup runs) left its ranks training on, for as long as the job
+    took, with no one to read their results (measured: a `hetcomm bench
+    train` killed that way, its 4 ranks ran on another 10 minutes and kept
+    the fork server alive). multiprocessing hands each rank a sentinel of its
+    parent, readable once the parent is gone; a daemon thread waits on it."""
+    parent = mp.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    from multiprocessing.connection import wait
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hetcomm_parent", daemon=True).start()
+
+
 def _entry(fn, rank, world, tmp, pg_timeout, cgroup, args, backend, env):
+    _exit_with_parent()
     os.environ.clear()  # the caller's environment as it is now, not the fork server's from its start
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -125,24 +148,26 @@ def spawn_ranks(fn: Callable, world: int, *args, timeout: float = 180.0, pg_time
                                  args=(fn, r, world, tmp, pg_timeout, quotas[r].path if quotas else None, args,
                                        backend, dict(os.environ)))
                      for r in range(world)]
-            for p in procs:
-                p.start()
             deadline = time.monotonic() + timeout
             failed = False
-            while time.monotonic() < deadline:
-                codes = [p.exitcode for p in procs]
-                if check and any(c not in (None, 0) for c in codes):
-                    failed = True
-                    break
-                if all(c is not None for c in codes):
-                    break
-                time.sleep(0.05)
-            alive = [r for r, p in enumerate(procs) if p.exitcode is None]
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-            for p in procs:
-                p.join(5)
+            try:
+                for p in procs:
+                    p.start()
+                while time.monotonic() < deadline:
+                    codes = [p.exitcode for p in procs]
+                    if check and any(c not in (None, 0) for c in codes):
+                        failed = True
+                        break
+                    if all(c is not None for c in codes):
+                        break
+                    time.sleep(0.05)
+            finally:  # also on the way out of an exception here (Ctrl-C: KeyboardInterrupt)
+                alive = [r for r, p in enumerate(procs) if p.pid is not None and p.exitcode is None]
+                for r in alive:
+                    procs[r].kill()
+                for p in procs:
+                    if p.pid is not None:
+                        p.join(5)
             # the ranks killed above are not reported as failures of their own
             errors = [e for r, p in enumerate(procs) if r not in alive and (e := _failure(tmp, r, p.exitcode))]
             if check and (failed or errors):

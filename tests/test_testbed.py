@@ -106,3 +106,51 @@ def test_a_rank_sees_the_callers_environment_as_it_is_at_the_call_not_the_fork_s
         extra = {k: env[k] for k in set(env) - set(got["caller"])}
         assert set(extra) <= {"OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"}, extra
         assert {k: v for k, v in env.items() if k not in extra} == got["caller"]
+
+
+def _pid_then_sleep(rank, world, folder):
+    with open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states in /proc (Linux)")
+def test_ranks_end_when_the_process_that_started_them_is_killed(tmp_path):
+    # SIGTERM runs no Python cleanup in the caller; its ranks (the fork server's children) used to train on
+    code = textwrap.dedent(f"""
+        from hetcomm import launch
+        from tests.test_testbed import _pid_then_sleep
+        launch.spawn_ranks(_pid_then_sleep, 2, {str(tmp_path)!r}, timeout=120)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    caller = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 90
+        while len(pids) < 2 and time.monotonic() < deadline and caller.poll() is None:
+            files = sorted(glob.glob(str(tmp_path / "rank*.pid")))
+            pids = [int(open(f).read()) for f in files if os.path.getsize(f)]
+            time.sleep(0.1)
+        assert len(pids) == 2, f"the ranks did not start (caller exit code {caller.poll()})"
+        assert all(_running(p) for p in pids)
+        caller.terminate()
+        caller.wait(30)
+        deadline = time.monotonic() + 20
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(p) for p in pids), "a rank outlived the process that started it"
+    finally:
+        caller.kill()
+        for p in pids:
+            if _running(p):
+                os.kill(p, 9)
