@@ -474,6 +474,32 @@ print('ok')
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_sim_wires_burst_rule_sends_the_steps_after_a_burst_exactly():
+    """bench/sim_wires' burst rule: after a step whose norm is over twice the median of the last steps', the next
+    ``hold`` steps go exactly (re-armed by a burst inside them); not before 50 steps of history, not at 1.9x."""
+    code = """
+import sys
+sys.path.insert(0, 'bench/sim_wires')
+import simwires
+st = simwires.SimState('int3', 32, burst=2.0, hold=3)
+st.last_index = 0
+def step(norm):  # the last step's norm (as its buckets summed it); whether the step it opens goes exactly
+    st.step_sq = norm * norm
+    simwires._new_step(st)
+    return st.bursting
+assert not any(step(5.0) for _ in range(3))  # under 50 steps of history: no rule
+assert not any(step(1.0) for _ in range(60))
+assert not step(1.9)  # 1.9x the median
+assert [step(n) for n in (3.0, 1.0, 1.0, 1.0, 1.0)] == [True, True, True, False, False]
+assert [step(n) for n in (2.5, 1.0, 2.5, 1.0, 1.0, 1.0, 1.0)] == [True, True, True, True, True, False, False]
+assert st.burst_steps == 8 and st.steps == 3 + 60 + 1 + 5 + 7
+print('ok')
+"""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_bench_train_seeds_compare_means(tmp_path):
     out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
                 "--scale", "0.1", "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)
