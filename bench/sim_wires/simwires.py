@@ -119,11 +119,12 @@ def _new_step(st: SimState) -> None:
     """At a step's first bucket: the last step's norm joins the history, and this step's wire is chosen."""
     if st.last_index is not None:
         norm = (st.exact_sq if st.xclip else st.step_sq) ** 0.5
-        hist = st.norms[-WINDOW:]
-        if st.burst > 0 and len(hist) >= 50 and norm > st.burst * sorted(hist)[len(hist) // 2]:
+        hist = sorted(st.norms[-WINDOW:])
+        median = hist[len(hist) // 2] if hist else 0.0
+        if st.burst > 0 and len(hist) >= 50 and norm > st.burst * median:
             if st.left == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
-                print(f"    burst after step {st.steps - 1}: norm {norm:.3g}, {norm / sorted(hist)[len(hist) // 2]:.2f}x "
-                      f"the median; {st.burst_steps} steps sent as {st.burst_kind} so far", file=sys.stderr, flush=True)
+                print(f"    burst after step {st.steps - 1}: norm {norm:.3g}, {norm / median:.2f}x the median; "
+                      f"{st.burst_steps} steps sent as {st.burst_kind} so far", file=sys.stderr, flush=True)
             st.left = st.hold
         st.norms.append(norm)
     st.step_sq = st.exact_sq = 0.0
