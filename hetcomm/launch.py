@@ -7,8 +7,9 @@ run at once (the others are killed), nothing waits longer than ``timeout``,
 every CPU-quota cgroup it made (:class:`hetcomm.testbed.CpuQuota`) is
 removed, and a rank ends when the process that started it does (killed by a
 signal too: ``kill``, a CI job's cancel). :func:`run_distributed` joins the
-job instead when it runs under torchrun or ``hetcomm testbed``. torch.distributed does the rendezvous and the
-sockets; this only starts and watches processes.
+job instead when it runs under torchrun or ``hetcomm testbed``.
+torch.distributed does the rendezvous and the sockets; this only starts and
+watches processes.
 """
 
 from __future__ import annotations
