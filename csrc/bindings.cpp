@@ -62,6 +62,8 @@ py::dict totals_dict(const ReduceTotals& t) {
   d["buckets"] = t.buckets;
   d["fp32_bytes"] = t.fp32_bytes;
   d["collectives"] = t.collectives;
+  d["bytes_sent_across_nodes"] = t.bytes_sent_across;
+  d["bytes_recv_across_nodes"] = t.bytes_recv_across;
   d["compression_ratio"] = t.bytes_sent > 0 ? static_cast<double>(t.fp32_bytes) / t.bytes_sent : 1.0;
   return d;
 }
@@ -258,6 +260,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("update_denominator") = py::none(), py::arg("pipeline") = false, py::arg("lowrank_wire") = "fp32",
           py::arg("hold") = false, py::arg("sum_first") = py::none())
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
+      .def("set_nodes", &Engine::set_nodes, py::arg("node_of"))
       .def("set_loss_scale", &Engine::set_loss_scale, py::arg("scale"))
       .def(
           "submit_batch_size", [](Engine& e, double local) { return wrap_future(e.submit_batch_size(local)); },

@@ -214,8 +214,12 @@ void bind_transports(py::module_& m) {
         d["bytes_recv"] = t.counters().bytes_recv.load();
         d["comm_s"] = t.counters().comm_ns.load() * 1e-9;
         d["calls"] = t.counters().calls.load();
+        d["bytes_sent_across_nodes"] = t.counters().bytes_sent_across.load();
+        d["bytes_recv_across_nodes"] = t.counters().bytes_recv_across.load();
         return d;
-      });
+      })
+      .def("set_nodes", &T::set_nodes, py::arg("node_of"),
+           "Which node each rank is on (empty: unknown), for the counters' bytes across nodes.");
   py::class_<ProcessGroupTransport, Transport, std::shared_ptr<ProcessGroupTransport>>(m, "ProcessGroupTransport")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, at::Device>(), py::arg("process_group"),
            py::arg("device") = at::Device(at::kCPU));

@@ -146,9 +146,10 @@ class Negotiation:
         engine = self._ensure_engine(bucket_device)
         cfg = options.config(self)
         capable = _device_supports_bf16(bucket_device)
-        own = [v for _, v in cfg] + [int(capable), options.precision_code(self.precision)]
+        own = [v for _, v in cfg] + [int(capable), options.precision_code(self.precision), topology.node_code()]
         gathered = engine.submit_config(torch.tensor(own, dtype=torch.int64)).wait()
         self._forced_algo = options.check_agreement(cfg, gathered)
+        engine.set_nodes(topology.node_ids(gathered[:, len(cfg) + 2].tolist()))  # stats()' bytes across nodes
         bf16_everywhere = bool(gathered[:, len(cfg)].all())
         if self._scaler is not None:
             self.precisions = [options.precision_name(int(c)) for c in gathered[:, len(cfg) + 1]]

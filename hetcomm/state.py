@@ -485,7 +485,11 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         collectives), ``codec_s`` (compressing and decompressing), ``numel``,
         ``buckets``, ``collectives`` (the collective calls made: an all-reduce
         or a point-to-point step, one each; every one waits for the ranks it
-        joins); plus ``iter`` and the ``compression`` in use; ``join_steps``
+        joins), ``bytes_sent_across_nodes`` / ``bytes_recv_across_nodes`` (of
+        those bytes, what went to / came from ranks on other nodes, the slow
+        links: a node is a hostname or ``HETCOMM_NODE``; a message of
+        hetcomm's own algorithms by its peer, a backend's collective, as the
+        native all-reduce, by its share of peers off the node); plus ``iter`` and the ``compression`` in use; ``join_steps``
         once this rank has shadowed steps inside DDP's join (its inputs ran out);
         ``lowrank_share`` once lowrank (or auto's guard on it) measured how much
         of this rank's gradient its rank carries (:mod:`hetcomm.lowrank_share`:

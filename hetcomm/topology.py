@@ -23,7 +23,7 @@ import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,7 @@ class Topology:
 
     @property
     def node_ids(self) -> List[int]:
-        order: Dict[str, int] = {}
-        return [order.setdefault(n, len(order)) for n in self.nodes]
+        return node_ids(self.nodes)
 
     @property
     def num_nodes(self) -> int:
@@ -96,9 +95,27 @@ class Topology:
 
 
 # ---- discovery ----------------------------------------------------------------------
+def node_ids(nodes: List) -> List[int]:
+    """Each rank's node as an id 0, 1, ... in the order the nodes first appear."""
+    order: Dict[Any, int] = {}
+    return [order.setdefault(n, len(order)) for n in nodes]
+
+
+def node_name() -> str:
+    """This rank's node: ``HETCOMM_NODE``, else the hostname."""
+    return os.environ.get(ENV_NODE) or socket.gethostname()
+
+
+def node_code() -> int:
+    """This rank's node as a non-negative int64 (63 bits of its name's
+    SHA-256): gathered with the options at a state's first step, so every
+    state knows which ranks share a node without a collective of its own."""
+    return int.from_bytes(hashlib.sha256(node_name().encode()).digest()[:8], "big") >> 1
+
+
 def local_device_info(device: Optional[torch.device] = None) -> dict:
     """This rank's node and device, without initialising CUDA (NVML only)."""
-    info = {"node": os.environ.get(ENV_NODE) or socket.gethostname(), "model": "cpu",
+    info = {"node": node_name(), "model": "cpu",
             "memory_gb": None, "capability": None}
     if device is not None and device.type == "cuda":
         try:

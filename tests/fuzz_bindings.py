@@ -164,6 +164,7 @@ def fuzz_transport_p2p(a, b, peer, tag):
     call("all_gather", TRANSPORT.all_gather, a, b)
     call("all_to_all", TRANSPORT.all_to_all, a, b)
     call("reduce_scatter_sum", TRANSPORT.reduce_scatter_sum, a, b, "native")
+    call("set_nodes", TRANSPORT.set_nodes, [peer, tag][:abs(peer) % 3])
 
 
 @common
@@ -179,6 +180,7 @@ def fuzz_engine(index, buf, codec, chunk, ratio, exact, res, sres, last, algo, o
     call("Engine.submit_bucket", submit)
     call("Engine.finish_sum", lambda: ENGINE.finish_sum().wait())
     call("Engine.set_topology", ENGINE.set_topology, order, nodes)
+    call("Engine.set_nodes", ENGINE.set_nodes, nodes)
     call("Engine.submit_batch_size", lambda: ENGINE.submit_batch_size(batch).wait())
     call("Engine.submit_config", lambda: ENGINE.submit_config(buf.long() if buf.is_floating_point() else buf).wait())
     call("Engine.submit_sum", lambda: ENGINE.submit_sum(buf).wait())

@@ -154,3 +154,53 @@ def test_two_ranks_sum_in_one_exchange_with_the_rings_bytes(world):
     else:  # rank 0 (local index 0, block [0, 500) of [0, 500, 1001)): in its node a reduce-scatter sends the
         # other half, the exchange across the nodes its own half, the all-gather its half back: 3 sends, 3 receives
         assert results[0]["hierarchical"][1:] == (3 * 2, 4 * ((n - n // 2) + n // 2 + n // 2))
+
+
+ACROSS_ALGOS = ["native", "ring", "halving_doubling", "tree", "hierarchical"]
+
+
+def _across(rank, world, n):
+    """Each algorithm's bytes (sent, received; of those, to / from other nodes)
+    with the transport told the nodes as [0, 0, 1, 1], one node a rank, one node for all, and not told."""
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    out = {}
+    for name, nodes in (("2x2", [0, 0, 1, 1]), ("apart", [3, 2, 1, 0]), ("one", [5] * 4), ("unset", [])):
+        t.set_nodes(nodes)
+        for algo in ACROSS_ALGOS:
+            x = _inputs(rank, n)
+            before = dict(t.counters())
+            t.allreduce(x, algo, order=list(range(world)), node_of=[0, 0, 1, 1])
+            after = t.counters()
+            out[(name, algo)] = tuple(after[k] - before[k] for k in (
+                "bytes_sent", "bytes_recv", "bytes_sent_across_nodes", "bytes_recv_across_nodes"))
+    try:
+        t.set_nodes([0, 1])
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_bytes_across_nodes_count_what_goes_to_ranks_on_other_nodes():
+    """The counters' bytes across nodes: all of them where each rank is a
+    node, none on one node (or nodes not told); on 2 nodes x 2 ranks what each
+    algorithm's route sends across (a ring in node order: the ranks whose
+    successor is on the other node; the hierarchy: each rank's shard once;
+    the tree: one edge a rank; the backend's all-reduce: the share of peers
+    off the node, 2 of 3), and every byte sent across is received across."""
+    n = 1000
+    runs = run_ranks(_across, 4, n)
+    assert "node_of must name a node for each of the 4 ranks" in runs[0]["error"]
+    for algo in ACROSS_ALGOS:
+        for r in range(4):
+            sent, recv, sent_x, recv_x = runs[r][("apart", algo)]
+            assert sent > 0 and (sent_x, recv_x) == (sent, recv), (algo, r)
+            for name in ("one", "unset"):
+                assert runs[r][(name, algo)] == (sent, recv, 0, 0), (name, algo, r)
+        assert sum(runs[r][("2x2", algo)][2] for r in range(4)) == sum(runs[r][("2x2", algo)][3] for r in range(4))
+    for r in range(4):
+        sent, recv, sent_x, recv_x = runs[r][("2x2", "ring")]
+        assert sent_x == (sent if r in (1, 3) else 0) and recv_x == (recv if r in (0, 2) else 0), r
+        assert runs[r][("2x2", "hierarchical")][2:] == (4 * n // 2, 4 * n // 2), r
+        assert runs[r][("2x2", "tree")][2:] == (4 * n, 4 * n), r
+        sent, recv, sent_x, recv_x = runs[r][("2x2", "native")]
+        assert sent == 2 * 3 * 4 * n // 4 and (sent_x, recv_x) == (sent * 2 // 3, recv * 2 // 3), r

@@ -237,10 +237,24 @@ def test_bench_train_time_to_accuracy(tmp_path):
     assert (2 + 10 / 4) / 60 < ratio < 0.2, ratio
     # hetcomm's runs say what each evaluated step sent (auto's choice shows there); PyTorch's hooks have no plans
     assert all("plans" not in p for r in (fp32, runs["torch-powersgd"]) for p in r["curve"])
+    # the ranks on one node (loopback): nothing crossed nodes
+    assert all(r["bytes_across_nodes_per_step"] == 0 for r in runs.values())
     last = runs["onebit+m"]["curve"][-1]["plans"]
     assert {k.split("/")[0] for k in last} == {"onebit"} and sum(last.values()) >= 1
     assert (tmp_path / "t.png").stat().st_size > 10_000
     assert "vs PowerSGD" in out.stdout and data["meta"]["world_size"] == 2
+
+
+def _share_on(rank, world, per_node):
+    os.environ["HETCOMM_NODE"] = f"node{rank // per_node}"
+    return train._off_node_share()
+
+
+def test_bench_train_counts_a_pytorch_hooks_bytes_across_nodes_by_its_share_of_peers_off_the_node():
+    from hetcomm.launch import spawn_ranks
+
+    assert spawn_ranks(_share_on, 4, 2) == [2 / 3] * 4  # 2 nodes x 2 ranks: 2 of each rank's 3 peers
+    assert spawn_ranks(_share_on, 3, 1) == [1.0] * 3 and spawn_ranks(_share_on, 2, 2) == [0.0] * 2
 
 
 def test_bench_train_clips_hetcomm_modes_by_the_reduced_norm(tmp_path):

@@ -271,6 +271,29 @@ def test_wire_volume_of_a_1m_element_bucket(mode, factor):
     assert 3 * fp32_ring > st["total"]["bytes_sent"] >= fp32_ring
 
 
+
+def _wire_across(rank, world, mode):
+    """_wire_volume's bucket on 2 nodes x 2 ranks (HETCOMM_NODE), the third step's bytes."""
+    os.environ[topology.ENV_NODE] = f"node{rank // 2}"
+    return _wire_volume(rank, world, mode)["last_step"]
+
+
+def test_bytes_across_nodes_in_stats():
+    """stats() counts what a step sent to ranks on other nodes, whatever the
+    algorithm (the ranks learn each other's node with the options): fp32 on
+    the backend's all-reduce the share of peers off the node, 2 of 3; fp8
+    across nodes (the hierarchy) each rank's shard's message once (500,000
+    codes of a byte, a float32 scale per 256, the 4-byte finiteness flag)."""
+    runs = {mode: run_ranks(_wire_across, 4, mode) for mode in ("none", "fp8")}
+    for r, last in enumerate(runs["none"]):
+        assert last["bytes_sent"] == 2 * 3 * 4 * 10**6 // 4, last
+        assert last["bytes_sent_across_nodes"] == last["bytes_recv_across_nodes"] == 4 * 10**6, (r, last)
+    for r, last in enumerate(runs["fp8"]):
+        shard = 10**6 // 2
+        assert last["bytes_sent_across_nodes"] == shard + 4 * -(-shard // 256) + 4, (r, last)
+        assert last["bytes_recv_across_nodes"] == last["bytes_sent_across_nodes"], (r, last)
+        assert last["bytes_sent"] > last["bytes_sent_across_nodes"]  # inside the node: fp32
+
 def _model(kind):
     """one: a single Linear (one bucket in every layout); small: the MLP in
     several 0.01 MB buckets; default: a 1.6 MB MLP with DDP's default buckets

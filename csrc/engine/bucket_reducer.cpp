@@ -52,7 +52,7 @@ at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
 
 BucketReducer::WireMark BucketReducer::wire_mark() const {
   const WireCounters& wc = transport_->counters();
-  return {wc.bytes_sent, wc.bytes_recv, wc.comm_ns, wc.calls};
+  return {wc.bytes_sent, wc.bytes_recv, wc.comm_ns, wc.calls, wc.bytes_sent_across, wc.bytes_recv_across};
 }
 
 void BucketReducer::add_wire_since(const WireMark& m) {
@@ -61,6 +61,8 @@ void BucketReducer::add_wire_since(const WireMark& m) {
   recv_ += now.recv - m.recv;
   comm_ns_ += now.comm_ns - m.comm_ns;
   calls_ += now.calls - m.calls;
+  sent_across_ += now.sent_across - m.sent_across;
+  recv_across_ += now.recv_across - m.recv_across;
 }
 
 at::Tensor BucketReducer::sum(const at::Tensor& x) {
@@ -298,7 +300,9 @@ void BucketReducer::end_bucket(const BucketJob& job, std::chrono::steady_clock::
     last_step_ = {now.bytes_sent - step_start_.bytes_sent, now.bytes_recv - step_start_.bytes_recv,
                   now.comm_ns - step_start_.comm_ns,       now.codec_ns - step_start_.codec_ns,
                   now.numel - step_start_.numel,           now.buckets - step_start_.buckets,
-                  now.fp32_bytes - step_start_.fp32_bytes, now.collectives - step_start_.collectives};
+                  now.fp32_bytes - step_start_.fp32_bytes, now.collectives - step_start_.collectives,
+                  now.bytes_sent_across - step_start_.bytes_sent_across,
+                  now.bytes_recv_across - step_start_.bytes_recv_across};
     step_start_ = now;
     last_step_buckets_ = std::move(step_buckets_);
     step_buckets_.clear();
@@ -459,7 +463,7 @@ void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
 }
 
 ReduceTotals BucketReducer::totals() const {
-  return {sent_, recv_, comm_ns_, codec_.ns, numel_, buckets_, fp32_bytes_, calls_};
+  return {sent_, recv_, comm_ns_, codec_.ns, numel_, buckets_, fp32_bytes_, calls_, sent_across_, recv_across_};
 }
 
 std::vector<std::pair<int64_t, double>> BucketReducer::last_step_buckets() const {

@@ -381,6 +381,14 @@ void Engine::set_topology(std::vector<int> order, std::vector<int> node_of) {
   });
 }
 
+void Engine::set_nodes(std::vector<int> node_of) {
+  Transport::check_nodes(node_of, transport_->size());  // here, not on the comm thread
+  run([this, node_of] {
+    transport_->set_nodes(node_of);
+    return at::zeros({0});
+  });
+}
+
 EngineStats Engine::stats() const {
   EngineStats s;
   s.nonfinite_steps = reducer_.nonfinite_steps();

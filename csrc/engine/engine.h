@@ -68,6 +68,9 @@ class Engine {
   FuturePtr finish_sum();
   // Applies to buckets submitted after this call (FIFO on the comm thread).
   void set_topology(std::vector<int> order, std::vector<int> node_of);
+  // Which node each rank is on, for the counts of bytes across nodes
+  // (Transport::set_nodes); in order with the buckets, as set_topology.
+  void set_nodes(std::vector<int> node_of);
 
   // Blocks until the queued jobs have run (a pipelined lowrank bucket may
   // still wait for the step's next bucket: see BucketReducer::pipelines).

@@ -10,15 +10,19 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace hetcomm {
 
 // Algorithmic bytes a rank put on / took off the wire (the ring-equivalent
 // volume of each collective, the convention nccl-tests uses for busbw), and
-// the time spent inside collectives.
+// the time spent inside collectives. The *_across counts are the part that
+// went to / came from ranks on other nodes (Transport::set_nodes).
 struct WireCounters {
   std::atomic<int64_t> bytes_sent{0};
   std::atomic<int64_t> bytes_recv{0};
+  std::atomic<int64_t> bytes_sent_across{0};
+  std::atomic<int64_t> bytes_recv_across{0};
   std::atomic<int64_t> comm_ns{0};
   std::atomic<int64_t> calls{0};
 };
@@ -88,6 +92,17 @@ class Transport {
   virtual void synchronize() {}
 
   WireCounters& counters() { return counters_; }
+  // Which node each rank is on (node_of[r]; empty, the default: unknown, and
+  // nothing is counted as across). Then a point-to-point message counts as
+  // across where its peer is on another node; a whole-group collective
+  // (all-reduce, all-gather, all-to-all, reduce-scatter) by its share of
+  // peers on other nodes, (ranks off this node) / (size() - 1) of its volume:
+  // exact for a direct exchange (the all-gather and all-to-all as hetcomm's
+  // subgroups post them, an all-reduce as reduce-scatter + all-gather),
+  // while a backend's ring or tree routes its bytes its own way.
+  void set_nodes(std::vector<int> node_of);
+  // set_nodes' rule on its argument, for a caller that checks before queueing it.
+  static void check_nodes(const std::vector<int>& node_of, int size);
 
  protected:
   virtual void do_send(const at::Tensor& t, int dst, int tag) = 0;
@@ -111,7 +126,13 @@ class Transport {
  private:
   void check_tensor(const at::Tensor& t, const char* name) const;
   void check_peer(int peer, const char* name) const;
-  void count(int64_t sent, int64_t recv, int64_t calls = 1);
+  // A point-to-point exchange with dst / src (-1: none) and a whole-group collective.
+  void count_p2p(int64_t sent, int dst, int64_t recv, int src, int64_t calls);
+  void count_group(int64_t sent, int64_t recv);
+  bool off_node(int peer) const { return !node_of_.empty() && node_of_[peer] != node_of_[rank()]; }
+
+  std::vector<int> node_of_;
+  int64_t off_node_ranks_ = 0;
 };
 
 }  // namespace hetcomm
