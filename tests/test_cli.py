@@ -238,7 +238,7 @@ def test_bench_train_time_to_accuracy(tmp_path):
     # hetcomm's runs say what each evaluated step sent (auto's choice shows there); PyTorch's hooks have no plans
     assert all("plans" not in p for r in (fp32, runs["torch-powersgd"]) for p in r["curve"])
     # the ranks on one node (loopback): nothing crossed nodes
-    assert all(r["bytes_across_nodes_per_step"] == 0 for r in runs.values())
+    assert all(r["bytes_across_nodes_per_step"] == 0 for r in runs.values()) and "across KB" in out.stdout
     last = runs["onebit+m"]["curve"][-1]["plans"]
     assert {k.split("/")[0] for k in last} == {"onebit"} and sum(last.values()) >= 1
     assert (tmp_path / "t.png").stat().st_size > 10_000

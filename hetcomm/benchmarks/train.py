@@ -350,10 +350,12 @@ def main(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scal
             ("spiked_at", "spiked at", "d"),
             ("time_to_target_s", "time(s)", ".2f"),
             ("vs_fp32", "vs fp32", ".2f"), ("vs_powersgd", "vs PowerSGD", ".2f"), ("s_per_step", "ms/step", ".1f"),
-            ("bytes_per_step", "KB/step", ".1f")]
+            ("bytes_per_step", "KB/step", ".1f"), ("across", "across KB", ".1f")]  # across: to other nodes
     print("  ".join(f"{h:>11}" for _, h, _ in cols))
     for r in runs:
-        row = dict(r, s_per_step=1000 * r["s_per_step"], bytes_per_step=r["bytes_per_step"] / 1000)
+        across = r.get("bytes_across_nodes_per_step")  # (not in a --reference run from before it was counted)
+        row = dict(r, s_per_step=1000 * r["s_per_step"], bytes_per_step=r["bytes_per_step"] / 1000,
+                   across=None if across is None else across / 1000)
         print("  ".join(f"{_fmt(row[k], f):>11}" for k, _, f in cols))
     meta = common.metadata(world, wall_s=time.time() - t0, scale=scale, eval_every=eval_every, lr_scale=lr_scale,
                            seeds=seeds, clip=clip, clip_handed=clip_handed, schedule=schedule, device=device,
