@@ -11,7 +11,7 @@ import torch
 
 import hetcomm.planner
 from hetcomm.benchmarks import tasks as bench_tasks
-from hetcomm.benchmarks import train, train_results
+from hetcomm.benchmarks import common, train, train_results
 
 HETCOMM = [sys.executable, "-m", "hetcomm.cli"]
 
@@ -137,6 +137,7 @@ def test_bench_ddp_side_by_side(tmp_path):
     assert rows["lowrank-fp32"]["plans"].startswith("lowrank/native"), rows
     assert rows["lowrank@hierarchical"]["bytes_per_step"] * 2 == rows["lowrank-fp32"]["bytes_per_step"]
     assert sum(int(b) for b in rows["none+bal"]["local_batches"].split("/")) == 16
+    assert all(r["bytes_across_nodes_per_step"] == 0 for r in rows.values())  # loopback: one node
     # lowrank approximates the gradient, as PowerSGD's hook: neither row compresses SGD's momentum; onebit's does
     assert {m: r["momentum_compressed"] for m, r in rows.items()} == {
         "torch-allreduce": False, "torch-powersgd": False, "onebit": True, "lowrank-fp32": False,
@@ -247,10 +248,10 @@ def test_bench_train_time_to_accuracy(tmp_path):
 
 def _share_on(rank, world, per_node):
     os.environ["HETCOMM_NODE"] = f"node{rank // per_node}"
-    return train._off_node_share()
+    return common.off_node_share()
 
 
-def test_bench_train_counts_a_pytorch_hooks_bytes_across_nodes_by_its_share_of_peers_off_the_node():
+def test_the_benches_count_a_pytorch_hooks_bytes_across_nodes_by_its_share_of_peers_off_the_node():
     from hetcomm.launch import spawn_ranks
 
     assert spawn_ranks(_share_on, 4, 2) == [2 / 3] * 4  # 2 nodes x 2 ranks: 2 of each rank's 3 peers

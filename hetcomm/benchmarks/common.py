@@ -9,7 +9,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..topology import sync
+import torch.distributed as dist
+
+from ..topology import node_name, sync
 
 def size_sweep(lo: int, hi: int, factor: int) -> List[int]:
     """lo, lo * factor, ... up to hi bytes (the CLI checks lo <= hi, factor >= 2)."""
@@ -179,6 +181,17 @@ def write_json(path: Optional[str], payload: Dict, meta: Optional[Dict] = None) 
     if path:
         with open(path, "w") as f:
             json.dump({"meta": meta, **payload} if meta is not None else payload, f, indent=2)
+
+
+def off_node_share() -> float:
+    """Of this rank's peers, the share on other nodes (hostname or
+    HETCOMM_NODE; collective: every rank calls it): a PyTorch hook's
+    all-reduce counts that share of its bytes as across nodes, the
+    convention of ``HookState.stats()`` for a backend's collective."""
+    names: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, node_name())
+    mine = names[dist.get_rank()]
+    return sum(n != mine for n in names) / max(len(names) - 1, 1)
 
 
 def plan_summary(state) -> Dict[str, int]:

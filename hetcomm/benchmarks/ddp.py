@@ -181,14 +181,17 @@ def _run_mode(rank: int, world: int, mode: str, cfg: Dict) -> Dict:
     if state is not None:
         stats = state.stats()
         sent = stats["last_step"]["bytes_sent"]
+        across = stats["last_step"]["bytes_sent_across_nodes"]
         plans = " ".join(f"{n}x{c}" if c > 1 else n for n, c in sorted(common.plan_summary(state).items()))
         auto = stats.get("auto")
         state.close()
     else:
         sent = spec.torch_bytes(model, world)
+        across = round(sent * common.off_node_share())
     if dev.type == "cuda":  # exposed: what the step takes beyond compute alone
         exposed = [max(0.0, t - cfg["solo_step_s"]) for t in times]
-    return {**_timing(times, exposed, busy, gb), "bytes_per_step": sent, "compute_rate": meter.rate,
+    return {**_timing(times, exposed, busy, gb), "bytes_per_step": sent, "bytes_across_nodes_per_step": across,
+            "compute_rate": meter.rate,
             "local_batch": bal.sizes[rank] if balanced else local, "params": numel, "plans": plans,
             "momentum_compressed": attached,
             **({"auto": auto} if auto else {})}
@@ -316,7 +319,8 @@ def main(ranks: int, modes: Optional[List[str]], params: int, global_batch: int,
           f"global batch {global_batch}, {steps} timed steps" +
           (f" x {rounds} rounds (modes take turns; the median over all)" if rounds > 1 else ""))
     cols = [("mode", "mode", "s"), ("step_ms", "step ms", ".1f"), ("samples_per_s", "samples/s", ".1f"),
-            ("bytes_per_step", "bytes/step", ",d"), ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
+            ("bytes_per_step", "bytes/step", ",d"), ("bytes_across_nodes_per_step", "across", ",d"),
+            ("hidden", "hidden", ".2f"), ("local_batches", "batches", "s")]
     cols += [("of_ideal", "of ideal", ".2f")]
     if "vs_plain_ddp" in res["rows"][0]:  # torch-allreduce ran
         cols += [("vs_plain_ddp", "vs DDP", ".2f")]

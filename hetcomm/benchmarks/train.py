@@ -30,7 +30,7 @@ from torch import nn
 
 import hetcomm
 
-from .. import modes as mode_table, topology
+from .. import modes as mode_table
 from ..launch import joined, run_distributed
 from . import common
 from .tasks import TASKS, Task
@@ -112,15 +112,6 @@ def _register(ddp, mode: str, opt: torch.optim.Optimizer, steps: int):
     return None, lambda done: m.torch_bytes(ddp.module, dist.get_world_size(), done)
 
 
-def _off_node_share() -> float:
-    """Of this rank's peers, the share on other nodes (hostname or
-    HETCOMM_NODE; collective: every rank calls it)."""
-    names: List[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, topology.node_name())
-    mine = names[dist.get_rank()]
-    return sum(n != mine for n in names) / max(len(names) - 1, 1)
-
-
 def _clip(state, model: nn.Module, clip: Optional[float], handed: bool) -> bool:
     """Clips the step's gradients at norm ``clip`` (None: not at all): by the
     reduced gradient's norm (hetcomm's HookState.clip_grad_norm_), or with
@@ -178,7 +169,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
     rounds = stats.get("lowrank_rounds")  # and its rounds a step
     # bytes to ranks on other nodes (PyTorch's hooks on the backend's all-reduce: its share of peers off the
     # node, stats()' convention for a backend's collective)
-    across = stats["total"]["bytes_sent_across_nodes"] / steps if stats else sent * _off_node_share()
+    across = stats["total"]["bytes_sent_across_nodes"] / steps if stats else sent * common.off_node_share()
     if state is not None:
         state.close()
     if rank != 0:
