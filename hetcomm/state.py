@@ -489,8 +489,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation):
         those bytes, what went to / came from ranks on other nodes, the slow
         links: a node is a hostname or ``HETCOMM_NODE``; a message of
         hetcomm's own algorithms by its peer, a backend's collective, as the
-        native all-reduce, by its share of peers off the node); plus ``iter`` and the ``compression`` in use; ``join_steps``
-        once this rank has shadowed steps inside DDP's join (its inputs ran out);
+        native all-reduce, by its share of peers off the node); plus ``iter``
+        and the ``compression`` in use; ``join_steps`` once this rank has
+        shadowed steps inside DDP's join (its inputs ran out);
         ``lowrank_share`` once lowrank (or auto's guard on it) measured how much
         of this rank's gradient its rank carries (:mod:`hetcomm.lowrank_share`:
         steps 20-30, 50-60, 80-90, 100-120, 200-220, 400-420, ...); ``lowrank_rank`` under

@@ -271,7 +271,6 @@ def test_wire_volume_of_a_1m_element_bucket(mode, factor):
     assert 3 * fp32_ring > st["total"]["bytes_sent"] >= fp32_ring
 
 
-
 def _wire_across(rank, world, mode):
     """_wire_volume's bucket on 2 nodes x 2 ranks (HETCOMM_NODE), the third step's bytes."""
     os.environ[topology.ENV_NODE] = f"node{rank // 2}"
@@ -293,6 +292,7 @@ def test_bytes_across_nodes_in_stats():
         assert last["bytes_sent_across_nodes"] == shard + 4 * -(-shard // 256) + 4, (r, last)
         assert last["bytes_recv_across_nodes"] == last["bytes_sent_across_nodes"], (r, last)
         assert last["bytes_sent"] > last["bytes_sent_across_nodes"]  # inside the node: fp32
+
 
 def _model(kind):
     """one: a single Linear (one bucket in every layout); small: the MLP in

@@ -8,7 +8,6 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import torch
-
 import torch.distributed as dist
 
 from ..topology import node_name, sync
