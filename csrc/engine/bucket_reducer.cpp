@@ -100,13 +100,11 @@ at::Tensor BucketReducer::finish_sum() {
 void BucketReducer::check_topology(const std::vector<int>& ring_order, const std::vector<int>& node_of, int w) {
   TORCH_CHECK_VALUE(ring_order.empty() || static_cast<int>(ring_order.size()) == w, "hetcomm: ring order needs ", w,
                     " ranks");
-  TORCH_CHECK_VALUE(node_of.empty() || static_cast<int>(node_of.size()) == w,
-                    "hetcomm: node_of must name a node for each of the ", w, " ranks");
+  Transport::check_nodes(node_of, w);
   std::vector<int> sorted = ring_order;
   std::sort(sorted.begin(), sorted.end());
   for (int i = 0; i < static_cast<int>(sorted.size()); ++i)
     TORCH_CHECK_VALUE(sorted[i] == i, "hetcomm: ring order must be a permutation of the ", w, " ranks");
-  for (int nd : node_of) TORCH_CHECK_VALUE(nd >= 0, "hetcomm: node ids must be >= 0, got ", nd);
 }
 
 void BucketReducer::set_topology(std::vector<int> ring_order, std::vector<int> node_of) {
