@@ -634,6 +634,44 @@ def test_bench_train_wide_task_is_digits_through_a_four_times_wider_mlp(monkeypa
     assert [a.tasks for a in seen] == [tasks.DEFAULT_TASKS, ["wide", "lm"]]
 
 
+def test_bench_train_cnn_task_is_digits_through_convolutions_with_batch_norm():
+    """The cnn task: digits' images (8 x 8), batches and test set through two
+    convolutions with batch norm; evaluated in eval mode (the running
+    statistics, not the test set's), and left in the mode it was in."""
+    from hetcomm.benchmarks import tasks
+
+    digits, cnn = tasks.Classify(), tasks.ConvClassify()
+    for t in (digits, cnn):
+        t.seed = 2
+    assert torch.equal(cnn.x_test, digits.x_test) and torch.equal(cnn.y_test, digits.y_test)
+    for a, b in zip(cnn.batch_for(5, 1), digits.batch_for(5, 1)):
+        assert torch.equal(a, b)
+    model = cnn.model()
+    kinds = [type(m) for m in model.modules()]
+    assert kinds.count(torch.nn.Conv2d) == 2 and kinds.count(torch.nn.BatchNorm2d) == 2
+    assert "cnn" in tasks.TASKS and "cnn" not in tasks.DEFAULT_TASKS
+    # a few training steps move batch norm's running statistics away from (0, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=cnn.lr["sgd"], momentum=0.9)
+    for step in range(3):
+        x, y = cnn.batch_for(step, 0)
+        opt.zero_grad()
+        cnn.loss(model(x), y).backward()
+        opt.step()
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    ev = cnn.evaluate(model)
+    assert model.training
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in stats.items())  # the evaluation changed none
+    model.eval()
+    with torch.no_grad():
+        out = model(cnn.x_test)
+    expected = 100.0 * (out.argmax(1) == cnn.y_test).float().mean().item()
+    assert ev["accuracy"] == expected
+    assert abs(ev["loss"] - torch.nn.functional.cross_entropy(out, cnn.y_test).item()) < 1e-6
+    model.train()
+    with torch.no_grad():  # in train mode the test set's own statistics would give another loss
+        assert abs(torch.nn.functional.cross_entropy(model(cnn.x_test), cnn.y_test).item() - ev["loss"]) > 1e-6
+
+
 
 def test_bench_train_bucket_mb_sets_ddp_buckets_for_hetcomm_modes(monkeypatch):
     """DDP's default puts a first bucket of 1 MB before the 25 MB ones: the wide
