@@ -52,21 +52,31 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     energy) of the matrix ``g``, with a private generator, so the caller's
     random stream is untouched.
 
-    Above EXACT_UP_TO in both dimensions: a randomized range finder (Halko
-    et al.) for the largest r; its estimates are from below. Up to it: within
-    EXACT_TOL of the total energy of the exact ones. There the range finder
-    runs first, at 2 r + OVERSAMPLE columns; its singular values are each at
-    most the matrix's (those of a projection of it), so each top-r sum
-    misses at most the energy its basis leaves out, the total less the
-    projection's, which it checks; over EXACT_TOL of the total, the exact
-    singular values. A step's gradient of a batch of b samples has rank b
-    at most: digits' 256 x 256 weight (32 samples a rank) held all but 4e-7
-    of its energy or less in its top 26 singular values at every reading of
-    a run, the range finder fell back on 2 readings of 28 (SGD-m), and it
-    took 0.6 ms of one thread against 5.3 for the exact values; a reading
-    step on the 2 x 2 testbed took 30-52 ms against 15-25 for the others,
-    now 20-23 against 16-18 (bench/README "A reading of a small matrix by
-    the range finder")."""
+    A randomized range finder (Halko et al.) for the largest r, with
+    POWER_STEPS power steps unless its first basis holds the whole matrix
+    (a gradient of a batch smaller than its columns: its values are then
+    exact). Above EXACT_UP_TO in both dimensions, at r + OVERSAMPLE
+    columns, its estimates are from below. Up to it, within EXACT_TOL of the
+    total energy of the exact ones: at 2 r + OVERSAMPLE columns, a
+    projection's singular values are each at most the matrix's, so each
+    top-r sum misses at most the energy its basis leaves out, the total less
+    the projection's, which it checks; over EXACT_TOL of the total, one pass
+    at twice the columns, and over it still (or where 4 x those columns
+    exceed the smaller side), the exact singular values.
+
+    A step's gradient of a batch of b samples has rank b at most: digits'
+    256 x 256 weight (32 samples a rank) held all but 4e-7 of its energy or
+    less in its top 26 singular values at every reading of a run, the range
+    finder fell back on 2 readings of 28 (SGD-m), and it took 0.6 ms of one
+    thread against 5.3 for the exact values; a reading step on the 2 x 2
+    testbed took 30-52 ms against 15-25 for the others, then 20-23 against
+    16-18 (bench/README "A reading of a small matrix by the range finder").
+    auto's guard reads at ranks 8 and 4 (26 columns): a random 256 x 1024
+    matrix of rank 32 fell back on the exact values (18-21 ms of one
+    thread), the pass at 52 columns holds it (5.9 ms); the readings of the
+    cnn task's weight in steps 20-120 took 1.7 ms against 3.4 before the
+    first basis was checked, digits' 0.9 against 1.8 (bench/README "The
+    guard's reading of a batch's gradient")."""
     top = max(ranks)
     small = min(g.shape) <= EXACT_UP_TO
     k = min(2 * top + OVERSAMPLE if small else top + OVERSAMPLE, min(g.shape))
@@ -76,16 +86,39 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     # over half of a reading's 15 ms on a 1024 x 1104 matrix, one thread)
     total = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
     gf = g.float()  # float32 products: a share, not a bit-exact quantity
-    omega = torch.randn(gf.shape[1], k, generator=gen, dtype=torch.float32, device="cpu").to(gf.device)
-    y = gf @ omega
-    for _ in range(POWER_STEPS):
-        y = torch.linalg.qr(y)[0]
-        y = gf @ (y.t() @ gf).t()  # g^T y as (y^T g)^T: BLAS writes a k x cols block 2x faster than a cols x k one
-    basis = torch.linalg.qr(y)[0]
-    s2 = _svdvals((basis.t() @ gf).double()).pow(2)
-    if small and total - float(s2.sum()) > EXACT_TOL * total:
-        return _exact(g, ranks)
+    basis = _range(gf, k, gen)
+    for step in range(POWER_STEPS + 1):
+        b = _projection(gf, basis)
+        if step == POWER_STEPS or (step == 0 and _left_out(b, total) <= EXACT_TOL * total):
+            break  # inside the first basis whole (a gradient of a batch under k): the power steps would not move it
+        basis = torch.linalg.qr(gf @ b.t())[0]
+    if small and _left_out(b, total) > EXACT_TOL * total:
+        # a batch's gradient of rank over k (32 samples, the guard's 26 columns) fits in twice as many columns
+        wide = 2 * k
+        b = _projection(gf, _range(gf, wide, gen)) if 4 * wide <= min(g.shape) else None
+        if b is None or _left_out(b, total) > EXACT_TOL * total:
+            return _exact(g, ranks)
+    s2 = _svdvals(b.double()).pow(2)
     return [float(s2[:r].sum()) for r in ranks], total
+
+
+def _range(gf: torch.Tensor, width: int, gen: torch.Generator) -> torch.Tensor:
+    """An orthonormal basis of ``gf``'s range sampled at ``width`` random
+    columns (drawn from ``gen`` on the CPU: the same on any device)."""
+    omega = torch.randn(gf.shape[1], width, generator=gen, dtype=torch.float32, device="cpu").to(gf.device)
+    return torch.linalg.qr(gf @ omega)[0]
+
+
+def _projection(gf: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``basis^T gf`` (g^T basis as its transpose: BLAS writes a k x cols
+    block 2x faster than a cols x k one)."""
+    return basis.t() @ gf
+
+
+def _left_out(b: torch.Tensor, total: float) -> float:
+    """The energy of a matrix of energy ``total`` that its projection ``b``
+    on an orthonormal basis leaves out."""
+    return total - float(torch.linalg.vector_norm(b, dtype=torch.float64)) ** 2
 
 
 def _exact(g: torch.Tensor, ranks) -> Tuple[list, float]:

@@ -614,6 +614,61 @@ def test_a_small_matrix_is_read_by_the_range_finder_only_where_what_it_leaves_ou
     assert exact_calls == [] and nums[0] / den < 8 / 64 + 1e-6
 
 
+def test_a_gradient_inside_the_first_basis_is_read_without_power_steps(monkeypatch):
+    """A matrix of rank under the range finder's columns (a step's gradient
+    of a small batch: the cnn task's 256 x 1024 layer, 32 samples a rank) is
+    whole inside the first basis: its shares are the exact ones, read with
+    one QR. Up to EXACT_UP_TO one of rank between those columns and twice
+    as many is read by a second pass, without the exact singular values.
+    Above it one of higher rank runs every power step, as Halko et al.'s
+    range finder written out here does, and reads what it reads."""
+    from hetcomm import lowrank_share
+
+    qrs = []
+    qr = torch.linalg.qr
+    monkeypatch.setattr(torch.linalg, "qr", lambda a: qrs.append(tuple(a.shape)) or qr(a))
+    ranks = [4, 8, 16]
+    for rows, cols, rank, seed in ((256, 1024, 32, 4), (1024, 300, 20, 5), (200, 200, 40, 6)):
+        # the range finder's columns: 2 x 16 + OVERSAMPLE up to EXACT_UP_TO, else 16 + OVERSAMPLE
+        k = (2 * 16 if min(rows, cols) <= lowrank_share.EXACT_UP_TO else 16) + lowrank_share.OVERSAMPLE
+        spectrum = [10.0 * 0.85 ** i for i in range(rank)]
+        g = _planted(rows, cols, spectrum, seed).float()
+        qrs.clear()
+        nums, den = lowrank_share.top_shares(g, ranks, torch.Generator().manual_seed(seed))
+        assert len(qrs) == (1 if rank < k else 1 + lowrank_share.POWER_STEPS), (rows, cols, rank)
+        for r, num in zip(ranks, nums):
+            want = sum(s * s for s in spectrum[:r]) / sum(s * s for s in spectrum)
+            assert num / den == pytest.approx(want, abs=lowrank_share.EXACT_TOL + 1e-7), (rows, cols, r)
+    # auto's guard reads at ranks 8 and 4 (2 x 8 + OVERSAMPLE columns): a batch of 32's gradient has more; the
+    # power steps leave it out, a pass at twice the columns holds it, and no exact singular values are taken
+    exact_calls = []
+    exact = lowrank_share._exact
+    monkeypatch.setattr(lowrank_share, "_exact", lambda g, ranks: exact_calls.append(tuple(g.shape)) or exact(g, ranks))
+    for rank, falls_back in ((32, False), (80, True)):
+        spectrum = [10.0 * 0.95 ** i for i in range(rank)]
+        g = _planted(256, 1024, spectrum, rank).float()
+        qrs.clear()
+        exact_calls.clear()
+        nums, den = lowrank_share.top_shares(g, [8, 4], torch.Generator().manual_seed(rank))
+        assert len(qrs) == 2 + lowrank_share.POWER_STEPS and exact_calls == ([(256, 1024)] if falls_back else [])
+        for r, num in zip((8, 4), nums):
+            want = sum(s * s for s in spectrum[:r]) / sum(s * s for s in spectrum)
+            assert num / den == pytest.approx(want, abs=lowrank_share.EXACT_TOL + 1e-7), (rank, r)
+    # above EXACT_UP_TO and of higher rank than its columns (16 + OVERSAMPLE): the power steps, then the estimate
+    g = _planted(300, 400, [10.0 * 0.9 ** i for i in range(60)], 7).float()
+    qrs.clear()
+    nums, den = lowrank_share.top_shares(g, ranks, torch.Generator().manual_seed(8))
+    assert len(qrs) == 1 + lowrank_share.POWER_STEPS
+    monkeypatch.setattr(torch.linalg, "qr", qr)
+    omega = torch.randn(400, 16 + lowrank_share.OVERSAMPLE, generator=torch.Generator().manual_seed(8))
+    y = g @ omega
+    for _ in range(lowrank_share.POWER_STEPS):
+        y = g @ (g.t() @ torch.linalg.qr(y)[0])
+    s2 = torch.linalg.svdvals(torch.linalg.qr(y)[0].t().double() @ g.double()).pow(2)
+    assert nums == pytest.approx([float(s2[:r].sum()) for r in ranks], rel=1e-5)
+    assert den == pytest.approx(float(g.double().pow(2).sum()), rel=1e-9)
+
+
 def test_top_shares_reads_every_rank_of_one_spectrum_and_a_matrix_sent_dense_carries_all(monkeypatch):
     from hetcomm import lowrank_share
 
