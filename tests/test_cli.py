@@ -607,17 +607,26 @@ def test_bench_train_lm_text_is_generated_the_same_every_time():
     assert 0.5 * lm.vocab < ev["perplexity"] < 2 * lm.vocab  # an untrained model is about uniform
 
 
+def _digits_data(task, seed: int, step: int, rank: int):
+    """Asserts that ``task`` (seeded ``seed``) draws digits' test set and
+    batches: only the model differs. Returns the digits task."""
+    from hetcomm.benchmarks import tasks
+
+    digits = tasks.Classify()
+    for t in (digits, task):
+        t.seed = seed
+    assert torch.equal(task.x_test, digits.x_test) and torch.equal(task.y_test, digits.y_test)
+    for a, b in zip(task.batch_for(step, rank), digits.batch_for(step, rank)):
+        assert torch.equal(a, b)
+    return digits
+
+
 def test_bench_train_wide_task_is_digits_through_a_four_times_wider_mlp(monkeypatch):
     from hetcomm import cli
     from hetcomm.benchmarks import tasks
 
-    digits, wide = tasks.Classify(), tasks.WideClassify()
-    for t in (digits, wide):
-        t.seed = 1
-    # the same images, batches and test set: only the model differs
-    assert torch.equal(wide.x_test, digits.x_test) and torch.equal(wide.y_test, digits.y_test)
-    for a, b in zip(wide.batch_for(7, 1), digits.batch_for(7, 1)):
-        assert torch.equal(a, b)
+    wide = tasks.WideClassify()
+    digits = _digits_data(wide, 1, 7, 1)
     def widths(task):
         return [m.out_features for m in task.model() if isinstance(m, torch.nn.Linear)]
 
@@ -640,12 +649,8 @@ def test_bench_train_cnn_task_is_digits_through_convolutions_with_batch_norm():
     statistics, not the test set's), and left in the mode it was in."""
     from hetcomm.benchmarks import tasks
 
-    digits, cnn = tasks.Classify(), tasks.ConvClassify()
-    for t in (digits, cnn):
-        t.seed = 2
-    assert torch.equal(cnn.x_test, digits.x_test) and torch.equal(cnn.y_test, digits.y_test)
-    for a, b in zip(cnn.batch_for(5, 1), digits.batch_for(5, 1)):
-        assert torch.equal(a, b)
+    cnn = tasks.ConvClassify()
+    _digits_data(cnn, 2, 5, 1)
     model = cnn.model()
     kinds = [type(m) for m in model.modules()]
     assert kinds.count(torch.nn.Conv2d) == 2 and kinds.count(torch.nn.BatchNorm2d) == 2
@@ -670,7 +675,6 @@ def test_bench_train_cnn_task_is_digits_through_convolutions_with_batch_norm():
     model.train()
     with torch.no_grad():  # in train mode the test set's own statistics would give another loss
         assert abs(torch.nn.functional.cross_entropy(model(cnn.x_test), cnn.y_test).item() - ev["loss"]) > 1e-6
-
 
 
 def test_bench_train_bucket_mb_sets_ddp_buckets_for_hetcomm_modes(monkeypatch):
