@@ -5,7 +5,11 @@
    topology; the best few (``AUTO_TOP``) plus fp32 on the process group's own
    all-reduce (the "never loses" baseline) are kept.
 2. Trial: the first compressed steps after ``start_iter`` run rounds in turn,
-   ``AUTO_REPEATS`` times each; in round c every bucket runs its c-th candidate.
+   ``AUTO_REPEATS`` times each. Round 0 runs each bucket's first candidate
+   (its best predicted; in a re-check its plan as it runs), then one round per
+   (mode, algorithm): every bucket that offers it runs it, the others their
+   first (:meth:`AutoPlanner._orders`: a step's buckets share the links, so
+   rounds pair their candidates by name, not by each one's prediction).
    (From step 1, in the buckets DDP rebuilt in that step's forward; where it
    rebuilds them later, ``static_graph=True``, a first trial begun in the
    old buckets starts again in the new: :meth:`AutoPlanner._drop_replaced`.)
@@ -73,9 +77,9 @@
    again without lowrank. The guard reads on: a later window at its bar
    takes lowrank back, and a re-check measures it (the trials since the
    refusal left it out) once none of its steps would take a reading.
-   Wherever it leads some bucket's order, a trial runs it in one round on
-   every bucket that offers it (:meth:`AutoPlanner._align_guarded`): lowrank's
-   buckets send their all-reduces together.
+   Wherever it leads some bucket's order, its round (on every bucket that
+   offers it: lowrank's buckets send their all-reduces together) is the first
+   trial's round 0 or a re-check's round 1.
 
 6. Saved (:meth:`AutoPlanner.state_dict`): the choices, each bucket's
    candidates, the last trial's round order and times, a running trial's
@@ -342,8 +346,7 @@ class AutoPlanner:
                 if self.trial_start is None:
                     self._start_trial()
             if key not in self._order:
-                self._order[key] = self._order_of(key)
-                self._align_guarded([key])
+                self._join(key)
         cands = self.candidates[key]
         if self._in_trial():
             j = self._candidate_in_round(key, self._round())
@@ -390,8 +393,7 @@ class AutoPlanner:
             self._keep(key, fresh, self.candidates[key][j][:2])
         self.round_times = []
         if self._replanned_at == self.compressed_steps:  # a trial begun this step for another bucket: its rounds
-            self._order[key] = self._order_of(key)
-            self._align_guarded([key])
+            self._join(key)
         else:
             self._replanned_at = self.compressed_steps
             self._start_trial(full=True)  # what was measured hopeless elsewhere is measured again
@@ -427,38 +429,66 @@ class AutoPlanner:
             rest.insert(0, lead)
         return rest if first is None else [first] + rest
 
-    def _align_guarded(self, keys: List[str]) -> None:
-        """The guarded lowrank in one round on every bucket that offers it,
-        where it leads some bucket's order (round 0 of a first trial, round 1
-        of a re-check, whose round 0 is the current plans): ``keys``' orders
-        move it there. lowrank's buckets send their all-reduces together (a
-        step's B buckets in B + 1 rounds, or 2), so the round that runs it on
-        every bucket is the one to time; bucket by bucket the prediction put
-        it first on the wide model's large bucket and last on its small one,
-        the trial never ran the two together, and its re-checks kept int3 on
-        the small one on 2 runs of 3 (36-41 ms a step on the 2 x 2 testbed at
-        100 Mbit; lowrank on both, its rounds together, 31-33: bench/README
-        "lowrank's round on every bucket"). A bucket that runs lowrank now (a re-check's round 0)
-        runs it again in round 1 where another does not run it now. Only
-        ``keys``: a bucket planned after a trial began (DDP hands its buckets
-        over one by one in the first step) joins the others' round; theirs
-        have run."""
-        at = {}
-        for k, order in self._order.items():
-            i = next((i for i, j in enumerate(order) if self._guarded(self.candidates[k][j][0])), None)
-            if i is not None:
-                at[k] = i
-        target = 1 if self._rechecking else 0
-        if len(at) < 2 or min(at.values()) > target or min(at.values()) == max(at.values()):
-            return
-        for k in keys:
-            if k not in at or at[k] == target:
-                continue
-            order = self._order[k]
-            if at[k] < target:  # runs lowrank now: again in round 1, with the others
-                order.insert(target, order[at[k]])
-            else:
-                order.insert(target, order.pop(at[k]))
+    def _orders(self, prune: bool = False, fixed: Optional[Dict[str, int]] = None) -> Dict[str, List[int]]:
+        """Every bucket's candidates in trial-round order, the rounds paired by
+        name. Round 0: each bucket's own first (:meth:`_order_of`: its plan
+        as it runs in a re-check, else its best predicted; ``fixed``: the
+        candidates buckets already ran in it). Then one round per (mode,
+        algorithm) that some bucket offers: every bucket that offers it runs
+        it, the others their own first; a round that repeats another is not
+        run twice. Those rounds go by their summed prediction, the guarded
+        lowrank's last, unless it leads some bucket's order (its first in a
+        first trial, its first or second in a re-check): then its round is
+        round 0 of a first trial (on every bucket that offers it) or round 1
+        of a re-check.
+
+        Why by name: a step's buckets share the links and their collectives
+        go out together, so the step a round measures is its plans' together.
+        Paired by each bucket's c-th prediction, the cnn task's buckets on the
+        2 x 2 testbed at 100 Mbit were ordered int3 across nodes, fp8 across
+        nodes, int3 flat (the large) and int3 flat, int3 across nodes, fp8
+        across nodes (the small): no round ran int3 across nodes on both, the
+        fixed `int3`'s plan (bench/README "A convolutional task"); the wide
+        model's lowrank, first on its large bucket and last on its small one,
+        never ran on both, whose all-reduces go out together (36-41 ms a step
+        there against 31-33: "lowrank's round on every bucket")."""
+        own = {k: o for k, o in ((k, self._order_of(k, prune)) for k in self.candidates) if o}
+        fixed = {k: j for k, j in (fixed or {}).items() if k in own}
+
+        def name(k: str, j: int) -> Tuple[str, str]:
+            return self.candidates[k][j][:2]
+
+        def runs(k: str, n: Tuple[str, str]) -> int:  # n on bucket k, or k's own first
+            return next((j for j in own[k] if name(k, j) == n), own[k][0])
+
+        guarded = next((name(k, j) for k, o in own.items() for j in o if self._guarded(name(k, j)[0])), None)
+        lead = 1 if self._rechecking else 0
+        leads = guarded is not None and any(guarded in [name(k, j) for j in o[:lead + 1]] for k, o in own.items())
+        first = {k: fixed.get(k, runs(k, guarded) if leads and not self._rechecking else o[0]) for k, o in own.items()}
+
+        def rank(n: Tuple[str, str]) -> Tuple[int, float]:
+            if n == guarded:
+                return (-1 if leads else 1), 0.0
+            ts = [self.candidates[k][runs(k, n)][2] for k in own]
+            return 0, INF if any(t is None for t in ts) else sum(ts)
+        names = sorted(dict.fromkeys(name(k, j) for k, o in own.items() for j in o), key=rank)
+        rounds = [first]
+        for n in names:
+            r = {k: runs(k, n) for k in own}
+            if r not in rounds:
+                rounds.append(r)
+        return {k: [r[k] for r in rounds] if k in own else [] for k in self.candidates}
+
+    def _join(self, key: str) -> None:
+        """A bucket planned while a trial runs (DDP hands its buckets over one
+        by one in the first step; a resumed bucket whose candidates changed):
+        in the trial's first step the rounds are paired again with it, what
+        the others ran in round 0 kept; later (their rounds have run) it
+        takes its own order."""
+        if self.trial_start is not None and self.compressed_steps == self.trial_start:
+            self._order = self._orders(fixed={k: o[0] for k, o in self._order.items() if o and k != key})
+        else:
+            self._order[key] = self._order_of(key)
 
     def _candidate_in_round(self, key: str, c: int) -> int:
         """The candidate of ``key`` that trial round ``c`` runs (a bucket with
@@ -482,8 +512,7 @@ class AutoPlanner:
             self.rechecks += 1
             self.confirms += self._confirming
             prune = not full and (self._confirming or (self.rechecks - self.confirms) % AUTO_FULL_EVERY != 0)
-        self._order = {k: self._order_of(k, prune) for k in self.candidates}
-        self._align_guarded(list(self._order))
+        self._order = self._orders(prune)
         self._step_times, self._times, self._kept, self._skipped = {}, {}, None, None
 
     def _in_trial(self) -> bool:
@@ -601,7 +630,7 @@ class AutoPlanner:
                 self._first_trial_again()  # lowrank, refused while the trial ran, was all it measured
         elif self.trial_start is None and self.decided and \
                 self.compressed_steps >= min(self.next_check, INF if self.confirm_at is None else self.confirm_at) \
-                and not self._reads_during(AUTO_REPEATS * max(map(len, self.candidates.values()), default=1)):
+                and not self._reads_during(AUTO_REPEATS * max(map(len, self._orders().values()), default=1)):
             self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
 
     def _decide(self, engine) -> None:
@@ -631,10 +660,14 @@ class AutoPlanner:
             self.decided[k] = j
             # what this trial measured hopeless is left out of the next pruned re-check; what it measured
             # within AUTO_SPAN is back in
-            pruned = self.pruned.setdefault(k, set())
-            for c in range(min(rounds, len(self._order[k]))):  # (later rounds ran the first again)
-                cand = self.candidates[k][self._candidate_in_round(k, c)][:2]
-                if self.round_times[c] > AUTO_SPAN * self.round_times[best] and cand != self.candidates[k][j][:2]:
+            # (by its fastest round: a bucket runs its first in the rounds of names it does not offer)
+            pruned, fastest = self.pruned.setdefault(k, set()), {}
+            for c in range(rounds):
+                i = self._candidate_in_round(k, c)
+                fastest[i] = min(fastest.get(i, INF), self.round_times[c])
+            for i, t in fastest.items():
+                cand = self.candidates[k][i][:2]
+                if t > AUTO_SPAN * self.round_times[best] and i != j:
                     pruned.add(cand)
                 else:
                     pruned.discard(cand)

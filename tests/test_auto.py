@@ -1322,6 +1322,65 @@ def test_the_guarded_lowrank_runs_in_one_round_on_every_bucket():
     assert rounds[0] == ["lowrank", "lowrank"] and all("lowrank" not in r for r in rounds[1:])
 
 
+def test_trial_rounds_pair_the_buckets_candidates_by_name(monkeypatch):
+    """The planner alone, on a clock of its own, the cnn task's two buckets
+    on a 2 x 2 topology with a slow intra-node latency (1 ms, as a busy
+    2-core testbed measured it): the cost model orders the large bucket
+    int3 across nodes, fp8 across nodes, int3 flat and the small one int3
+    flat, int3 across nodes, fp8 across nodes, so pairing each bucket's c-th
+    candidate never ran int3 across nodes on both (bench/README "A
+    convolutional task"). A step costs 1.0 with int3 across nodes on both,
+    1.2 with any other compressed pair, 10 with fp32 on both. Round 0 runs
+    each bucket's best predicted; then a round per name runs it on every
+    bucket that offers it; the trial picks int3 across nodes on both, and a
+    re-check pairs by name too, round 0 the plans as they run."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=4, nodes=["a", "a", "b", "b"], devices=[{}] * 4,
+                             links={"intra": topology.LinkClass(1e-3, 1 / 4.95e9),
+                                    "inter": topology.LinkClass(1e-7, 1 / 13.0e6)})
+    state = SimpleNamespace(algorithm="auto", _forced_algo=None, topology=topo, resolved_compression="auto",
+                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0,
+                            _compressed_at=lambda step: True)
+    plans = plan.Planner(state)
+    auto = plans.auto
+    auto.modes = ("none", "bf16", "fp8", "int3")
+    buckets = (("3,2", 264970), ("1,0", 19040))  # as DDP hands them over: the large first
+    own = {k: [c[:2] for c in auto._candidates(n, lambda r=None: None)] for k, n in buckets}
+    hier, flat = ("int3", "hierarchical"), ("int3", "native")
+    large, small = own["3,2"], own["1,0"]
+    assert large[:3] == [hier, ("fp8", "hierarchical"), flat] and \
+        small[:3] == [flat, hier, ("fp8", "hierarchical")]  # the case this guards against
+    assert [list(p) for p in zip(large, small)].count([hier, hier]) == 0
+
+    def cost(pair):
+        return 10.0 if pair == [("none", "native")] * 2 else 1.0 if pair == [hier, hier] else 1.2
+    clock = [0.0]
+    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
+    engine = _OneRankEngine()
+    ran = []  # (step, [(mode, algorithm) per bucket], why)
+    for step in range(autoplan.AUTO_SETTLE + 40):
+        state.iter = step
+        auto.begin_step(engine)
+        ps = [plans.plan(n, k, i, step, lambda r=None: None) for i, (k, n) in enumerate(buckets)]
+        pair = [(p.mode, p.algorithm) for p in ps]
+        ran.append((step, pair, ps[0].why))
+        clock[0] += cost(pair)
+        auto.end_step(True)
+    first = [pair for s, pair, why in ran if why == "trial" and s < autoplan.AUTO_SETTLE]
+    assert first[0] == [hier, flat]  # round 0: each bucket's best predicted
+    names = set(large) | set(small)
+    for name in names:  # a round runs each name on every bucket that offers it, the others their first
+        assert [name if name in own[k] else own[k][0] for k, _ in buckets] in first, name
+    assert len({tuple(p) for p in first}) == 1 + len(names)  # no round twice in the first cycle
+    assert first.count([hier, hier]) == autoplan.AUTO_REPEATS
+    after = [pair for s, pair, why in ran if why == "measured"]
+    assert after and all(pair == [hier, hier] for pair in after)
+    recheck = [pair for s, pair, why in ran if why == "trial" and s >= autoplan.AUTO_SETTLE]
+    assert recheck[0] == [hier, hier] and [flat, flat] in recheck
+    assert auto.pruned == {"3,2": {("none", "native")}, "1,0": {("none", "native")}}
+
+
 def test_the_guarded_lowrank_predicted_fastest_is_the_first_round_and_a_refusal_runs_the_trial_without_it(
         monkeypatch):
     """The planner alone, on a clock of its own, one slow link (12.5 MB/s):
