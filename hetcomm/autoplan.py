@@ -41,46 +41,11 @@
    slower than the chosen round (fp32 at 100 Mbit: 10x a compressed step,
    3 trial steps of it cost 25 compressed ones), except every
    ``AUTO_FULL_EVERY``-th, which measures every candidate again.
+   (:mod:`hetcomm.autotrial`: the rounds, the times, the decision.)
 5. lowrank, offered by default where the gradient alone is compressed, is a
-   *guarded* candidate (:class:`hetcomm.lowrank_guard.Guard`): the trial
-   measures it; until the ranks' first reading of how much of their
-   gradient its rank carries (steps 20-30) it runs only at rank 16
-   (provisionally, where ``matrix_approximation_rank`` is left to hetcomm;
-   given, not at all), then only once a reading admits it (a reading under
-   the bar but over the lower one, or under the lower one where rank 8
-   carries the gradient, waits for the next windows, 50-60, 80-90,
-   100-120, lowrank going on at rank 16 where it ran provisionally, at 8
-   where rank 8 carries as much as the bar asks of rank 4; the first at
-   the bar admits it, 100-120 under it refuses it); admitted,
-   every bucket takes the fastest round the last trial measured, lowrank's
-   included, and where none takes lowrank, a re-check measures it at once
-   at the rank it now runs at (the trials timed it at 16). A round with the guarded lowrank wins only at
-   ``LOWRANK_MARGIN`` (0.7) times the best round without it or less: an
-   approximation must buy a clear speed-up. While it runs provisionally the
-   margin is ``PROVISIONAL_MARGIN`` (0.9): the reading decides again by the
-   full one, and where lowrank's round did not meet that, its admission
-   takes the round without it and measures lowrank again at once. A
-   re-check that keeps a round without the admitted lowrank by its margin
-   alone (lowrank's round measured faster, not by the margin) is confirmed
-   by another ``AUTO_CONFIRM`` steps later, once
-   (:meth:`AutoPlanner._kept_by_margin`). Where the cost model predicts
-   it fastest (a slow link) and it may run, it is the first trial's round
-   0, so that the rounds hopeless against it do not run: a skipped round's
-   predicted communication alone is over AUTO_SPAN times lowrank's step, so
-   it loses even by the margin unless the probe overrated its time 1.4-fold
-   (its bandwidth was 0.88-1.0x the link's). On the wide model at 100 Mbit
-   the first trial ran lowrank and fp8 across nodes, where it had run fp8
-   and bf16 across nodes, fp8 flat, then lowrank (bench/README "auto's
-   start"). Refused (then or later), it leaves the candidates, and buckets
-   that ran it take the fastest round without it; where the last trial
-   measured none (the others hopeless against lowrank), the first trial runs
-   again without lowrank. The guard reads on: a later window at its bar
-   takes lowrank back, and a re-check measures it (the trials since the
-   refusal left it out) once none of its steps would take a reading.
-   Wherever it leads some bucket's order, its round (on every bucket that
-   offers it: lowrank's buckets send their all-reduces together) is the first
-   trial's round 0 or a re-check's round 1.
-
+   *guarded* candidate: it runs only where the ranks' readings of how much of
+   their gradient its rank carries admit it, and a round with it wins only by
+   a margin (:mod:`hetcomm.autoguard`).
 6. Saved (:meth:`AutoPlanner.state_dict`): the choices, each bucket's
    candidates, the last trial's round order and times, a running trial's
    progress; with the share readings (``hetcomm.lowrank_share``) a resumed
@@ -98,35 +63,19 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from . import buckets, lowrank_guard, lowrank_share, planner
+from .autoguard import LOWRANK_MARGIN, PROVISIONAL_MARGIN, GuardedLowrank
+from .autotrial import (AUTO_CONFIRM, AUTO_FULL_EVERY, AUTO_HYSTERESIS, AUTO_RECHECK, AUTO_REPEATS, AUTO_SETTLE,
+                        AUTO_SPAN, AUTO_TOP, INF, TrialRounds, choose)
 from .plan import AUTO_MODES, DENSE, BucketPlan
 
-log = logging.getLogger("hetcomm")
+__all__ = ["AutoPlanner", "safe_modes", "choose", "AUTO_TOP", "AUTO_REPEATS", "AUTO_SETTLE", "AUTO_RECHECK",
+           "AUTO_CONFIRM", "AUTO_HYSTERESIS", "AUTO_SPAN", "AUTO_FULL_EVERY", "INF", "LOWRANK_MARGIN",
+           "PROVISIONAL_MARGIN"]
 
-AUTO_TOP = 3          # candidates by prediction kept for the trial (plus fp32 native)
-AUTO_REPEATS = 3      # trial steps per candidate, interleaved (the minimum counts: the first may warm up)
-AUTO_SETTLE = 100     # compressed steps from the first decision to the first re-check
-AUTO_RECHECK = 1000   # compressed steps between later re-checks
-AUTO_CONFIRM = 20     # compressed steps to a re-check that confirms one kept from the admitted lowrank by its margin
-AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
-AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
-AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
-INF = float("inf")     # a round's time where there is none (not measured, or not allowed)
-# the guarded lowrank's round wins only at this fraction of the best round's time without it, or less: lowrank is
-# an approximation that can cost steps where fp8 is all but exact (digits at 100 Mbit, where their steps took about
-# as long: lowrank 220 steps to fp32's accuracy against fp8's 120 on one AdamW seed of three, more steps on two of six
-# before), and it won where the link binds by far more (the wide model at 100 Mbit: 0.3-0.45x fp8's step). A
-# threshold between the two, not fitted (bench/README "auto's lowrank at rank 16 until its reading")
-LOWRANK_MARGIN = 0.7
-# ... and this one while it runs provisionally (before its guard's reading; at rank 16, or 8 while it waits), which
-# the reading decides again by LOWRANK_MARGIN (an admitted lowrank that won by this alone is measured again at once,
-# at its rank then). The trial's one-step rounds time it above its steady step (it follows another plan's step):
-# on the wide model at 100 Mbit rank 16 took 0.66x int3's step over 200 steps and read 0.83-0.86x in first trials,
-# so int3 ran steps 11-30 on 9 runs of 20 (bench/README "The provisional lowrank's own margin")
-PROVISIONAL_MARGIN = 0.9
+log = logging.getLogger("hetcomm")
 
 
 def safe_modes(attached: Optional[str], bf16_everywhere: bool, warmed_up: bool = False) -> Tuple[str, ...]:
@@ -165,20 +114,7 @@ def safe_modes(attached: Optional[str], bf16_everywhere: bool, warmed_up: bool =
     return ("none", half)
 
 
-def choose(times: Sequence[Sequence[float]], current: Optional[int] = None,
-           hysteresis: float = AUTO_HYSTERESIS) -> int:
-    """The candidate to keep, from ``times[rank][candidate]`` (seconds; inf
-    where not measured): the one whose slowest rank is fastest (ties: the
-    earlier, better-predicted one). With a ``current`` choice, switch only to
-    one at least ``1 / hysteresis`` times faster."""
-    worst = [max(col) for col in zip(*times)]
-    best = min(range(len(worst)), key=lambda j: (worst[j], j))
-    if current is not None and worst[best] > hysteresis * worst[current]:
-        return current
-    return best
-
-
-class AutoPlanner:
+class AutoPlanner(TrialRounds, GuardedLowrank):
     """``compression="auto"``'s candidates, trials, decisions and lowrank
     guard for one :class:`hetcomm.plan.Planner` (``plans``: whose wires and
     cost-model algorithms it uses)."""
@@ -265,71 +201,6 @@ class AutoPlanner:
         t, m, a = next((p for p in preds if p[2] == self._lowrank_algo), preds[0])
         return m, a, t
 
-    def offer_guarded(self) -> None:
-        """Negotiation: lowrank joins the candidates under its guard."""
-        self.modes += ("lowrank",)
-        self.guard = lowrank_guard.Guard(lowrank_guard.PROVISIONAL_RANK if self.s._rank_given is None else None)
-        self.guard.load_state_dict(self._guard_sd)
-
-    def reads_share(self, numel: int) -> bool:
-        """Whether a compressed step's bucket of ``numel`` elements feeds the
-        guard's reading (the bucket one lowrank would take; refused too: a
-        reading at ADMIT takes it back)."""
-        return self.guard is not None and numel >= self.s.min_compress_numel
-
-    def skips_reading(self, step: int) -> bool:
-        """Whether the guard leaves ``step``'s window unread: admitted, it
-        skips the windows before LATER (50-60, 80-90: they are for a guard
-        between its bars or refused; admitted, the windows from LATER on may
-        drop it, at DROP). Each such reading took 25-35 ms of a wide-model step
-        on the 2 x 2 testbed (a randomized spectrum on every rank). The same
-        on every rank: the guard's state is agreed."""
-        return self.guard is not None and self.guard.state == "admitted" and step < lowrank_share.LATER
-
-    def reads_at(self, step: int) -> bool:
-        """Whether ``step`` takes a share reading: one is due (a window's
-        every EVERY-th step) and the guard, if any, does not skip it."""
-        return lowrank_share.LowrankShare.due(step) and not self.skips_reading(step)
-
-    def _reads_during(self, steps: int) -> bool:
-        """Whether the guard takes a share reading in this step or the
-        ``steps - 1`` after it. A due re-check (also the one asked for by a
-        reading that takes lowrank back, at the close of a window that may
-        have another inside the re-check's rounds: 80-90, then 100-120)
-        waits until its rounds would miss every reading: a reading step took
-        15-35 ms more than the others on digits on the 2 x 2 testbed (an
-        exact spectrum of a 256 x 256 matrix on every rank; 3-5 ms more since
-        the range finder reads it), the rounds take turns step by step, and
-        the first re-check, AUTO_SETTLE steps after a first decision near
-        step 15, fell in the window 100-120, where one round could take most
-        of its readings (bench/README "Digits' best mode on the Intel Xeon").
-        The same on every rank: the steps and the guard's state are agreed."""
-        return self.guard is not None and any(self.reads_at(t) for t in range(self.s.iter, self.s.iter + steps))
-
-    def read_ranks(self, rank: int) -> Optional[List[int]]:
-        """The ranks a guard's reading is taken at, lowrank's ``rank`` last:
-        also WAIT_RANK where it is larger (a reading under FIRST_DROP waits
-        where that rank carries the gradient: :meth:`Guard.update`)."""
-        return [lowrank_guard.WAIT_RANK, rank] if self.guard is not None and rank < lowrank_guard.WAIT_RANK else None
-
-    def _guarded(self, mode: str) -> bool:
-        return self.guard is not None and mode == "lowrank"
-
-    def _excluded(self, cand: Tuple) -> bool:
-        """A candidate the trials no longer measure (lowrank refused)."""
-        return self._guarded(cand[0]) and self.guard.state == "refused"
-
-    def _blocked(self, cand: Tuple) -> bool:
-        """A candidate no bucket may run outside a trial (lowrank neither
-        admitted nor provisional)."""
-        return self._guarded(cand[0]) and not self.guard.runs()
-
-    def lowrank_rank(self) -> Optional[int]:
-        """The rank lowrank runs at now where it is not the HookState's
-        (auto's provisional one: before its first reading, and while it
-        waits after one, :attr:`Guard.rank_now`), else None."""
-        return self.guard.rank_now if self.guard is not None and self.guard.provisional else None
-
     def plan(self, numel: int, key: str, index: int, layout_of) -> BucketPlan:
         """A compressed step's plan under compression="auto"."""
         if key in self._unverified:
@@ -409,181 +280,6 @@ class AutoPlanner:
         self.candidates[key] = cands
         self.decided[key] = names.index(chosen)
 
-    def _order_of(self, key: str, prune: bool = False) -> List[int]:
-        """The candidates of ``key`` in trial order: the current choice first
-        (round 0 of a re-check), then by prediction, the guarded lowrank last
-        unless it is predicted fastest and a bucket may run it now (round 0
-        is what the first trial measures the others against, and chooses
-        without them where they are hopeless: :meth:`_skip_hopeless`);
-        ``prune``: without those measured hopeless (:attr:`pruned`)."""
-        cands = self.candidates[key]
-        first = self.decided.get(key)
-        if first is not None and self._excluded(cands[first]):
-            first = None
-        out = self.pruned.get(key, set()) if prune else set()
-        rest = [j for j, c in enumerate(cands) if j != first and c[:2] not in out and not self._excluded(c)]
-        lead = next((j for j in rest if self._guarded(cands[j][0])), None)
-        if lead is not None and not self._blocked(cands[lead]) and cands[lead][2] is not None and \
-                all(cands[j][2] is None or cands[lead][2] < cands[j][2] for j in rest if j != lead):
-            rest.remove(lead)
-            rest.insert(0, lead)
-        return rest if first is None else [first] + rest
-
-    def _orders(self, prune: bool = False, fixed: Optional[Dict[str, int]] = None) -> Dict[str, List[int]]:
-        """Every bucket's candidates in trial-round order, the rounds paired by
-        name. Round 0: each bucket's own first (:meth:`_order_of`: its plan
-        as it runs in a re-check, else its best predicted; ``fixed``: the
-        candidates buckets already ran in it). Then one round per (mode,
-        algorithm) that some bucket offers: every bucket that offers it runs
-        it, the others their own first; a round that repeats another is not
-        run twice. Those rounds go by their summed prediction, the guarded
-        lowrank's last, unless it leads some bucket's order (its first in a
-        first trial, its first or second in a re-check): then its round is
-        round 0 of a first trial (on every bucket that offers it) or round 1
-        of a re-check.
-
-        Why by name: a step's buckets share the links and their collectives
-        go out together, so the step a round measures is its plans' together.
-        Paired by each bucket's c-th prediction, the cnn task's buckets on the
-        2 x 2 testbed at 100 Mbit were ordered int3 across nodes, fp8 across
-        nodes, int3 flat (the large) and int3 flat, int3 across nodes, fp8
-        across nodes (the small): no round ran int3 across nodes on both, the
-        fixed `int3`'s plan (bench/README "A convolutional task"); the wide
-        model's lowrank, first on its large bucket and last on its small one,
-        never ran on both, whose all-reduces go out together (36-41 ms a step
-        there against 31-33: "lowrank's round on every bucket")."""
-        own = {k: o for k, o in ((k, self._order_of(k, prune)) for k in self.candidates) if o}
-        fixed = {k: j for k, j in (fixed or {}).items() if k in own}
-
-        def name(k: str, j: int) -> Tuple[str, str]:
-            return self.candidates[k][j][:2]
-
-        def runs(k: str, n: Tuple[str, str]) -> int:  # n on bucket k, or k's own first
-            return next((j for j in own[k] if name(k, j) == n), own[k][0])
-
-        guarded = next((name(k, j) for k, o in own.items() for j in o if self._guarded(name(k, j)[0])), None)
-        lead = 1 if self._rechecking else 0
-        leads = guarded is not None and any(guarded in [name(k, j) for j in o[:lead + 1]] for k, o in own.items())
-        first = {k: fixed.get(k, runs(k, guarded) if leads and not self._rechecking else o[0]) for k, o in own.items()}
-
-        def rank(n: Tuple[str, str]) -> Tuple[int, float]:
-            if n == guarded:
-                return (-1 if leads else 1), 0.0
-            ts = [self.candidates[k][runs(k, n)][2] for k in own]
-            return 0, INF if any(t is None for t in ts) else sum(ts)
-        names = sorted(dict.fromkeys(name(k, j) for k, o in own.items() for j in o), key=rank)
-        rounds = [first]
-        for n in names:
-            r = {k: runs(k, n) for k in own}
-            if r not in rounds:
-                rounds.append(r)
-        return {k: [r[k] for r in rounds] if k in own else [] for k in self.candidates}
-
-    def _join(self, key: str) -> None:
-        """A bucket planned while a trial runs (DDP hands its buckets over one
-        by one in the first step; a resumed bucket whose candidates changed):
-        in the trial's first step the rounds are paired again with it, what
-        the others ran in round 0 kept; later (their rounds have run) it
-        takes its own order."""
-        if self.trial_start is not None and self.compressed_steps == self.trial_start:
-            self._order = self._orders(fixed={k: o[0] for k, o in self._order.items() if o and k != key})
-        else:
-            self._order[key] = self._order_of(key)
-
-    def _candidate_in_round(self, key: str, c: int) -> int:
-        """The candidate of ``key`` that trial round ``c`` runs (a bucket with
-        fewer candidates than rounds runs its first again)."""
-        order = self._order[key]
-        return order[c] if c < len(order) else order[0]
-
-    def _round_candidates(self, c: int) -> List[Tuple[str, str, Optional[float]]]:
-        """What trial round ``c`` runs: each bucket's candidate (buckets with
-        candidates to try)."""
-        return [self.candidates[k][self._candidate_in_round(k, c)] for k in self._order if self._order[k]]
-
-    def _start_trial(self, full: bool = False) -> None:
-        self.trial_start = self.compressed_steps
-        self._rechecking = bool(self.decided)
-        self._confirming = self._rechecking and self.confirm_at is not None and \
-            self.compressed_steps >= self.confirm_at
-        self.confirm_at = None  # a trial that starts for another reason measures what it would have
-        prune = False
-        if self._rechecking:
-            self.rechecks += 1
-            self.confirms += self._confirming
-            prune = not full and (self._confirming or (self.rechecks - self.confirms) % AUTO_FULL_EVERY != 0)
-        self._order = self._orders(prune)
-        self._step_times, self._times, self._kept, self._skipped = {}, {}, None, None
-
-    def _in_trial(self) -> bool:
-        if self.trial_start is None:
-            return False
-        t, first = self.compressed_steps - self.trial_start, len(self._cycle())
-        return t < first or (self._kept is not None and t < first + (AUTO_REPEATS - 1) * len(self._kept))
-
-    def _rounds(self) -> int:
-        return max((len(o) for o in self._order.values()), default=0)
-
-    def _cycle(self) -> List[int]:
-        """The rounds of the trial's first cycle, in turn."""
-        return [c for c in range(self._rounds()) if c not in (self._skipped or ())]
-
-    def _round(self) -> int:
-        """This step's trial round: rounds take turns, so a drifting load
-        (another job, a warming cache) weighs on every candidate alike."""
-        t, cycle = self.compressed_steps - self.trial_start, self._cycle()
-        return cycle[t] if t < len(cycle) else self._kept[(t - len(cycle)) % len(self._kept)]
-
-    def _skip_hopeless(self, engine) -> None:
-        """The first trial, after its first round (each bucket's best
-        predicted candidate): every rank all-gathers that round's step time;
-        the rounds whose *predicted* communication alone (the cost model's
-        time of each bucket's collective, summed) is over AUTO_SPAN times
-        that round's slowest rank are left out of the trial. A step ends
-        after its buckets' collectives, whose bytes share the links, so such
-        a round cannot be faster than the one measured (the topology probe's
-        bandwidth at 100 Mbit is 0.88-1.0x the link's: the AUTO_SPAN margin
-        is for a probe that misjudged it).
-        fp32 on the wide model at 100 Mbit: one step of 600 ms where fp8's
-        takes 165. Re-checks measure what they keep (the first trial's
-        skipped rounds are pruned, as hopeless, and measured again by the
-        full re-checks)."""
-        _, times = self._gather_round_times(engine)
-        first = max(r[0] for r in times)
-
-        def predicted(c: int) -> float:
-            ts = [cand[2] for cand in self._round_candidates(c)]
-            return 0.0 if any(t is None for t in ts) else sum(ts)
-        self._skipped = [c for c in range(1, self._rounds()) if first < INF and predicted(c) > AUTO_SPAN * first]
-
-    def _cut(self, engine) -> None:
-        """After the trial's first cycle: every rank all-gathers its step
-        time of each round; the rounds whose slowest rank took over
-        AUTO_SPAN times the fastest round's run no more (their one time
-        still counts in the decision, which they cannot win). The fastest
-        may be lowrank's while it waits for its reading (a rank given): the decision among
-        the others then rests on one step each until the re-check
-        AUTO_SETTLE steps later measures them again (on the wide model at
-        100 Mbit, where lowrank is admitted, repeating them would cost about
-        1.4 s: two more steps each of fp8 and bf16 across nodes and of fp8
-        flat, at their measured times)."""
-        _, times = self._gather_round_times(engine)
-        worst = [max(col) for col in zip(*times)]  # inf: a rank has no time for it
-        best = min((w for w in worst if w < INF), default=INF)
-        self._kept = [c for c in self._cycle() if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
-
-    def _gather_round_times(self, engine, head: Sequence[int] = ()):
-        """Every rank all-gathers ``head`` and its best step time of each
-        trial round: (the ranks' heads, each rank's seconds per round, inf
-        where it has none)."""
-        import torch
-
-        row = list(head) + [int(min(self._step_times[c]) * 1e9) if self._step_times.get(c) else -1
-                            for c in range(self._rounds())]
-        gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
-        times = [[t / 1e9 if t >= 0 else INF for t in r[len(head):]] for r in gathered.tolist()]
-        return gathered[:, :len(head)], times
-
     def end_step(self, compressed: bool) -> None:
         """After the step's last bucket was submitted."""
         self._last_round = None
@@ -632,160 +328,6 @@ class AutoPlanner:
                 self.compressed_steps >= min(self.next_check, INF if self.confirm_at is None else self.confirm_at) \
                 and not self._reads_during(AUTO_REPEATS * max(map(len, self._orders().values()), default=1)):
             self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
-
-    def _decide(self, engine) -> None:
-        """Every rank all-gathers its step time per trial round (and a
-        fingerprint of its candidates); the round whose slowest rank was
-        fastest gives every bucket its plan."""
-        keys = sorted(self.candidates)
-        rounds = self._rounds()
-        names = ";".join(f"{k}:" + ",".join(f"{m}/{a}" for m, a, _ in self.candidates[k]) for k in keys)
-        fingerprints, times = self._gather_round_times(engine, [zlib.crc32(names.encode())])
-        if (fingerprints != fingerprints[0]).any():
-            raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
-                             "(different topologies or options): construct HookState alike on every rank")
-        self.round_times = [max(c) for c in zip(*times)]
-        judged = [self._judged(r) for r in times]
-        current = 0 if self._rechecking and self._allowed(0) else None
-        if current is not None and self._runs_guarded(choose(judged)) and not self._runs_guarded(current):
-            # toward the guarded lowrank its margin (0.7) asks more than the hysteresis (0.9), not both: by both it
-            # had to take 0.63x the current round, and a wide-model run measuring it at 0.636x kept int3 at 1.6x
-            # lowrank's step for the rest of the run (away from lowrank both still apply: a band, no flapping)
-            current = None
-        best = choose(judged, current)
-        changed = 0
-        for k in keys:
-            j = self._candidate_in_round(k, best)
-            changed += self.decided.get(k, j) != j
-            self.decided[k] = j
-            # what this trial measured hopeless is left out of the next pruned re-check; what it measured
-            # within AUTO_SPAN is back in
-            # (by its fastest round: a bucket runs its first in the rounds of names it does not offer)
-            pruned, fastest = self.pruned.setdefault(k, set()), {}
-            for c in range(rounds):
-                i = self._candidate_in_round(k, c)
-                fastest[i] = min(fastest.get(i, INF), self.round_times[c])
-            for i, t in fastest.items():
-                cand = self.candidates[k][i][:2]
-                if t > AUTO_SPAN * self.round_times[best] and i != j:
-                    pruned.add(cand)
-                else:
-                    pruned.discard(cand)
-            per_bucket = self._times.get(k, {})
-            self.measured[k] = [min(per_bucket[i]) if per_bucket.get(i) else None
-                                for i in range(len(self.candidates[k]))]
-        self.confirm_at = self.compressed_steps + AUTO_CONFIRM if self._rechecking and not self._confirming and \
-            self._kept_by_margin(best) else None
-        waits = not self._allowed(min(range(len(times[0])), key=lambda c: (self.round_times[c], c)))
-        log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s; buckets: %s%s", best,
-                 ", ".join(f"{1000 * t:.4g}" for t in self.round_times),
-                 f" - re-planned {changed} bucket(s)" if self._rechecking and changed else "",
-                 "; ".join(f"[{k[:24]}] {self.candidates[k][self.decided[k]][0]}/"
-                           f"{self.candidates[k][self.decided[k]][1]}" for k in keys),
-                 f" (a faster round with lowrank waits for its reading at step {lowrank_share.next_close(self.s.iter)})"
-                 if waits else f" (lowrank's round faster, not by its margin: a re-check confirms it {AUTO_CONFIRM} "
-                 "steps on)" if self.confirm_at is not None else "")
-        self._times, self._step_times = {}, {}
-
-    # ---- the guard on lowrank ----------------------------------------------------------
-    def _allowed(self, c: int) -> bool:
-        """Whether trial round ``c`` ran no blocked candidate on any bucket."""
-        return not any(self._blocked(cand) for cand in self._round_candidates(c))
-
-    def _runs_guarded(self, c: int) -> bool:
-        """Whether trial round ``c`` runs the guarded lowrank on some bucket."""
-        return any(self._guarded(cand[0]) for cand in self._round_candidates(c))
-
-    def _margin(self) -> float:
-        """The guarded lowrank's margin now: PROVISIONAL_MARGIN while it runs
-        provisionally (its guard's reading decides again), else LOWRANK_MARGIN."""
-        return PROVISIONAL_MARGIN if self.guard is not None and self.guard.provisional else LOWRANK_MARGIN
-
-    def _judged(self, times: Sequence[float]) -> List[float]:
-        """Round times as a decision weighs them: inf where a round runs a
-        blocked candidate; a round that runs the guarded lowrank, its time
-        over its margin (:meth:`_margin`)."""
-        margin = self._margin()
-        return [INF if not self._allowed(c) else t / margin if self._runs_guarded(c) else t
-                for c, t in enumerate(times)]
-
-    def _kept_by_margin(self, best: int) -> bool:
-        """Whether the decision for round ``best`` kept a round without the
-        admitted lowrank by its margin alone: a round with it measured faster
-        (the slowest rank's time). On the wide model at 100 Mbit (2 x 2
-        testbed) the re-check at lowrank's admission read rank 4 at
-        0.38-0.64x int3's step on most runs but kept int3 on 1-3 of 12, which
-        then ran at 1.5x lowrank's step until the re-check AUTO_SETTLE steps
-        later took lowrank. A confirmation helps where that reading was
-        noisy, not where it was biased: as glibc's malloc comes, a step that
-        switches plans faults its temporaries in afresh, and one AdamW run
-        read lowrank at 0.72x four times and kept int3 to its end
-        (bench/README "A re-check that keeps int3 by lowrank's margin alone
-        is confirmed")."""
-        if self.guard is None or self.guard.state != "admitted" or self._runs_guarded(best):
-            return False
-        return any(self._runs_guarded(c) and self._allowed(c) and t < self.round_times[best]
-                   for c, t in enumerate(self.round_times))
-
-    def _read_guard(self, engine) -> None:
-        """After a window of share readings: every rank all-gathers its means
-        (at WAIT_RANK and lowrank's rank; -1: none, e.g. a non-finite
-        gradient); the lowest decide, the same on every rank."""
-        step = self.s.iter - 1
-        last = self.s._lowrank_share.last
-        width = len(self.read_ranks(self.s._rank_ladder.rank) or [None])  # the same on every rank
-        own = last.get("ladder", [last["share"]]) if last is not None and last["step"] == step else []
-        lowest = lowrank_share.agreed_lowest(engine, step, own if len(own) == width else [None] * width,
-                                             "compression='auto'")
-        if lowest is None:
-            return
-        before, timed_at = self.guard.state, self.lowrank_rank()
-        if self.guard.update(lowest[-1], step, lowest[0] if width > 1 else None):
-            if self.guard.state != "admitted":
-                self.confirm_at = None  # what it would confirm is no longer allowed
-            if before != "refused":
-                self._repick()
-                if self.guard.state == "admitted" and timed_at not in (None, self.s._rank_ladder.rank) and \
-                        self._lost_provisionally():
-                    self.next_check = self.compressed_steps  # a re-check, once its rounds miss every reading
-            elif self.trial_start is not None:
-                self._start_trial()  # taken back while a trial runs without it: the trial again, with it
-            else:  # taken back: the trials since its refusal left it out; a re-check measures it, as soon as its
-                self.next_check = self.compressed_steps  # rounds miss every reading (begin_step, _reads_during)
-
-    def _lost_provisionally(self) -> bool:
-        """Whether no bucket runs lowrank after its admission though the last
-        trial timed it, provisionally (at rank 16, or 8 while it waited),
-        where it runs at the ladder's rank now (4): on the 2 x 2 testbed at
-        100 Mbit the wide model's large bucket then ran int3 at 68-80 ms a
-        step until the re-check AUTO_SETTLE steps later measured lowrank at
-        44-49, on 8 runs of 20; the re-check comes at once instead."""
-        return self.trial_start is None and \
-            not any(self._guarded(self.candidates[k][j][0]) for k, j in self.decided.items()) and \
-            any(t < INF and self._runs_guarded(c) for c, t in enumerate(self.round_times))
-
-    def _repick(self) -> None:
-        """The guard admitted or refused lowrank: every bucket takes the
-        fastest round of the last trial that it now allows (the slowest
-        rank's times, the same everywhere). Without such a round (the trial
-        measured lowrank alone, the others hopeless against it; a resumed
-        run saved before any) the first trial starts again, without lowrank."""
-        if self.trial_start is not None:
-            return  # the running trial decides on the new state
-        times = self._judged(self.round_times) if self._order else []
-        if any(t < INF for t in times):
-            best = choose([times])
-            for k in self._order:
-                self.decided[k] = self._candidate_in_round(k, best)
-            return
-        if self.decided:
-            self._first_trial_again()
-
-    def _first_trial_again(self) -> None:
-        """The first trial, again, without what is blocked now: the guard
-        refused lowrank, and the last trial measured no round without it."""
-        self.decided = {}
-        self._start_trial()
 
     # ---- what is saved ----------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -8,7 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import autoplan, lowrank_guard, lowrank_share, plan, topology
+from hetcomm import autoplan, autotrial, lowrank_guard, lowrank_share, plan, topology
 from hetcomm import planner as planner_mod
 
 from . import models
@@ -82,18 +82,18 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
             setattr(lowrank_guard if hasattr(lowrank_guard, k) else lowrank_share, k, v)
         autoplan.safe_modes = lambda *a, **k: ("none",)
         cut = False  # steps 1-9
-        real = autoplan.choose
+        real = autotrial.choose
 
         def choose(times, current=None, hysteresis=autoplan.AUTO_HYSTERESIS):  # lowrank's round is the last
             return len(times[0]) - 1 if all(r[-1] < INF for r in times) else real(times, current, hysteresis)
-        autoplan.choose = choose if not hasattr(real, "forced") else real
+        autotrial.choose = choose if not hasattr(real, "forced") else real
         choose.forced = True
     if two_nodes:
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     if first:
         plan.planner.predict = _rank_predict(first, hopeless)
     if not cut:
-        autoplan.AUTO_SPAN = INF
+        autotrial.AUTO_SPAN = INF
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)) if big \
         else models.mlp(hidden=96)
@@ -731,7 +731,7 @@ def _held_carry_run(rank, world, cache_dir, last_trial):
     # whatever each one's carry holds.
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
     plan.planner.predict = _rank_predict("topk")
-    autoplan.choose = lambda times, current=None: 1  # round 1 = fp32: the decided plan is dense
+    autotrial.choose = lambda times, current=None: 1  # round 1 = fp32: the decided plan is dense
     torch.manual_seed(0)
     model = models.mlp(hidden=96)
     ddp = DDP(model, bucket_cap_mb=0.02)
