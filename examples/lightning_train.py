@@ -136,6 +136,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         stats = state.stats()
         result = {**ranks, "hook_steps": state.iter, "global_step": trainer.global_step,
+                  "batches_per_epoch": trainer.num_training_batches,  # this world's: a resumed fit may change it
                   "start_iter": state.start_iter, "clip": stats.get("clip"),
                   "followed_lrs": state.state_dict()["lrs"],  # the rate error feedback is in units of
                   "bytes_sent": stats["total"]["bytes_sent"], "fp32_bytes": stats["total"]["fp32_bytes"],

@@ -45,7 +45,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=None, help="default 0.05 (sgd), 3e-3 (adamw)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--ckpt", required=True, help="checkpoint folder")
-    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=50, help="save after every this many steps; 0: only at --save-at")
+    p.add_argument("--save-at", default="", help="comma-separated steps to save after as well (e.g. 30: after step 30)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--clip", type=float, default=None,
                    help="clip the gradient at this norm (by the reduced gradient's: state.clip_grad_norm_)")
@@ -82,6 +83,7 @@ def main() -> None:
     taken = [0]  # the optimizer steps taken (a non-finite gradient on any rank skips the step on every rank)
     opt.register_step_post_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
 
+    save_at = {int(v) for v in args.save_at.split(",") if v}
     os.makedirs(args.ckpt, exist_ok=True)
     path = os.path.join(args.ckpt, f"rank{rank}.pt")  # every rank its own file: residuals are per rank
     start = 0
@@ -118,7 +120,7 @@ def main() -> None:
             scaler.step(opt)
             scaler.update()
         sched.step()
-        if (step + 1) % args.save_every == 0:
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 in save_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hetcomm": state.state_dict(),
                         "scaler": scaler.state_dict() if scaler is not None else None, "sched": sched.state_dict(),
                         "step": step + 1,
