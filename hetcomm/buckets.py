@@ -36,6 +36,7 @@ __all__ = ["Bucket", "BucketStates", "ParamIndex", "Signature", "from_grad_bucke
 
 log = logging.getLogger("hetcomm")
 
+
 class Bucket(NamedTuple):
     """What the hook needs of a bucket: DDP's GradBucket, or a regrouped one."""
     index: int
