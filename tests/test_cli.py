@@ -649,6 +649,40 @@ def test_bench_train_wide_task_is_digits_through_a_four_times_wider_mlp(monkeypa
     assert [a.tasks for a in seen] == [tasks.DEFAULT_TASKS, ["wide", "lm"]]
 
 
+def test_bench_train_wide_regress_task_is_the_regression_through_1024_wide_layers():
+    """wide-regress: the regression's data, batches and rates' rule through
+    1024-wide layers (a 4.4 MB gradient); named, never a default; its own
+    AdamW rate (fp32's best there), the regression's SGD rates."""
+    from hetcomm.benchmarks import tasks
+
+    wide, narrow = tasks.WideRegress(), tasks.Regress()
+    assert "wide-regress" in tasks.TASKS and "wide-regress" not in tasks.DEFAULT_TASKS
+    assert torch.equal(wide.x, narrow.x) and torch.equal(wide.y, narrow.y)
+    for t in (wide, narrow):
+        t.seed = 2
+    for a, b in zip(wide.batch_for(5, 1), narrow.batch_for(5, 1)):
+        assert torch.equal(a, b)
+    model = wide.model()
+    assert [m.out_features for m in model if isinstance(m, torch.nn.Linear)] == [1024, 1024, 1]
+    assert sum(p.numel() for p in model.parameters()) == 32 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 + 1
+    assert [m.out_features for m in narrow.model() if isinstance(m, torch.nn.Linear)] == [128, 128, 1]
+    assert (wide.lr["sgd"], wide.lr["plain"]) == (narrow.lr["sgd"], narrow.lr["plain"])
+    assert wide.lr["adamw"] < narrow.lr["adamw"]
+    # a few SGD-momentum steps at its rate lower the MSE over the whole set (evaluate's reading)
+    before = wide.evaluate(model)["mse"]
+    opt = torch.optim.SGD(model.parameters(), lr=wide.lr["sgd"], momentum=0.9)
+    for step in range(20):
+        x, y = wide.batch_for(step, 0)
+        opt.zero_grad()
+        wide.loss(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(model(wide.x).squeeze(1), wide.y).item()
+    after = wide.evaluate(model)
+    assert after["mse"] == after["loss"] == pytest.approx(expected, rel=1e-6)
+    assert after["mse"] < 0.9 * before
+
+
 def test_bench_train_cnn_task_is_digits_through_convolutions_with_batch_norm():
     """The cnn task: digits' images (8 x 8), batches and test set through two
     convolutions with batch norm; evaluated in eval mode (the running
