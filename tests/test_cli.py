@@ -649,6 +649,16 @@ def test_bench_train_wide_task_is_digits_through_a_four_times_wider_mlp(monkeypa
     assert [a.tasks for a in seen] == [tasks.DEFAULT_TASKS, ["wide", "lm"]]
 
 
+def _sgd_momentum_steps(task, model, n):
+    """n steps of SGD-momentum at the task's rate on rank 0's batches."""
+    opt = torch.optim.SGD(model.parameters(), lr=task.lr["sgd"], momentum=0.9)
+    for step in range(n):
+        x, y = task.batch_for(step, 0)
+        opt.zero_grad()
+        task.loss(model(x), y).backward()
+        opt.step()
+
+
 def test_bench_train_wide_regress_task_is_the_regression_through_1024_wide_layers():
     """wide-regress: the regression's data, batches and rates' rule through
     1024-wide layers (a 4.4 MB gradient); named, never a default; its own
@@ -670,12 +680,7 @@ def test_bench_train_wide_regress_task_is_the_regression_through_1024_wide_layer
     assert wide.lr["adamw"] < narrow.lr["adamw"]
     # a few SGD-momentum steps at its rate lower the MSE over the whole set (evaluate's reading)
     before = wide.evaluate(model)["mse"]
-    opt = torch.optim.SGD(model.parameters(), lr=wide.lr["sgd"], momentum=0.9)
-    for step in range(20):
-        x, y = wide.batch_for(step, 0)
-        opt.zero_grad()
-        wide.loss(model(x), y).backward()
-        opt.step()
+    _sgd_momentum_steps(wide, model, 20)
     with torch.no_grad():
         expected = torch.nn.functional.mse_loss(model(wide.x).squeeze(1), wide.y).item()
     after = wide.evaluate(model)
@@ -696,12 +701,7 @@ def test_bench_train_cnn_task_is_digits_through_convolutions_with_batch_norm():
     assert kinds.count(torch.nn.Conv2d) == 2 and kinds.count(torch.nn.BatchNorm2d) == 2
     assert "cnn" in tasks.TASKS and "cnn" not in tasks.DEFAULT_TASKS
     # a few training steps move batch norm's running statistics away from (0, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=cnn.lr["sgd"], momentum=0.9)
-    for step in range(3):
-        x, y = cnn.batch_for(step, 0)
-        opt.zero_grad()
-        cnn.loss(model(x), y).backward()
-        opt.step()
+    _sgd_momentum_steps(cnn, model, 3)
     stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
     ev = cnn.evaluate(model)
     assert model.training
