@@ -15,10 +15,11 @@ ranks were different GPUs, and --overflow-at makes the fp16 ranks' loss overflow
 at that step (every rank skips it); --schedule linear: a warm-up and a linear
 decay of the rate. Saves model, optimizer, the scaler, the schedule and each
 rank's hetcomm state every --save-every steps and after each --save-at step;
---resume continues from the last checkpoint as if the run had never stopped (bit for bit with a fixed mode; with
-auto, whose choices follow measured step times, wherever the resumed run
-measures the same choices; on another number of ranks: from the saved step,
-error feedback afresh). Rank 0 prints a JSON line at the end.
+--resume continues from the last checkpoint as if the run had never stopped
+(bit for bit with a fixed mode; with auto, whose choices follow measured step
+times, wherever the resumed run measures the same choices; on another number
+of ranks: from the saved step, error feedback afresh). Rank 0 prints a JSON
+line at the end.
 """
 
 import argparse

@@ -293,7 +293,7 @@ class WideRegress(Regress):
     # regression's rate stays; AdamW at 0.1 / 0.3 / 1 / 3x 3e-3 at 0.064 / 0.058 /
     # 0.077 / 0.101, so 9e-4. Plain SGD: the regression's rate, not searched
     name = "wide-regress"
-    lr = {"sgd": 0.02, "adamw": 9e-4, "plain": 0.1}
+    lr = {**Regress.lr, "adamw": 9e-4}
     HIDDEN = 1024
 
 
