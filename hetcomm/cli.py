@@ -114,6 +114,7 @@ def _info(args) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     import hetcomm
     from . import demo, modes, topology
+    from .benchmarks import common as bench_common
     from .benchmarks import ddp as bench_ddp
     from .benchmarks import links as bench_links
     from .benchmarks import tasks as bench_tasks
@@ -305,7 +306,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     i = sub.add_parser("info", help="what this build of hetcomm contains")
     i.set_defaults(fn=_info)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    bench_common.set_command(argv)  # the results' "command": these arguments, also when called from Python
     if args.cmd == "bench":
         args.fn = _bench
         if args.what in ("compress", "allreduce", "links"):

@@ -44,8 +44,11 @@ def _context():
     rank starts as clean as a spawned one. Its environment is the server's,
     from the server's start: :func:`_entry` replaces it with the caller's of
     the moment, which reaches everything read at run time (hetcomm's
-    variables, gloo's, CUDA's); what a library read when it loaded (OpenMP's
-    thread count) stays the server's, and each rank sets torch's threads to 1."""
+    variables, gloo's, CUDA's; multiprocessing itself moves a rank to the
+    caller's working folder of the moment); what a library read when it
+    loaded (OpenMP's thread count) stays the server's, and each rank sets
+    torch's threads to 1. The standard streams stay the server's too: a rank
+    prints where the server's output went when it started."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx

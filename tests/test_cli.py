@@ -1,10 +1,15 @@
 """The command line, end to end (small sizes)."""
 
+import contextlib
+import io
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -16,11 +21,38 @@ from hetcomm.benchmarks import common, train, train_results
 HETCOMM = [sys.executable, "-m", "hetcomm.cli"]
 
 
-def _run(args, tmp_path, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(HETCOMM + args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+def _run(args, tmp_path, timeout=240, fresh=False):
+    """hetcomm ARGS in tmp_path; it must succeed. In this process (its ranks fork from the fork server the tests
+    already run: a fresh interpreter imports torch twice more, 5-6 s a call), with what it printed here captured;
+    ``fresh``: in a new interpreter, for what a test reads from the ranks' own output, which goes to the fork
+    server's streams here. Returns what it printed (``stdout``, ``stderr``)."""
+    if fresh:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        out = subprocess.run(HETCOMM + args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+    from hetcomm import cli
+
+    def too_long(*_):
+        raise TimeoutError(f"hetcomm {' '.join(args)}: still running after {timeout} s")
+
+    out, err = io.StringIO(), io.StringIO()
+    here, threads = os.getcwd(), torch.get_num_threads()
+    alarm = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(timeout)
+    os.chdir(tmp_path)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main(args)
+            except SystemExit as e:
+                assert e.code in (0, None), f"exit {e.code}\n{err.getvalue()[-3000:]}"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, alarm)
+        os.chdir(here)
+        torch.set_num_threads(threads)  # bench compress sets its own
+    return types.SimpleNamespace(stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def _rejected(args, capsys) -> str:
@@ -37,9 +69,10 @@ def _rejected(args, capsys) -> str:
 
 def test_demo_prints_a_table_and_writes_json(tmp_path):
     out = _run(["demo", "--steps", "30", "--modes", "none,onebit,torch-allreduce", "--json", "d.json",
-                "--plot", "d.png"], tmp_path)
+                "--plot", "d.png"], tmp_path, fresh=True)
     assert "mode" in out.stdout and "onebit" in out.stdout and "torch-allreduce" in out.stdout
-    assert "step" in out.stderr  # progress while it runs
+    for mode in ("none", "onebit", "torch-allreduce"):  # rank 0's progress while it runs, every fifth of the steps
+        assert re.search(rf"^  {mode} +step +6/30$", out.stderr, re.M) and " step   30/30" in out.stderr, out.stderr
     assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.load(open(tmp_path / "d.json"))
     assert data["meta"]["world_size"] == 2 and data["meta"]["torch"] == torch.__version__
@@ -108,7 +141,8 @@ def test_topo_prints_links_and_plan(tmp_path):
 
 def test_bench_allreduce_rows_are_correct(tmp_path):
     out = _run(["bench", "allreduce", "-b", "64K", "-e", "256K", "-f", "4", "-n", "2", "-w", "1", "--ranks", "3",
-                "--wires", "none,fp16,onebit,topk", "--pieces", "1,3", "--json", "a.json", "--plot", "a.png"], tmp_path)
+                "--wires", "none,fp16,onebit,topk", "--pieces", "1,3", "--json", "a.json", "--plot", "a.png"], tmp_path,
+               fresh=True)  # rank 0 prints the rows as they finish
     assert "busbw" in out.stdout and "# Out of bounds values : 0 OK" in out.stdout
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.load(open(tmp_path / "a.json"))
@@ -523,9 +557,11 @@ print('ok')
 
 
 def test_bench_train_seeds_compare_means(tmp_path):
-    out = _run(["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
-                "--scale", "0.1", "--eval-every", "10", "--seeds", "2", "--json", "s.json"], tmp_path)
+    args = ["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
+            "--scale", "0.1", "--eval-every", "10", "--seeds", "2", "--json", "s.json"]
+    out = _run(args, tmp_path)
     data = json.load(open(tmp_path / "s.json"))
+    assert data["meta"]["command"] == "hetcomm " + " ".join(args)  # what cli.main was given, not this process's argv
     runs = data["runs"]
     assert sorted((r["mode"], r["seed"]) for r in runs) == [("fp32", 0), ("fp32", 1), ("onebit+m", 0), ("onebit+m", 1),
                                                              ("torch-powersgd", 0), ("torch-powersgd", 1)]

@@ -78,13 +78,14 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack_and_the_others
 
 
 def _environment(rank, world):
-    return dict(os.environ)
+    return dict(os.environ), os.getcwd()
 
 
-def test_a_rank_sees_the_callers_environment_as_it_is_at_the_call_not_the_fork_servers():
-    # A fresh interpreter, so that the fork server starts inside it with HETCOMM_TEST_GONE set; then the caller
-    # drops that variable and sets another: the next ranks (forked by the same server) see the change.
-    code = textwrap.dedent("""
+def test_a_rank_sees_the_callers_environment_and_folder_as_they_are_at_the_call_not_the_fork_servers(tmp_path):
+    # A fresh interpreter, so that the fork server starts inside it with HETCOMM_TEST_GONE set, in the repository;
+    # then the caller drops that variable, sets another and moves to another folder: the next ranks (forked by the
+    # same server) see the change (the folder by multiprocessing itself): a relative path names the caller's file.
+    code = textwrap.dedent(f"""
         import os, json
         from hetcomm import launch
         from tests.test_testbed import _environment
@@ -92,16 +93,20 @@ def test_a_rank_sees_the_callers_environment_as_it_is_at_the_call_not_the_fork_s
         first = launch.spawn_ranks(_environment, 2)
         del os.environ["HETCOMM_TEST_GONE"]
         os.environ["HETCOMM_TEST_NEW"] = "2"
+        os.chdir({str(tmp_path)!r})
         second = launch.spawn_ranks(_environment, 2)
-        print(json.dumps({"first": first, "second": second, "caller": dict(os.environ)}))
+        print(json.dumps({{"first": first, "second": second, "caller": dict(os.environ), "cwd": os.getcwd()}}))
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env=dict(os.environ, PYTHONPATH=root))
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert all(env["HETCOMM_TEST_GONE"] == "1" and "HETCOMM_TEST_NEW" not in env for env in got["first"])
-    for env in got["second"]:
+    assert all(env["HETCOMM_TEST_GONE"] == "1" and "HETCOMM_TEST_NEW" not in env and cwd == root
+               for env, cwd in got["first"])
+    for env, cwd in got["second"]:
         assert "HETCOMM_TEST_GONE" not in env and env["HETCOMM_TEST_NEW"] == "2"
+        assert cwd == got["cwd"] == str(tmp_path)
         # the caller's environment exactly, but for the two defaults every rank sets for itself
         extra = {k: env[k] for k in set(env) - set(got["caller"])}
         assert set(extra) <= {"OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"}, extra

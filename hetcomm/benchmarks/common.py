@@ -12,6 +12,17 @@ import torch.distributed as dist
 
 from ..topology import node_name, sync
 
+# The arguments ``hetcomm.cli.main`` was called with (the command line, or what a caller in Python passed): what
+# :func:`metadata` records as the command. None: this process's own ``sys.argv``.
+_command: Optional[List[str]] = None
+
+
+def set_command(argv: List[str]) -> None:
+    """Record ``hetcomm ARGV`` as the command of the results this process writes."""
+    global _command
+    _command = list(argv)
+
+
 def size_sweep(lo: int, hi: int, factor: int) -> List[int]:
     """lo, lo * factor, ... up to hi bytes (the CLI checks lo <= hi, factor >= 2)."""
     if lo < 1 or factor < 2 or lo > hi:
@@ -168,7 +179,7 @@ def metadata(world: int, **extra) -> Dict:
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
-    return {"command": " ".join(["hetcomm"] + sys.argv[1:]), "world_size": world,
+    return {"command": " ".join(["hetcomm"] + (sys.argv[1:] if _command is None else _command)), "world_size": world,
             "hetcomm": hetcomm.__version__, "torch": torch.__version__, "build": hetcomm.build_info(),
             "python": platform.python_version(), "host": platform.node(), "gpus": gpus,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **extra}
