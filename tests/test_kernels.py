@@ -216,8 +216,8 @@ def test_build_info():
     info = hetcomm.build_info()
     assert set(info) >= {"cuda", "cuda_compiled", "cuda_archs", "nccl_version", "torch_version"}
     assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
-    if info["cuda_compiled"]:
-        assert info["cuda_archs"] == "75,80,90"
+    if info["cuda_compiled"]:  # for the three generations with a CUDA torch; a compile check (a CPU torch): the oldest
+        assert info["cuda_archs"] == ("75,80,90" if torch.version.cuda else "75"), info
 
 
 @pytest.mark.parametrize("n", SIZES)
