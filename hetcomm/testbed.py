@@ -8,6 +8,9 @@
   torch.distributed env:// variables set.
 - Mixed speeds: per-rank CPU quotas (cgroup v1 ``cpu.cfs_quota_us`` or v2
   ``cpu.max``), so ranks really run at different speeds.
+- Scheduling (``--sched batch``): every rank under SCHED_BATCH, which a
+  cluster's ranks, each on cores of its own, are closer to than ranks
+  sharing a few cores under the default policy (:data:`SCHED_POLICIES`).
 
 :func:`hetcomm.launch.spawn_ranks` runs local ranks under such quotas.
 """
@@ -28,6 +31,18 @@ from . import topology
 _V1 = "/sys/fs/cgroup/cpu"
 _V2 = "/sys/fs/cgroup"
 _PERIOD_US = 10_000  # a short period: throttling in small slices, not 75 ms stalls
+
+# The ranks' scheduling policy. Under the default one (SCHED_OTHER), a rank's
+# write to a peer on this machine wakes the peer's gloo thread, which then
+# preempts the writer; where the writer held a gloo pair's lock (gloo takes it
+# around each write), that pair's event loop polls its socket without pause
+# until the writer runs again (gloo's Pair::handleEvents gives up on a lock it
+# cannot take, and epoll reports the unread data again at once): measured at 1-4
+# ms of one core about once a step on 4 ranks sharing 2 cores. On a cluster each
+# rank has cores of its own, and no rank wakes another's threads on its cores.
+# SCHED_BATCH wakeups do not preempt, so ranks that share a few cores run closer
+# to that (bench/README "The testbed's scheduler").
+SCHED_POLICIES = {"normal": os.SCHED_OTHER, "batch": os.SCHED_BATCH}
 
 
 def cpu_quota_support() -> Tuple[bool, str]:
@@ -189,11 +204,15 @@ class Cluster:
         self.created = []
 
     def run(self, command: List[str], ranks_per_node: int, rank_cpu: Optional[Sequence[float]] = None,
-            timeout: float = 1800, env: Optional[dict] = None) -> int:
+            timeout: float = 1800, env: Optional[dict] = None, sched: str = "normal") -> int:
         """Runs ``command`` once per rank (torch.distributed env:// variables,
         GLOO_SOCKET_IFNAME, HETCOMM_NODE set). Rank 0 prints to this stdout,
         the others' output is shown if they fail. Returns rank 0's exit code;
-        any failing rank stops all."""
+        any failing rank stops all. ``sched="batch"`` starts every rank under
+        Linux's SCHED_BATCH (its threads inherit it): see :data:`SCHED_POLICIES`."""
+        if sched not in SCHED_POLICIES:
+            raise ValueError(f"sched must be one of {sorted(SCHED_POLICIES)}, got {sched!r}")
+        policy = SCHED_POLICIES[sched]
         world = self.nodes * ranks_per_node
         if rank_cpu is not None and len(rank_cpu) != world:
             raise ValueError(f"rank_cpu must give one quota per rank ({world})")
@@ -220,7 +239,9 @@ class Cluster:
                     log = None if rank == 0 else tempfile.TemporaryFile(mode="w+")
                     logs.append(log)
                     p = subprocess.Popen(["ip", "netns", "exec", ns] + list(command), env=e, stdout=log,
-                                         stderr=subprocess.STDOUT if log else None)
+                                         stderr=subprocess.STDOUT if log else None,
+                                         preexec_fn=(lambda: os.sched_setscheduler(0, policy, os.sched_param(0)))
+                                         if policy != os.SCHED_OTHER else None)
                     if quotas:
                         with open(os.path.join(quotas[rank].path, "cgroup.procs"), "w") as f:
                             f.write(str(p.pid))
@@ -256,7 +277,7 @@ class Cluster:
 
 
 def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: Optional[List[float]],
-         command: List[str], timeout: float) -> int:
+         command: List[str], timeout: float, sched: str = "normal") -> int:
     ok, why = netns_support()
     if not ok:
         print(f"hetcomm testbed: cannot build network namespaces here: {why}", file=sys.stderr)
@@ -272,7 +293,8 @@ def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: O
     try:
         with Cluster(nodes, inter_rate) as cluster:
             print(f"hetcomm testbed: {nodes} nodes x {ranks_per_node} ranks, inter-node "
-                  f"{inter_rate or 'unshaped'}, CPU quotas {rank_cpu or 'none'}", file=sys.stderr, flush=True)
-            return cluster.run(command, ranks_per_node, rank_cpu, timeout)
+                  f"{inter_rate or 'unshaped'}, CPU quotas {rank_cpu or 'none'}, scheduling {sched}",
+                  file=sys.stderr, flush=True)
+            return cluster.run(command, ranks_per_node, rank_cpu, timeout, sched=sched)
     finally:
         signal.signal(signal.SIGTERM, old)

@@ -556,6 +556,16 @@ print('ok')
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's scheduling policies")
+def test_results_record_the_ranks_scheduling_policy():
+    # SCHED_BATCH needs no privilege; the testbed's --sched sets it for the ranks (tests/test_netns.py)
+    code = ("import os; from hetcomm.benchmarks import common; a = common.metadata(1)['sched']; "
+            "os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0)); print(a, common.metadata(1)['sched'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0)))
+    assert out.returncode == 0 and out.stdout.split() == ["normal", "batch"], out.stderr[-2000:]
+
+
 def test_bench_train_seeds_compare_means(tmp_path):
     args = ["bench", "train", "--tasks", "regress", "--optims", "sgd", "--modes", "torch-powersgd,onebit+m",
             "--scale", "0.1", "--eval-every", "10", "--seeds", "2", "--json", "s.json"]
@@ -797,7 +807,8 @@ MALFORMED = [
     ["bench", "ddp", "--grid", "--networks", "fast"], ["bench", "ddp", "--grid", "--grid-params", ""],
     ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],
     ["testbed", "--inter-node-rate", "fast", "--", "true"], ["testbed", "--rank-cpu", "0,0,0,0", "--", "true"],
-    ["testbed", "--timeout", "0", "--", "true"], ["testbed"], ["info", "--bogus"], ["--bogus"], [],
+    ["testbed", "--timeout", "0", "--", "true"], ["testbed", "--sched", "idle", "--", "true"], ["testbed"],
+    ["info", "--bogus"], ["--bogus"], [],
 ]
 
 

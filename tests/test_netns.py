@@ -128,6 +128,34 @@ def test_a_run_past_its_timeout_is_stopped_and_says_how_to_give_it_longer(tmp_pa
     assert _namespaces() == before
 
 
+_POLICY_PROBE = """
+import os, sys, threading
+from hetcomm.benchmarks import common
+seen = [common.sched_policy()]
+t = threading.Thread(target=lambda: seen.append(common.sched_policy()))  # a thread started later, as gloo's
+t.start(); t.join()
+open(os.path.join(sys.argv[1], 'policy_' + os.environ['RANK']), 'w').write(','.join(seen))
+"""
+
+
+def test_sched_batch_starts_every_rank_and_its_threads_under_sched_batch(tmp_path):
+    _need_netns()
+    before = _namespaces()
+    for sched in ("batch", "normal"):  # the default: as the caller
+        out = tmp_path / sched
+        out.mkdir()
+        cmd = [sys.executable, "-m", "hetcomm.cli", "testbed", "--nodes", "2", "--ranks-per-node", "2"]
+        cmd += ["--sched", "batch"] if sched == "batch" else []
+        r = subprocess.run(cmd + ["--", sys.executable, "-c", _POLICY_PROBE, str(out)], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"scheduling {sched}" in r.stderr
+        assert {f.name: f.read_text() for f in out.iterdir()} == {f"policy_{k}": f"{sched},{sched}" for k in range(4)}
+    assert _namespaces() == before
+    with pytest.raises(ValueError, match="sched must be one of"):
+        testbed.Cluster.run(None, ["true"], 1, sched="idle")
+
+
 def test_testbed_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rate must end in"):
         testbed.Cluster(2, "fast")
