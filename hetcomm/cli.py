@@ -301,9 +301,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     tb.add_argument("--rank-cpu", type=quotas, default=None, help="per-rank CPU quotas in cores, e.g. 0.25,0.75,0.5,0.5")
     tb.add_argument("--timeout", type=positive_float, default=1800,
                     help="seconds before the ranks are stopped (long benchmarks need more)")
-    tb.add_argument("--sched", choices=("normal", "batch"), default="normal",
-                    help="the ranks' Linux scheduling policy: batch (SCHED_BATCH) keeps ranks that share a few "
-                         "cores from preempting each other at every message, as ranks on cores of their own do not")
+    tb.add_argument("--sched", choices=("normal", "batch"), default=None,
+                    help="the ranks' Linux scheduling policy (default: this process's): batch (SCHED_BATCH) keeps "
+                         "ranks that share a few cores from preempting each other at every message, as ranks on "
+                         "cores of their own do not")
     tb.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- hetcomm bench allreduce")
     tb.set_defaults(fn=_testbed)
 

@@ -204,15 +204,16 @@ class Cluster:
         self.created = []
 
     def run(self, command: List[str], ranks_per_node: int, rank_cpu: Optional[Sequence[float]] = None,
-            timeout: float = 1800, env: Optional[dict] = None, sched: str = "normal") -> int:
+            timeout: float = 1800, env: Optional[dict] = None, sched: Optional[str] = None) -> int:
         """Runs ``command`` once per rank (torch.distributed env:// variables,
         GLOO_SOCKET_IFNAME, HETCOMM_NODE set). Rank 0 prints to this stdout,
         the others' output is shown if they fail. Returns rank 0's exit code;
         any failing rank stops all. ``sched="batch"`` starts every rank under
-        Linux's SCHED_BATCH (its threads inherit it): see :data:`SCHED_POLICIES`."""
-        if sched not in SCHED_POLICIES:
-            raise ValueError(f"sched must be one of {sorted(SCHED_POLICIES)}, got {sched!r}")
-        policy = SCHED_POLICIES[sched]
+        Linux's SCHED_BATCH, ``"normal"`` under SCHED_OTHER (its threads
+        inherit it; None: the caller's policy): see :data:`SCHED_POLICIES`."""
+        if sched is not None and sched not in SCHED_POLICIES:
+            raise ValueError(f"sched must be one of {sorted(SCHED_POLICIES)} or None, got {sched!r}")
+        policy = SCHED_POLICIES.get(sched)
         world = self.nodes * ranks_per_node
         if rank_cpu is not None and len(rank_cpu) != world:
             raise ValueError(f"rank_cpu must give one quota per rank ({world})")
@@ -241,7 +242,7 @@ class Cluster:
                     p = subprocess.Popen(["ip", "netns", "exec", ns] + list(command), env=e, stdout=log,
                                          stderr=subprocess.STDOUT if log else None,
                                          preexec_fn=(lambda: os.sched_setscheduler(0, policy, os.sched_param(0)))
-                                         if policy != os.SCHED_OTHER else None)
+                                         if policy is not None else None)
                     if quotas:
                         with open(os.path.join(quotas[rank].path, "cgroup.procs"), "w") as f:
                             f.write(str(p.pid))
@@ -277,7 +278,7 @@ class Cluster:
 
 
 def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: Optional[List[float]],
-         command: List[str], timeout: float, sched: str = "normal") -> int:
+         command: List[str], timeout: float, sched: Optional[str] = None) -> int:
     ok, why = netns_support()
     if not ok:
         print(f"hetcomm testbed: cannot build network namespaces here: {why}", file=sys.stderr)
@@ -289,11 +290,14 @@ def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: O
     def stop(signum, frame):
         raise KeyboardInterrupt
 
+    from .benchmarks.common import sched_policy
+
+    scheduling = sched or f"{sched_policy()} (this process's)"
     old = signal.signal(signal.SIGTERM, stop)
     try:
         with Cluster(nodes, inter_rate) as cluster:
             print(f"hetcomm testbed: {nodes} nodes x {ranks_per_node} ranks, inter-node "
-                  f"{inter_rate or 'unshaped'}, CPU quotas {rank_cpu or 'none'}, scheduling {sched}",
+                  f"{inter_rate or 'unshaped'}, CPU quotas {rank_cpu or 'none'}, scheduling {scheduling}",
                   file=sys.stderr, flush=True)
             return cluster.run(command, ranks_per_node, rank_cpu, timeout, sched=sched)
     finally:

@@ -2,6 +2,7 @@
 Skips with the reason where the machine does not allow namespaces."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -138,18 +139,20 @@ open(os.path.join(sys.argv[1], 'policy_' + os.environ['RANK']), 'w').write(','.j
 """
 
 
-def test_sched_batch_starts_every_rank_and_its_threads_under_sched_batch(tmp_path):
+def test_sched_sets_every_ranks_policy_and_its_threads_and_no_flag_keeps_the_callers(tmp_path):
     _need_netns()
     before = _namespaces()
-    for sched in ("batch", "normal"):  # the default: as the caller
-        out = tmp_path / sched
+    # the testbed started under SCHED_BATCH: --sched normal sets SCHED_OTHER, no --sched keeps the caller's
+    for flag, sched in (("batch", "batch"), ("normal", "normal"), (None, "batch")):
+        out = tmp_path / str(flag)
         out.mkdir()
         cmd = [sys.executable, "-m", "hetcomm.cli", "testbed", "--nodes", "2", "--ranks-per-node", "2"]
-        cmd += ["--sched", "batch"] if sched == "batch" else []
+        cmd += ["--sched", flag] if flag else []
         r = subprocess.run(cmd + ["--", sys.executable, "-c", _POLICY_PROBE, str(out)], capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=120,
+                           preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0)))
         assert r.returncode == 0, r.stderr[-3000:]
-        assert f"scheduling {sched}" in r.stderr
+        assert (f"scheduling {sched}" if flag else "scheduling batch (this process's)") in r.stderr
         assert {f.name: f.read_text() for f in out.iterdir()} == {f"policy_{k}": f"{sched},{sched}" for k in range(4)}
     assert _namespaces() == before
     with pytest.raises(ValueError, match="sched must be one of"):
