@@ -42,7 +42,19 @@ _PERIOD_US = 10_000  # a short period: throttling in small slices, not 75 ms sta
 # rank has cores of its own, and no rank wakes another's threads on its cores.
 # SCHED_BATCH wakeups do not preempt, so ranks that share a few cores run closer
 # to that (bench/README "The testbed's scheduler").
-SCHED_POLICIES = {"normal": os.SCHED_OTHER, "batch": os.SCHED_BATCH}
+SCHED_POLICIES = {name: getattr(os, const) for name, const in (("normal", "SCHED_OTHER"), ("batch", "SCHED_BATCH"))
+                  if hasattr(os, const)}  # Linux's: none elsewhere, and importing this module still works there
+
+
+def sched_policy() -> str:
+    """This process's scheduling policy by the names of :data:`SCHED_POLICIES`
+    (another Linux policy by its own, "idle", "fifo", "rr"); results record it."""
+    if not hasattr(os, "sched_getscheduler"):
+        return "unknown"
+    policy = os.sched_getscheduler(0)
+    names = {getattr(os, k): k[6:].lower() for k in ("SCHED_IDLE", "SCHED_FIFO", "SCHED_RR") if hasattr(os, k)}
+    names.update({v: k for k, v in SCHED_POLICIES.items()})
+    return names.get(policy, str(policy))
 
 
 def cpu_quota_support() -> Tuple[bool, str]:
@@ -289,8 +301,6 @@ def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: O
 
     def stop(signum, frame):
         raise KeyboardInterrupt
-
-    from .benchmarks.common import sched_policy
 
     scheduling = sched or f"{sched_policy()} (this process's)"
     old = signal.signal(signal.SIGTERM, stop)

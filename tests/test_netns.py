@@ -131,9 +131,9 @@ def test_a_run_past_its_timeout_is_stopped_and_says_how_to_give_it_longer(tmp_pa
 
 _POLICY_PROBE = """
 import os, sys, threading
-from hetcomm.benchmarks import common
-seen = [common.sched_policy()]
-t = threading.Thread(target=lambda: seen.append(common.sched_policy()))  # a thread started later, as gloo's
+from hetcomm import testbed
+seen = [testbed.sched_policy()]
+t = threading.Thread(target=lambda: seen.append(testbed.sched_policy()))  # a thread started later, as gloo's
 t.start(); t.join()
 open(os.path.join(sys.argv[1], 'policy_' + os.environ['RANK']), 'w').write(','.join(seen))
 """

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..testbed import sched_policy
 from ..topology import node_name, sync
 
 # The arguments ``hetcomm.cli.main`` was called with (the command line, or what a caller in Python passed): what
@@ -183,20 +184,6 @@ def metadata(world: int, **extra) -> Dict:
             "hetcomm": hetcomm.__version__, "torch": torch.__version__, "build": hetcomm.build_info(),
             "python": platform.python_version(), "host": platform.node(), "gpus": gpus,
             "sched": sched_policy(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **extra}
-
-
-def sched_policy() -> str:
-    """This process's Linux scheduling policy ("normal", "batch", ...;
-    `hetcomm testbed --sched` sets it for the ranks): on ranks that share a
-    few cores it moves step times (bench/README "The testbed's scheduler")."""
-    import os
-
-    if not hasattr(os, "sched_getscheduler"):
-        return "unknown"
-    names = {getattr(os, k): k[6:].lower() for k in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE", "SCHED_FIFO",
-                                                      "SCHED_RR") if hasattr(os, k)}
-    names[getattr(os, "SCHED_OTHER", 0)] = "normal"
-    return names.get(os.sched_getscheduler(0), str(os.sched_getscheduler(0)))
 
 
 def write_json(path: Optional[str], payload: Dict, meta: Optional[Dict] = None) -> None:
