@@ -102,7 +102,7 @@ def test_demo_rejects_unknown_mode(capsys):
 def test_bench_compress_table_and_json(tmp_path):
     out = _run(["bench", "compress", "-b", "256K", "-e", "1M", "-f", "4", "-n", "2", "-w", "1", "--json", "c.json"],
                tmp_path)
-    assert "memory bandwidth" in out.stdout and "sign_encode+ef" in out.stdout
+    assert "memory bandwidth" in out.stdout and "sign_encode+ef" in out.stdout and "int3_encode+ef" in out.stdout
     data = json.load(open(tmp_path / "c.json"))
     assert data["memory_bandwidth_gbps"] > 0
     rows = data["rows"]

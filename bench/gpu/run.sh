@@ -53,7 +53,7 @@ if has compress; then
   "$py" -m hetcomm.cli bench compress --device cuda -b 1M -e 256M -f 4 -n 20 -w 3 --json "$out/compress_cuda.json"
 fi
 if has ddp; then
-  modes=torch-allreduce,torch-fp16,torch-powersgd,none,fp16,bf16,onebit,topk,lowrank,auto,auto+m
+  modes=torch-allreduce,torch-fp16,torch-powersgd,none,fp16,bf16,fp8,int3,onebit,topk,lowrank,auto,auto+m
   "$py" -m hetcomm.cli bench ddp --device cuda --ranks 2 --params 25M --global-batch 256 -n 20 -w 5 \
     --modes "$modes" --json "$out/ddp_cuda_shared.json"
   if [ "$ngpu" -ge 2 ]; then

@@ -18,15 +18,16 @@ from .. import ops
 from . import common
 
 CHUNK = 2048  # every size is a multiple of this
-SIGN_CHUNK, FP8_CHUNK = ops.DEFAULT_CHUNK, ops.FP8_CHUNK  # each codec at HookState's default
+SIGN_CHUNK, FP8_CHUNK, INT3_CHUNK = ops.DEFAULT_CHUNK, ops.FP8_CHUNK, ops.INT3_CHUNK  # each codec at HookState's default
 RATIO = 0.01
 # Least bytes read + written per fp32 input element: sign + EF reads g and e,
 # writes e, 1 bit and a 2-byte scale per 32 (fp8: 1 byte and a 4-byte scale
-# per 256, left out); top-k + EF the same but no bits (k indices and values are
+# per 256, left out; int3: 3 bits and a 2-byte scale per 32); top-k + EF the same but no bits (k indices and values are
 # a rounding error at 1 %); casts read 4 and write 2 (or the reverse); the
 # low-rank rebuild writes the matrix (its factors are small).
 TRAFFIC = {"sign_encode+ef": 12 + 1 / 8 + 2 / SIGN_CHUNK, "sign_decode": 4 + 1 / 8 + 2 / SIGN_CHUNK, "fp8_encode+ef": 13,
            "fp8_decode": 5, "topk_exact+ef": 12, "topk_sampled+ef": 12, "cast_fp16": 6, "cast_bf16": 6,
+           "int3_encode+ef": 12 + 3 / 8 + 2 / INT3_CHUNK, "int3_decode": 4 + 3 / 8 + 2 / INT3_CHUNK,
            "uncast_fp16": 6, "lowrank_outer_r4": 4}
 
 
@@ -59,6 +60,29 @@ def torch_fp8_decode(codes: torch.Tensor, scales: torch.Tensor, n: int):
     return codes.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(FP8_CHUNK)[:n]
 
 
+def torch_int3_encode(g: torch.Tensor, e: torch.Tensor):
+    x = (g + e).view(-1, INT3_CHUNK)
+    amax = x.abs().amax(1)
+    # divided by a tensor of 3s: torch's CUDA division by a scalar multiplies by
+    # its reciprocal, which is not correctly rounded (a chunk in ~10^6 gets
+    # another bf16 scale)
+    scales = (amax / torch.full_like(amax, 3.0)).bfloat16()
+    s = scales.float().unsqueeze(1)
+    usable = (s > 0) & torch.isfinite(s)
+    q = torch.where(usable, torch.round(x / s.where(usable, 1.0)).clamp(-3, 3), 0.0)
+    codes = (q + 3).to(torch.int64).view(-1, 32)
+    shifts = torch.arange(32, device=g.device)
+    planes = [(((codes >> k) & 1) << shifts).sum(1) for k in range(3)]  # word k: bit k of each 32 codes
+    e.copy_((x - q * s).view(-1))
+    return torch.stack(planes, 1).view(-1).to(torch.int32), scales  # wraps to the uint32 bit pattern
+
+
+def torch_int3_decode(words: torch.Tensor, scales: torch.Tensor, n: int):
+    bits = (words.view(-1, 3, 1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
+    codes = bits[:, 0] + 2 * bits[:, 1] + 4 * bits[:, 2]
+    return (codes.view(-1)[:n] - 3).float() * scales.float().repeat_interleave(INT3_CHUNK)[:n]
+
+
 def torch_topk(g: torch.Tensor, e: torch.Tensor, k: int):
     x = e.add_(g)
     idx = torch.topk(x.abs(), k, sorted=False).indices
@@ -79,6 +103,7 @@ def _codecs(n: int, device: str = "cpu"):
     e_a, e_b = e0.clone(), e0.clone()
     words, scales = ops.sign_encode(g, e0.clone(), 1.0, SIGN_CHUNK)
     codes, fp8_scales = ops.fp8_encode(g, e0.clone(), 1.0, FP8_CHUNK)
+    i3_words, i3_scales = ops.int3_encode(g, e0.clone(), 1.0, INT3_CHUNK)
     k = ops.topk_count(n, RATIO)
     h16 = (g / 3).half()
     out = torch.empty(n, device=device)
@@ -98,6 +123,10 @@ def _codecs(n: int, device: str = "cpu"):
                           lambda a, b: int((a[0] != b[0]).sum()), True),
         "fp8_decode": (lambda: ops.fp8_decode(codes, fp8_scales, n, FP8_CHUNK, out=out),
                        lambda: torch_fp8_decode(codes, fp8_scales, n), lambda a, b: int((a != b).sum()), False),
+        "int3_encode+ef": (lambda: ops.int3_encode(g, e_a, 1.0, INT3_CHUNK), lambda: torch_int3_encode(g, e_b),
+                           lambda a, b: int((a[0] != b[0]).sum()) + int((a[1] != b[1]).sum()), True),
+        "int3_decode": (lambda: ops.int3_decode(i3_words, i3_scales, n, INT3_CHUNK, out=out),
+                        lambda: torch_int3_decode(i3_words, i3_scales, n), lambda a, b: int((a != b).sum()), False),
         "topk_exact+ef": (lambda: ops.topk_encode(g, e_a, 1.0, k, True), lambda: torch_topk(g, e_b, k),
                           None, True),
         "topk_sampled+ef": (lambda: ops.topk_encode(g, e_a, 1.0, k, False), lambda: torch_topk(g, e_b, k),
@@ -146,7 +175,7 @@ def main(sizes: List[int], iters: int = 10, warmup: int = 2, json_path: Optional
         torch.set_num_threads(threads)
     res = run(sizes, iters, warmup, device)
     print(f"# hetcomm bench compress on {device}: {res['threads']} thread(s); memory bandwidth (copy_, read+write) "
-          f"{res['memory_bandwidth_gbps']:.1f} GB/s; chunk {SIGN_CHUNK} (sign), {FP8_CHUNK} (fp8), top-k ratio {RATIO}; "
+          f"{res['memory_bandwidth_gbps']:.1f} GB/s; chunk {SIGN_CHUNK} (sign), {FP8_CHUNK} (fp8), {INT3_CHUNK} (int3), top-k ratio {RATIO}; "
           "#wrong -1 = not checked (top-k ties and order may differ from torch.topk)")
     common.print_table(res["rows"], [("bytes", "size(B)", "d"), ("codec", "codec", "s"), ("time_us", "time(us)", ".1f"),
                                      ("gbps", "GB/s", ".2f"), ("torch_gbps", "torch GB/s", ".2f"),
