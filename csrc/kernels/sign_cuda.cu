@@ -112,84 +112,58 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kLanes, 2)
   }
 }
 
-// onebit's chunk (one value per lane): a warp takes kSmallChunks chunks, so
-// each lane has that many loads of g and e in flight and the butterflies
-// interleave (a warp per chunk: 0.6 of a copy's bandwidth, latency-bound).
-// Lane j stores chunk j's scale and word. Same sums in the same order. On an
-// H100 4 chunks beat 8 by 8-10 % and 16 by 25 %, and reach an elementwise
-// kernel moving the same 12 bytes per element (read g and e, write e).
-constexpr int kSmallChunks = 4;
-
+// onebit's chunk (one value per lane, small_chunks): the butterflies of a
+// warp's chunks interleave. Lane j stores chunk j's scale and word. Same sums
+// in the same order. On an H100 4 chunks beat 8 by 8-10 % and 16 by 25 %, and
+// reach an elementwise kernel moving the same 12 bytes per element (read g and
+// e, write e).
 __global__ void __launch_bounds__(kWarpsPerBlock * kLanes) sign_encode_c32_kernel(SignEncodeParams p, int64_t nchunks) {
-  const int lane = threadIdx.x % kLanes;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kLanes) * kSmallChunks;
-  if (first >= nchunks) return;
-  const int count = static_cast<int>(min(static_cast<int64_t>(kSmallChunks), nchunks - first));
-  float x[kSmallChunks], part[kSmallChunks];
+  const SmallChunks c = small_chunks(p.grad, p.residual, p.divisor, p.n, nchunks);
+  if (c.count == 0) return;
+  float part[kSmallChunks];
 #pragma unroll
-  for (int j = 0; j < kSmallChunks; ++j) {
-    const int64_t i = (first + j) * kLanes + lane;  // >= n past the last chunk
-    x[j] = i < p.n ? ef_input(__ldg(p.grad + i), p.divisor, p.residual ? p.residual[i] : 0.0f) : 0.0f;
-    part[j] = i < p.n ? add_rn(0.0f, magnitude(x[j])) : 0.0f;
-  }
+  for (int j = 0; j < kSmallChunks; ++j) part[j] = add_rn(0.0f, magnitude(c.x[j]));  // 0 past n
 #pragma unroll
   for (int j = 0; j < kSmallChunks; ++j) part[j] = butterfly_sum(part[j]);
   uint16_t my_scale = 0;
   uint32_t my_word = 0;
 #pragma unroll
   for (int j = 0; j < kSmallChunks; ++j) {
-    if (j >= count) break;  // the same for the whole warp
-    const int64_t begin = (first + j) * kLanes;
+    if (j >= c.count) break;  // the same for the whole warp
+    const int64_t begin = (c.first + j) * kLanes;
     const uint16_t bits = sign_scale_bits(part[j], static_cast<float>(min(static_cast<int64_t>(kLanes), p.n - begin)));
     const float scale = bf16_to_float(bits);
-    const int64_t i = begin + lane;
+    const int64_t i = begin + c.lane;
     uint32_t bit = 0;
     if (i < p.n) {
-      bit = sign_bit(x[j]);
-      if (p.residual) p.residual[i] = sign_residual(x[j], bit, scale);
+      bit = sign_bit(c.x[j]);
+      if (p.residual) p.residual[i] = sign_residual(c.x[j], bit, scale);
     }
     const uint32_t word = __ballot_sync(0xffffffffu, bit);
-    if (lane == j) {
+    if (c.lane == j) {
       my_scale = bits;
       my_word = word;
     }
   }
-  if (lane < count) {
-    p.scales[first + lane] = my_scale;
-    p.words[first + lane] = my_word;  // chunk 32: one word per chunk
+  if (c.lane < c.count) {
+    p.scales[c.first + c.lane] = my_scale;
+    p.words[c.first + c.lane] = my_word;  // chunk 32: one word per chunk
   }
 }
 
-// Four consecutive elements a thread (grid-stride), whatever the chunk: the
-// four share a word and a chunk (both multiples of 4), so one word load, one
-// scale load and, where out is 16-byte aligned, one 16-byte store. The first
+// Four consecutive values a thread (decode_quads), whatever the chunk: one word
+// load, one scale load and, where out is 16-byte aligned, one 16-byte store for
+// the four. The first
 // version ran a block per chunk: at onebit's chunk of 32, 8 of 256 threads
 // worked (0.06-0.13 of a copy's bandwidth on an H100).
 template <bool kVec>
-__global__ void sign_decode_kernel(SignDecodeParams p, int64_t nquads) {
-  const uint32_t words_per_chunk = static_cast<uint32_t>(p.chunk / kBitsPerWord);
-  for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < nquads;
-       q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = 4 * q;
-    const uint32_t word = static_cast<uint32_t>(i / kBitsPerWord);  // < 2^32: n < 2^37
-    const uint32_t c = words_per_chunk == 1 ? word : word / words_per_chunk;
-    const float scale = bf16_to_float(p.scales[c]);
-    const uint32_t bits = p.words[word] >> (i % kBitsPerWord);
-    float* out = p.out + i;
-    if (kVec && i + 4 <= p.n) {
-      const float4 prev = p.accumulate ? *reinterpret_cast<const float4*>(out) : make_float4(0.f, 0.f, 0.f, 0.f);
-      float4 v;
-      v.x = sign_decode(prev.x, bits & 1u, scale, p.alpha);
-      v.y = sign_decode(prev.y, (bits >> 1) & 1u, scale, p.alpha);
-      v.z = sign_decode(prev.z, (bits >> 2) & 1u, scale, p.alpha);
-      v.w = sign_decode(prev.w, (bits >> 3) & 1u, scale, p.alpha);
-      *reinterpret_cast<float4*>(out) = v;
-    } else {
-      const int len = static_cast<int>(min(static_cast<int64_t>(4), p.n - i));
-      for (int j = 0; j < len; ++j)
-        out[j] = sign_decode(p.accumulate ? out[j] : 0.0f, (bits >> j) & 1u, scale, p.alpha);
-    }
-  }
+__global__ void sign_decode_kernel(SignDecodeParams p) {
+  decode_quads<kVec>(p.out, p.n, p.accumulate, [&](int64_t i) {
+    const QuadGroup q = quad_group(i, p.chunk, p.scales);
+    const uint32_t bits = p.words[q.group] >> (i % kBitsPerWord);
+    const float scale = q.scale, alpha = p.alpha;
+    return [=](float prev, int j) { return sign_decode(prev, (bits >> j) & 1u, scale, alpha); };
+  });
 }
 
 }  // namespace
@@ -202,8 +176,7 @@ void sign_encode_cuda(const SignEncodeParams& p, void* stream) {
   // onebit's chunk (32), 256 and 2048: each lane's values held between the two
   // passes; other chunks read g and e twice.
   if (p.chunk == kLanes)
-    sign_encode_c32_kernel<<<warp_per_chunk_blocks((nchunks + kSmallChunks - 1) / kSmallChunks),
-                             kWarpsPerBlock * kLanes, 0, s>>>(p, nchunks);
+    sign_encode_c32_kernel<<<small_chunks_blocks(nchunks), kWarpsPerBlock * kLanes, 0, s>>>(p, nchunks);
   else if (p.chunk == 8 * kLanes)
     sign_encode_regs_kernel<8><<<blocks, kWarpsPerBlock * kLanes, 0, s>>>(p, nchunks);
   else if (p.chunk == 64 * kLanes)
@@ -215,12 +188,12 @@ void sign_encode_cuda(const SignEncodeParams& p, void* stream) {
 
 void sign_decode_cuda(const SignDecodeParams& p, void* stream) {
   if (p.n == 0) return;
-  const int64_t nquads = (p.n + 3) / 4;
+  const unsigned int blocks = grid_for((p.n + 3) / 4, 256);
   auto s = static_cast<cudaStream_t>(stream);
   if (reinterpret_cast<uintptr_t>(p.out) % 16 == 0)
-    sign_decode_kernel<true><<<grid_for(nquads, 256), 256, 0, s>>>(p, nquads);
+    sign_decode_kernel<true><<<blocks, 256, 0, s>>>(p);
   else
-    sign_decode_kernel<false><<<grid_for(nquads, 256), 256, 0, s>>>(p, nquads);
+    sign_decode_kernel<false><<<blocks, 256, 0, s>>>(p);
   HC_CUDA_LAUNCH_CHECK("sign_decode");
 }
 
