@@ -14,7 +14,11 @@
 #    the language model, SGD-momentum and AdamW, fp32 / PowerSGD / fp8 /
 #    onebit+m / auto; about 2 minutes on one H200).
 # Writes run.log and the JSON and tables to OUT_DIR (default bench/gpu/results).
-# 6. (stage "profile", not by default) Nsight Compute's speed of light and
+# 6. (stage "testbed", not by default) time to accuracy with CUDA buckets on the 2 x 2 testbed at 100 Mbit
+#    (network namespaces: root and iproute2; skipped with the reason otherwise), the ranks under SCHED_BATCH:
+#    there the model's compute is the GPU's and the link is what is left (the issue's 0.1x of fp32's time).
+#    HETCOMM_GPU_TESTBED_TASKS / _SEEDS / _RATE pick its tasks (classify,lm), seeds (2) and link rate (100mbit).
+# 7. (stage "profile", not by default) Nsight Compute's speed of light and
 #    occupancy of each codec kernel, into OUT_DIR/ncu_codecs.txt.
 # HETCOMM_GPU_STAGES (default "build tests compress ddp train") picks stages;
 # HETCOMM_GPU_TRAIN_TASKS / _OPTIMS / _MODES the train stage's tasks, optimizers and modes;
@@ -66,6 +70,18 @@ fi
 if has train; then
   "$py" -m hetcomm.cli bench train --device cuda --tasks "${HETCOMM_GPU_TRAIN_TASKS:-classify,lm}" --optims "${HETCOMM_GPU_TRAIN_OPTIMS:-sgd,adamw}" \
     --modes "${HETCOMM_GPU_TRAIN_MODES:-fp32,torch-powersgd,fp8,onebit+m,auto}" --json "$out/train_cuda.json" --png "$out/train_cuda.png"
+fi
+if has testbed; then
+  why=$("$py" -c "from hetcomm import testbed; ok, why = testbed.netns_support(); print('ok' if ok else why)")
+  if [ "$why" = ok ]; then
+    "$py" -m hetcomm.cli testbed --nodes 2 --ranks-per-node 2 --inter-node-rate "${HETCOMM_GPU_TESTBED_RATE:-100mbit}" \
+      --sched batch --timeout 1800 -- "$py" -m hetcomm.cli bench train --device cuda \
+      --tasks "${HETCOMM_GPU_TESTBED_TASKS:-classify,lm}" --optims sgd,adamw --seeds "${HETCOMM_GPU_TESTBED_SEEDS:-2}" \
+      --modes fp32,torch-powersgd,auto --json "$out/train_cuda_testbed.json" --png "$out/train_cuda_testbed.png" \
+      || echo "# testbed stage failed"
+  else
+    echo "# testbed stage skipped: $why"
+  fi
 fi
 if has profile; then
   ncu --section SpeedOfLight --section Occupancy --kernel-name regex:'sign|cast|select|sample|accumulate|outer' \
