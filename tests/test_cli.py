@@ -489,6 +489,26 @@ def test_compare_seeds_names_each_runs_spike_and_leaves_out_seeds_whose_fp32_div
     assert "(lm, sgd): 1 seeds reached by every mode (fp32 diverged on seeds 1: left out)" in out
     assert "spiked 1: 1@60*" in out and "spiked 1: 0@60\n" in out  # fp32's seed 1 ends so; classify's recovers
     assert out.count("spiked 0") == 2
+    # fp32 ran beside int3 (no reference): seed 0 reached at 0.2 s and 0.3 s
+    assert "int3 vs fp32 (run beside it): time to the first touch 1.50x (median 1.50x, summed 1.50x)" in out
+    # --merge: a second file's seeds join the first's cell; a seed in both is an error
+    more = train_results.summarise([_synthetic_run("lm", "fp32", 2, [3.0, 1.60, 1.60], "perplexity"),
+                                    _synthetic_run("lm", "int3", 2, [3.0, 1.62, 1.62], "perplexity")])
+    path2 = tmp_path / "r2.json"
+    path2.write_text(json.dumps({"runs": more}))
+    compare.report(str(path), str(path2))
+    out = capsys.readouterr().out
+    assert f"{path} + {path2} (lm, sgd): 2 seeds reached by every mode (fp32 diverged on seeds 1: left out)" in out
+    assert f"{path} + {path2} (classify, sgd): 1 seeds reached by every mode" in out
+    assert "int3 vs fp32 (run beside it): time to the first touch 1.25x (median 1.25x, summed 1.25x)" in out
+    # fp32 from a --reference file ran elsewhere: no ratio to its times
+    path3 = tmp_path / "r3.json"
+    path3.write_text(json.dumps({"runs": [dict(r, reference_from="x.json") if r["mode"] == "fp32" else r
+                                          for r in more]}))
+    compare.report(str(path3))
+    assert "vs fp32" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="seed 0 of fp32 on lm with sgd is in an earlier file too"):
+        compare.report(str(path), str(path))
 
 
 def test_adam_shadow_reads_fp8s_step_as_fp32s_and_int3s_as_smaller():
