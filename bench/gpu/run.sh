@@ -84,7 +84,7 @@ if has testbed; then
   fi
 fi
 if has profile; then
-  ncu --section SpeedOfLight --section Occupancy --kernel-name regex:'sign|cast|select|sample|accumulate|outer' \
+  ncu --section SpeedOfLight --section Occupancy --kernel-name regex:'sign|fp8|int3|cast|select|sample|accumulate|outer' \
     --launch-skip 0 "$py" bench/gpu/profile_codecs.py > "$out/ncu_codecs.txt" 2>&1 || echo "# ncu failed"
   grep -E "^  [a-z_:<>0-9A-Z]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per" \
     "$out/ncu_codecs.txt" || true
