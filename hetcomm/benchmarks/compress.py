@@ -18,17 +18,19 @@ from .. import ops
 from . import common
 
 CHUNK = 2048  # every size is a multiple of this
-SIGN_CHUNK, FP8_CHUNK, INT3_CHUNK = ops.DEFAULT_CHUNK, ops.FP8_CHUNK, ops.INT3_CHUNK  # each codec at HookState's default
+# each codec at HookState's default
+SIGN_CHUNK, FP8_CHUNK, INT3_CHUNK = ops.DEFAULT_CHUNK, ops.FP8_CHUNK, ops.INT3_CHUNK
 RATIO = 0.01
 # Least bytes read + written per fp32 input element: sign + EF reads g and e,
 # writes e, 1 bit and a 2-byte scale per 32 (fp8: 1 byte and a 4-byte scale
-# per 256, left out; int3: 3 bits and a 2-byte scale per 32); top-k + EF the same but no bits (k indices and values are
-# a rounding error at 1 %); casts read 4 and write 2 (or the reverse); the
-# low-rank rebuild writes the matrix (its factors are small).
+# per 256, left out; int3: 3 bits and a 2-byte scale per 32); top-k + EF the
+# same but no bits (k indices and values are a rounding error at 1 %); casts
+# read 4 and write 2 (or the reverse); the low-rank rebuild writes the matrix
+# (its factors are small).
 TRAFFIC = {"sign_encode+ef": 12 + 1 / 8 + 2 / SIGN_CHUNK, "sign_decode": 4 + 1 / 8 + 2 / SIGN_CHUNK, "fp8_encode+ef": 13,
-           "fp8_decode": 5, "topk_exact+ef": 12, "topk_sampled+ef": 12, "cast_fp16": 6, "cast_bf16": 6,
-           "int3_encode+ef": 12 + 3 / 8 + 2 / INT3_CHUNK, "int3_decode": 4 + 3 / 8 + 2 / INT3_CHUNK,
-           "uncast_fp16": 6, "lowrank_outer_r4": 4}
+           "fp8_decode": 5, "int3_encode+ef": 12 + 3 / 8 + 2 / INT3_CHUNK, "int3_decode": 4 + 3 / 8 + 2 / INT3_CHUNK,
+           "topk_exact+ef": 12, "topk_sampled+ef": 12, "cast_fp16": 6, "cast_bf16": 6, "uncast_fp16": 6,
+           "lowrank_outer_r4": 4}
 
 
 # ---- pure-torch implementations of each codec (vectorised, the fair baseline) ----
@@ -175,7 +177,8 @@ def main(sizes: List[int], iters: int = 10, warmup: int = 2, json_path: Optional
         torch.set_num_threads(threads)
     res = run(sizes, iters, warmup, device)
     print(f"# hetcomm bench compress on {device}: {res['threads']} thread(s); memory bandwidth (copy_, read+write) "
-          f"{res['memory_bandwidth_gbps']:.1f} GB/s; chunk {SIGN_CHUNK} (sign), {FP8_CHUNK} (fp8), {INT3_CHUNK} (int3), top-k ratio {RATIO}; "
+          f"{res['memory_bandwidth_gbps']:.1f} GB/s; chunk {SIGN_CHUNK} (sign), {FP8_CHUNK} (fp8), {INT3_CHUNK} (int3), "
+          f"top-k ratio {RATIO}; "
           "#wrong -1 = not checked (top-k ties and order may differ from torch.topk)")
     common.print_table(res["rows"], [("bytes", "size(B)", "d"), ("codec", "codec", "s"), ("time_us", "time(us)", ".1f"),
                                      ("gbps", "GB/s", ".2f"), ("torch_gbps", "torch GB/s", ".2f"),
