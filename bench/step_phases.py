@@ -13,12 +13,13 @@ waited, runnable, for a core (``runq``: where it is not small, the ranks
 share too few cores and the step is bound by the CPU, whatever the link). With CLIP, every step clips
 the gradient at that norm after backward (hetcomm's modes through
 ``HookState.clip_grad_norm_``, PyTorch's hooks through torch's), timed as
-``clip``. Run once per rank under torch.distributed's env:// variables
+``clip``. OPTIM: ``hetcomm bench train``'s optimizer (sgd: SGD-momentum, the default; adamw), at the
+task's learning rate for it. Run once per rank under torch.distributed's env:// variables
 (bench/README "What the testbed's step is made of", "The language model clipped, and
 clipping's sum moves with the last bucket"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- \\
-        python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP [CLIP]]]]
+        python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP [CLIP|- [OPTIM]]]]]
 """
 import os
 import resource
@@ -83,14 +84,14 @@ def _plans(st: dict) -> str:
     return out
 
 
-def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[float]) -> None:
+def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[float], optim: str = "sgd") -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     task = tasks.TASKS[task_name]()
     mode = modes.get(mode_name)
     ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options())  # PowerSGD: one bucket
-    opt = train.make_optimizer("sgd", ddp.parameters(), train.task_lr(task, "sgd"))
+    opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
     hook_state, hook, state = mode.comm_hook()
     if hook is not None:
         ddp.register_comm_hook(hook_state, hook)
@@ -133,7 +134,7 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
     dist.all_gather(gathered, torch.tensor(ms, dtype=torch.float64))
     if rank == 0:
         clipped = f", clipped at {clip}" if clip is not None else ""
-        print(f"{mode_name} on {task_name}{clipped}, ms (faults, vcsw: counts) a step, median over steps "
+        print(f"{mode_name} on {task_name} with {optim}{clipped}, ms (faults, vcsw: counts) a step, median over steps "
               f"{skip}-{steps - 1} (main, comm_thr, others, runq: the mean)")
         print("rank " + " ".join(f"{c:>9}" for c in COLUMNS))
         for r, values in enumerate(gathered):
@@ -148,4 +149,5 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
 if __name__ == "__main__":
     args = sys.argv[1:]
     main(args[0], int(args[1]) if len(args) > 1 else 200, args[2] if len(args) > 2 else "wide",
-         int(args[3]) if len(args) > 3 else 40, float(args[4]) if len(args) > 4 else None)
+         int(args[3]) if len(args) > 3 else 40, float(args[4]) if len(args) > 4 and args[4] != "-" else None,
+         args[5] if len(args) > 5 else "sgd")

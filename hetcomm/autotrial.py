@@ -231,6 +231,14 @@ class TrialRounds:
         self.round_times = [max(c) for c in zip(*times)]
         judged = [self._judged(r) for r in times]
         current = 0 if self._rechecking and self._allowed(0) else None
+        if not self._rechecking:
+            # A first trial keeps the best predicted round (the first, lowrank's aside) unless another was measured
+            # 1 / AUTO_HYSTERESIS faster, as a re-check keeps the running plan: its steps are the run's first and
+            # noisiest, and a choice within the hysteresis sticks at every re-check after. By the plain minimum, on
+            # digits (2 x 2 testbed, 100 Mbit, SCHED_BATCH) 6 of 16 AdamW runs took int3 flat, predicted 2.8x
+            # slower, and ran 8 % slower steps than the 9 that took it across nodes (bench/README "auto's first
+            # decision keeps the prediction within its hysteresis").
+            current = next((c for c in range(rounds) if self._allowed(c) and not self._runs_guarded(c)), None)
         if current is not None and self._runs_guarded(choose(judged)) and not self._runs_guarded(current):
             # toward the guarded lowrank its margin (0.7) asks more than the hysteresis (0.9), not both: by both it
             # had to take 0.63x the current round, and a wide-model run measuring it at 0.636x kept int3 at 1.6x

@@ -36,6 +36,51 @@ def test_choose_with_a_current_plan_switches_only_past_the_hysteresis():
     assert autoplan.choose([[1.0, 0.5]], current=0) == 1     # twice as fast: switch
 
 
+def _decided(times, guarded=False, rechecking=False, admitted=False):
+    """The round a planner's decision takes from ``times`` (seconds per rank
+    and round; the candidates in order of prediction, the rounds too): int3
+    across nodes, int3 flat, fp32; ``guarded``: the guarded lowrank offered,
+    predicted fastest (its round first), ``admitted`` by its reading."""
+    from types import SimpleNamespace
+
+    auto = plan.Planner(SimpleNamespace(_rank_given=None, iter=0)).auto
+    auto.modes = ("none", "int3")
+    cands = [("int3", "hierarchical", 1.0), ("int3", "native", 2.8), ("none", "native", 12.0)]
+    if guarded:
+        auto.offer_guarded()
+        if admitted:
+            auto.guard.update(0.99, 30)
+        cands = [("lowrank", "hierarchical", 0.5)] + cands
+    auto.candidates = {"k": cands}
+    auto._order = {"k": list(range(len(cands)))}
+    auto._rechecking = rechecking
+    if rechecking:
+        auto.decided = {"k": 0}
+    auto._gather_round_times = lambda engine, head=(): (torch.tensor([head] * len(times)), times)
+    auto._decide(None)
+    return auto.decided["k"]
+
+
+def test_a_first_decision_keeps_the_best_predicted_round_within_the_hysteresis():
+    """A first trial runs in the run's first, noisiest steps, and what it
+    takes within the hysteresis sticks at every re-check: it keeps the best
+    predicted round (round 0) unless another is 1 / AUTO_HYSTERESIS times
+    faster, by the slowest rank, as a re-check keeps the running plan."""
+    h = autoplan.AUTO_HYSTERESIS
+    assert _decided([[1.0, 0.95, 5.0], [0.9, 0.9, 5.0]]) == 0            # 5 % faster: the prediction stands
+    assert _decided([[1.0, h - 0.01, 5.0], [0.9, 0.5, 5.0]]) == 1         # past the hysteresis: measured wins
+    assert _decided([[INF, 0.95, 5.0]]) == 1                              # round 0 unmeasured: the fastest
+    assert _decided([[1.0, 0.95, 5.0]], rechecking=True) == 0            # a re-check: as before
+    # the guarded lowrank predicted fastest leads the rounds; the default is the first round without it, and
+    # lowrank wins by its own margin alone, not the hysteresis too
+    p = autoplan.PROVISIONAL_MARGIN
+    assert _decided([[p - 0.02, 1.0, 1.0, 5.0]], guarded=True) == 0
+    assert _decided([[p + 0.02, 1.0, 0.95, 5.0]], guarded=True) == 1     # not by its margin: int3 across nodes
+    assert _decided([[p + 0.02, 1.0, 0.8, 5.0]], guarded=True) == 2      # int3 flat past the hysteresis
+    m = autoplan.LOWRANK_MARGIN
+    assert _decided([[m + 0.02, 1.0, 0.95, 5.0]], guarded=True, admitted=True) == 1
+
+
 def test_safe_modes_follow_the_optimizer():
     assert autoplan.safe_modes(None, True) == ("none", "bf16", "fp8", "int3")  # the gradient, with error feedback
     assert autoplan.safe_modes("adam", False) == ("none", "fp16")  # torch's Adam attached: dense only
