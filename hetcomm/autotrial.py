@@ -37,6 +37,18 @@ def choose(times: Sequence[Sequence[float]], current: Optional[int] = None,
     return best
 
 
+def faster_in_every_cycle(cycles: Sequence[Sequence[Sequence[float]]], a: int, b: int) -> bool:
+    """Whether round ``a`` was faster than round ``b`` in every cycle of the
+    trial that ran both, by the slowest rank (``cycles[rank][round][k]``:
+    seconds of cycle k's step, inf where there is none): the rounds take
+    turns, so a cycle's two steps met the same load, and a round that won by
+    its best step alone won by the noise of one step. True where no cycle
+    ran both (nothing against it)."""
+    slowest = [[max(r[c][k] for r in cycles) for k in range(len(cycles[0][c]))] for c in (a, b)]
+    pairs = [(x, y) for x, y in zip(*slowest) if x < INF and y < INF]
+    return all(x < y for x, y in pairs)
+
+
 class TrialRounds:
     """The trials' part of :class:`hetcomm.autoplan.AutoPlanner` (whose
     ``__init__`` holds the state these methods read and write: the
@@ -205,17 +217,28 @@ class TrialRounds:
         best = min((w for w in worst if w < INF), default=INF)
         self._kept = [c for c in self._cycle() if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
 
-    def _gather_round_times(self, engine, head: Sequence[int] = ()):
+    def _gather_round_times(self, engine, head: Sequence[int] = (), cycles: bool = False):
         """Every rank all-gathers ``head`` and its best step time of each
         trial round: (the ranks' heads, each rank's seconds per round, inf
-        where it has none)."""
+        where it has none); ``cycles``: a third item, each rank's seconds of
+        each round in each cycle (``[rank][round][k]``, AUTO_REPEATS a round,
+        inf where there is none)."""
         import torch
 
+        rounds = self._rounds()
         row = list(head) + [int(min(self._step_times[c]) * 1e9) if self._step_times.get(c) else -1
-                            for c in range(self._rounds())]
+                            for c in range(rounds)]
+        if cycles:
+            for c in range(rounds):
+                ts = self._step_times.get(c, [])[:AUTO_REPEATS]
+                row += [int(t * 1e9) for t in ts] + [-1] * (AUTO_REPEATS - len(ts))
         gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
-        times = [[t / 1e9 if t >= 0 else INF for t in r[len(head):]] for r in gathered.tolist()]
-        return gathered[:, :len(head)], times
+        secs = [[t / 1e9 if t >= 0 else INF for t in r[len(head):]] for r in gathered.tolist()]
+        times = [r[:rounds] for r in secs]
+        if not cycles:
+            return gathered[:, :len(head)], times
+        per_cycle = [[r[rounds + c * AUTO_REPEATS:rounds + (c + 1) * AUTO_REPEATS] for c in range(rounds)] for r in secs]
+        return gathered[:, :len(head)], times, per_cycle
 
     def _decide(self, engine) -> None:
         """Every rank all-gathers its step time per trial round (and a
@@ -224,7 +247,7 @@ class TrialRounds:
         keys = sorted(self.candidates)
         rounds = self._rounds()
         names = ";".join(f"{k}:" + ",".join(f"{m}/{a}" for m, a, _ in self.candidates[k]) for k in keys)
-        fingerprints, times = self._gather_round_times(engine, [zlib.crc32(names.encode())])
+        fingerprints, times, cycles = self._gather_round_times(engine, [zlib.crc32(names.encode())], cycles=True)
         if (fingerprints != fingerprints[0]).any():
             raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
                              "(different topologies or options): construct HookState alike on every rank")
@@ -245,6 +268,13 @@ class TrialRounds:
             # lowrank's step for the rest of the run (away from lowrank both still apply: a band, no flapping)
             current = None
         best = choose(judged, current)
+        held = None
+        if current is not None and best != current and not faster_in_every_cycle(cycles, best, current):
+            # past the hysteresis by its best step but not faster in every cycle: the noise of a step. On digits
+            # (2 x 2 testbed, 100 Mbit, SCHED_BATCH) a re-check by the best step alone took int3 flat from int3
+            # across nodes (8.26 against 9.40 ms) and the next took it back (bench/README "auto's first
+            # decision keeps the prediction within its hysteresis")
+            held, best = best, current
         changed = 0
         for k in keys:
             j = self._candidate_in_round(k, best)
@@ -269,8 +299,10 @@ class TrialRounds:
         self.confirm_at = self.compressed_steps + AUTO_CONFIRM if self._rechecking and not self._confirming and \
             self._kept_by_margin(best) else None
         waits = not self._allowed(min(range(len(times[0])), key=lambda c: (self.round_times[c], c)))
-        log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s; buckets: %s%s", best,
+        log.info("hetcomm: auto plan: trial round %d of %s (step ms, slowest rank)%s%s; buckets: %s%s", best,
                  ", ".join(f"{1000 * t:.4g}" for t in self.round_times),
+                 "" if held is None else f" (round {held} faster by its best step, not in every cycle: round {best} "
+                 "kept)",
                  f" - re-planned {changed} bucket(s)" if self._rechecking and changed else "",
                  "; ".join(f"[{k[:24]}] {self.candidates[k][self.decided[k]][0]}/"
                            f"{self.candidates[k][self.decided[k]][1]}" for k in keys),

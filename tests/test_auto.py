@@ -36,11 +36,13 @@ def test_choose_with_a_current_plan_switches_only_past_the_hysteresis():
     assert autoplan.choose([[1.0, 0.5]], current=0) == 1     # twice as fast: switch
 
 
-def _decided(times, guarded=False, rechecking=False, admitted=False):
+def _decided(times, guarded=False, rechecking=False, admitted=False, cycles=None):
     """The round a planner's decision takes from ``times`` (seconds per rank
     and round; the candidates in order of prediction, the rounds too): int3
     across nodes, int3 flat, fp32; ``guarded``: the guarded lowrank offered,
-    predicted fastest (its round first), ``admitted`` by its reading."""
+    predicted fastest (its round first), ``admitted`` by its reading.
+    ``cycles``: each rank's seconds per round and cycle (by default each
+    cycle's the round's time)."""
     from types import SimpleNamespace
 
     auto = plan.Planner(SimpleNamespace(_rank_given=None, iter=0)).auto
@@ -56,7 +58,14 @@ def _decided(times, guarded=False, rechecking=False, admitted=False):
     auto._rechecking = rechecking
     if rechecking:
         auto.decided = {"k": 0}
-    auto._gather_round_times = lambda engine, head=(): (torch.tensor([head] * len(times)), times)
+    if cycles is None:
+        cycles = [[[t] * autoplan.AUTO_REPEATS for t in r] for r in times]
+
+    def gather(engine, head=(), cycles=False):
+        assert cycles  # the decision reads the cycles
+        return torch.tensor([head] * len(times)), times, per_cycle
+    per_cycle = cycles
+    auto._gather_round_times = gather
     auto._decide(None)
     return auto.decided["k"]
 
@@ -79,6 +88,28 @@ def test_a_first_decision_keeps_the_best_predicted_round_within_the_hysteresis()
     assert _decided([[p + 0.02, 1.0, 0.8, 5.0]], guarded=True) == 2      # int3 flat past the hysteresis
     m = autoplan.LOWRANK_MARGIN
     assert _decided([[m + 0.02, 1.0, 0.95, 5.0]], guarded=True, admitted=True) == 1
+
+
+def test_a_round_replaces_the_default_only_if_faster_in_every_cycle():
+    """Past the hysteresis by its best step, a round replaces the running plan
+    (a re-check) or the best predicted one (a first trial) only where it was
+    faster in every cycle that ran both, by the slowest rank: the rounds take
+    turns, so a cycle's steps met the same load, and one fast step is noise."""
+    times = [[1.0, 0.8, 5.0], [0.9, 0.7, 5.0]]
+    steady = [[[1.0, 1.1, 1.05], [0.8, 0.85, 0.9], [5.0] * 3], [[0.9, 1.0, 1.0], [0.7, 0.8, 0.85], [5.0] * 3]]
+    noisy = [[[1.0, 1.1, 1.05], [0.8, 1.2, 1.1], [5.0] * 3], [[0.9, 1.0, 1.0], [0.7, 0.8, 0.85], [5.0] * 3]]
+    for rechecking in (False, True):
+        assert _decided(times, rechecking=rechecking, cycles=steady) == 1
+        # cycle 2: round 1's slowest rank took 1.2 s against round 0's 1.1
+        assert _decided(times, rechecking=rechecking, cycles=noisy) == 0
+    assert autotrial.faster_in_every_cycle(noisy, 1, 0) is False
+    assert autotrial.faster_in_every_cycle(noisy, 0, 1) is False  # nor the other way: no order
+    assert autotrial.faster_in_every_cycle(steady, 1, 0) is True
+    # a cycle that lacks either round does not count; with none left nothing speaks against it
+    cut = [[[1.0, 1.1, INF], [0.8, 0.9, 2.0], [5.0, INF, INF]]]
+    assert autotrial.faster_in_every_cycle(cut, 1, 0) is True
+    assert autotrial.faster_in_every_cycle(cut, 2, 0) is False
+    assert autotrial.faster_in_every_cycle([[[INF] * 3, [0.5, INF, INF]]], 1, 0) is True
 
 
 def test_safe_modes_follow_the_optimizer():
