@@ -28,9 +28,12 @@
    testbed, a bucket's own time missed 50 ms/step of such effects).
 3. Decision: every rank all-gathers its round times, takes the slowest rank's
    time per round and the fastest round: the same choice everywhere, whatever
-   each rank measured (:func:`choose`).
+   each rank measured (:func:`choose`). The best predicted round (round 0;
+   the first without the guarded lowrank where lowrank leads) stands unless
+   another is ``1 / AUTO_HYSTERESIS`` faster and faster in every cycle that
+   ran both (:func:`hetcomm.autotrial.faster_in_every_cycle`), as in 4.
 4. Re-check (round 0: the current plans), switching only to a round at least
-   ``1 / AUTO_HYSTERESIS`` faster (to a round with the guarded lowrank from
+   ``1 / AUTO_HYSTERESIS`` faster and faster in every cycle (to a round with the guarded lowrank from
    one without it, by lowrank's margin alone, see 5): first ``AUTO_SETTLE`` compressed steps
    after the first decision (whose trial ran in the run's first steps, slower
    and noisier than the steady state: measured, it could pick a plan 10-40 %

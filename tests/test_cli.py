@@ -511,6 +511,23 @@ def test_compare_seeds_names_each_runs_spike_and_leaves_out_seeds_whose_fp32_div
         compare.report(str(path), str(path))
 
 
+def test_auto_choices_counts_each_plan_auto_ended_on_and_its_runs_mean_step(tmp_path, capsys):
+    choices = _bench_script("auto_choices")
+
+    def run(optim, plans, s):
+        return {"optimizer": optim, "mode": "auto", "s_per_step": s,
+                "auto": {"buckets": {k: {"chosen": {"mode": m, "algorithm": a}} for k, (m, a) in plans.items()}}}
+    runs = [run("sgd", {"1,0": ("int3", "hierarchical")}, 0.006), run("sgd", {"1,0": ("int3", "hierarchical")}, 0.008),
+            run("sgd", {"1,0": ("int3", "native")}, 0.009),
+            run("adamw", {"3,2": ("int3", "native"), "1,0": ("fp8", "hierarchical")}, 0.010),
+            {"optimizer": "sgd", "mode": "torch-powersgd", "s_per_step": 0.01}]  # not auto's: left out
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"runs": runs}))
+    got = {k: [round(x, 6) for x in v] for k, v in choices.choices(str(path)).items()}
+    assert got == {("sgd", "int3@hierarchical"): [6.0, 8.0], ("sgd", "int3@native"): [9.0],
+                   ("adamw", "int3@native, fp8@hierarchical"): [10.0]}
+
+
 def test_adam_shadow_reads_fp8s_step_as_fp32s_and_int3s_as_smaller():
     """bench/adam_shadow.py: Adam's update from fp8's message is fp32's (its error is 3 % of the gradient's); from
     int3's, whose error is a quarter of it and adds to the second moment, it is smaller, most where v is small."""
