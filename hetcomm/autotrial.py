@@ -193,7 +193,7 @@ class TrialRounds:
         takes 165. Re-checks measure what they keep (the first trial's
         skipped rounds are pruned, as hopeless, and measured again by the
         full re-checks)."""
-        _, times = self._gather_round_times(engine)
+        _, times, _ = self._gather_round_times(engine)
         first = max(r[0] for r in times)
 
         def predicted(c: int) -> float:
@@ -212,33 +212,29 @@ class TrialRounds:
         100 Mbit, where lowrank is admitted, repeating them would cost about
         1.4 s: two more steps each of fp8 and bf16 across nodes and of fp8
         flat, at their measured times)."""
-        _, times = self._gather_round_times(engine)
+        _, times, _ = self._gather_round_times(engine)
         worst = [max(col) for col in zip(*times)]  # inf: a rank has no time for it
         best = min((w for w in worst if w < INF), default=INF)
         self._kept = [c for c in self._cycle() if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
 
-    def _gather_round_times(self, engine, head: Sequence[int] = (), cycles: bool = False):
-        """Every rank all-gathers ``head`` and its best step time of each
-        trial round: (the ranks' heads, each rank's seconds per round, inf
-        where it has none); ``cycles``: a third item, each rank's seconds of
-        each round in each cycle (``[rank][round][k]``, AUTO_REPEATS a round,
-        inf where there is none)."""
+    def _gather_round_times(self, engine, head: Sequence[int] = ()):
+        """Every rank all-gathers ``head`` and its step time of each trial
+        round in each cycle: (the ranks' heads, each rank's best seconds per
+        round, each rank's seconds per round and cycle ``[rank][round][k]``,
+        AUTO_REPEATS a round; inf where there is none). A round runs once a
+        cycle, so its best is the best of its cycles."""
         import torch
 
         rounds = self._rounds()
-        row = list(head) + [int(min(self._step_times[c]) * 1e9) if self._step_times.get(c) else -1
-                            for c in range(rounds)]
-        if cycles:
-            for c in range(rounds):
-                ts = self._step_times.get(c, [])[:AUTO_REPEATS]
-                row += [int(t * 1e9) for t in ts] + [-1] * (AUTO_REPEATS - len(ts))
+        row = list(head)
+        for c in range(rounds):
+            ts = self._step_times.get(c, [])[:AUTO_REPEATS]
+            row += [int(t * 1e9) for t in ts] + [-1] * (AUTO_REPEATS - len(ts))
         gathered = engine.submit_config(torch.tensor(row, dtype=torch.int64)).wait()
-        secs = [[t / 1e9 if t >= 0 else INF for t in r[len(head):]] for r in gathered.tolist()]
-        times = [r[:rounds] for r in secs]
-        if not cycles:
-            return gathered[:, :len(head)], times
-        per_cycle = [[r[rounds + c * AUTO_REPEATS:rounds + (c + 1) * AUTO_REPEATS] for c in range(rounds)] for r in secs]
-        return gathered[:, :len(head)], times, per_cycle
+        at = len(head)
+        per_cycle = [[[t / 1e9 if t >= 0 else INF for t in r[at + c * AUTO_REPEATS:at + (c + 1) * AUTO_REPEATS]]
+                      for c in range(rounds)] for r in gathered.tolist()]
+        return gathered[:, :len(head)], [[min(ts) for ts in r] for r in per_cycle], per_cycle
 
     def _decide(self, engine) -> None:
         """Every rank all-gathers its step time per trial round and cycle (and
@@ -249,7 +245,7 @@ class TrialRounds:
         keys = sorted(self.candidates)
         rounds = self._rounds()
         names = ";".join(f"{k}:" + ",".join(f"{m}/{a}" for m, a, _ in self.candidates[k]) for k in keys)
-        fingerprints, times, cycles = self._gather_round_times(engine, [zlib.crc32(names.encode())], cycles=True)
+        fingerprints, times, cycles = self._gather_round_times(engine, [zlib.crc32(names.encode())])
         if (fingerprints != fingerprints[0]).any():
             raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
                              "(different topologies or options): construct HookState alike on every rank")

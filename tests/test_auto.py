@@ -61,11 +61,7 @@ def _decided(times, guarded=False, rechecking=False, admitted=False, cycles=None
     if cycles is None:
         cycles = [[[t] * autoplan.AUTO_REPEATS for t in r] for r in times]
 
-    def gather(engine, head=(), cycles=False):
-        assert cycles  # the decision reads the cycles
-        return torch.tensor([head] * len(times)), times, per_cycle
-    per_cycle = cycles
-    auto._gather_round_times = gather
+    auto._gather_round_times = lambda engine, head=(): (torch.tensor([head] * len(times)), times, cycles)
     auto._decide(None)
     return auto.decided["k"]
 
