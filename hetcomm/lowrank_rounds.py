@@ -23,7 +23,9 @@ identical schedules differed by 13-15 % on the 2 x 2 testbed. Each rank takes
 the median of each one's step times (the time between the steps' first
 buckets, so an evaluation between two steps counts once at most), and at
 step 31 the ranks all-gather them; the slowest rank's medians decide, the
-same on every rank. Under auto, whose guard admits lowrank at step 30 or
+same on every rank: together, unless pipelined's is under PIPELINED_MARGIN
+times together's (a window of twenty noisy steps read a difference of a few
+per cent either way where together was 6-10 % faster). Under auto, whose guard admits lowrank at step 30 or
 later, a window where some rank ran no step of an arm decides pipelined for
 now, and the first step after one whose every compressed bucket ran lowrank
 opens another (at most AGAIN more). The choice changes the order in which the sums' terms
@@ -45,6 +47,12 @@ TRIAL = (11, 31)  #: steps [a, b) after start_iter - 1, in turns; decided when s
 ARMS = ("pipelined", "together")  # in turns A B B A from TRIAL[0]
 WINDOW = TRIAL[1] - TRIAL[0]  #: a window's steps (a reopened one's too)
 AGAIN = 3  #: windows more, at most, where one measured nothing (auto ran no lowrank there) and lowrank runs later
+#: pipelined is chosen only where its median is under this share of together's: with the choice fixed for whole runs
+#: together took 0.90x pipelined's step on the wide model with SGD-m and 0.94x with AdamW (2 x 2 testbed, 100 Mbit,
+#: SCHED_BATCH), and on every model measured here so far, but a window of steps 2-4 ms apart, each ranging 16-68 ms,
+#: chose pipelined by 1-11 % of the medians on 2 of 6 runs to 9 of 24 (bench/README
+#: "lowrank's rounds, fixed for a run; a re-check's steps after a switch")
+PIPELINED_MARGIN = 0.95
 
 
 class RoundsTrial:
@@ -96,7 +104,8 @@ class RoundsTrial:
             self.choice = "pipelined"
             return
         self.medians = dict(zip(ARMS, slowest))
-        self.choice = "together" if self.medians["together"] < self.medians["pipelined"] else "pipelined"
+        faster = self.medians["pipelined"] < PIPELINED_MARGIN * self.medians["together"]
+        self.choice = "pipelined" if faster else "together"
 
     @property
     def unmeasured(self) -> bool:

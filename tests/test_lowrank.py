@@ -871,6 +871,12 @@ def test_lowrank_rounds_measure_both_schedules_in_turns_and_the_slowest_ranks_me
     again.load_state_dict({**trial.state_dict(), "choice": None, "medians": None})
     again._decide(_Gathers([[31, int(0.041e9), int(0.045e9)]]), 31)
     assert again.choice == "pipelined" and again.medians == pytest.approx({"pipelined": 0.041, "together": 0.045})
+    # ... but only past the margin: pipelined at 0.96x together's is no reason to leave it (PIPELINED_MARGIN 0.95)
+    close = lowrank_rounds.RoundsTrial(True)
+    close.load_state_dict({**trial.state_dict(), "choice": None, "medians": None})
+    close._decide(_Gathers([[31, int(0.043e9), int(0.045e9)]]), 31)
+    assert close.choice == "together" and close.medians == pytest.approx({"pipelined": 0.043, "together": 0.045})
+    assert 0.043 / 0.045 > lowrank_rounds.PIPELINED_MARGIN > 0.041 / 0.045
     # a rank with no time for an arm: pipelined (the engine's default); ranks at different steps: an error
     empty = lowrank_rounds.RoundsTrial(True)
     empty._decide(_Gathers([[31, -1, 5]]), 31)

@@ -1,0 +1,51 @@
+"""Each MODE of `hetcomm bench train` (its hook as `bench train` registers
+it) for STEPS steps of TASK, the modes in turns and then in reverse, REPS
+times: the mean and median ms a step of steps 40 on, and the plans each
+hetcomm run ended on; run once per rank under torch.distributed's env://
+variables (bench/README
+"lowrank's rounds, fixed for a run; a re-check's steps after a switch"):
+
+    hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit --sched batch -- \\
+        python bench/modes_in_turns.py classify sgd 240 2 int3,int3@native,lowrank-r4,fp8,torch-powersgd
+"""
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetcomm.benchmarks import tasks, train
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    task_name, optim, steps, reps, modes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
+        sys.argv[5].split(",")
+    means = {m: [] for m in modes}
+    for mode in (modes + modes[::-1]) * reps:
+        task = tasks.TASKS[task_name]()
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(task.model())
+        opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
+        state, _ = train._register(ddp, mode, opt, steps)
+        times = []
+        for step in range(steps):
+            x, y = task.batch_for(step, rank)
+            t = time.perf_counter()
+            opt.zero_grad()
+            task.loss(ddp(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - t)
+        means[mode].append(1000 * statistics.mean(times[40:]))
+        if rank == 0:
+            plans = {k: (p["mode"], p["algorithm"]) for k, p in state.stats()["plans"].items()} if state else ""
+            print(f"{mode}: mean {means[mode][-1]:.2f} median {1000 * statistics.median(times[40:]):.2f} ms {plans}",
+                  flush=True)
+        if state is not None:
+            state.close()
+    if rank == 0:
+        for m, v in means.items():
+            print(f"{m:24s} mean of the runs' means {statistics.mean(v):.2f} ms  (runs: {[round(x, 2) for x in v]})")
+    dist.destroy_process_group()
