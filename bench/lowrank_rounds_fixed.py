@@ -9,14 +9,13 @@ torch.distributed's env:// variables (bench/README
 """
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import hetcomm
-from hetcomm.benchmarks import tasks, train
+from hetcomm.benchmarks import common, tasks, train
 from hetcomm.lowrank_rounds import AGAIN
 
 if __name__ == "__main__":
@@ -33,14 +32,7 @@ if __name__ == "__main__":
         state = hetcomm.HookState(mode)
         state._rounds.choice, state._rounds.again = arm, AGAIN  # decided, no window left to open: no trial
         ddp.register_comm_hook(state, hetcomm.hook)
-        times = []
-        for step in range(steps):
-            x, y = task.batch_for(step, rank)
-            t = time.perf_counter()
-            opt.zero_grad()
-            task.loss(ddp(x), y).backward()
-            opt.step()
-            times.append(time.perf_counter() - t)
+        times = common.timed_steps(ddp, opt, task, rank, steps)
         means[arm].append(1000 * statistics.mean(times[40:]))
         if rank == 0:
             print(f"run {run} {arm}: steps 40-{steps} {means[arm][-1]:.1f} ms; each 20:",

@@ -10,13 +10,12 @@ variables (bench/README
 """
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetcomm.benchmarks import tasks, train
+from hetcomm.benchmarks import common, tasks, train
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
@@ -30,14 +29,7 @@ if __name__ == "__main__":
         ddp = nn.parallel.DistributedDataParallel(task.model())
         opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
         state, _ = train._register(ddp, mode, opt, steps)
-        times = []
-        for step in range(steps):
-            x, y = task.batch_for(step, rank)
-            t = time.perf_counter()
-            opt.zero_grad()
-            task.loss(ddp(x), y).backward()
-            opt.step()
-            times.append(time.perf_counter() - t)
+        times = common.timed_steps(ddp, opt, task, rank, steps)
         means[mode].append(1000 * statistics.mean(times[40:]))
         if rank == 0:
             plans = {k: (p["mode"], p["algorithm"]) for k, p in state.stats()["plans"].items()} if state else ""

@@ -25,7 +25,7 @@ buckets, so an evaluation between two steps counts once at most), and at
 step 31 the ranks all-gather them; the slowest rank's medians decide, the
 same on every rank: together, unless pipelined's is under PIPELINED_MARGIN
 times together's (a window of twenty noisy steps read a difference of a few
-per cent either way where together was 6-10 % faster). Under auto, whose guard admits lowrank at step 30 or
+per cent either way where together was 4-10 % faster). Under auto, whose guard admits lowrank at step 30 or
 later, a window where some rank ran no step of an arm decides pipelined for
 now, and the first step after one whose every compressed bucket ran lowrank
 opens another (at most AGAIN more). The choice changes the order in which the sums' terms
@@ -47,10 +47,10 @@ TRIAL = (11, 31)  #: steps [a, b) after start_iter - 1, in turns; decided when s
 ARMS = ("pipelined", "together")  # in turns A B B A from TRIAL[0]
 WINDOW = TRIAL[1] - TRIAL[0]  #: a window's steps (a reopened one's too)
 AGAIN = 3  #: windows more, at most, where one measured nothing (auto ran no lowrank there) and lowrank runs later
-#: pipelined is chosen only where its median is under this share of together's: with the choice fixed for whole runs
-#: together took 0.90x pipelined's step on the wide model with SGD-m and 0.94x with AdamW (2 x 2 testbed, 100 Mbit,
-#: SCHED_BATCH), and on every model measured here so far, but a window of steps 2-4 ms apart, each ranging 16-68 ms,
-#: chose pipelined by 1-11 % of the medians on 2 of 6 runs to 9 of 24 (bench/README
+#: pipelined is chosen only where its median is under this share of together's: with the choice fixed for whole
+#: runs together took 0.90-0.91x pipelined's step on the wide model with SGD-m and 0.94-0.96x with AdamW (2 x 2
+#: testbed, 100 Mbit, SCHED_BATCH), and was the faster on every model measured here so far, but a window of steps
+#: 2-4 ms apart, each ranging 16-68 ms, chose pipelined by 1-11 % of the medians on 7 of 32 runs (bench/README
 #: "lowrank's rounds, fixed for a run; a re-check's steps after a switch")
 PIPELINED_MARGIN = 0.95
 
