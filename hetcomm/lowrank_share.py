@@ -238,6 +238,13 @@ class LowrankShare:
             if rank and (self._read == 0 or self._read + rows * cols <= BUDGET):  # one matrix at least
                 self._read += rows * cols
                 g = buf.narrow(0, off, rows * cols).view(rows, cols)
+                if g.device.type != "cpu":
+                    # read on the CPU: the language model's reading (11 matrices of 28-384 x 96) took 110-120 ms a
+                    # step on an H200 (the steps of the guard's windows against the others: cuSOLVER's gesvd and a
+                    # sync per matrix), 7 ms of one CPU thread; the copy is what BUDGET bounds, and the reading the
+                    # same as a CPU bucket's (bench/README "Time to accuracy with CUDA buckets on the 2 x 2
+                    # testbed")
+                    g = g.cpu()
                 if not bool(torch.isfinite(g).all()):  # an overflow step (GradScaler skips it): no reading
                     self._den = float("nan")
                     return

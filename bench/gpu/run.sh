@@ -17,7 +17,8 @@
 # 6. (stage "testbed", not by default) time to accuracy with CUDA buckets on the 2 x 2 testbed at 100 Mbit
 #    (network namespaces: root and iproute2; skipped with the reason otherwise), the ranks under SCHED_BATCH:
 #    there the model's compute is the GPU's and the link is what is left (the issue's 0.1x of fp32's time).
-#    HETCOMM_GPU_TESTBED_TASKS / _SEEDS / _RATE pick its tasks (classify,lm), seeds (2) and link rate (100mbit).
+#    HETCOMM_GPU_TESTBED_TASKS / _SEEDS / _RATE / _MODES pick its tasks ("classify lm"; "lm:1" gives a task its own
+#    seeds), seeds (2), link rate (100mbit) and modes (fp32,torch-powersgd,auto); one invocation and JSON a task.
 # 7. (stage "profile", not by default) Nsight Compute's speed of light and
 #    occupancy of each codec kernel, into OUT_DIR/ncu_codecs.txt.
 # HETCOMM_GPU_STAGES (default "build tests compress ddp train") picks stages;
@@ -74,11 +75,16 @@ fi
 if has testbed; then
   why=$("$py" -c "from hetcomm import testbed; ok, why = testbed.netns_support(); print('ok' if ok else why)")
   if [ "$why" = ok ]; then
-    "$py" -m hetcomm.cli testbed --nodes 2 --ranks-per-node 2 --inter-node-rate "${HETCOMM_GPU_TESTBED_RATE:-100mbit}" \
-      --sched batch --timeout 1800 -- "$py" -m hetcomm.cli bench train --device cuda \
-      --tasks "${HETCOMM_GPU_TESTBED_TASKS:-classify,lm}" --optims sgd,adamw --seeds "${HETCOMM_GPU_TESTBED_SEEDS:-2}" \
-      --modes fp32,torch-powersgd,auto --json "$out/train_cuda_testbed.json" --png "$out/train_cuda_testbed.png" \
-      || echo "# testbed stage failed"
+    # one invocation a task, each with its own JSON (written after every run: a cut-off call keeps what ran)
+    for t in ${HETCOMM_GPU_TESTBED_TASKS:-classify lm}; do
+      task=${t%%:*}; seeds=${HETCOMM_GPU_TESTBED_SEEDS:-2}; [[ $t == *:* ]] && seeds=${t#*:}
+      echo "# testbed: $task, $seeds seeds, at $((SECONDS)) s"
+      "$py" -m hetcomm.cli testbed --nodes 2 --ranks-per-node 2 --inter-node-rate "${HETCOMM_GPU_TESTBED_RATE:-100mbit}" \
+        --sched batch --timeout 1800 -- "$py" -m hetcomm.cli bench train --device cuda \
+        --tasks "$task" --optims sgd,adamw --seeds "$seeds" --modes "${HETCOMM_GPU_TESTBED_MODES:-fp32,torch-powersgd,auto}" \
+        --json "$out/train_cuda_testbed_$task.json" --png "$out/train_cuda_testbed_$task.png" \
+        || echo "# testbed stage failed on $task"
+    done
   else
     echo "# testbed stage skipped: $why"
   fi
