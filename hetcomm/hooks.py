@@ -95,11 +95,20 @@ class BucketSteps:
         self._planner.auto.begin_step(engine)
         if self._rank_ladder.pending and LowrankShare.closes(self.iter - 1):
             self._choose_rank(engine)
-        if self._rounds.pending or self._rounds.unmeasured:  # a step counts where it ran lowrank alone
+        if self._rounds.pending or self._rounds.unmeasured:
+            # a step counts where it ran lowrank alone, with the plans of the step before it, and read no share: a
+            # step after a switch pays for it (under auto's trial on digits int3 across nodes took 7.43 ms a step
+            # after int3 flat, 5.79 as the run's plan: bench/README "lowrank's rounds, fixed for a run; a re-check's
+            # steps after a switch"), a reading step for the reading (under auto steps 20 and 25 of the first window,
+            # 11-30, fell to together and 30 to pipelined: the wide model chose pipelined on 3 of 16 runs with them,
+            # on none without; bench/README "lowrank's rounds: the steps a window counts")
             alone = {p.mode for p in self.last_plans.values() if p.compressed} == {"lowrank"}
             if self._rounds.unmeasured and alone:
                 self._rounds.reopen(self.iter)
-            self._rounds.open_step(self.iter, engine, alone)
+            same = {k: (p.mode, p.algorithm) for k, p in self.last_plans.items()} == \
+                {k: (p.mode, p.algorithm) for k, p in self._plans_before.items()}
+            read = self._share_read_at == self.iter - 1  # it paid for a reading of lowrank's share too
+            self._rounds.open_step(self.iter, engine, alone and same and not read)
         self._buckets.begin_step(engine.carry_holds())
         if self._optimizer is not None:
             self._follow_momentum()
@@ -251,6 +260,7 @@ class BucketSteps:
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
         if self._planner.auto.reads_at(self.iter) and (
                 p.mode == "lowrank" or (self._planner.auto.reads_share(numel) and self._compressed_at(self.iter))):
+            self._share_read_at = self.iter
             if p.mode == "lowrank" and self._rank_ladder.pending:  # at every rank it may choose, at once
                 ranks = self._rank_ladder.ranks
                 self._lowrank_share.add(buf, layout_of(ranks[0]), ranks)
@@ -308,7 +318,7 @@ class BucketSteps:
             self._planner.auto.end_step(self._compressed_at(self.iter))
             self._lowrank_share.end_step(self.iter, self._rank_ladder.rank, engine.rank,
                                          warn=self._planner.auto.guard is None)
-            self.last_plans, self._step_plans = self._step_plans, {}
+            self._plans_before, self.last_plans, self._step_plans = self.last_plans, self._step_plans, {}
             self.iter += 1
             self._steps_done += 1
             self._buckets.end_step()

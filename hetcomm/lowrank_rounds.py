@@ -14,7 +14,9 @@ two, where fc1's backward after the first is about 1 ms) together took
 together"); on a model whose buckets come far apart, pipelining hides rounds.
 
 So a lowrank run (and an auto run that offers lowrank: there the steps
-where its buckets ran another compressed plan are not counted) measures
+where its buckets ran another compressed plan are not counted, nor a step
+whose plans were not the step's before: it pays for the switch; in either a
+step that read lowrank's share is not counted: it pays for the reading) measures
 both in turns, steps 11-30 after its first
 compressed step (``start_iter``, 1 by default), in turns A B B A (steps 11
 and 14 pipelined, 12 and 13 together, ...): a machine's speed drifts, and
@@ -32,8 +34,9 @@ opens another (at most AGAIN more). The choice changes the order in which the su
 are added, not what is computed (on 2 ranks not a bit). ``state_dict()``
 keeps it and the times so far: a run resumed after step 31 runs the same
 schedule; one saved inside the trial decides from the saved times and those
-it measures after the resume, so on more than 2 ranks its sums may round
-differently from the uninterrupted run's if the two decide differently.
+it measures after the resume (not its first step: the plans before it
+are not saved), so on more than 2 ranks its sums may round differently from
+the uninterrupted run's if the two decide differently.
 """
 from __future__ import annotations
 
@@ -84,9 +87,11 @@ class RoundsTrial:
 
     def open_step(self, step: int, engine, counts: bool = True) -> None:
         """At each step's first bucket: the last step's time goes to its arm
-        (``counts``: it ran lowrank, and no other compressed plan: under
-        auto, a step of its trial's other rounds or of another plan does
-        not); when the step after them opens the ranks decide."""
+        (``counts``: it ran lowrank, and no other compressed plan, with the
+        plans of the step before it, and read no share: under auto, a step of
+        its trial's other rounds or of another plan does not, nor the lowrank
+        step after one; a reading step does not either); when the step after
+        them opens the ranks decide."""
         if self.choice is not None:
             return
         now = time.monotonic()

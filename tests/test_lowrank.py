@@ -491,7 +491,7 @@ def test_top_share_is_the_energy_in_the_top_singular_values_and_leaves_the_calle
 @pytest.mark.cuda
 def test_a_reading_of_a_gpu_bucket_is_the_cpu_buckets_bit_for_bit():
     """A GPU bucket's matrices are read on the CPU (cuSOLVER's gesvd and a sync
-    a matrix made each reading step of the language model ~110 ms longer on
+    a matrix made each reading step of the language model 110-120 ms longer on
     an H200): the same shares as the same bucket on the CPU, exact values and
     the range finder alike, and the CUDA bucket left as it was."""
     from hetcomm import lowrank_share
