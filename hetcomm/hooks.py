@@ -107,7 +107,7 @@ class BucketSteps:
                 self._rounds.reopen(self.iter)
             same = {k: (p.mode, p.algorithm) for k, p in self.last_plans.items()} == \
                 {k: (p.mode, p.algorithm) for k, p in self._plans_before.items()}
-            read = self._share_read_at == self.iter - 1  # it paid for a reading of lowrank's share too
+            read = self._lowrank_share.read_at == self.iter - 1  # it paid for a reading of lowrank's share too
             self._rounds.open_step(self.iter, engine, alone and same and not read)
         self._buckets.begin_step(engine.carry_holds())
         if self._optimizer is not None:
@@ -260,7 +260,6 @@ class BucketSteps:
             q_state = self._buckets.lowrank_q_state(key, layout, buf.device)
         if self._planner.auto.reads_at(self.iter) and (
                 p.mode == "lowrank" or (self._planner.auto.reads_share(numel) and self._compressed_at(self.iter))):
-            self._share_read_at = self.iter
             if p.mode == "lowrank" and self._rank_ladder.pending:  # at every rank it may choose, at once
                 ranks = self._rank_ladder.ranks
                 self._lowrank_share.add(buf, layout_of(ranks[0]), ranks)

@@ -195,6 +195,8 @@ class LowrankShare:
         # each of them, "share" at the last
         self.last: Optional[dict] = None
         self.warned = False
+        self.read_at = -1  # the last step that read (lowrank's rounds do not count it: it paid for the reading)
+        self._added = False
         self._nums: list = []  # this step's energy in the top r singular values, per rank read
         self._den = 0.0
         self._read = 0
@@ -234,6 +236,7 @@ class LowrankShare:
         ``ranks`` (a matrix lowrank would send dense at one carries all of it
         there; the rank in use last: the window's :attr:`last` share), or at
         the layout's own."""
+        self._added = True
         for off, rows, cols, rank in layout.tolist():
             if rank and (self._read == 0 or self._read + rows * cols <= BUDGET):  # one matrix at least
                 self._read += rows * cols
@@ -260,7 +263,9 @@ class LowrankShare:
         last step closes it (its mean is :attr:`last`). ``warn``: a fixed
         lowrank warns below THRESHOLD (auto's guard decides instead)."""
         nums, den, read = self._nums, self._den, self._open
-        self._nums, self._den = [], 0.0
+        if self._added:
+            self.read_at = step
+        self._nums, self._den, self._added = [], 0.0, False
         self._read = 0
         self._open = False
         if read and den > 0:  # something read, and the gradient finite

@@ -227,7 +227,6 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         #: each bucket's plan in the last complete step (state key -> BucketPlan)
         self.last_plans: Dict[str, plan.BucketPlan] = {}
         self._plans_before: Dict[str, plan.BucketPlan] = {}  # the step's before last_plans' (lowrank's rounds)
-        self._share_read_at = -1  # the last step that read lowrank's share (lowrank's rounds do not count it)
         self._step_plans: Dict[str, plan.BucketPlan] = {}
         #: Steps completed (a step ends with the hook call for DDP's last bucket).
         self.iter = 0
