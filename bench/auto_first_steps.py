@@ -7,6 +7,7 @@ win"; "Digits' best mode on the Intel Xeon"):
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- python bench/auto_first_steps.py 40
     ... -- python bench/auto_first_steps.py 40 2     (start_iter 2: the trial from step 2, auto's default before)
     ... -- python bench/auto_first_steps.py 200 - classify adamw    (STEPS START_ITER TASK OPTIMIZER; - : the default)
+    ... -- python bench/auto_first_steps.py 200 - classify sgd int3  (a fixed mode's steps beside auto's: MODE last)
 """
 import logging
 import sys
@@ -22,22 +23,22 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     if rank == 0:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
-    args = sys.argv[1:] + [None] * 4
+    args = sys.argv[1:] + [None] * 5
     steps = int(args[0] or 40)
     start_iter = None if args[1] in (None, "-") else int(args[1])
     task, optim = tasks.TASKS[args[2] or "wide"](), args[3] or "sgd"
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
-    state = hetcomm.HookState("auto", start_iter=start_iter)
+    state = hetcomm.HookState(args[4] or "auto", start_iter=start_iter)
     ddp.register_comm_hook(state, hetcomm.hook)
     times = common.timed_steps(ddp, opt, task, rank, steps)
     if rank == 0:
         print("step ms:", " ".join(f"{1000 * t:.0f}" for t in times))
         print("cumulative s at 10/20/30/40:", [round(sum(times[:n]), 2) for n in (10, 20, 30, 40)])
-        print("ms a step, each 20 steps:", [round(1000 * sum(times[n:n + 20]) / len(times[n:n + 20]), 1)
-                                            for n in range(0, len(times), 20)])
+        print("ms a step, each 10 steps:", [round(1000 * sum(times[n:n + 10]) / len(times[n:n + 10]), 1)
+                                            for n in range(0, len(times), 10)])
         plans = {k: (p["mode"], p["algorithm"]) for k, p in state.stats()["plans"].items()}
-        print("plans", plans, "guard", state.stats()["auto"].get("lowrank_guard"))
+        print("plans", plans, "guard", (state.stats().get("auto") or {}).get("lowrank_guard"))
     state.close()
     dist.destroy_process_group()

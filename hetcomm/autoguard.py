@@ -12,8 +12,11 @@ carries the gradient, waits for the next windows, 50-60, 80-90,
 where rank 8 carries as much as the bar asks of rank 4; the first at
 the bar admits it, 100-120 under it refuses it); admitted,
 every bucket takes the fastest round the last trial measured, lowrank's
-included, and where none takes lowrank, a re-check measures it at once
-at the rank it now runs at (the trials timed it at 16). A round with the guarded lowrank wins only at
+included (where the plans that run have no lowrank and its round wins
+not, they stay), and where none takes lowrank, a re-check measures it
+at once at the rank it now runs at (the trials timed it at 16), against
+the plans that run alone, as a confirmation does (a re-check of lowrank
+leaves the schedule's where it was). A round with the guarded lowrank wins only at
 ``LOWRANK_MARGIN`` (0.7) times the best round without it or less: an
 approximation must buy a clear speed-up. While it runs provisionally the
 margin is ``PROVISIONAL_MARGIN`` (0.9): the reading decides again by the
@@ -191,11 +194,11 @@ class GuardedLowrank:
                 self._repick()
                 if self.guard.state == "admitted" and timed_at not in (None, self.s._rank_ladder.rank) and \
                         self._lost_provisionally():
-                    self.next_check = self.compressed_steps  # a re-check, once its rounds miss every reading
+                    self.lowrank_asks = True  # a re-check of lowrank, once its rounds miss every reading
             elif self.trial_start is not None:
                 self._start_trial()  # taken back while a trial runs without it: the trial again, with it
             else:  # taken back: the trials since its refusal left it out; a re-check measures it, as soon as its
-                self.next_check = self.compressed_steps  # rounds miss every reading (begin_step, _reads_during)
+                self.lowrank_asks = True  # rounds miss every reading (begin_step, _reads_during)
 
     def _lost_provisionally(self) -> bool:
         """Whether no bucket runs lowrank after its admission though the last
@@ -211,7 +214,9 @@ class GuardedLowrank:
     def _repick(self) -> None:
         """The guard admitted or refused lowrank: every bucket takes the
         fastest round of the last trial that it now allows (the slowest
-        rank's times, the same everywhere). Without such a round (the trial
+        rank's times, the same everywhere), lowrank's by its margin; where the
+        plans that run have no lowrank and lowrank's round does not win, they
+        stay. Without such a round (the trial
         measured lowrank alone, the others hopeless against it; a resumed
         run saved before any) the first trial starts again, without lowrank."""
         if self.trial_start is not None:
@@ -219,6 +224,13 @@ class GuardedLowrank:
         times = self._judged(self.round_times) if self._order else []
         if any(t < INF for t in times):
             best = autotrial.choose([times])
+            running = [self.candidates[k][j] for k, j in self.decided.items()]
+            if running and not self._runs_guarded(best) and not any(self._guarded(c[0]) for c in running):
+                # the plans that run have no lowrank, and lowrank's round wins not by its margin: the decision
+                # that chose them stands (it weighed the other rounds by the hysteresis and every cycle). By the
+                # fastest round alone the admission at step 30 took int3 flat from int3 across nodes on 3-9 digits
+                # runs of 16 (2 x 2 testbed, 100 Mbit; bench/README "A re-check for lowrank measures lowrank")
+                return
             for k in self._order:
                 self.decided[k] = self._candidate_in_round(k, best)
             return

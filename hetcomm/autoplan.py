@@ -37,8 +37,8 @@
    one without it, by lowrank's margin alone, see 5): first ``AUTO_SETTLE`` compressed steps
    after the first decision (whose trial ran in the run's first steps, slower
    and noisier than the steady state: measured, it could pick a plan 10-40 %
-   slower than the best; so too after a re-check that ended inside the first
-   AUTO_SETTLE compressed steps), then every ``AUTO_RECHECK``, each once none of
+   slower than the best; so too after a re-check, not one of lowrank alone,
+   ending in the first AUTO_SETTLE), then every ``AUTO_RECHECK``, each once none of
    its steps would take a share reading of the guard's. A re-check leaves out
    the candidates its last measurement found more than ``AUTO_SPAN`` times
    slower than the chosen round (fp32 at 100 Mbit: 10x a compressed step,
@@ -149,6 +149,8 @@ class AutoPlanner(TrialRounds, GuardedLowrank):
         self.confirm_at: Optional[int] = None
         self.confirms = 0                  # of the re-checks, those that confirmed one (not in the full ones' count)
         self._confirming = False           # the running re-check is one
+        self.lowrank_asks = False  # the guard asked for a re-check of lowrank (admitted where none took it; back)
+        self._for_lowrank = False          # the running re-check measures lowrank against the running plans alone
         #: per bucket key, the (mode, algorithm) pairs a pruned re-check leaves out
         self.pruned: Dict[str, set] = {}
         self._opened: Optional[float] = None
@@ -321,14 +323,16 @@ class AutoPlanner(TrialRounds, GuardedLowrank):
         if self.trial_start is not None and not self._in_trial():
             self._decide(engine)
             self.trial_start = None
-            # a trial in the run's first AUTO_SETTLE compressed steps (the first; one measuring lowrank as it is
-            # admitted) is checked again AUTO_SETTLE steps later: early steps are slower and noisier
-            self.next_check = self.compressed_steps + (AUTO_SETTLE if self.compressed_steps < AUTO_SETTLE else
-                                                       AUTO_RECHECK)
+            # a trial in the run's first AUTO_SETTLE compressed steps is checked again AUTO_SETTLE steps later (early
+            # steps are slower and noisier); a re-check of lowrank alone measured no other round: the schedule stays
+            if not self._for_lowrank:
+                self.next_check = self.compressed_steps + (AUTO_SETTLE if self.compressed_steps < AUTO_SETTLE else
+                                                           AUTO_RECHECK)
+            self._for_lowrank = False
             if any(self._blocked(self.candidates[k][j]) for k, j in self.decided.items()):
                 self._first_trial_again()  # lowrank, refused while the trial ran, was all it measured
-        elif self.trial_start is None and self.decided and \
-                self.compressed_steps >= min(self.next_check, INF if self.confirm_at is None else self.confirm_at) \
+        elif self.trial_start is None and self.decided and (self.lowrank_asks or self.compressed_steps >= min(
+                self.next_check, INF if self.confirm_at is None else self.confirm_at)) \
                 and not self._reads_during(AUTO_REPEATS * max(map(len, self._orders().values()), default=1)):
             self._start_trial()  # re-check: the rounds again, the current plans first; then the hysteresis rule
 
@@ -341,11 +345,13 @@ class AutoPlanner(TrialRounds, GuardedLowrank):
         out = {"decided": {k: list(self.candidates[k][j][:2]) for k, j in self.decided.items()},
                "compressed_steps": self.compressed_steps, "next_check": self.next_check,
                "rechecks": self.rechecks, "confirm_at": self.confirm_at, "confirms": self.confirms,
+               "lowrank_asks": self.lowrank_asks,
                "pruned": {k: sorted(map(list, v)) for k, v in self.pruned.items() if v},
                "candidates": {k: [list(c) for c in v] for k, v in self.candidates.items()},
                "order": {k: list(v) for k, v in self._order.items()}, "round_times": list(self.round_times)}
         if self.trial_start is not None:
             out["trial"] = {"start": self.trial_start, "rechecking": self._rechecking, "confirming": self._confirming,
+                            "for_lowrank": self._for_lowrank,
                             "kept": self._kept, "skipped": self._skipped,
                             "step_times": {c: list(v) for c, v in self._step_times.items()}}
         if self.guard is not None:
@@ -360,6 +366,7 @@ class AutoPlanner(TrialRounds, GuardedLowrank):
         self.rechecks = int(sd.get("rechecks", 0))
         self.confirm_at = None if sd.get("confirm_at") is None else int(sd["confirm_at"])
         self.confirms, self._confirming = int(sd.get("confirms", 0)), False
+        self.lowrank_asks, self._for_lowrank = bool(sd.get("lowrank_asks", False)), False
         self.pruned = {str(k): {tuple(c) for c in v} for k, v in sd.get("pruned", {}).items()}
         self.candidates, self.decided, self.trial_start, self._times, self._order = {}, {}, None, {}, {}
         self._restored, self._unverified, self.round_times, self._step_times, self._kept = {}, set(), [], {}, None
@@ -378,6 +385,7 @@ class AutoPlanner(TrialRounds, GuardedLowrank):
             if trial is not None:
                 self.trial_start, self._rechecking = int(trial["start"]), bool(trial["rechecking"])
                 self._confirming = bool(trial.get("confirming", False))
+                self._for_lowrank = bool(trial.get("for_lowrank", False))
                 self._kept = None if trial["kept"] is None else [int(c) for c in trial["kept"]]
                 self._skipped = None if trial.get("skipped") is None else [int(c) for c in trial["skipped"]]
                 self._step_times = {int(c): [float(t) for t in v] for c, v in trial["step_times"].items()}

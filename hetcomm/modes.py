@@ -109,9 +109,9 @@ class Mode:
 
     @property
     def plain(self) -> bool:
-        """hetcomm's HookState with its defaults: no ``+m``, no ``-no-ef``."""
+        """hetcomm's HookState with its defaults: no ``+m``, no ``-no-ef``, all of auto's candidates."""
         return (self.hook == "hetcomm" and not self.attach and not self.follow
-                and self.options.get("error_feedback", True))
+                and self.options.get("error_feedback", True) and "candidates" not in self.options)
 
     def torch_bytes(self, model: nn.Module, world: int, steps: Optional[int] = None) -> float:
         """Bytes a PyTorch hook sends per step and rank once compressing (the
@@ -154,6 +154,10 @@ def _table() -> Dict[str, Mode]:
         for suffix, wire in (("w8", "fp8"), ("w32", "none")):
             table[f"{c}+m-{suffix}"] = Mode(f"{c}+m-{suffix}", "hetcomm", {"compression": c}, attach=True,
                                             warmup=wire)
+    # auto without its guarded lowrank: what the guard's readings and lowrank's re-checks cost where lowrank does
+    # not win (bench/README "A re-check for lowrank measures lowrank")
+    table["auto-no-lowrank"] = Mode("auto-no-lowrank", "hetcomm",
+                                    {"compression": "auto", "candidates": ("none", "bf16", "fp8", "int3")})
     for c in ("onebit", "topk"):
         table[f"{c}-no-ef"] = Mode(f"{c}-no-ef", "hetcomm", {"compression": c, "error_feedback": False})
     return table

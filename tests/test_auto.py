@@ -319,9 +319,10 @@ def test_a_refused_lowrank_is_taken_back_by_a_later_reading_at_the_bar_and_measu
     # here: the top 8 singular values carry all of an 8-sample gradient), fp32 from
     # there. A refused guard reads on: one sample a rank in the next window (steps 20-22) reads 1, so lowrank is
     # taken back at step 23 (a long learning-rate warm-up reads low at first: bench/README "A refused lowrank reads
-    # again"). The trials since the refusal left it out, so a re-check starts there: the current plan (fp32), the
-    # other fp32 candidate and lowrank in turns, three steps each (23-31), lowrank chosen at 32, at rank 4 (not
-    # provisionally at 16). On CUDA buckets too: the guard reads its ladder (ranks 8 and 4) on the GPU
+    # again"). The trials since the refusal left it out, so a re-check of lowrank starts there: the current plan
+    # (fp32) and lowrank in turns, three steps each (23-28; not the other fp32 candidate: the trial before measured
+    # it), lowrank chosen at 29, at rank 4 (not provisionally at 16). On CUDA buckets too: the guard reads its ladder
+    # (ranks 8 and 4) on the GPU
     batch = [8] * 20 + [1] * 16
     res = run_ranks(_auto_run, 2, 36, None, None, 0.01, False, False, str(tmp_path), False, batch,
                     {"FIRST": 12, "FIRST_SPAN": 2, "LATER": 20, "SPAN": 2, "FIRST_DROP": 0.95, "WAIT": 1.01},
@@ -334,8 +335,8 @@ def test_a_refused_lowrank_is_taken_back_by_a_later_reading_at_the_bar_and_measu
     assert guard["first"][1] < 0.95
     assert r0["wires"][10:15] == [["lowrank"]] * 5 and r0["ranks"][10:15] == [[16]] * 5, r0["wires"]
     assert all(w == ["none"] for w in r0["wires"][15:23]), r0["wires"]
-    assert r0["wires"][23:32] == [["none"], ["none"], ["lowrank"]] * 3 and r0["ranks"][25] == [4], r0["wires"]
-    assert r0["wires"][32:] == [["lowrank"]] * 4 and r0["ranks"][32:] == [[4]] * 4, r0["wires"]
+    assert r0["wires"][23:29] == [["none"], ["lowrank"]] * 3 and r0["ranks"][24] == [4], r0["wires"]
+    assert r0["wires"][29:] == [["lowrank"]] * 7 and r0["ranks"][29:] == [[4]] * 7, r0["wires"]
     assert r0["auto"]["rechecks"] == 1 and r0["auto"]["lowrank_rank"] == 4
     tol = 1e-4 * r0["scale"] * 36
     for r in res:  # what the provisional lowrank owed at its refusal was paid while fp32 ran
@@ -1133,12 +1134,11 @@ def test_lowrank_admitted_at_another_rank_than_the_trial_timed_is_measured_again
     rank 16, where it takes 1.2x fp8's step, and fp8 wins the first trial;
     the reading of steps 20-30 admits it, at rank 4, where it takes 0.5x. A
     re-check starts at once (step 31: admitted, the guard reads no window
-    before 100), measures lowrank at rank 4 and takes it; the next comes
-    AUTO_SETTLE steps after it (it ended inside the run's first AUTO_SETTLE
-    compressed steps) and keeps it. It waited for the re-check AUTO_SETTLE
-    steps after the first decision: on the 2 x 2 testbed the wide model's
-    large bucket ran int3 at 68-80 ms a step there, lowrank at 44-49, on 8
-    runs of 20."""
+    before 100), measures lowrank at rank 4 against the running plan alone
+    and takes it; the next is the schedule's, AUTO_SETTLE steps after the
+    first decision (after the window 100-120), and keeps it. It waited for
+    that re-check: on the 2 x 2 testbed the wide model's large bucket ran
+    int3 at 68-80 ms a step there, lowrank at 44-49, on 8 runs of 20."""
     close = lowrank_share.FIRST + lowrank_share.FIRST_SPAN  # 30
 
     def lowrank(step, rank):
@@ -1151,11 +1151,35 @@ def test_lowrank_admitted_at_another_rank_than_the_trial_timed_is_measured_again
     recheck = [s for s in trial if s > decided]
     after = next(s for s in range(close + 1, len(ran)) if ran[s][2] != "trial")  # the first re-check's end
     assert recheck[0] == close + 1 and after > close + 1, recheck
-    assert "lowrank" in {m for s, m, _ in ran[close + 1:after]}
+    assert {m for s, m, _ in ran[close + 1:after]} == {"fp8", "lowrank"}  # lowrank against the plan alone
     settle = next(s for s in recheck if s > after)
-    assert settle >= after + autoplan.AUTO_SETTLE and auto.rechecks == 2, (after, settle)
+    # the schedule's re-check, AUTO_SETTLE steps after the first decision (the one of lowrank moves it not)
+    assert decided + autoplan.AUTO_SETTLE <= settle < after + autoplan.AUTO_SETTLE and auto.rechecks == 2, \
+        (decided, after, settle)
     assert {ran[s][1:] for s in range(after, settle)} == {("lowrank", "measured")}, ran[after:after + 5]
     assert ran[-1][1:] == ("lowrank", "measured")
+
+
+def test_lowrank_admitted_without_winning_leaves_the_plan_the_first_decision_kept(monkeypatch):
+    """The planner alone: bf16 takes 0.95x fp32's step, within the
+    hysteresis, so the first trial keeps fp32 (the best predicted here, the
+    guarded lowrank aside); lowrank, 1.2x at rank 16, is admitted at step 30
+    and measured at rank 4 at 0.8x, not by its margin. Its admission
+    re-picked the last trial's fastest round by its time alone (bf16, for
+    the rest of the run: a re-check then kept it within the hysteresis);
+    now the plan the decision kept stands, and the re-check at the
+    admission measures lowrank against it alone."""
+    close = lowrank_share.FIRST + lowrank_share.FIRST_SPAN
+
+    def lowrank(step, rank):
+        return 1.2 if rank == lowrank_guard.PROVISIONAL_RANK else 0.8
+    cost = {"none": 1.0, "bf16": 0.95, "fp8": 1.3, "lowrank": lowrank}
+    auto, ran, trial, decided, reads = _guarded_planner_run(
+        monkeypatch, None, cost, {close + 1: {"step": close, "share": 0.99, "ladder": [0.995, 0.99]}})
+    assert auto.guard.state == "admitted" and "bf16" in {m for s, m, _ in ran if s < decided}
+    assert {m for s, m, why in ran if why != "trial"} == {"none"}, ran
+    recheck = [s for s in trial if close < s < close + 2 * autoplan.AUTO_REPEATS + 1]
+    assert recheck[0] == close + 1 and {ran[s][1] for s in recheck} == {"none", "lowrank"}, ran
 
 
 def test_lowrank_that_won_the_trial_provisionally_is_not_measured_again_at_its_admission(monkeypatch):
@@ -1211,14 +1235,17 @@ def test_a_recheck_that_kept_a_round_without_lowrank_by_its_margin_alone_is_conf
         monkeypatch, confirmed, resume_at):
     """The planner alone: lowrank wins the first trial provisionally (0.8x
     fp8's step at rank 16), is admitted at step 30 at rank 4, and the
-    re-check then measures it at 0.8x: faster than fp8, not by its margin
-    (0.7), so fp8 runs. Its one-step rounds are noisy (on the wide model at
-    100 Mbit such a re-check kept int3 on 1-3 runs of 12, at 1.5x lowrank's
-    step until the next re-check 100 steps later), so another re-check
-    confirms it AUTO_CONFIRM steps later, pruned as a re-check is. Measured
-    there at 0.5x it takes lowrank; at 0.8x fp8 stays, and the next re-check
-    comes AUTO_SETTLE steps after it, not another confirmation. A run resumed
-    while the confirmation is due (45) or runs (62) goes on the same."""
+    re-check then measures it against fp8 alone (bf16 was measured by the
+    trial before) at 0.8x: faster than fp8, not by its margin (0.7), so fp8
+    runs. Its one-step rounds are noisy (on the wide model at 100 Mbit such
+    a re-check kept int3 on 1-3 runs of 12, at 1.5x lowrank's step until the
+    next re-check 100 steps later), so another re-check confirms it
+    AUTO_CONFIRM steps later, lowrank against fp8 again. Measured there at
+    0.5x it takes lowrank; at 0.8x fp8 stays, and the next re-check is the
+    schedule's, AUTO_SETTLE steps after the first decision (the re-checks of
+    lowrank move it not), not another confirmation; its keep by the margin
+    alone is confirmed in turn. A run resumed while the confirmation is due
+    (45) or runs (62) goes on the same."""
     close = lowrank_share.FIRST + lowrank_share.FIRST_SPAN
 
     def lowrank(step, rank):
@@ -1231,17 +1258,19 @@ def test_a_recheck_that_kept_a_round_without_lowrank_by_its_margin_alone_is_conf
     after = next(s for s in range(starts[0], len(ran)) if ran[s][2] != "trial")
     assert ran[after][1:] == ("fp8", "measured")
     assert starts[1] == after + autoplan.AUTO_CONFIRM, (after, starts)  # confirmed once, soon
+    admission = [s for s in trial if starts[0] <= s < starts[1]]
     confirm = [s for s in trial if starts[1] <= s < starts[2]]
-    ran_there = {ran[s][1] for s in confirm}
-    assert {"fp8", "lowrank"} <= ran_there and "none" not in ran_there  # pruned
+    for steps in (admission, confirm):  # lowrank against the running plan alone (not bf16, measured before)
+        assert {ran[s][1] for s in steps} == {"fp8", "lowrank"} and len(steps) == 2 * autoplan.AUTO_REPEATS
     end = confirm[-1] + 1
-    assert starts[2] >= end + autoplan.AUTO_SETTLE  # the confirmation asks for none itself
+    assert starts[2] >= decided + autoplan.AUTO_SETTLE  # the schedule's, which neither moved
     if confirmed < autoplan.LOWRANK_MARGIN:
         assert {ran[s][1:] for s in range(end, len(ran)) if s not in trial} == {("lowrank", "measured")}
         assert auto.confirms == 1 and len(starts) == 3  # a re-check that took lowrank asks no confirmation
-    else:  # the re-check after it keeps fp8 by the margin alone too: confirmed after the window 200-220
+    else:  # the schedule's re-check keeps fp8 by the margin alone too: confirmed AUTO_CONFIRM steps after it
         assert ran[end][1:] == ("fp8", "measured")
-        assert auto.confirms == 2 and len(starts) == 4 and starts[3] > 2 * lowrank_share.LATER + lowrank_share.SPAN
+        after = next(s for s in range(starts[2], len(ran)) if ran[s][2] != "trial")
+        assert auto.confirms == 2 and len(starts) == 4 and starts[3] == after + autoplan.AUTO_CONFIRM, (after, starts)
     assert auto.rechecks == len(starts)
     if resume_at is not None:  # the same decisions as the run not interrupted ...
         whole, uninterrupted, _, _, _ = _guarded_planner_run(monkeypatch, None, cost, readings)
@@ -1250,8 +1279,18 @@ def test_a_recheck_that_kept_a_round_without_lowrank_by_its_margin_alone_is_conf
         def decisions(r):
             return [(m, why) for (_, _, before), (_, m, why) in zip(r, r[1:]) if before == "trial" != why]
         assert decisions(ran) == decisions(uninterrupted)
+        # ... the re-checks at the same steps (a confirmation resumed while it runs is still one of lowrank alone,
+        # which leaves the schedule as it was) ...
+        assert starts == _recheck_starts(uninterrupted, [s for s, _, why in uninterrupted if why == "trial"], decided)
         if resume_at < starts[1]:  # ... and, resumed outside a trial, the same steps: nothing was left untimed
             assert ran == uninterrupted
+    # a re-check the guard asked for (at lowrank's admission, where it waits for a window's readings) is saved too
+    auto.lowrank_asks = True
+    fresh = plan.Planner(auto.s).auto
+    fresh.modes = ("none", "bf16", "fp8")
+    fresh.offer_guarded()
+    fresh.load_state_dict(auto.state_dict())
+    assert fresh.lowrank_asks and fresh.next_check == auto.next_check
 
 
 def test_a_recheck_keeps_no_lowrank_measured_slower_or_refused_and_asks_no_confirmation():

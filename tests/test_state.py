@@ -270,7 +270,8 @@ def test_every_mode_of_the_table_registers_and_trains_a_step(name):
         assert isinstance(hook_state, powerSGD_hook.PowerSGDState) == (name == "torch-powersgd")
         return
     assert isinstance(state, hetcomm.HookState) and state.iter == 3
-    assert state.compression == name.split("+")[0].replace("-no-ef", "")
+    assert state.compression == name.split("+")[0].replace("-no-ef", "").replace("-no-lowrank", "")
+    assert (state.candidates is not None and "lowrank" not in state.candidates) == name.endswith("-no-lowrank")
     assert state.error_feedback == (not name.endswith("-no-ef"))
     assert (state._attached == "sgd") == ("+m" in name)
     assert (state._lr_source is not None) == ("+m" in name or name.endswith("+lr"))  # attaching follows the rate
@@ -384,7 +385,8 @@ def test_a_wire_suffix_sets_a_lowrank_modes_factors_wire():
 def test_mode_table_plain_modes_are_hookstates_with_defaults():
     assert set(hetcomm.modes.HETCOMM) == {"none", "fp16", "bf16", "auto-precision", "fp8", "int3", "onebit", "topk",
                                           "lowrank", "auto"}
-    assert not any(hetcomm.modes.get(n).plain for n in ("onebit+m", "topk-no-ef", "torch-powersgd", "fp32"))
+    assert not any(hetcomm.modes.get(n).plain for n in ("onebit+m", "topk-no-ef", "auto-no-lowrank", "torch-powersgd",
+                                                        "fp32"))
 
 
 def test_mode_table_names_its_choices():
