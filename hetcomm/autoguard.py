@@ -228,8 +228,9 @@ class GuardedLowrank:
             if running and not self._runs_guarded(best) and not any(self._guarded(c[0]) for c in running):
                 # the plans that run have no lowrank, and lowrank's round wins not by its margin: the decision
                 # that chose them stands (it weighed the other rounds by the hysteresis and every cycle). By the
-                # fastest round alone the admission at step 30 took int3 flat from int3 across nodes on 3-9 digits
-                # runs of 16 (2 x 2 testbed, 100 Mbit; bench/README "A re-check for lowrank measures lowrank")
+                # fastest round alone the admission at step 30 took int3 flat from int3 across nodes on 3 digits runs
+                # of 16 with each optimizer (2 x 2 testbed, 100 Mbit; bench/README "A re-check for lowrank measures
+                # lowrank")
                 return
             for k in self._order:
                 self.decided[k] = self._candidate_in_round(k, best)

@@ -156,8 +156,9 @@ class TrialRounds:
         self.confirm_at = None  # a trial that starts for another reason measures what it would have
         # a re-check asked for lowrank (the guard's, a confirmation) measures its round against the running plans
         # alone, unless the schedule's is due too: the others were measured by the trial before, and on digits (2 x 2
-        # testbed, 100 Mbit), where lowrank cannot win by its margin, those re-checks' other rounds took int3 flat on
-        # 3 runs of 16 by a noisy cycle (bench/README "A re-check for lowrank measures lowrank")
+        # testbed, 100 Mbit), where lowrank cannot win by its margin, such re-checks and the admission took int3 flat
+        # from int3 across nodes at steps 40-60 on 7 and 11 runs of 16 (SGD-m, AdamW; bench/README "A re-check for
+        # lowrank measures lowrank")
         self._for_lowrank = self._rechecking and not full and (self._confirming or self.lowrank_asks) and \
             self.compressed_steps < self.next_check
         self.lowrank_asks = False
