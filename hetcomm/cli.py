@@ -217,7 +217,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr.add_argument("--tasks", type=choices_list(list(bench_tasks.TASKS), "task"), default=bench_tasks.DEFAULT_TASKS,
                     help="comma-separated tasks (wide: digits with a 4x wider MLP, bound by communication on a "
                          "slow link; cnn: digits through convolutions with batch norm; wide-regress: the regression "
-                         "through 1024-wide layers, a gradient rank 4 does not carry; none run unless named)")
+                         "through 1024-wide layers, a gradient rank 4 does not carry; rnn: the language model's text "
+                         "through an LSTM; none run unless named)")
     tr.add_argument("--optims", type=choices_list(bench_train.OPTIMIZERS, "optimizer"),
                     default=bench_train.DEFAULT_OPTIMIZERS,
                     help=bench_train.OPTIMIZERS_HELP)

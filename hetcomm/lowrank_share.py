@@ -52,17 +52,18 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     energy) of the matrix ``g``, with a private generator, so the caller's
     random stream is untouched.
 
-    A randomized range finder (Halko et al.) for the largest r, with
-    POWER_STEPS power steps unless its first basis holds the whole matrix
-    (a gradient of a batch smaller than its columns: its values are then
-    exact). Above EXACT_UP_TO in both dimensions, at r + OVERSAMPLE
-    columns, its estimates are from below. Up to it, within EXACT_TOL of the
+    A randomized range finder (Halko et al.) for the largest r, stopping at
+    its first basis where that holds the whole matrix (a gradient of a batch
+    smaller than its columns: its values are then exact). Above EXACT_UP_TO
+    in both dimensions, at r + OVERSAMPLE columns and POWER_STEPS power
+    steps, its estimates are from below. Up to it, within EXACT_TOL of the
     total energy of the exact ones: at 2 r + OVERSAMPLE columns, a
     projection's singular values are each at most the matrix's, so each
     top-r sum misses at most the energy its basis leaves out, the total less
     the projection's, which it checks; over EXACT_TOL of the total, one pass
-    at twice the columns, and over it still (or where 4 x those columns
-    exceed the smaller side), the exact singular values.
+    at twice the columns (no power steps: since 2026-12-04), and over it
+    still (or where 4 x those columns exceed the smaller side), the exact
+    singular values (:func:`_energies`).
 
     A step's gradient of a batch of b samples has rank b at most: digits'
     256 x 256 weight (32 samples a rank) held all but 4e-7 of its energy or
@@ -89,8 +90,14 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     basis = _range(gf, k, gen)
     for step in range(POWER_STEPS + 1):
         b = _projection(gf, basis)
-        if step == POWER_STEPS or (step == 0 and _left_out(b, total) <= EXACT_TOL * total):
-            break  # inside the first basis whole (a gradient of a batch under k): the power steps would not move it
+        if step == POWER_STEPS or (step == 0 and (small or _left_out(b, total) <= EXACT_TOL * total)):
+            # inside the first basis whole (a gradient of a batch under k): the power steps would not move it; up to
+            # EXACT_UP_TO they are skipped in any case: a basis of k columns bounds the error only where it holds
+            # all but EXACT_TOL, which a matrix of rank over k misses after them too, and twice the columns below
+            # hold a batch's gradient in one pass (an LSTM's full-rank matrices went through them to the exact
+            # values: its reading 3.9 ms of one thread against 5.1 with them, bench/README "The guard's readings
+            # from the Gram matrix")
+            break
         basis = torch.linalg.qr(gf @ b.t())[0]
     if small and _left_out(b, total) > EXACT_TOL * total:
         # a batch's gradient of rank over k (32 samples, the guard's 26 columns) fits in twice as many columns
@@ -98,7 +105,7 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
         b = _projection(gf, _range(gf, wide, gen)) if 4 * wide <= min(g.shape) else None
         if b is None or _left_out(b, total) > EXACT_TOL * total:
             return _exact(g, ranks)
-    s2 = _svdvals(b.double()).pow(2)
+    s2 = _energies(b.double())
     return [float(s2[:r].sum()) for r in ranks], total
 
 
@@ -122,17 +129,22 @@ def _left_out(b: torch.Tensor, total: float) -> float:
 
 
 def _exact(g: torch.Tensor, ranks) -> Tuple[list, float]:
-    """:func:`top_shares` from the singular values (of the tall orientation:
-    LAPACK took twice as long on a wide matrix as on its transpose)."""
-    s2 = _svdvals((g if g.shape[0] >= g.shape[1] else g.t()).double()).pow(2)  # their sum is the energy
+    """:func:`top_shares` from the exact squared singular values."""
+    s2 = _energies(g.double())  # their sum is the energy
     return [float(s2[:r].sum()) for r in ranks], float(s2.sum())
 
 
-def _svdvals(a: torch.Tensor) -> torch.Tensor:
-    """Singular values; on a GPU by cuSOLVER's QR-based gesvd: torch's default
-    there, the Jacobi gesvdj, failed to converge on a reading of digits'
-    gradient on an H200 (2026-11-30) and warned while torch fell back to gesvd."""
-    return torch.linalg.svdvals(a, driver="gesvd") if a.is_cuda else torch.linalg.svdvals(a)
+def _energies(a: torch.Tensor) -> torch.Tensor:
+    """The squared singular values of ``a`` (float64), largest first: the
+    eigenvalues of its Gram matrix over its smaller side. Their error is
+    that of float64 arithmetic on the largest, some 1e-14 of the energy
+    against EXACT_TOL's 1e-6; LAPACK's singular values took 5x as long (the
+    guard's reading of digits' 256 x 256 weight: 0.9 of its 1.2-1.4 ms, one
+    thread; bench/README "The guard's readings from the Gram matrix"), and
+    cuSOLVER's default Jacobi SVD failed to converge on a reading of digits'
+    gradient on an H200 (2026-11-30)."""
+    gram = a @ a.t() if a.shape[0] <= a.shape[1] else a.t() @ a
+    return torch.linalg.eigvalsh(gram).flip(0).clamp_min(0.0)
 
 
 def top_share(g: torch.Tensor, rank: int, gen: torch.Generator) -> Tuple[float, float]:

@@ -800,6 +800,35 @@ def test_bench_train_cnn_task_is_digits_through_convolutions_with_batch_norm():
         assert abs(torch.nn.functional.cross_entropy(model(cnn.x_test), cnn.y_test).item() - ev["loss"]) > 1e-6
 
 
+def test_bench_train_rnn_task_is_the_language_model_through_an_lstm():
+    """The rnn task: the language model's text, batches and held-out tail
+    through an embedding, two LSTM layers and a linear head; named, never a
+    default; evaluated as the perplexity of the held-out tail."""
+    from hetcomm.benchmarks import tasks
+
+    rnn, lm = tasks.RecurrentLM(), tasks.LanguageModel()
+    assert "rnn" in tasks.TASKS and "rnn" not in tasks.DEFAULT_TASKS
+    assert torch.equal(rnn.train, lm.train) and torch.equal(rnn.held_out, lm.held_out)
+    for t in (rnn, lm):
+        t.seed = 3
+    for a, b in zip(rnn.batch_for(7, 1), lm.batch_for(7, 1)):
+        assert torch.equal(a, b)
+    model = rnn.model()
+    lstm = [m for m in model.modules() if isinstance(m, torch.nn.LSTM)]
+    assert len(lstm) == 1 and lstm[0].num_layers == 2
+    before = rnn.evaluate(model)["perplexity"]
+    _sgd_momentum_steps(rnn, model, 30)
+    starts = torch.arange(0, len(rnn.held_out) - rnn.CTX - 1, rnn.CTX)
+    x = torch.stack([rnn.held_out[s:s + rnn.CTX] for s in starts.tolist()])
+    y = torch.stack([rnn.held_out[s + 1:s + rnn.CTX + 1] for s in starts.tolist()])
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(x).reshape(-1, rnn.vocab), y.reshape(-1)).item()
+    after = rnn.evaluate(model)
+    assert after["loss"] == pytest.approx(expected, rel=1e-6)
+    assert after["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
+    assert after["perplexity"] < 0.7 * before
+
+
 def test_bench_train_bucket_mb_sets_ddp_buckets_for_hetcomm_modes(monkeypatch):
     """DDP's default puts a first bucket of 1 MB before the 25 MB ones: the wide
     model's 4.5 MB gradient goes in two buckets; --bucket-mb 25 makes it one
