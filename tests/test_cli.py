@@ -742,6 +742,19 @@ def _sgd_momentum_steps(task, model, n):
         opt.step()
 
 
+def _a_named_variant_of(variant, base, name, data):
+    """``variant`` is the task ``name``, run only when named, with ``base``'s
+    data (the attributes ``data``) and, for a seed, its batches."""
+    from hetcomm.benchmarks import tasks
+
+    assert name in tasks.TASKS and name not in tasks.DEFAULT_TASKS
+    assert all(torch.equal(getattr(variant, a), getattr(base, a)) for a in data)
+    for t in (variant, base):
+        t.seed = 2
+    for a, b in zip(variant.batch_for(5, 1), base.batch_for(5, 1)):
+        assert torch.equal(a, b)
+
+
 def test_bench_train_wide_regress_task_is_the_regression_through_1024_wide_layers():
     """wide-regress: the regression's data, batches and rates' rule through
     1024-wide layers (a 4.4 MB gradient); named, never a default; its own
@@ -749,12 +762,7 @@ def test_bench_train_wide_regress_task_is_the_regression_through_1024_wide_layer
     from hetcomm.benchmarks import tasks
 
     wide, narrow = tasks.WideRegress(), tasks.Regress()
-    assert "wide-regress" in tasks.TASKS and "wide-regress" not in tasks.DEFAULT_TASKS
-    assert torch.equal(wide.x, narrow.x) and torch.equal(wide.y, narrow.y)
-    for t in (wide, narrow):
-        t.seed = 2
-    for a, b in zip(wide.batch_for(5, 1), narrow.batch_for(5, 1)):
-        assert torch.equal(a, b)
+    _a_named_variant_of(wide, narrow, "wide-regress", ("x", "y"))
     model = wide.model()
     assert [m.out_features for m in model if isinstance(m, torch.nn.Linear)] == [1024, 1024, 1]
     assert sum(p.numel() for p in model.parameters()) == 32 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 + 1
@@ -807,12 +815,7 @@ def test_bench_train_rnn_task_is_the_language_model_through_an_lstm():
     from hetcomm.benchmarks import tasks
 
     rnn, lm = tasks.RecurrentLM(), tasks.LanguageModel()
-    assert "rnn" in tasks.TASKS and "rnn" not in tasks.DEFAULT_TASKS
-    assert torch.equal(rnn.train, lm.train) and torch.equal(rnn.held_out, lm.held_out)
-    for t in (rnn, lm):
-        t.seed = 3
-    for a, b in zip(rnn.batch_for(7, 1), lm.batch_for(7, 1)):
-        assert torch.equal(a, b)
+    _a_named_variant_of(rnn, lm, "rnn", ("train", "held_out"))
     model = rnn.model()
     lstm = [m for m in model.modules() if isinstance(m, torch.nn.LSTM)]
     assert len(lstm) == 1 and lstm[0].num_layers == 2
