@@ -93,10 +93,10 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
         if step == POWER_STEPS or (step == 0 and (small or _left_out(b, total) <= EXACT_TOL * total)):
             # inside the first basis whole (a gradient of a batch under k): the power steps would not move it; up to
             # EXACT_UP_TO they are skipped in any case: a basis of k columns bounds the error only where it holds
-            # all but EXACT_TOL, which a matrix of rank over k misses after them too, and twice the columns below
-            # hold a batch's gradient in one pass (an LSTM's full-rank matrices went through them to the exact
-            # values: its reading 3.9 ms of one thread against 5.1 with them, bench/README "The guard's readings
-            # from the Gram matrix")
+            # all but EXACT_TOL, which a matrix with more than that past its top k singular values misses after them
+            # too, and twice the columns below hold a batch's gradient in one pass at their cost (digits' weight:
+            # 0.51 ms a reading against 0.53 with them; an LSTM's full-rank matrices went through them to the exact
+            # values, 3.9 against 5.1 ms; bench/README "The guard's readings from the Gram matrix")
             break
         basis = torch.linalg.qr(gf @ b.t())[0]
     if small and _left_out(b, total) > EXACT_TOL * total:
