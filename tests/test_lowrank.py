@@ -641,8 +641,8 @@ def test_a_gradient_inside_the_first_basis_is_read_without_power_steps(monkeypat
     whole inside the first basis: its shares are the exact ones, read with
     one QR. Up to EXACT_UP_TO one of rank between those columns and twice
     as many is read by a second pass at once (no power steps: they cannot
-    bring a basis of k columns within EXACT_TOL of a matrix of rank over k),
-    without the exact singular values. Above it one of higher rank runs
+    bring a basis of k columns within EXACT_TOL of a matrix with more than
+    that past its top k singular values), without the exact singular values. Above it one of higher rank runs
     every power step, as Halko et al.'s range finder written out here does,
     and reads what it reads."""
     from hetcomm import lowrank_share
