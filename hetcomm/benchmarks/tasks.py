@@ -1,4 +1,4 @@
-"""The training tasks of `hetcomm bench train`: four kinds, each on CPU in
+"""The training tasks of `hetcomm bench train`, each on CPU in
 seconds to minutes, none downloading anything.
 
 - ``classify``: scikit-learn's digits (real 8x8 images, 10 classes), an MLP;
