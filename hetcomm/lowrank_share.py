@@ -87,24 +87,24 @@ def top_shares(g: torch.Tensor, ranks, gen: torch.Generator) -> Tuple[list, floa
     # over half of a reading's 15 ms on a 1024 x 1104 matrix, one thread)
     total = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
     gf = g.float()  # float32 products: a share, not a bit-exact quantity
-    basis = _range(gf, k, gen)
-    for step in range(POWER_STEPS + 1):
-        b = _projection(gf, basis)
-        if step == POWER_STEPS or (step == 0 and (small or _left_out(b, total) <= EXACT_TOL * total)):
-            # inside the first basis whole (a gradient of a batch under k): the power steps would not move it; up to
-            # EXACT_UP_TO they are skipped in any case: a basis of k columns bounds the error only where it holds
-            # all but EXACT_TOL, which a matrix with more than that past its top k singular values misses after them
-            # too, and twice the columns below hold a batch's gradient in one pass at their cost (digits' weight:
-            # 0.51 ms a reading against 0.53 with them; an LSTM's full-rank matrices went through them to the exact
-            # values, 3.9 against 5.1 ms; bench/README "The guard's readings from the Gram matrix")
-            break
-        basis = torch.linalg.qr(gf @ b.t())[0]
-    if small and _left_out(b, total) > EXACT_TOL * total:
-        # a batch's gradient of rank over k (32 samples, the guard's 26 columns) fits in twice as many columns
-        wide = 2 * k
-        b = _projection(gf, _range(gf, wide, gen)) if 4 * wide <= min(g.shape) else None
-        if b is None or _left_out(b, total) > EXACT_TOL * total:
-            return _exact(g, ranks)
+    b = _projection(gf, _range(gf, k, gen))
+    if small:
+        # no power steps up to EXACT_UP_TO: a basis of k columns bounds the error only where it holds all but
+        # EXACT_TOL, which a matrix with more than that past its top k singular values misses after them too, and
+        # twice the columns hold a batch's gradient in one pass at their cost (digits' weight: 0.51 ms a reading
+        # against 0.53 with them; an LSTM's full-rank matrices went through them to the exact values, 3.9 against
+        # 5.1 ms; bench/README "The guard's readings from the Gram matrix")
+        if _left_out(b, total) > EXACT_TOL * total:
+            # a batch's gradient of rank over k (32 samples, the guard's 26 columns) fits in twice as many columns
+            wide = 2 * k
+            b = _projection(gf, _range(gf, wide, gen)) if 4 * wide <= min(g.shape) else None
+            if b is None or _left_out(b, total) > EXACT_TOL * total:
+                return _exact(g, ranks)
+    # over EXACT_UP_TO the power steps, unless the first basis holds the whole matrix (a gradient of a batch under k:
+    # the power steps would not move its values)
+    elif _left_out(b, total) > EXACT_TOL * total:
+        for _ in range(POWER_STEPS):
+            b = _projection(gf, torch.linalg.qr(gf @ b.t())[0])
     s2 = _energies(b.double())
     return [float(s2[:r].sum()) for r in ranks], total
 
