@@ -32,7 +32,8 @@ def _rounds(world: int) -> List[List[tuple]]:
 #: keeps one median per link class, so a sample of pairs does: every pair would
 #: take world - 1 rounds (1.3-1.9 s on 2 x 2 ranks at 100 Mbit, 1.05-1.12 s
 #: sampled; 4 x 4: 13.5-13.9 s, 2.7-3.3 s sampled; with the large message
-#: sized by doubling, :func:`probe_next`: 0.60-0.70 s and 1.8-2.1 s).
+#: sized by doubling, :func:`probe_next`: 0.60-0.70 s and 1.8-2.1 s; repeated
+#: for PROBE_REPEATS_S, :func:`large_repeats`: 0.32-0.33 s and 1.0 s).
 PROBE_MAX_ROUNDS = 8
 
 
@@ -62,6 +63,22 @@ def _schedule(nodes: List[str], max_rounds: int = PROBE_MAX_ROUNDS) -> List[List
 #: 3.2-3.6 s, bandwidth within 0.88-1.01x of the rate (1 MiB: 0.80-0.95x).
 PROBE_BUDGET_S = 0.05
 PROBE_SIZING = 64 << 10  # bytes of the first sizing exchange (also the large message's least size)
+#: The large message's repeats take about this long in round trips: at most
+#: ``reps``, at least 2, and the sizing's own exchange of that size counts as
+#: one more. At 100 Mbit (512 KiB, 84 ms a round trip) 2 repeats, not 5: on
+#: the 2 x 2 testbed the probe took 0.32-0.33 s against 0.56-0.57 (4 x 4:
+#: 1.0 s against 1.75-1.78; 10 Mbit: 0.45 against 0.76), the bandwidth it read
+#: the same (103.9-104.2 Mbit/s both ways); at 1 Gbit (1 MiB in 17 ms a round
+#: trip or less) all 5, as before.
+PROBE_REPEATS_S = 0.15
+
+
+def large_repeats(one_way_s: float, reps: int, budget_s: float = PROBE_REPEATS_S) -> int:
+    """How many more times the probe sends its large message, whose one
+    transfer took ``one_way_s``: as many round trips as fit in ``budget_s``,
+    at least 2, at most ``reps``."""
+    fit = int(budget_s / (2 * one_way_s)) if one_way_s > 0 else reps
+    return min(reps, max(2, fit))
 
 
 def probe_next(size: int, one_way_s: float, largest: int, budget_s: float = PROBE_BUDGET_S,
@@ -134,22 +151,27 @@ def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20,
             tag += reps + 1
             nbytes, took = sizing, exchange(peer, first, sizing, 1, tag)
             tag += 2
+            measured = {nbytes: took}  # this side's time of each size the sizing sent
             while True:
-                decision = torch.zeros(1, dtype=torch.float32, device=device)
+                decision = torch.zeros(2, dtype=torch.float32, device=device)  # the next size, or the last; repeats
                 if first:  # powers of two up to 2**24 bytes are exact in a float32
-                    decision.fill_(probe_next(nbytes, took, large, smallest=sizing))
+                    step = probe_next(nbytes, took, large, smallest=sizing)
+                    decision[0] = step
+                    if step < 0:
+                        decision[1] = large_repeats(measured[-step], reps)
                     t.send(decision, peer, tag)
                 else:
                     t.recv(decision, peer, tag)
                 sync(device)
-                step = int(decision.item())
+                step = int(decision[0].item())
                 if step < 0:
-                    nbytes = -step
+                    nbytes, repeats = -step, int(decision[1].item())
                     break
                 nbytes, took = step, exchange(peer, first, step, 1, tag, warm_up=False)  # its exchange: tag + 1
+                measured[nbytes] = took
                 tag += 2
-            mine[(min(a, b), max(a, b))] = (t_small, exchange(peer, first, nbytes, reps, tag, warm_up=False),
-                                             nbytes)
+            t_large = min(measured[nbytes], exchange(peer, first, nbytes, repeats, tag, warm_up=False))
+            mine[(min(a, b), max(a, b))] = (t_small, t_large, nbytes)
         t.barrier()
     gathered: List[Optional[dict]] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)

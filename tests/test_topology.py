@@ -124,6 +124,17 @@ def test_probe_sizes_its_large_message_to_the_link(mbit, expected_kib):
     assert probing.probe_next(64 << 10, 0.06, 1 << 20) == -(64 << 10)  # never below the least
 
 
+def test_the_large_message_repeats_for_its_budget_of_round_trips():
+    """As many more exchanges of the large message as fit in PROBE_REPEATS_S
+    of round trips, at least 2, never more than the probe's reps."""
+    one_way = lambda nbytes, mbit: nbytes * 8 / (mbit * 1e6)  # noqa: E731
+    assert probing.large_repeats(one_way(512 << 10, 100), 5) == 2  # 84 ms a round trip: 1 fits, 2 at least
+    assert probing.large_repeats(one_way(64 << 10, 10), 5) == 2  # 10 Mbit: its 64 KiB in 52 ms
+    assert probing.large_repeats(one_way(1 << 20, 1000), 5) == 5  # 1 Gbit: 17 ms a round trip, 8 would fit
+    assert probing.large_repeats(0.02, 5) == 3 and probing.large_repeats(0.02, 5, budget_s=0.2) == 5
+    assert probing.large_repeats(0.02, 1) == 1 and probing.large_repeats(0.0, 4) == 4
+
+
 def test_planner_prefers_hierarchy_for_big_buckets_on_slow_inter_node_links():
     t = _topo(["a"] * 4 + ["b"] * 4)
     big = planner.plan(t, 64 << 20)
