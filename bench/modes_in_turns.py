@@ -1,12 +1,16 @@
 """Each MODE of `hetcomm bench train` (its hook as `bench train` registers
 it) for STEPS steps of TASK, the modes in turns and then in reverse, REPS
 times: the mean and median ms a step of steps 40 on, and the plans each
-hetcomm run ended on; run once per rank under torch.distributed's env://
-variables (bench/README
-"lowrank's rounds, fixed for a run; a re-check's steps after a switch"):
+hetcomm run ended on; with SEGMENTS (``A-B,C-D,...``) also each mode's ms a
+step in each segment of steps, the mean over its runs of each run's mean
+there (where a mode's start, readings and re-checks fall); run once per rank
+under torch.distributed's env:// variables (bench/README "lowrank's rounds,
+fixed for a run; a re-check's steps after a switch"; "What auto pays over
+int3, step by step"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit --sched batch -- \\
         python bench/modes_in_turns.py classify sgd 240 2 int3,int3@native,lowrank-r4,fp8,torch-powersgd
+    ... -- python bench/modes_in_turns.py classify adamw 300 3 int3,auto 1-20,20-40,40-60,60-100,100-125,125-160
 """
 import statistics
 import sys
@@ -22,7 +26,9 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     task_name, optim, steps, reps, modes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
         sys.argv[5].split(",")
+    segments = [tuple(int(x) for x in s.split("-")) for s in sys.argv[6].split(",")] if len(sys.argv) > 6 else []
     means = {m: [] for m in modes}
+    times_of = {m: [] for m in modes}
     for mode in (modes + modes[::-1]) * reps:
         task = tasks.TASKS[task_name]()
         torch.manual_seed(0)
@@ -31,6 +37,7 @@ if __name__ == "__main__":
         state, _ = train._register(ddp, mode, opt, steps)
         times = common.timed_steps(ddp, opt, task, rank, steps)
         means[mode].append(1000 * statistics.mean(times[40:]))
+        times_of[mode].append(times)
         if rank == 0:
             plans = {k: (p["mode"], p["algorithm"]) for k, p in state.stats()["plans"].items()} if state else ""
             print(f"{mode}: mean {means[mode][-1]:.2f} median {1000 * statistics.median(times[40:]):.2f} ms {plans}",
@@ -40,4 +47,9 @@ if __name__ == "__main__":
     if rank == 0:
         for m, v in means.items():
             print(f"{m:24s} mean of the runs' means {statistics.mean(v):.2f} ms  (runs: {[round(x, 2) for x in v]})")
+        for m, runs in times_of.items():
+            if segments:
+                print(f"{m:24s} ms a step in steps " + "  ".join(
+                    f"{a}-{b}: {1000 * statistics.mean(statistics.mean(r[a:b]) for r in runs):.2f}"
+                    for a, b in segments if b <= steps))
     dist.destroy_process_group()
