@@ -109,8 +109,9 @@ def probe(nodes: List[str], group=None, small: int = 4096, large: int = 1 << 20,
     (:func:`_schedule`), with tensors on
     ``device`` (a GPU measures its own links: NVLink, PCIe, the network). The
     large message is `large` bytes, or less on a slow link (from 64 KiB up,
-    doubled while :func:`probe_next` says so: the lower rank of each pair
-    decides and tells the other). Collective; identical result on every rank."""
+    doubled while :func:`probe_next` says so, then repeated as
+    :func:`large_repeats` says: the lower rank of each pair decides both and
+    tells the other). Collective; identical result on every rank."""
     from . import _C
 
     device = group_device(group, device)
