@@ -5,8 +5,8 @@ hetcomm run ended on; with SEGMENTS (``A-B,C-D,...``) also each mode's ms a
 step in each segment of steps, the mean over its runs of each run's mean
 there (where a mode's start, readings and re-checks fall); run once per rank
 under torch.distributed's env:// variables (bench/README "lowrank's rounds,
-fixed for a run; a re-check's steps after a switch"; "What auto pays over
-int3, step by step"):
+fixed for a run; a re-check's steps after a switch"; "The probe's large
+message, repeated for its time; ...; what auto pays over int3, step by step"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit --sched batch -- \\
         python bench/modes_in_turns.py classify sgd 240 2 int3,int3@native,lowrank-r4,fp8,torch-powersgd
