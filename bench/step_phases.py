@@ -13,7 +13,9 @@ waited, runnable, for a core (``runq``: where it is not small, the ranks
 share too few cores and the step is bound by the CPU, whatever the link). With CLIP, every step clips
 the gradient at that norm after backward (hetcomm's modes through
 ``HookState.clip_grad_norm_``, PyTorch's hooks through torch's), timed as
-``clip``. OPTIM: ``hetcomm bench train``'s optimizer (sgd: SGD-momentum, the default; adamw), at the
+``clip``. MODE may also be a floor, no training mode: ``no-comm`` (each rank keeps its own gradient: the
+step's compute when the ranks share the machine's cores) or ``barrier`` (that, and one float all-reduced a
+step: the least a synchronised step costs; bench/README "The floor of a step"). OPTIM: ``hetcomm bench train``'s optimizer (sgd: SGD-momentum, the default; adamw), at the
 task's learning rate for it. Run once per rank under torch.distributed's env:// variables
 (bench/README "What the testbed's step is made of", "The language model clipped, and
 clipping's sum moves with the last bucket"):
@@ -39,6 +41,7 @@ from hetcomm.benchmarks import tasks, train
 COLUMNS = ("fwd", "bwd", "clip", "opt", "step", "codec", "comm", "cpu", "faults", "vcsw", "fwd_alone", "bwd_alone",
            "main", "comm_thr", "others", "runq")
 COUNTS = (COLUMNS.index("faults"), COLUMNS.index("vcsw"))  # counts a step, not seconds
+FLOORS = ("no-comm", "barrier")  # not modes: the step with no gradient exchanged, and with one float a step
 
 
 def _counts(before) -> tuple:
@@ -73,6 +76,16 @@ def _thread_split(before: dict, after: dict, steps: int) -> list:
     return [v / 1e6 / max(steps, 1) for v in split]
 
 
+def _floor_hook(barrier: bool, bucket):
+    """The floors' hook: each rank keeps its own gradient (no communication); with ``barrier``, the last
+    bucket of a step also all-reduces one float, so the ranks still meet once a step."""
+    if barrier and bucket.is_last():
+        dist.all_reduce(torch.zeros(1))
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def _plans(st: dict) -> str:
     """Each bucket's mode and algorithm at the end, lowrank's rank and rounds."""
     out = ", ".join(f"{k}: {p['mode']}@{p['algorithm']}" for k, p in sorted(st.get("plans", {}).items()))
@@ -89,10 +102,14 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     task = tasks.TASKS[task_name]()
-    mode = modes.get(mode_name)
-    ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options())  # PowerSGD: one bucket
+    if mode_name in FLOORS:
+        ddp = nn.parallel.DistributedDataParallel(task.model())
+        hook_state, hook, state = mode_name == "barrier", _floor_hook, None
+    else:
+        mode = modes.get(mode_name)
+        ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options())  # PowerSGD: one bucket
+        hook_state, hook, state = mode.comm_hook()
     opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
-    hook_state, hook, state = mode.comm_hook()
     if hook is not None:
         ddp.register_comm_hook(hook_state, hook)
     rows = []
