@@ -24,7 +24,7 @@ log = logging.getLogger("hetcomm")
 class BucketDebts:
     """The carry's bookkeeping; the host class holds ``residuals``,
     ``server_residuals``, ``carry``, ``_carry_sent``, ``plan_of``, ``_loose``,
-    ``_stores()``, ``_size(n)`` and ``_numel_of(sig)``."""
+    ``_adopted``, ``_stores()``, ``_size(n)`` and ``_numel_of(sig)``."""
 
     def _carry_into_residual(self, key: str, numel: int, device: torch.device) -> None:
         """A plan whose worker residual is the whole bucket's, in the carry's
@@ -87,13 +87,24 @@ class BucketDebts:
         reduction. The earlier buckets' other state goes: lowrank's Q and the
         compressed momentum (a new bucket's momentum starts from the
         optimizer's buffer, see HookState). Every rank sees the same layouts,
-        so every rank adopts alike."""
+        so every rank adopts alike.
+
+        Once a bucket has searched, its later steps skip the search (a dense
+        plan keeps no state under its key, and the search over every store
+        cost ~50 us a bucket a step, all buckets' keys each time) until a
+        bucket that shares a parameter with it searches (only such a bucket
+        can leave state that is its owner), a release or a load."""
+        if key in self._adopted and not self._loose:
+            return
         if any(key in store for store in self._stores()):
             return
+        mine = set(sig)
+        self._adopted = {k for k in self._adopted if mine.isdisjoint(sig_of(k))}
         owners = {k for store in self._stores() for k in overlapping(sig, store)}
         for old in sorted(owners):
             self._release(old, device, world, rank, node_of)
         pieces = [self._loose.pop(n, None) for n in sig]
+        self._adopted.add(key)
         if all(p is None for p in pieces):
             return
         held = self._numel_of(sig)
@@ -109,6 +120,7 @@ class BucketDebts:
     def _release(self, key: str, device: torch.device, world: int, rank: int, node_of: Sequence[int]) -> None:
         """A bucket of an earlier layout: its owed error feedback into the
         per-parameter pool, the rest of its state dropped."""
+        self._adopted.clear()  # a layout changed: every bucket looks for its owners again
         sig = sig_of(key)
         numel = self._numel_of(sig)
         if key in self.plan_of:  # residuals (of any codec) into the carry, where they belong in the bucket

@@ -122,6 +122,9 @@ class BucketStates(BucketDebts):
         self._saved_shapes: Optional[List[Tuple[int, ...]]] = None
         #: what a bucket of an earlier layout owed, per parameter number, until a bucket of this step adopts it
         self._loose: Dict[int, torch.Tensor] = {}
+        #: buckets whose adoption found every earlier layout's owners released (BucketDebts.adopt): kept until a
+        #: layout changes again (a release) or a state is loaded
+        self._adopted: set = set()
 
     def has_state(self) -> bool:
         return bool(self.residuals or self.server_residuals or self.lowrank_q or self.momentum or self.carry)
@@ -151,7 +154,7 @@ class BucketStates(BucketDebts):
         self.lowrank_q = restore(sd.get("lowrank_q", {}))
         self.momentum = restore(sd.get("momentum", {}))
         self.carry, self._carry_sent = restore(sd.get("carry", {})), {}
-        self._loose = {}
+        self._loose, self._adopted = {}, set()
         self.plan_of = {str(k): (str(m), bool(h)) for k, (m, h) in sd.get("plans", {}).items()}
         self.layouts, self.denominators, self.sketch_signs = {}, {}, {}
         self._q_ranks = {str(k): int(r) for k, r in sd.get("lowrank_ranks", {}).items()}

@@ -482,6 +482,52 @@ def test_compressed_from_the_first_step_nothing_owed_is_lost_to_ddps_rebuild(pla
     assert place.run(_compressed_from_step_zero, 2, mode, False, place.device)[0][2] > 1e-2
 
 
+def _layouts_in_turn(monkeypatch):
+    """BucketStates alone (no DDP): parameters 0 (3 values) and 1 (2 values); layout L1 holds them in buckets
+    "0" and "1", layout L2 in one bucket "0,1" whose plan is dense (it keeps no state of its own). Counts the
+    searches for owners (``overlapping``) as it goes."""
+    from hetcomm import bucket_debts, buckets
+
+    searches = []
+    real = bucket_debts.overlapping
+    monkeypatch.setattr(bucket_debts, "overlapping", lambda sig, keys: searches.append(sig) or real(sig, keys))
+    states = buckets.BucketStates()
+    sig_a, sig_b = states.params.signature([torch.zeros(3)]), states.params.signature([torch.zeros(2)])
+    sig_c = sig_a + sig_b
+    states.params.frozen = True
+
+    def adopt(sig):
+        states.adopt(sig, ",".join(map(str, sig)), states._numel_of(sig), torch.device("cpu"), 1, 0, [])
+
+    return states, searches, adopt, (sig_a, sig_b, sig_c)
+
+
+def test_a_bucket_that_adopted_skips_the_search_while_no_layout_changes(monkeypatch):
+    states, searches, adopt, (_, _, sig_c) = _layouts_in_turn(monkeypatch)
+    adopt(sig_c)
+    first = len(searches)
+    assert first > 0  # its first step searched every store
+    for _ in range(5):  # a dense plan keeps nothing under its key: before, every step searched again
+        adopt(sig_c)
+    assert len(searches) == first
+
+
+def test_a_bucket_that_adopted_takes_what_a_bucket_of_the_other_layout_owes_again(monkeypatch):
+    # L1 -> L2 -> L1 -> L2: the second time L2's bucket must take over what L1's bucket came to owe in between
+    # (an adoption remembered across it would leave that debt to be dropped with L1's stale state)
+    states, _, adopt, (sig_a, sig_b, sig_c) = _layouts_in_turn(monkeypatch)
+    adopt(sig_a), adopt(sig_b)
+    states.carry["0"], states.carry["1"] = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0])
+    adopt(sig_c)
+    assert torch.equal(states.carry.pop("0,1"), torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))  # then delivered
+    assert "0" not in states.carry and "1" not in states.carry
+    adopt(sig_a)  # L1 again: its first bucket comes to owe something
+    states.carry["0"] = torch.tensor([7.0, 8.0, 9.0])
+    adopt(sig_c)
+    assert torch.equal(states.carry["0,1"], torch.tensor([7.0, 8.0, 9.0, 0.0, 0.0]))
+    assert "0" not in states.carry
+
+
 def _saved_server_residual(rank, world):
     """A state saved where two ranks still kept onebit's server residuals
     (the two phases), resumed where they exchange whole messages: what those
