@@ -91,7 +91,8 @@ class BucketDebts:
 
         Once a bucket has searched, its later steps skip the search (a dense
         plan keeps no state under its key, and the search over every store
-        cost ~50 us a bucket a step, all buckets' keys each time) until a
+        cost 30-40 us a bucket a step on 7-11 buckets, all buckets' keys each
+        time; bench/README "The hook's own CPU a bucket") until a
         bucket that shares a parameter with it searches (only such a bucket
         can leave state that is its owner), a release or a load."""
         if key in self._adopted and not self._loose:

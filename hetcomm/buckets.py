@@ -123,7 +123,7 @@ class BucketStates(BucketDebts):
         #: what a bucket of an earlier layout owed, per parameter number, until a bucket of this step adopts it
         self._loose: Dict[int, torch.Tensor] = {}
         #: buckets whose adoption found every earlier layout's owners released (BucketDebts.adopt): kept until a
-        #: layout changes again (a release) or a state is loaded
+        #: bucket sharing one of their parameters searches, a release or a load
         self._adopted: set = set()
 
     def has_state(self) -> bool:
