@@ -115,6 +115,7 @@ class BucketSteps:
         if self._lr_source is not None and self.error_feedback:
             self._follow_lr()
         nonfinite = engine.nonfinite_steps()
+        self._discards.check(self.iter, nonfinite)
         if nonfinite > self._nonfinite_seen:
             # Once per power of two: a diverged run has a NaN every step, and
             # GradScaler's occasional overflows are routine.
@@ -282,6 +283,10 @@ class BucketSteps:
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
+        if (residual is not None or carry is not None or momentum is not None) and not self._joined \
+                and self._discards.wants(self.iter):  # this gradient feeds state the next steps repay
+            self._discards.note(self.iter, self._buckets.params.param(bucket.sig[0]),
+                                p.mode + (" of the attached momentum" if momentum is not None else ""))
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
             if self._joined and self._sketch.on:
                 raise RuntimeError(

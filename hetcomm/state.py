@@ -12,7 +12,7 @@ from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import buckets, clip, options, plan
+from . import buckets, clip, discards, options, plan
 from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
 from .attach import OptimizerLink
 from .hooks import BucketSteps
@@ -268,6 +268,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self._scaler: Optional[Any] = None  # a weak reference to this rank's hetcomm.amp.GradScaler
         self._loss_scale = 1.0  # the scale the engine divides this rank's buckets by
         self._sketch = clip.NormSketch()  # clip_grad_norm_'s estimate of the reduced gradient's norm
+        self._discards = discards.DiscardWatch()  # a reduced gradient no optimizer stepped: warned once
         self._lowrank_share = LowrankShare()  # whether lowrank's rank carries the gradient (read now and then)
         self._steps_done = 0  # steps reduced by this state object (iter, unlike it, is restored by load_state_dict)
         #: This rank's compute precision (its hetcomm.amp.GradScaler's), None without one.
@@ -361,6 +362,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         if self._engine is not None:
             self._engine.close()
         self._sketch.close()
+        self._discards.close()
         self._closed = True
         group, self._process_group = self._process_group, None
         if group is not None and self._own_group == os.getpid():  # (not in a forked child: the parent's group)

@@ -745,3 +745,93 @@ def test_a_tied_lm_under_activation_checkpointing_and_accumulation_trains_in_eve
     results = run_ranks(each_mode, 2, _tied_lm, EVERY_MODE, reentrant)
     assert all(results[0][how]["tied"] for how in EVERY_MODE)
     _every_mode_learns_in_step(results)
+
+
+def _discarded(rank, world, mode, how):
+    """A GAN's loop on D: D's step, then the generator's backward through D's
+    DDP model, D's gradient of it zeroed before D's next step (``how``:
+    "reduced" through the hook, "no_sync", "none": not run; "accumulate": two
+    reduced backwards, then D's step; "overflow": one backward a step, rank 0's
+    gradient not finite at step 3 and that step's optimizer step skipped, as
+    GradScaler does; "lbfgs": LBFGS's step, its closure's backwards inside
+    it). A second optimizer (the generator's, on a parameter of its own)
+    steps after the generator's backward. D's final parameters and hetcomm's
+    warnings."""
+    import logging
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Catch(level=logging.WARNING)
+    logging.getLogger("hetcomm").addHandler(handler)
+    try:
+        d = _gan_start()
+        ddp = DDP(d)
+        state, opt = _hooked(ddp, mode, 0)
+        z = nn.Parameter(torch.zeros(32))  # the generator (at lr 0: D's runs compare to the bit)
+        opt_g = torch.optim.SGD([z], lr=0.0)
+        softplus = nn.functional.softplus
+        if how == "lbfgs":  # a closure's backwards inside the optimizer's step: consumed there
+            opt = torch.optim.LBFGS(d.parameters(), lr=0.1, max_iter=3)
+        for step in range(6):
+            x = models.batch(rank, step, 16)[0]
+            if how == "lbfgs":
+
+                def closure():
+                    opt.zero_grad()
+                    loss = softplus(-ddp(x + 1)).mean() + softplus(ddp(x)).mean()
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)
+                continue
+            opt.zero_grad()
+            loss = softplus(-ddp(x + 1)).mean() + softplus(ddp((x + z).detach())).mean()
+            if how == "overflow" and step == 3 and rank == 0:
+                loss = loss * float("inf")
+            loss.backward()
+            if how == "accumulate":
+                softplus(-ddp(x - 1)).mean().backward()
+            if all(torch.isfinite(p.grad).all() for p in d.parameters()):
+                opt.step()
+            if how in ("reduced", "no_sync"):
+                with ddp.no_sync() if how == "no_sync" else contextlib.nullcontext():
+                    softplus(-ddp(x + z)).mean().backward()
+                opt_g.step()
+        if state is not None:
+            state.close()
+    finally:
+        logging.getLogger("hetcomm").removeHandler(handler)
+    return {"params": models.flat_params(d), "warned": [m for m in seen if "before any optimizer stepped" in m]}
+
+
+def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
+    """A GAN's generator step through the discriminator's DDP model reduces a
+    gradient no optimizer applies: with error feedback, what that message owed
+    and repaid goes into D's next steps. hetcomm warns once, naming no_sync,
+    which leaves D's run exactly as without that backward. Not warned: the
+    same under no_sync, without error feedback (mode none), where the step
+    skipped was not finite (it left the state untouched), or for LBFGS's
+    closure, whose backwards run inside its step. Accumulating
+    without no_sync reads the same, and is told how to save the exchanges."""
+    runs = {(m, h): run_ranks(_discarded, 2, m, h) for m, h in (
+        ("int3", "reduced"), ("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "accumulate"),
+        ("int3", "overflow"), ("int3", "lbfgs"))}
+    for r in runs[("int3", "reduced")]:
+        assert len(r["warned"]) == 1 and "step 1 reduced buckets with error feedback (int3)" in r["warned"][0]
+        assert "ddp.no_sync()" in r["warned"][0] and "GAN" in r["warned"][0]
+    alone, no_sync, reduced = (runs[("int3", h)][0]["params"] for h in ("none", "no_sync", "reduced"))
+    assert torch.equal(no_sync, alone)  # the generator's backward under no_sync touched nothing of hetcomm's
+    assert (reduced - alone).norm() > 0.05 * (alone - models.flat_params(_gan_start())).norm()  # what it leaks
+    for key in (("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "overflow"), ("int3", "lbfgs")):
+        assert all(r["warned"] == [] for r in runs[key]), (key, runs[key][0]["warned"])
+    for r in runs[("int3", "accumulate")]:
+        assert len(r["warned"]) == 1 and "accumulate gradients" in r["warned"][0]
+
+
+def _gan_start() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))

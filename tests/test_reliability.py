@@ -193,12 +193,14 @@ def _warnings_of_a_diverged_run(rank, world, steps):
     ddp = DDP(model, bucket_cap_mb=0.02)
     state = hetcomm.HookState("onebit", min_compress_numel=1000)
     ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for step in range(steps):
         x, y = models.batch(rank, step, 16)
         if step >= 2:
             x[0, 0] = float("nan")  # every step from 2 on: a run that diverged
-        ddp.zero_grad()
+        opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
     return [r.getMessage() for r in records], state.stats()["nonfinite_steps"]
 
 

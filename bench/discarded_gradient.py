@@ -1,0 +1,80 @@
+"""A gradient reduced and then thrown away, under error feedback: a toy GAN's
+discriminator D (an MLP on 64 features, SGD with momentum 0.9, lr 0.05) trains
+for STEPS steps on two gloo ranks; after each of its steps a "generator step"
+runs a backward of the generator's loss through D's DDP model, whose gradient
+on D is then zeroed before D's next step, as a GAN loop does. Per mode, D's
+weights at the end against fp32's (DDP's own all-reduce, the same loop): the
+generator's backward reduced through the hook (``reduced``), under
+``ddp.no_sync()`` (``no_sync``), and not run at all (``none``), as the distance
+to fp32's weights over the distance fp32's weights moved from the start
+(bench/README "A gradient thrown away after its exchange"):
+
+    torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS]]
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcomm
+
+
+def _discriminator() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def run(mode: str, generator_step: str, steps: int, rank: int) -> torch.Tensor:
+    d = _discriminator()
+    ddp = DDP(d)
+    state = None
+    if mode == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        ddp.register_comm_hook(ps.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2),
+                               ps.powerSGD_hook)
+    elif mode != "fp32":
+        state = hetcomm.HookState(mode, min_compress_numel=0)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(d.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank + 1)
+    softplus = nn.functional.softplus
+    for _ in range(steps):
+        real, fake = torch.randn(32, 64, generator=g) + 1, torch.randn(32, 64, generator=g)
+        opt.zero_grad()
+        (softplus(-ddp(real)).mean() + softplus(ddp(fake)).mean()).backward()
+        opt.step()
+        if generator_step == "reduced":
+            softplus(-ddp(fake)).mean().backward()  # D's gradient of it: zeroed before D's next step
+        elif generator_step == "no_sync":
+            with ddp.no_sync():
+                softplus(-ddp(fake)).mean().backward()
+    if state is not None:
+        state.close()
+    return _flat(d)
+
+
+def main() -> None:
+    modes = (sys.argv[1] if len(sys.argv) > 1 else "int3,lowrank,fp8,onebit,topk,torch-powersgd").split(",")
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ref = run("fp32", "reduced", steps, rank)
+    moved = float((ref - _flat(_discriminator())).norm())
+    for mode in modes:
+        line = []
+        for how in ("reduced", "no_sync", "none"):
+            line.append(f"{how} {float((run(mode, how, steps, rank) - ref).norm()) / moved:.4f}")
+        if rank == 0:
+            print(f"{mode:15s} D's distance to fp32's / fp32's travel, the generator's backward: " + ", ".join(line),
+                  flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
