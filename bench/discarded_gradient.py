@@ -6,8 +6,13 @@ on D is then zeroed before D's next step, as a GAN loop does. Per mode, D's
 weights at the end against fp32's (DDP's own all-reduce, the same loop): the
 generator's backward reduced through the hook (``reduced``), under
 ``ddp.no_sync()`` (``no_sync``), and not run at all (``none``), as the distance
-to fp32's weights over the distance fp32's weights moved from the start
-(bench/README "A gradient thrown away after its exchange"):
+to fp32's weights over the distance fp32's weights moved from the start.
+Then Lightning's flow (``toggle``): a generator and D in one DDP model
+(``find_unused_parameters=True``), each step's parameters of the other
+optimizer switched off (``toggle_optimizer``), each optimizer zeroing after
+its step; the whole pair's distance to fp32's the same way, and with a DDP
+model (and a HookState) each, no parameter left unused (bench/README
+"A gradient thrown away after its exchange"):
 
     torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS]]
 """
@@ -59,6 +64,85 @@ def run(mode: str, generator_step: str, steps: int, rank: int) -> torch.Tensor:
     return _flat(d)
 
 
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = _discriminator()
+        self.g = nn.Linear(8, 64)
+
+    def forward(self, z, x=None):
+        fake = self.g(z)
+        return self.d(fake) if x is None else (self.d(x), self.d(fake.detach()))
+
+
+def run_toggled(mode: str, steps: int, rank: int):
+    """Lightning's GAN step with toggle_optimizer, both models in one DDP model: (final, initial) parameters."""
+    pair = _Pair()
+    start = _flat(pair)
+    ddp = DDP(pair, find_unused_parameters=True)
+    state = None
+    if mode != "fp32":
+        state = hetcomm.HookState(mode, min_compress_numel=0)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
+    opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank + 1)
+    softplus = nn.functional.softplus
+
+    def toggle(opt):
+        own = {id(p) for group in opt.param_groups for p in group["params"]}
+        for p in pair.parameters():
+            p.requires_grad_(id(p) in own)
+
+    for _ in range(steps):
+        x, z = torch.randn(32, 64, generator=g) + 1, torch.randn(32, 8, generator=g)
+        toggle(opt_g)
+        softplus(-ddp(z)).mean().backward()
+        opt_g.step()
+        opt_g.zero_grad()
+        toggle(opt_d)
+        real, fake = ddp(z, x)
+        (softplus(-real).mean() + softplus(fake).mean()).backward()
+        opt_d.step()
+        opt_d.zero_grad()
+    for p in pair.parameters():
+        p.requires_grad_(True)
+    if state is not None:
+        state.close()
+    return _flat(pair), start
+
+
+def run_separate(mode: str, steps: int, rank: int) -> torch.Tensor:
+    """The same GAN steps with a DDP model (and a HookState) each: the generator's backward with D switched off,
+    D's with the fakes made without a graph. Its final parameters."""
+    pair = _Pair()
+    ddp_g, ddp_d = DDP(pair.g), DDP(pair.d)
+    states = []
+    if mode != "fp32":
+        for ddp in (ddp_g, ddp_d):
+            states.append(hetcomm.HookState(mode, min_compress_numel=0))
+            ddp.register_comm_hook(states[-1], hetcomm.hook)
+    opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
+    opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank + 1)
+    softplus = nn.functional.softplus
+    for _ in range(steps):
+        x, z = torch.randn(32, 64, generator=g) + 1, torch.randn(32, 8, generator=g)
+        pair.d.requires_grad_(False)
+        softplus(-pair.d(ddp_g(z))).mean().backward()
+        opt_g.step()
+        opt_g.zero_grad()
+        pair.d.requires_grad_(True)
+        with torch.no_grad():
+            fake = pair.g(z)
+        (softplus(-ddp_d(x)).mean() + softplus(ddp_d(fake)).mean()).backward()
+        opt_d.step()
+        opt_d.zero_grad()
+    for st in states:
+        st.close()
+    return _flat(pair)
+
+
 def main() -> None:
     modes = (sys.argv[1] if len(sys.argv) > 1 else "int3,lowrank,fp8,onebit,topk,torch-powersgd").split(",")
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
@@ -73,6 +157,16 @@ def main() -> None:
         if rank == 0:
             print(f"{mode:15s} D's distance to fp32's / fp32's travel, the generator's backward: " + ", ".join(line),
                   flush=True)
+    ref, start = run_toggled("fp32", steps, rank)
+    for mode in modes:
+        if mode == "torch-powersgd":
+            continue  # its hook on find_unused_parameters' zeros: not this script's question
+        final, _ = run_toggled(mode, steps, rank)
+        apart = run_separate(mode, steps, rank)
+        if rank == 0:
+            print(f"{mode:15s} the pair's distance to fp32's / fp32's travel: toggle_optimizer (one DDP model) "
+                  f"{float((final - ref).norm() / (ref - start).norm()):.4f}, a DDP model each "
+                  f"{float((apart - ref).norm() / (ref - start).norm()):.4f}", flush=True)
     dist.destroy_process_group()
 
 

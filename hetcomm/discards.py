@@ -14,7 +14,9 @@ moved in all, 2.4x with lowrank, 4.3x with PyTorch's PowerSGD hook; with
 the generator's step under ``ddp.no_sync()``, 0.009x, as without it.
 
 :class:`DiscardWatch` notes a parameter of each step's first bucket that
-feeds such state (a residual, a carry, the attached momentum) and watches
+feeds such state (a residual, a carry, the attached momentum), one that
+requires a gradient (Lightning's ``toggle_optimizer`` switches the other
+model's off, and no optimizer steps those that step), and watches
 every optimizer's step (a global step pre-hook): where the next step begins
 and no optimizer holding that parameter stepped in between, it warns once.
 Accumulating gradients without ``no_sync`` reads the same (the exchanges are

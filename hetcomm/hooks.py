@@ -285,8 +285,10 @@ class BucketSteps:
                 momentum = self._buckets.residual(store, key, numel, buf.device)
         if (residual is not None or carry is not None or momentum is not None) and not self._joined \
                 and self._discards.wants(self.iter):  # this gradient feeds state the next steps repay
-            self._discards.note(self.iter, self._buckets.params.param(bucket.sig[0]),
-                                p.mode + (" of the attached momentum" if momentum is not None else ""))
+            # a parameter that requires a gradient now (Lightning's toggle_optimizer switches the others off)
+            live = next((q for q in map(self._buckets.params.param, bucket.sig) if q is not None and q.requires_grad),
+                        None)
+            self._discards.note(self.iter, live, p.mode + (" of the attached momentum" if momentum is not None else ""))
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
             if self._joined and self._sketch.on:
                 raise RuntimeError(

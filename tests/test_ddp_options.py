@@ -747,6 +747,36 @@ def test_a_tied_lm_under_activation_checkpointing_and_accumulation_trains_in_eve
     _every_mode_learns_in_step(results)
 
 
+class _GanPair(nn.Module):
+    """A generator and a discriminator in one module (one DDP model), as a LightningModule holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = _gan_start()
+        self.g = nn.Linear(8, 32)
+
+    def forward(self, z, x=None):
+        fake = self.g(z)
+        return self.d(fake) if x is None else self.d(x) - self.d(fake.detach())
+
+
+def _toggled(rank, opt_d, opt_g, pair, ddp, step):
+    """Lightning's GAN step with toggle_optimizer: the generator's step with D's parameters not requiring a
+    gradient (DDP reduces their zeros), then D's with the generator's off; each optimizer zeroes after its step."""
+    z = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+    x = models.batch(rank, step, 16)[0] + 1
+    for opt, loss in ((opt_g, lambda: nn.functional.softplus(-ddp(z)).mean()),
+                      (opt_d, lambda: nn.functional.softplus(-ddp(z, x)).mean())):
+        own = {id(p) for group in opt.param_groups for p in group["params"]}
+        for p in pair.parameters():
+            p.requires_grad_(id(p) in own)
+        loss().backward()
+        opt.step()
+        opt.zero_grad()
+    for p in pair.parameters():
+        p.requires_grad_(True)
+
+
 def _discarded(rank, world, mode, how):
     """A GAN's loop on D: D's step, then the generator's backward through D's
     DDP model, D's gradient of it zeroed before D's next step (``how``:
@@ -754,7 +784,7 @@ def _discarded(rank, world, mode, how):
     reduced backwards, then D's step; "overflow": one backward a step, rank 0's
     gradient not finite at step 3 and that step's optimizer step skipped, as
     GradScaler does; "lbfgs": LBFGS's step, its closure's backwards inside
-    it). A second optimizer (the generator's, on a parameter of its own)
+    it; "toggle": :func:`_toggled`). A second optimizer (the generator's, on a parameter of its own)
     steps after the generator's backward. D's final parameters and hetcomm's
     warnings."""
     import logging
@@ -768,6 +798,16 @@ def _discarded(rank, world, mode, how):
     handler = Catch(level=logging.WARNING)
     logging.getLogger("hetcomm").addHandler(handler)
     try:
+        if how == "toggle":  # both in one DDP model: DDP reduces the switched-off parameters' zeros
+            pair = _GanPair()
+            ddp = DDP(pair, find_unused_parameters=True)
+            state, _ = _hooked(ddp, mode, 0)
+            opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
+            opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.05)
+            for step in range(6):
+                _toggled(rank, opt_d, opt_g, pair, ddp, step)
+            state.close()
+            return {"params": models.flat_params(pair), "warned": [m for m in seen if "before any optimizer" in m]}
         d = _gan_start()
         ddp = DDP(d)
         state, opt = _hooked(ddp, mode, 0)
@@ -815,18 +855,22 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
     which leaves D's run exactly as without that backward. Not warned: the
     same under no_sync, without error feedback (mode none), where the step
     skipped was not finite (it left the state untouched), or for LBFGS's
-    closure, whose backwards run inside its step. Accumulating
+    closure, whose backwards run inside its step, or for a GAN's two steps
+    through one DDP model with Lightning's toggle_optimizer (the other
+    model's parameters switched off: a step notes only one that requires a
+    gradient). Accumulating
     without no_sync reads the same, and is told how to save the exchanges."""
     runs = {(m, h): run_ranks(_discarded, 2, m, h) for m, h in (
         ("int3", "reduced"), ("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "accumulate"),
-        ("int3", "overflow"), ("int3", "lbfgs"))}
+        ("int3", "overflow"), ("int3", "lbfgs"), ("int3", "toggle"))}
     for r in runs[("int3", "reduced")]:
         assert len(r["warned"]) == 1 and "step 1 reduced buckets with error feedback (int3)" in r["warned"][0]
         assert "ddp.no_sync()" in r["warned"][0] and "GAN" in r["warned"][0]
     alone, no_sync, reduced = (runs[("int3", h)][0]["params"] for h in ("none", "no_sync", "reduced"))
     assert torch.equal(no_sync, alone)  # the generator's backward under no_sync touched nothing of hetcomm's
     assert (reduced - alone).norm() > 0.05 * (alone - models.flat_params(_gan_start())).norm()  # what it leaks
-    for key in (("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "overflow"), ("int3", "lbfgs")):
+    for key in (("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "overflow"), ("int3", "lbfgs"),
+                ("int3", "toggle")):
         assert all(r["warned"] == [] for r in runs[key]), (key, runs[key][0]["warned"])
     for r in runs[("int3", "accumulate")]:
         assert len(r["warned"]) == 1 and "accumulate gradients" in r["warned"][0]
