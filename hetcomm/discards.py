@@ -29,11 +29,17 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 import torch
 
 log = logging.getLogger("hetcomm")
+
+
+#: The steps of a state (from its first) in which its stateful buckets are looked through for parameters that
+#: do not require a gradient (switched off by Lightning's toggle_optimizer every step of a GAN's loop): a look at
+#: every parameter of the bucket, so not at every step of a run.
+SWITCHED_OFF_STEPS = 8
 
 
 class DiscardWatch:
@@ -41,6 +47,7 @@ class DiscardWatch:
 
     def __init__(self) -> None:
         self.warned = False
+        self.warned_off = False  # switched-off parameters in a stateful bucket (see see)
         self._param: Optional[weakref.ref] = None  # a parameter of the noted step's first stateful bucket
         self._step = -1
         self._nonfinite = 0  # the engine's count of non-finite steps when the last step began
@@ -67,6 +74,36 @@ class DiscardWatch:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles = [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
+
+    def see(self, step: int, steps_done: int, params: Iterable[Optional[torch.Tensor]], what: str) -> None:
+        """A bucket of step ``step`` (this state's ``steps_done``-th) whose
+        state its gradient feeds: notes a parameter of it that requires a
+        gradient (:meth:`note`) and, in the state's first SWITCHED_OFF_STEPS
+        steps, warns once if some do not (see SWITCHED_OFF_STEPS)."""
+        scan = not self.warned_off and steps_done < SWITCHED_OFF_STEPS
+        if not (scan or self.wants(step)):
+            return
+        live, off = None, 0
+        for q in params:
+            if q is None:
+                continue
+            if not q.requires_grad:
+                off += 1
+            elif live is None:
+                live = q
+                if not scan:
+                    break
+        self.note(step, live, what)
+        if off and scan:
+            self.warned_off = True
+            log.warning(
+                "hetcomm: step %d reduced with error feedback (%s) a bucket holding %d parameter(s) that do not "
+                "require a gradient now (Lightning's toggle_optimizer switches another optimizer's parameters "
+                "off). Where no rank uses them in a step, DDP leaves their .grad as it was, and what the hook repays "
+                "of their error feedback into their slots is lost (a toy GAN ran 7-12x as far off fp32's path as "
+                "with a DDP model each: bench/README \"A gradient thrown away after its exchange\"). Give each model "
+                "its own DDP model and HookState (harmless for parameters frozen for good). (Warned once.)", step,
+                what, off)
 
     def wants(self, step: int) -> bool:
         """Whether a bucket of step ``step`` is still to be noted (one a step)."""

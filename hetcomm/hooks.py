@@ -283,12 +283,10 @@ class BucketSteps:
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
-        if (residual is not None or carry is not None or momentum is not None) and not self._joined \
-                and self._discards.wants(self.iter):  # this gradient feeds state the next steps repay
-            # a parameter that requires a gradient now (Lightning's toggle_optimizer switches the others off)
-            live = next((q for q in map(self._buckets.params.param, bucket.sig) if q is not None and q.requires_grad),
-                        None)
-            self._discards.note(self.iter, live, p.mode + (" of the attached momentum" if momentum is not None else ""))
+        if (residual is not None or carry is not None or momentum is not None) and not self._joined:
+            # this gradient feeds state the next steps repay (a parameter of it that requires a gradient now noted)
+            self._discards.see(self.iter, self._steps_done, map(self._buckets.params.param, bucket.sig),
+                               p.mode + (" of the attached momentum" if momentum is not None else ""))
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
             if self._joined and self._sketch.on:
                 raise RuntimeError(

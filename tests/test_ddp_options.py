@@ -807,7 +807,8 @@ def _discarded(rank, world, mode, how):
             for step in range(6):
                 _toggled(rank, opt_d, opt_g, pair, ddp, step)
             state.close()
-            return {"params": models.flat_params(pair), "warned": [m for m in seen if "before any optimizer" in m]}
+            return {"params": models.flat_params(pair), "warned": [m for m in seen if "before any optimizer" in m],
+                    "off": [m for m in seen if "do not require a gradient" in m]}
         d = _gan_start()
         ddp = DDP(d)
         state, opt = _hooked(ddp, mode, 0)
@@ -858,7 +859,8 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
     closure, whose backwards run inside its step, or for a GAN's two steps
     through one DDP model with Lightning's toggle_optimizer (the other
     model's parameters switched off: a step notes only one that requires a
-    gradient). Accumulating
+    gradient; the switched-off ones are warned of once, their error feedback
+    is lost where no rank uses them). Accumulating
     without no_sync reads the same, and is told how to save the exchanges."""
     runs = {(m, h): run_ranks(_discarded, 2, m, h) for m, h in (
         ("int3", "reduced"), ("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "accumulate"),
@@ -872,6 +874,8 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
     for key in (("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "overflow"), ("int3", "lbfgs"),
                 ("int3", "toggle")):
         assert all(r["warned"] == [] for r in runs[key]), (key, runs[key][0]["warned"])
+    for r in runs[("int3", "toggle")]:  # its own warning: the switched-off parameters' error feedback is lost
+        assert len(r["off"]) == 1 and "toggle_optimizer" in r["off"][0] and "its own DDP model" in r["off"][0]
     for r in runs[("int3", "accumulate")]:
         assert len(r["warned"]) == 1 and "accumulate gradients" in r["warned"][0]
 
