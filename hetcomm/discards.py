@@ -17,12 +17,21 @@ the generator's step under ``ddp.no_sync()``, 0.009x, as without it.
 feeds such state (a residual, a carry, the attached momentum), one that
 requires a gradient (Lightning's ``toggle_optimizer`` switches the other
 model's off, and no optimizer steps those that step), and watches
-every optimizer's step (a global step pre-hook): where the next step begins
-and no optimizer holding that parameter stepped in between, it warns once.
-Accumulating gradients without ``no_sync`` reads the same (the exchanges are
-then wasted, not wrong), and the warning says so. A step whose gradient was
-not finite is left out: it left the state untouched, and GradScaler skips
-the optimizer's step after it.
+every optimizer's step (global step pre- and post-hooks, from the state's
+creation): where the next step begins and no optimizer holding that
+parameter stepped in between (or was stepping as the bucket went by: a
+closure's backward, LBFGS's or Lightning's), it warns once. Accumulating
+gradients without ``no_sync`` reads the same (the exchanges are then wasted,
+not wrong), and the warning says so. A step whose gradient was not finite is
+left out: it left the state untouched, and GradScaler skips the optimizer's
+step after it.
+
+A parameter that no rank used in a step (switched off by ``toggle_optimizer``
+in one DDP model, or unused under ``find_unused_parameters=True``) keeps its
+gradient as it was: DDP does not write the reduced bucket back there, so what
+the hook repaid into its slot is lost. That is not fixed; in a state's first
+SWITCHED_OFF_STEPS steps a bucket with error feedback that holds parameters
+not requiring a gradient is warned of once, naming the fix (a DDP model each).
 """
 
 from __future__ import annotations

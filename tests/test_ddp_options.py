@@ -5,7 +5,8 @@ a second optimizer beside an attached one; parameters in bf16 or fp16, the
 whole model or one layer, and in fp64; a channels_last convolutional model; a
 convolutional model with BatchNorm (buffers DDP broadcasts); copies of the model
 (an EMA's deepcopy); a language model with tied weights under activation
-checkpointing and gradient accumulation.
+checkpointing and gradient accumulation; a GAN's loops (a gradient thrown
+away after its exchange, Lightning's toggle_optimizer).
 
 Join: a rank whose inputs run out shadows the others' backward by running the hook
 over zero buckets, without a ``set_local_batch_size``; the reduced gradient of
@@ -747,6 +748,12 @@ def test_a_tied_lm_under_activation_checkpointing_and_accumulation_trains_in_eve
     _every_mode_learns_in_step(results)
 
 
+def _gan_start() -> nn.Module:
+    """A GAN's discriminator."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
 class _GanPair(nn.Module):
     """A generator and a discriminator in one module (one DDP model), as a LightningModule holds them."""
 
@@ -784,9 +791,9 @@ def _discarded(rank, world, mode, how):
     reduced backwards, then D's step; "overflow": one backward a step, rank 0's
     gradient not finite at step 3 and that step's optimizer step skipped, as
     GradScaler does; "lbfgs": LBFGS's step, its closure's backwards inside
-    it; "toggle": :func:`_toggled`). A second optimizer (the generator's, on a parameter of its own)
-    steps after the generator's backward. D's final parameters and hetcomm's
-    warnings."""
+    it; "toggle": :func:`_toggled`). A second optimizer (the generator's, on
+    a parameter of its own) steps after the generator's backward. D's final
+    parameters and hetcomm's warnings."""
     import logging
 
     seen = []
@@ -860,8 +867,8 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
     through one DDP model with Lightning's toggle_optimizer (the other
     model's parameters switched off: a step notes only one that requires a
     gradient; the switched-off ones are warned of once, their error feedback
-    is lost where no rank uses them). Accumulating
-    without no_sync reads the same, and is told how to save the exchanges."""
+    is lost where no rank uses them). Accumulating without no_sync reads the
+    same, and is told how to save the exchanges."""
     runs = {(m, h): run_ranks(_discarded, 2, m, h) for m, h in (
         ("int3", "reduced"), ("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "accumulate"),
         ("int3", "overflow"), ("int3", "lbfgs"), ("int3", "toggle"))}
@@ -878,8 +885,3 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
         assert len(r["off"]) == 1 and "toggle_optimizer" in r["off"][0] and "its own DDP model" in r["off"][0]
     for r in runs[("int3", "accumulate")]:
         assert len(r["warned"]) == 1 and "accumulate gradients" in r["warned"][0]
-
-
-def _gan_start() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
