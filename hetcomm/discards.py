@@ -20,7 +20,9 @@ model's off, and no optimizer steps those that step), and watches
 every optimizer's step (global step pre- and post-hooks, from the state's
 creation): where the next step begins and no optimizer holding that
 parameter stepped in between (or was stepping as the bucket went by: a
-closure's backward, LBFGS's or Lightning's), it warns once. Accumulating
+closure's backward, LBFGS's or Lightning's) and the parameter was not
+updated in place either (its version counter: a hand-written step without
+an optimizer), it warns once. Accumulating
 gradients without ``no_sync`` reads the same (the exchanges are then wasted,
 not wrong), and the warning says so. A step whose gradient was not finite is
 left out: it left the state untouched, and GradScaler skips the optimizer's
@@ -63,6 +65,7 @@ class DiscardWatch:
         self._noted_from = 0  # ... and when the noted one began
         self._what = ""
         self._stepped = False  # an optimizer holding it stepped since
+        self._version = 0  # its version counter when noted: an update in place (a hand-written step) moves it
         self._inside: List[weakref.ref] = []  # the optimizers whose step() runs now (a closure's backward)
         # every optimizer's step, from the start (a closure's first backward runs inside the first step)
         ref = weakref.ref(self)  # the hooks must not keep the watch alive
@@ -124,6 +127,7 @@ class DiscardWatch:
         if not self.wants(step) or param is None:
             return
         self._param, self._step, self._noted_from, self._what = weakref.ref(param), step, self._nonfinite, what
+        self._version = param._version
         self._stepped = any(o() is not None and _holds(o(), param) for o in self._inside)
 
     def check(self, step: int, nonfinite: int) -> None:
@@ -133,7 +137,9 @@ class DiscardWatch:
         self._nonfinite = nonfinite
         if self._param is None:
             return
-        noted, self._param = self._step, None
+        param, noted, self._param = self._param(), self._step, None
+        if param is None or param._version != self._version:  # gone, or updated in place since
+            return
         if self.warned or self._stepped or noted != step - 1 or nonfinite > self._noted_from:
             return
         self.warned = True

@@ -791,7 +791,8 @@ def _discarded(rank, world, mode, how):
     reduced backwards, then D's step; "overflow": one backward a step, rank 0's
     gradient not finite at step 3 and that step's optimizer step skipped, as
     GradScaler does; "lbfgs": LBFGS's step, its closure's backwards inside
-    it; "toggle": :func:`_toggled`). A second optimizer (the generator's, on
+    it; "toggle": :func:`_toggled`; "manual": a hand-written step in place
+    of the optimizer's). A second optimizer (the generator's, on
     a parameter of its own) steps after the generator's backward. D's final
     parameters and hetcomm's warnings."""
     import logging
@@ -843,7 +844,11 @@ def _discarded(rank, world, mode, how):
             loss.backward()
             if how == "accumulate":
                 softplus(-ddp(x - 1)).mean().backward()
-            if all(torch.isfinite(p.grad).all() for p in d.parameters()):
+            if how == "manual":  # a hand-written step, no optimizer: the parameters updated in place
+                with torch.no_grad():
+                    for p in d.parameters():
+                        p -= 0.05 * p.grad
+            elif all(torch.isfinite(p.grad).all() for p in d.parameters()):
                 opt.step()
             if how in ("reduced", "no_sync"):
                 with ddp.no_sync() if how == "no_sync" else contextlib.nullcontext():
@@ -863,7 +868,8 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
     which leaves D's run exactly as without that backward. Not warned: the
     same under no_sync, without error feedback (mode none), where the step
     skipped was not finite (it left the state untouched), or for LBFGS's
-    closure, whose backwards run inside its step, or for a GAN's two steps
+    closure, whose backwards run inside its step, for a hand-written step
+    (the parameters updated in place), or for a GAN's two steps
     through one DDP model with Lightning's toggle_optimizer (the other
     model's parameters switched off: a step notes only one that requires a
     gradient; the switched-off ones are warned of once, their error feedback
@@ -871,7 +877,7 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
     same, and is told how to save the exchanges."""
     runs = {(m, h): run_ranks(_discarded, 2, m, h) for m, h in (
         ("int3", "reduced"), ("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "accumulate"),
-        ("int3", "overflow"), ("int3", "lbfgs"), ("int3", "toggle"))}
+        ("int3", "overflow"), ("int3", "lbfgs"), ("int3", "toggle"), ("int3", "manual"))}
     for r in runs[("int3", "reduced")]:
         assert len(r["warned"]) == 1 and "step 1 reduced buckets with error feedback (int3)" in r["warned"][0]
         assert "ddp.no_sync()" in r["warned"][0] and "GAN" in r["warned"][0]
@@ -879,7 +885,7 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
     assert torch.equal(no_sync, alone)  # the generator's backward under no_sync touched nothing of hetcomm's
     assert (reduced - alone).norm() > 0.05 * (alone - models.flat_params(_gan_start())).norm()  # what it leaks
     for key in (("int3", "no_sync"), ("int3", "none"), ("none", "reduced"), ("int3", "overflow"), ("int3", "lbfgs"),
-                ("int3", "toggle")):
+                ("int3", "toggle"), ("int3", "manual")):
         assert all(r["warned"] == [] for r in runs[key]), (key, runs[key][0]["warned"])
     for r in runs[("int3", "toggle")]:  # its own warning: the switched-off parameters' error feedback is lost
         assert len(r["off"]) == 1 and "toggle_optimizer" in r["off"][0] and "its own DDP model" in r["off"][0]
