@@ -35,10 +35,8 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def run(mode: str, generator_step: str, steps: int, rank: int) -> torch.Tensor:
-    d = _discriminator()
-    ddp = DDP(d)
-    state = None
+def _register(ddp: DDP, mode: str):
+    """``mode``'s hook on ``ddp`` (fp32: DDP's own all-reduce); the HookState to close, or None."""
     if mode == "torch-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
         ddp.register_comm_hook(ps.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2),
@@ -46,6 +44,14 @@ def run(mode: str, generator_step: str, steps: int, rank: int) -> torch.Tensor:
     elif mode != "fp32":
         state = hetcomm.HookState(mode, min_compress_numel=0)
         ddp.register_comm_hook(state, hetcomm.hook)
+        return state
+    return None
+
+
+def run(mode: str, generator_step: str, steps: int, rank: int) -> torch.Tensor:
+    d = _discriminator()
+    ddp = DDP(d)
+    state = _register(ddp, mode)
     opt = torch.optim.SGD(d.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(rank + 1)
     softplus = nn.functional.softplus
@@ -80,10 +86,7 @@ def run_toggled(mode: str, steps: int, rank: int):
     pair = _Pair()
     start = _flat(pair)
     ddp = DDP(pair, find_unused_parameters=True)
-    state = None
-    if mode != "fp32":
-        state = hetcomm.HookState(mode, min_compress_numel=0)
-        ddp.register_comm_hook(state, hetcomm.hook)
+    state = _register(ddp, mode)
     opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
     opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank + 1)
@@ -117,11 +120,7 @@ def run_separate(mode: str, steps: int, rank: int) -> torch.Tensor:
     D's with the fakes made without a graph. Its final parameters."""
     pair = _Pair()
     ddp_g, ddp_d = DDP(pair.g), DDP(pair.d)
-    states = []
-    if mode != "fp32":
-        for ddp in (ddp_g, ddp_d):
-            states.append(hetcomm.HookState(mode, min_compress_numel=0))
-            ddp.register_comm_hook(states[-1], hetcomm.hook)
+    states = [_register(ddp, mode) for ddp in (ddp_g, ddp_d)]
     opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
     opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank + 1)
@@ -139,7 +138,8 @@ def run_separate(mode: str, steps: int, rank: int) -> torch.Tensor:
         opt_d.step()
         opt_d.zero_grad()
     for st in states:
-        st.close()
+        if st is not None:
+            st.close()
     return _flat(pair)
 
 
