@@ -31,9 +31,12 @@ step after it.
 A parameter that no rank used in a step (switched off by ``toggle_optimizer``
 in one DDP model, or unused under ``find_unused_parameters=True``) keeps its
 gradient as it was: DDP does not write the reduced bucket back there, so what
-the hook repaid into its slot is lost. That is not fixed; in a state's first
-SWITCHED_OFF_STEPS steps a bucket with error feedback that holds parameters
-not requiring a gradient is warned of once, naming the fix (a DDP model each).
+the hook repaid into its slot would be lost. A flat plan's residual holds it
+back instead (hetcomm.unused); where the plan cannot (hierarchical, the
+attached momentum, a server's residual on three or more ranks), in a state's
+first SWITCHED_OFF_STEPS steps a bucket with error feedback that holds
+parameters not requiring a gradient is warned of once, naming the fix (a DDP
+model each).
 """
 
 from __future__ import annotations
@@ -87,12 +90,15 @@ class DiscardWatch:
 
         self._handles = [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
 
-    def see(self, step: int, steps_done: int, params: Iterable[Optional[torch.Tensor]], what: str) -> None:
+    def see(self, step: int, steps_done: int, params: Iterable[Optional[torch.Tensor]], what: str,
+            unused_held: bool = False) -> None:
         """A bucket of step ``step`` (this state's ``steps_done``-th) whose
         state its gradient feeds: notes a parameter of it that requires a
         gradient (:meth:`note`) and, in the state's first SWITCHED_OFF_STEPS
-        steps, warns once if some do not (see SWITCHED_OFF_STEPS)."""
-        scan = not self.warned_off and steps_done < SWITCHED_OFF_STEPS
+        steps, warns once if some do not and the bucket's plan does not hold
+        their error feedback back (``unused_held``: hetcomm.unused; see
+        SWITCHED_OFF_STEPS)."""
+        scan = not self.warned_off and steps_done < SWITCHED_OFF_STEPS and not unused_held
         if not (scan or self.wants(step)):
             return
         live, off = None, 0
@@ -111,10 +117,11 @@ class DiscardWatch:
             log.warning(
                 "hetcomm: step %d reduced with error feedback (%s) a bucket holding %d parameter(s) that do not "
                 "require a gradient now (Lightning's toggle_optimizer switches another optimizer's parameters "
-                "off). Where no rank uses them in a step, DDP leaves their .grad as it was, and what the hook repays "
-                "of their error feedback into their slots is lost (a toy GAN ran 7-12x as far off fp32's path as "
-                "with a DDP model each: bench/README \"A gradient thrown away after its exchange\"). Give each model "
-                "its own DDP model and HookState (harmless for parameters frozen for good). (Warned once.)", step,
+                "off). Where no rank uses them in a step, DDP leaves their .grad as it was, and under this plan "
+                "(hierarchical, the attached momentum, or a server's residual on three or more ranks) what the hook "
+                "repays of their error feedback into their slots is lost (a toy GAN ran 7-12x as far off fp32's path "
+                "as with a DDP model each: bench/README \"A gradient thrown away after its exchange\"). Give each "
+                "model its own DDP model and HookState (harmless for parameters frozen for good). (Warned once.)", step,
                 what, off)
 
     def wants(self, step: int) -> bool:

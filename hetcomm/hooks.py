@@ -13,6 +13,7 @@ import torch.distributed as dist
 from . import _C, buckets, clip, ddpfind, lowrank_layout, options
 from .lowrank_share import THRESHOLD, LowrankShare, agreed_lowest
 from .options import COMPRESSED
+from .unused import UnusedParams
 
 log = logging.getLogger("hetcomm")
 
@@ -43,6 +44,16 @@ def hook(state: "BucketSteps", bucket: dist.GradBucket) -> torch.futures.Future[
 #: (``divide_by_initial_world_size=False``): its zero gradient then weighs nothing, and the others' divisor is
 #: their own samples (engine divisors must be finite and > 0: total / 1e-20 is, in float32, for any total <= 2**40).
 _NO_SAMPLES = 1e-20
+
+
+def _giving_back(fut: torch.futures.Future, residual: torch.Tensor, held, keep_new: bool) -> torch.futures.Future:
+    """``fut``, once the reduction is done and the held slots of ``residual`` owe what they held again
+    (:meth:`hetcomm.unused.UnusedParams.give_back`), also when it failed."""
+    def back(f):
+        UnusedParams.give_back(residual, held, keep_new)
+        return f.value()
+
+    return fut.then(back)
 
 
 class BucketSteps:
@@ -283,10 +294,20 @@ class BucketSteps:
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
+        held = None
+        # a flat residual of this rank's gradient: what it owes for parameters its backward did not reach waits
+        # for their next use (hetcomm.unused)
+        holds = residual is not None and residual.numel() == numel and momentum is None and \
+            p.algorithm != "hierarchical"
+        if holds and not self._joined:
+            unused = self._unused.unused(bucket.sig, self._buckets.params.param)
+            if unused:
+                held = self._unused.hold(bucket.grads, buf, unused, residual, carry)
         if (residual is not None or carry is not None or momentum is not None) and not self._joined:
             # this gradient feeds state the next steps repay (a parameter of it that requires a gradient now noted)
             self._discards.see(self.iter, self._steps_done, map(self._buckets.params.param, bucket.sig),
-                               p.mode + (" of the attached momentum" if momentum is not None else ""))
+                               p.mode + (" of the attached momentum" if momentum is not None else ""),
+                               unused_held=holds and server is None)
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
             if self._joined and self._sketch.on:
                 raise RuntimeError(
@@ -312,6 +333,8 @@ class BucketSteps:
                                    lowrank_wire=self.lowrank_wire,
                                    hold=p.mode == "lowrank" and self._rounds.hold(self.iter),
                                    sum_first=self._sketch.message(self.iter) if bucket.last else None)
+        if held:
+            fut = _giving_back(fut, residual, held, keep_new=p.mode != "onebit")
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event

@@ -21,6 +21,7 @@ from .lowrank_ladder import DEFAULT_RANK, RankLadder
 from .lowrank_share import LowrankShare
 from .negotiation import Negotiation, destroy_own_group
 from .state_io import StateIO
+from .unused import UnusedParams
 
 
 class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
@@ -269,6 +270,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self._loss_scale = 1.0  # the scale the engine divides this rank's buckets by
         self._sketch = clip.NormSketch()  # clip_grad_norm_'s estimate of the reduced gradient's norm
         self._discards = discards.DiscardWatch()  # a reduced gradient no optimizer stepped: warned once
+        self._unused = UnusedParams()  # error feedback of parameters a backward did not reach: held back
         self._lowrank_share = LowrankShare()  # whether lowrank's rank carries the gradient (read now and then)
         self._steps_done = 0  # steps reduced by this state object (iter, unlike it, is restored by load_state_dict)
         #: This rank's compute precision (its hetcomm.amp.GradScaler's), None without one.
@@ -363,6 +365,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
             self._engine.close()
         self._sketch.close()
         self._discards.close()
+        self._unused.close()
         self._closed = True
         group, self._process_group = self._process_group, None
         if group is not None and self._own_group == os.getpid():  # (not in a forked child: the parent's group)

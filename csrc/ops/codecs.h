@@ -78,6 +78,11 @@ at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor o
 // share * (p @ qt), from the old x (kernels::lowrank_residual).
 void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, const at::Tensor& residual,
                     double divisor, double share);
+// q (cols x rank) takes qt's rows (rank x cols) as its columns, except a row
+// of qt that is all zero: that column of q stays as it was. lowrank's next Q
+// where a matrix's new Q^T has a zero row (its M Q was zero on every rank,
+// e.g. a parameter no rank used): Q keeps its direction instead of dying.
+void take_q(at::Tensor& q, const at::Tensor& qt);
 // Modified Gram-Schmidt of p's columns (rows x cols, float32) in place, on
 // p's device, the same bits on every device.
 void orthonormalize_columns(at::Tensor& p, double eps);

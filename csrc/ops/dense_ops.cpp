@@ -1,5 +1,6 @@
 // The ops that do not encode: momentum compression's two passes and the
 // low-rank pieces every rank must compute to the same bits (codecs.h).
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/lowrank.h"
@@ -89,6 +90,25 @@ void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, co
   const float d = static_cast<float>(divisor), s = static_cast<float>(share);
   HC_RUN(p, "p", cpu::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r),
          cuda::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r, p.device()));
+}
+
+void take_q(at::Tensor& q, const at::Tensor& qt) {
+  TORCH_CHECK_VALUE(q.dim() == 2 && qt.dim() == 2 && q.size(0) == qt.size(1) && q.size(1) == qt.size(0) &&
+                        q.is_contiguous() && qt.is_contiguous() && q.scalar_type() == at::kFloat &&
+                        qt.scalar_type() == at::kFloat && q.device() == qt.device(),
+                    "hetcomm: take_q needs q (cols x rank) and qt (rank x cols), contiguous float32 on one device");
+  const int64_t cols = q.size(0), rank = q.size(1);
+  if (!q.is_cpu()) {  // a few small launches; no read of the device
+    q.copy_(at::where(qt.ne(0).any(1).unsqueeze(0), qt.t(), q));
+    return;
+  }
+  float* qp = q.data_ptr<float>();
+  const float* tp = qt.data_ptr<float>();
+  for (int64_t k = 0; k < rank; ++k) {
+    const float* row = tp + k * cols;
+    if (std::all_of(row, row + cols, [](float v) { return v == 0.0f; })) continue;
+    for (int64_t j = 0; j < cols; ++j) qp[j * rank + k] = row[j];
+  }
 }
 
 void orthonormalize_columns(at::Tensor& p, double eps) {
