@@ -12,7 +12,8 @@ Then Lightning's flow (``toggle``): a generator and D in one DDP model
 optimizer switched off (``toggle_optimizer``), each optimizer zeroing after
 its step; the whole pair's distance to fp32's the same way, and with a DDP
 model (and a HookState) each, no parameter left unused (bench/README
-"A gradient thrown away after its exchange"):
+"A gradient thrown away after its exchange", and "A parameter no rank used,
+held back" for the toggle loop since hetcomm.unused; 4 ranks there too):
 
     torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS]]
 """

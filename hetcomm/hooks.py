@@ -46,11 +46,12 @@ def hook(state: "BucketSteps", bucket: dist.GradBucket) -> torch.futures.Future[
 _NO_SAMPLES = 1e-20
 
 
-def _giving_back(fut: torch.futures.Future, residual: torch.Tensor, held, keep_new: bool) -> torch.futures.Future:
-    """``fut``, once the reduction is done and the held slots of ``residual`` owe what they held again
-    (:meth:`hetcomm.unused.UnusedParams.give_back`), also when it failed."""
+def _giving_back(fut: torch.futures.Future, held, keep_new: bool) -> torch.futures.Future:
+    """``fut``, once the reduction is done and the held slots of each (residual, slots) in ``held`` owe what
+    they held again (:meth:`hetcomm.unused.UnusedParams.give_back`), also when it failed."""
     def back(f):
-        UnusedParams.give_back(residual, held, keep_new)
+        for residual, slots in held:
+            UnusedParams.give_back(residual, slots, keep_new)
         return f.value()
 
     return fut.then(back)
@@ -299,15 +300,20 @@ class BucketSteps:
         # for their next use (hetcomm.unused)
         holds = residual is not None and residual.numel() == numel and momentum is None and \
             p.algorithm != "hierarchical"
-        if holds and not self._joined:
+        if not holds or self._joined:
+            self._unused.forget(bucket.sig)  # its marks are this step's: a later held step must not read them
+        else:
             unused = self._unused.unused(bucket.sig, self._buckets.params.param)
             if unused:
-                held = self._unused.hold(bucket.grads, buf, unused, residual, carry)
+                held = [(residual, self._unused.hold(bucket.grads, buf, unused, residual, carry))]
+                if server is not None:  # this rank's segment of the sum (three or more ranks)
+                    off = _C.state_offsets(numel, engine.size, engine.rank, [], False)[1]
+                    held.append((server, self._unused.hold(bucket.grads, buf, unused, server, base=off)))
         if (residual is not None or carry is not None or momentum is not None) and not self._joined:
             # this gradient feeds state the next steps repay (a parameter of it that requires a gradient now noted)
             self._discards.see(self.iter, self._steps_done, map(self._buckets.params.param, bucket.sig),
                                p.mode + (" of the attached momentum" if momentum is not None else ""),
-                               unused_held=holds and server is None)
+                               unused_held=holds)
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
             if self._joined and self._sketch.on:
                 raise RuntimeError(
@@ -334,7 +340,7 @@ class BucketSteps:
                                    hold=p.mode == "lowrank" and self._rounds.hold(self.iter),
                                    sum_first=self._sketch.message(self.iter) if bucket.last else None)
         if held:
-            fut = _giving_back(fut, residual, held, keep_new=p.mode != "onebit")
+            fut = _giving_back(fut, held, keep_new=p.mode != "onebit")
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event

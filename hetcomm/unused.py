@@ -26,11 +26,16 @@ before DDP's), consumed when its bucket is reduced; a parameter that does not
 require a gradient now reached none. In the step that registers the hooks
 every parameter that requires a gradient counts as reached.
 
+A server's residual (the two-phase codecs on three or more ranks: what this
+rank, summing a segment of the bucket, missed of the sum) is held the same way,
+by this rank's use: where no rank used the parameter every message's slot was
+an exact zero and so is the sum, and the residual keeps what it held; where
+others did, it adds what it missed of their sum to what it held.
+
 Left as before: hierarchical plans (their residual is of the node's sum: a
-parameter one rank of a node left unused is another's gradient), a server's
-residual (three or more ranks: what a summing rank missed of the sum, which
-no one rank's use decides), and buckets under the attached momentum (the
-optimizer's momentum of a skipped parameter is not the hook's to hold).
+parameter one rank of a node left unused is another's gradient) and buckets
+under the attached momentum (the optimizer's momentum of a skipped parameter
+is not the hook's to hold).
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ class UnusedParams:
     def __init__(self) -> None:
         self._reached: set = set()  # parameter numbers whose gradient a backward computed since their last bucket
         self._hooked: Dict[int, object] = {}  # parameter number -> its hook's handle
-        self.held_steps = 0  # reductions that held something back (for tests and the curious)
 
     def _watch(self, n: int, param: torch.Tensor) -> bool:
         """Hooks ``param`` (number ``n``) if it is not yet; whether it was already."""
@@ -80,29 +84,37 @@ class UnusedParams:
                 out.append(i)
         return out
 
+    def forget(self, sig: Sequence[int]) -> None:
+        """A bucket reduced without :meth:`unused` (a dense or hierarchical
+        plan, a join's shadow): its parameters' marks are spent."""
+        if self._reached:
+            self._reached.difference_update(sig)
+
     def hold(self, grads: Sequence[torch.Tensor], buffer: torch.Tensor, positions: Sequence[int],
-             residual: torch.Tensor, carry: Optional[torch.Tensor]) -> List[Tuple[int, int, torch.Tensor]]:
-        """Zeroes the residual's (and carry's) slots of the parameters at
-        ``positions`` (of the bucket's ``grads``, views of ``buffer``); returns
-        (offset, numel, what was held) for :meth:`give_back`."""
+             residual: torch.Tensor, carry: Optional[torch.Tensor] = None,
+             base: int = 0) -> List[Tuple[int, int, torch.Tensor]]:
+        """Zeroes the slots of the parameters at ``positions`` (of the bucket's
+        ``grads``, views of ``buffer``) in ``residual``, which covers the
+        bucket's entries from ``base`` on (a server's segment; what lies
+        outside it is not its), and in the whole bucket's ``carry``, which
+        the residual then owes; returns (offset in the residual, numel, what
+        was held) for :meth:`give_back`."""
         held = []
-        size = buffer.element_size()
+        size, end = buffer.element_size(), base + residual.numel()
         for i in positions:
             g = grads[i]
-            n = g.numel()
-            if n == 0:
+            start = (g.data_ptr() - buffer.data_ptr()) // size
+            lo, hi = max(start, base), min(start + g.numel(), end)
+            if lo >= hi:
                 continue
-            off = (g.data_ptr() - buffer.data_ptr()) // size
-            slot = residual.narrow(0, off, n)
+            slot = residual.narrow(0, lo - base, hi - lo)
             owed = slot.clone()
             slot.zero_()
             if carry is not None:
-                c = carry.narrow(0, off, n)
+                c = carry.narrow(0, lo, hi - lo)
                 owed.add_(c)
                 c.zero_()
-            held.append((off, n, owed))
-        if held:
-            self.held_steps += 1
+            held.append((lo - base, hi - lo, owed))
         return held
 
     @staticmethod

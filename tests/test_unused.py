@@ -29,20 +29,27 @@ class _TwoHeads(nn.Module):
         return self.a(h).square().mean() + (self.b(h).square().mean() if use_b else 0.0)
 
 
-#: per step, whether rank 0 and rank 1 use head b
-_USE_B = [(True, True), (True, True), (False, False), (False, True), (True, True)]
+#: per step, whether ranks 0, 1 and 2 use head b
+_USE_B = [(True,) * 3, (True,) * 3, (False,) * 3, (False, True, True), (True,) * 3]
 
 
-def _slots(state, model):
-    """Each parameter's slice of its bucket's residual, by name (one bucket)."""
+def _slots(state, model, world, rank):
+    """Each parameter's slice of its bucket's residual by name, and of the
+    server's residual (three or more ranks: this rank's segment of the sum)
+    by "server " and name where the segment holds some of it (one bucket)."""
     index = state._buckets.params
     (key, residual), = state._buckets.residuals.items()
-    sig = [int(n) for n in key.split(",")]
+    server = state._buckets.server_residuals.get(key)
+    base = hetcomm._C.state_offsets(residual.numel(), world, rank, [], False)[1]
     out, off = {}, 0
-    for n in sig:
+    for n in (int(n) for n in key.split(",")):
         size = residual.new_empty(index.shapes[n]).numel()
         name = next(k for k, p in model.named_parameters() if p is index.param(n))
         out[name] = residual[off:off + size].clone()
+        if server is not None:
+            lo, hi = max(off, base), min(off + size, base + server.numel())
+            if lo < hi:
+                out["server " + name] = server[lo - base:hi - base].clone()
         off += size
     return out
 
@@ -61,31 +68,36 @@ def _held(rank, world, mode, hold):
         opt.zero_grad(set_to_none=True)
         ddp(models.batch(rank, step, 8)[0], use[rank]).backward()
         opt.step()
-        slots.append(_slots(state, net))
+        slots.append(_slots(state, net, world, rank))
     state.close()
     return slots
 
 
 @pytest.mark.parametrize("hold", [True, False])
 def test_a_parameter_no_rank_used_keeps_what_error_feedback_owes_it(hold):
-    """Step 2: head b unused on every rank. Its residual slots stay as they
-    were to the bit (held back: DDP writes no gradient of it back), while
-    head a's move; without the hold (the old path) they move too, and what
-    they repaid was lost. Step 3: rank 0 alone leaves b unused: the codecs
-    that send a zero exactly (int3, fp8, topk) leave its slots as they were,
-    and step 4 repays them."""
-    results = run_ranks(each_mode, 2, _held, HOLD_MODES, hold)
+    """Three ranks. Step 2: head b unused on every rank. Its residual slots
+    stay as they were to the bit (held back: DDP writes no gradient of it
+    back), and so do those of the server's residual (the two-phase codecs'
+    segment of the sum), while head a's move; without the hold (the old path)
+    they move too, and what they repaid was lost. Step 3: rank 0 alone
+    leaves b unused: the codecs that send a zero exactly (int3, fp8, topk)
+    leave its slots as they were, and step 4 repays them."""
+    results = run_ranks(each_mode, 3, _held, HOLD_MODES, hold)
     for mode in HOLD_MODES:
+        servers = 0
         for rank, slots in enumerate(r[mode] for r in results):
             before, after = slots[1], slots[2]
             assert not torch.equal(before["a.weight"], after["a.weight"]), mode
             assert before["b.weight"].abs().sum() > 0, mode  # it owed something
-            for name in ("b.weight", "b.bias"):
+            names = [k for k in before if k.endswith(("b.weight", "b.bias"))]
+            servers += sum(k.startswith("server ") for k in names)
+            for name in names:
                 if hold or mode != "topk":  # (top-k may leave a small residual unsent either way)
                     assert torch.equal(before[name], after[name]) == hold, (mode, rank, name)
             if hold and rank == 0 and mode in ("int3", "fp8", "topk"):
                 assert torch.equal(slots[3]["b.weight"], slots[2]["b.weight"]), mode
                 assert not torch.equal(slots[4]["b.weight"], slots[3]["b.weight"]), mode
+        assert (servers > 0) == (mode in ("int3", "fp8", "onebit")), (mode, servers)  # the server's held too
 
 
 GAN_STEPS = 20
