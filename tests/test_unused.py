@@ -178,8 +178,7 @@ def test_lowrank_approximates_a_matrix_that_was_zero_on_every_rank():
 def test_switched_off_parameters_are_warned_of_where_their_plan_cannot_hold_them(caplog):
     """hetcomm.discards' warning of parameters that do not require a gradient
     in a stateful bucket: given where the plan does not hold their error
-    feedback back (hierarchical, the attached momentum, a server's residual),
-    not where it does."""
+    feedback back (hierarchical, the attached momentum), not where it does."""
     on, off = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2), requires_grad=False)
     for held in (True, False):
         watch = discards.DiscardWatch()

@@ -202,13 +202,14 @@ void LowrankStep::finish() {
     } else {
       at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
       at::Tensor qtm = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
-      // The warm start for the next step. A zero row of the summed Q^T (every
-      // rank's M Q was zero: a parameter no rank used, or whose gradient and
-      // residual were all zero) keeps the old column: copied, it would stay
-      // zero from then on (Gram-Schmidt leaves a zero column zero), and so
-      // would every later approximation of the matrix (a 256 x 256 layer that
-      // no rank used in the first compressed step: its reduced gradient was 0
-      // at every later step, and its residual grew by the whole gradient).
+      // The warm start for the next step. A zero row of the summed Q^T (M
+      // was zero on every rank: a parameter no rank used, its residual held
+      // back or zero; or the summed M Q was) keeps the old column: copied,
+      // it would stay zero from then on (Gram-Schmidt leaves a zero column
+      // zero), and so would every later approximation of the matrix (a 256 x
+      // 256 layer that no rank used in the first compressed step: its reduced
+      // gradient was 0 at every later step, and its residual grew by the
+      // whole gradient).
       at::Tensor qv = q_state_.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
       ops::take_q(qv, qtm);
       // One pass: x becomes the approximation (identical inputs on every rank
