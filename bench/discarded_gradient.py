@@ -16,7 +16,11 @@ model (and a HookState) each, no parameter left unused (bench/README
 held back" for the toggle loop since hetcomm.unused; 4 ranks there too):
 
     torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS]]
+
+A mode ``MODE@ALGO`` sets HookState's algorithm; with ``@hierarchical`` each
+rank's node is ``node{rank // 2}`` unless HETCOMM_NODE says otherwise.
 """
+import os
 import sys
 
 import torch
@@ -43,7 +47,8 @@ def _register(ddp: DDP, mode: str):
         ddp.register_comm_hook(ps.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2),
                                ps.powerSGD_hook)
     elif mode != "fp32":
-        state = hetcomm.HookState(mode, min_compress_numel=0)
+        name, _, algorithm = mode.partition("@")
+        state = hetcomm.HookState(name, min_compress_numel=0, algorithm=algorithm or None)
         ddp.register_comm_hook(state, hetcomm.hook)
         return state
     return None
@@ -149,6 +154,8 @@ def main() -> None:
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if any(m.endswith("@hierarchical") for m in modes):  # two ranks a node, unless told otherwise
+        os.environ.setdefault("HETCOMM_NODE", f"node{rank // 2}")
     ref = run("fp32", "reduced", steps, rank)
     moved = float((ref - _flat(_discriminator())).norm())
     for mode in modes:

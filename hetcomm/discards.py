@@ -31,11 +31,11 @@ step after it.
 A parameter that no rank used in a step (switched off by ``toggle_optimizer``
 in one DDP model, or unused under ``find_unused_parameters=True``) keeps its
 gradient as it was: DDP does not write the reduced bucket back there, so what
-the hook repaid into its slot would be lost. A flat plan's residual holds it
-back instead (hetcomm.unused); where the plan cannot (hierarchical, the
-attached momentum), in a state's first SWITCHED_OFF_STEPS steps a bucket with
-error feedback that holds parameters not requiring a gradient is warned of
-once, naming the fix (a DDP model each).
+the hook repaid into its slot would be lost. The residuals hold it back
+instead (hetcomm.unused); where they cannot (under the attached momentum), in
+a state's first SWITCHED_OFF_STEPS steps a bucket with error feedback that
+holds parameters not requiring a gradient is warned of once, naming the fix
+(a DDP model each).
 """
 
 from __future__ import annotations
@@ -116,11 +116,11 @@ class DiscardWatch:
             log.warning(
                 "hetcomm: step %d reduced with error feedback (%s) a bucket holding %d parameter(s) that do not "
                 "require a gradient now (Lightning's toggle_optimizer switches another optimizer's parameters "
-                "off). Where no rank uses them in a step, DDP leaves their .grad as it was, and under this plan "
-                "(hierarchical, or the attached momentum) what the hook repays of their error feedback into their "
-                "slots is lost (a toy GAN ran 7-12x as far off fp32's path as with a DDP model each: bench/README "
-                "\"A gradient thrown away after its exchange\"). Give each model its own DDP model and HookState "
-                "(harmless for parameters frozen for good). (Warned once.)", step,
+                "off). Where no rank uses them in a step, DDP leaves their .grad as it was, and under the attached "
+                "momentum what the hook repays of their error feedback into their slots is lost (a "
+                "toy GAN ran 7-12x as far off fp32's path as with a DDP model each: bench/README \"A gradient thrown "
+                "away after its exchange\"). Give each model its own DDP model and HookState (harmless for "
+                "parameters frozen for good). (Warned once.)", step,
                 what, off)
 
     def wants(self, step: int) -> bool:

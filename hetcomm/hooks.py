@@ -296,19 +296,22 @@ class BucketSteps:
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
         held = None
-        # a flat residual of this rank's gradient: what it owes for parameters its backward did not reach waits
-        # for their next use (hetcomm.unused)
-        holds = residual is not None and residual.numel() == numel and momentum is None and \
-            p.algorithm != "hierarchical"
+        # what the residuals owe for parameters this rank's backward did not reach waits for their next use
+        # (hetcomm.unused); not the attached momentum's
+        holds = residual is not None and momentum is None
         if not holds or self._joined:
             self._unused.forget(bucket.sig)  # its marks are this step's: a later held step must not read them
         else:
             unused = self._unused.unused(bucket.sig, self._buckets.params.param)
             if unused:
-                held = [(residual, self._unused.hold(bucket.grads, buf, unused, residual, carry))]
-                if server is not None:  # this rank's segment of the sum (three or more ranks)
-                    off = _C.state_offsets(numel, engine.size, engine.rank, [], False)[1]
-                    held.append((server, self._unused.hold(bucket.grads, buf, unused, server, base=off)))
+                whole = residual.numel() == numel  # else this rank's shard of its node's sum (the hierarchy)
+                offsets = (0, 0) if whole and server is None else _C.state_offsets(
+                    numel, engine.size, engine.rank, list(node_of) if p.algorithm == "hierarchical" else [],
+                    p.algorithm == "hierarchical")
+                held = [(residual, self._unused.hold(bucket.grads, buf, unused, residual,
+                                                     carry if whole else None, base=0 if whole else offsets[0]))]
+                if server is not None:  # this rank's segment of the sum (three or more ranks or nodes)
+                    held.append((server, self._unused.hold(bucket.grads, buf, unused, server, base=offsets[1])))
         if (residual is not None or carry is not None or momentum is not None) and not self._joined:
             # this gradient feeds state the next steps repay (a parameter of it that requires a gradient now noted)
             self._discards.see(self.iter, self._steps_done, map(self._buckets.params.param, bucket.sig),

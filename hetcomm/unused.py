@@ -30,12 +30,15 @@ A server's residual (the two-phase codecs on three or more ranks: what this
 rank, summing a segment of the bucket, missed of the sum) is held the same way,
 by this rank's use: where no rank used the parameter every message's slot was
 an exact zero and so is the sum, and the residual keeps what it held; where
-others did, it adds what it missed of their sum to what it held.
+others did, it adds what it missed of their sum to what it held. So is a
+hierarchical plan's residual, of this rank's shard of its node's sum: where
+this rank did not use a parameter and a rank of its node did, the node's sum
+is sent and what the codec missed of it is added to what was held (only the
+repayment waits for this rank's next use). A hierarchical plan's carry (of
+the whole bucket, summed within the node) is not held.
 
-Left as before: hierarchical plans (their residual is of the node's sum: a
-parameter one rank of a node left unused is another's gradient) and buckets
-under the attached momentum (the optimizer's momentum of a skipped parameter
-is not the hook's to hold).
+Left as before: buckets under the attached momentum (the optimizer's
+momentum of a skipped parameter is not the hook's to hold).
 """
 
 from __future__ import annotations

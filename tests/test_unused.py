@@ -3,13 +3,15 @@ Lightning's ``toggle_optimizer``): its error feedback is held back for the
 step, not lost into a slot DDP throws away (hetcomm.unused); and lowrank's
 warm start survives a matrix whose gradient was zero on every rank."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import discards, unused
+from hetcomm import discards, topology, unused
 
 from . import models
 from .dist_harness import each_mode, run_ranks
@@ -29,44 +31,52 @@ class _TwoHeads(nn.Module):
         return self.a(h).square().mean() + (self.b(h).square().mean() if use_b else 0.0)
 
 
-#: per step, whether ranks 0, 1 and 2 use head b
-_USE_B = [(True,) * 3, (True,) * 3, (False,) * 3, (False, True, True), (True,) * 3]
+#: per step, whether each rank uses head b (rank 0 alone leaves it at step 3)
+_USE_B = [True, True, False, None, True]
 
 
 def _slots(state, model, world, rank):
     """Each parameter's slice of its bucket's residual by name, and of the
-    server's residual (three or more ranks: this rank's segment of the sum)
-    by "server " and name where the segment holds some of it (one bucket)."""
+    server's residual (three or more ranks, or nodes: this rank's segment of
+    the sum) by "server " and name, where the residual holds some of it: a
+    hierarchical plan's holds this rank's shard of its node's sum (one bucket)."""
     index = state._buckets.params
     (key, residual), = state._buckets.residuals.items()
     server = state._buckets.server_residuals.get(key)
-    base = hetcomm._C.state_offsets(residual.numel(), world, rank, [], False)[1]
+    sig = [int(n) for n in key.split(",")]
+    numel = sum(residual.new_empty(index.shapes[n]).numel() for n in sig)
+    hierarchical = residual.numel() != numel
+    node_of = list(state.topology.node_ids) if hierarchical else []
+    bases = hetcomm._C.state_offsets(numel, world, rank, node_of, hierarchical)
     out, off = {}, 0
-    for n in (int(n) for n in key.split(",")):
+    for n in sig:
         size = residual.new_empty(index.shapes[n]).numel()
         name = next(k for k, p in model.named_parameters() if p is index.param(n))
-        out[name] = residual[off:off + size].clone()
-        if server is not None:
-            lo, hi = max(off, base), min(off + size, base + server.numel())
-            if lo < hi:
-                out["server " + name] = server[lo - base:hi - base].clone()
+        for prefix, r, base in (("", residual, 0 if not hierarchical else bases[0]), ("server ", server, bases[1])):
+            if r is not None:
+                lo, hi = max(off, base), min(off + size, base + r.numel())
+                if lo < hi:
+                    out[prefix + name] = r[lo - base:hi - base].clone()
         off += size
     return out
 
 
-def _held(rank, world, mode, hold):
-    """Head b of one bucket used as _USE_B says; each step's residual slots by name (after the step)."""
+def _held(rank, world, mode, hold, algorithm):
+    """Head b of one bucket used as _USE_B says; each step's residual slots by name (after the step). The
+    hierarchical runs: two nodes of two ranks (HETCOMM_NODE)."""
     if not hold:  # the path before hetcomm.unused: every slot's message carries its residual
         unused.UnusedParams.unused = lambda self, sig, param_of: []
+    if algorithm == "hierarchical":
+        os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     net = _TwoHeads()
     ddp = DDP(net, find_unused_parameters=True)
-    state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0)
+    state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0, algorithm=algorithm)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.0)  # each gradient applied (at lr 0: the same inputs each step)
     slots = []
     for step, use in enumerate(_USE_B):
         opt.zero_grad(set_to_none=True)
-        ddp(models.batch(rank, step, 8)[0], use[rank]).backward()
+        ddp(models.batch(rank, step, 8)[0], rank != 0 if use is None else use).backward()
         opt.step()
         slots.append(_slots(state, net, world, rank))
     state.close()
@@ -74,30 +84,36 @@ def _held(rank, world, mode, hold):
 
 
 @pytest.mark.parametrize("hold", [True, False])
-def test_a_parameter_no_rank_used_keeps_what_error_feedback_owes_it(hold):
-    """Three ranks. Step 2: head b unused on every rank. Its residual slots
-    stay as they were to the bit (held back: DDP writes no gradient of it
-    back), and so do those of the server's residual (the two-phase codecs'
-    segment of the sum), while head a's move; without the hold (the old path)
-    they move too, and what they repaid was lost. Step 3: rank 0 alone
-    leaves b unused: the codecs that send a zero exactly (int3, fp8, topk)
-    leave its slots as they were, and step 4 repays them."""
-    results = run_ranks(each_mode, 3, _held, HOLD_MODES, hold)
-    for mode in HOLD_MODES:
-        servers = 0
+@pytest.mark.parametrize("algorithm", ["native", "hierarchical"])
+def test_a_parameter_no_rank_used_keeps_what_error_feedback_owes_it(algorithm, hold):
+    """Three ranks (native: flat), or two nodes of two (hierarchical: each rank's
+    residual is of its shard of the node's sum). Step 2: head b unused on
+    every rank. Its residual slots stay as they were to the bit (held back:
+    DDP writes no gradient of it back), and so do those of the server's
+    residual (the two-phase codecs' segment of the sum), while head a's move;
+    without the hold (the old path) they move too, and what they repaid was
+    lost. Step 3, flat: rank 0 alone leaves b unused: the codecs that send a
+    zero exactly (int3, fp8, topk) leave its slots as they were, and step 4
+    repays them."""
+    modes = HOLD_MODES if algorithm == "native" else ["int3", "fp8", "onebit", "lowrank"]
+    results = run_ranks(each_mode, 3 if algorithm == "native" else 4, _held, modes, hold, algorithm)
+    for mode in modes:
+        servers = seen = 0
         for rank, slots in enumerate(r[mode] for r in results):
             before, after = slots[1], slots[2]
-            assert not torch.equal(before["a.weight"], after["a.weight"]), mode
-            assert before["b.weight"].abs().sum() > 0, mode  # it owed something
+            assert any(not torch.equal(before[k], after[k]) for k in before if "b." not in k), (mode, rank)
             names = [k for k in before if k.endswith(("b.weight", "b.bias"))]
             servers += sum(k.startswith("server ") for k in names)
             for name in names:
+                seen += 1
                 if hold or mode != "topk":  # (top-k may leave a small residual unsent either way)
+                    assert before[name].abs().sum() > 0, (mode, rank, name)  # it owed something
                     assert torch.equal(before[name], after[name]) == hold, (mode, rank, name)
-            if hold and rank == 0 and mode in ("int3", "fp8", "topk"):
+            if hold and rank == 0 and mode in ("int3", "fp8", "topk") and algorithm == "native":
                 assert torch.equal(slots[3]["b.weight"], slots[2]["b.weight"]), mode
                 assert not torch.equal(slots[4]["b.weight"], slots[3]["b.weight"]), mode
-        assert (servers > 0) == (mode in ("int3", "fp8", "onebit")), (mode, servers)  # the server's held too
+        assert seen > 0, mode
+        assert (servers > 0) == (mode in ("int3", "fp8", "onebit") and algorithm == "native"), (mode, servers)
 
 
 GAN_STEPS = 20
@@ -178,7 +194,7 @@ def test_lowrank_approximates_a_matrix_that_was_zero_on_every_rank():
 def test_switched_off_parameters_are_warned_of_where_their_plan_cannot_hold_them(caplog):
     """hetcomm.discards' warning of parameters that do not require a gradient
     in a stateful bucket: given where the plan does not hold their error
-    feedback back (hierarchical, the attached momentum), not where it does."""
+    feedback back (under the attached momentum), not where it does."""
     on, off = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2), requires_grad=False)
     for held in (True, False):
         watch = discards.DiscardWatch()
