@@ -177,6 +177,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "In place, one pass: x (rows x cols) becomes lowrank_outer(p, qt); with residual, residual becomes "
       "x / divisor + residual - share * lowrank_outer(p, qt), from the old x.");
   m.def(
+      "take_q", [](at::Tensor q, const at::Tensor& qt) { ops::take_q(q, qt); return q; }, py::arg("q"),
+      py::arg("qt"), py::call_guard<py::gil_scoped_release>(),
+      "In place: q (cols x rank) takes qt's rows (rank x cols) as its columns, except where a row of qt is all "
+      "zero: that column of q stays. Returns q.");
+  m.def(
       "momentum_fold_in", [](at::Tensor x, const at::Tensor& m, double alpha) { ops::momentum_fold_in(x, m, alpha); },
       py::arg("x"), py::arg("m"), py::arg("alpha"), py::call_guard<py::gil_scoped_release>());
   m.def(

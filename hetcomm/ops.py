@@ -133,6 +133,15 @@ def lowrank_finish(p: torch.Tensor, qt: torch.Tensor, x: torch.Tensor, residual:
     _C.lowrank_finish(p, qt, x, residual, divisor, share)
 
 
+def take_q(q: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
+    """lowrank's next warm start, in place: ``q`` (cols x rank, contiguous
+    float32) takes the rows of ``qt`` (rank x cols, the summed Q transposed)
+    as its columns, except where a row of ``qt`` is all zero (the matrix's M
+    was zero on every rank): that column of ``q`` stays as it was, so the
+    warm start does not die. Returns ``q``."""
+    return _C.take_q(q, qt)
+
+
 def momentum_fold_in(x: torch.Tensor, m: torch.Tensor, alpha: float) -> None:
     """``x += alpha * m`` in place, each element rounded as ``alpha * m`` then
     the sum (no fused multiply-add: the same bits on every device and for any

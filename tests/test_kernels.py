@@ -308,6 +308,26 @@ def test_lowrank_finish_is_the_outer_product_and_the_residual_in_one_pass(device
     assert torch.equal(xd.cpu(), out)
 
 
+@pytest.mark.parametrize("cols,rank", [(1, 1), (7, 3), (517, 4)])
+def test_take_q_keeps_the_columns_whose_new_value_is_zero(device, cols, rank):
+    gen = torch.Generator().manual_seed(cols * rank)
+    q, qt = torch.randn(cols, rank, generator=gen), torch.randn(rank, cols, generator=gen)
+    qt[rank // 2] = 0.0  # a column whose summed P^T M was zero
+    if rank > 2:
+        qt[0, : cols // 2] = 0.0  # partly zero: taken
+    want = torch.where(qt.ne(0).any(dim=1)[None, :], qt.t(), q)  # reference: torch on the CPU
+    got = ops.take_q(q.clone().to(device), qt.to(device))
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(want[:, rank // 2], q[:, rank // 2]) and (rank == 1 or not torch.equal(want, q))
+
+
+def test_take_q_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="take_q needs q \\(cols x rank\\) and qt \\(rank x cols\\)"):
+        ops.take_q(torch.zeros(4, 2), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        ops.take_q(torch.zeros(4, 2, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64))
+
+
 def test_lowrank_finish_rejects_bad_arguments():
     p, qt = torch.zeros(3, 2), torch.zeros(2, 4)
     with pytest.raises(ValueError, match="matching r"):
