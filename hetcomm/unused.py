@@ -21,8 +21,8 @@ rank used the parameter nothing of it was applied). The debt is repaid at the
 first step this rank uses the parameter again.
 
 Which parameters a backward reached: a hook on each parameter's gradient
-(registered the first time its bucket feeds error feedback; tensor hooks run
-before DDP's), consumed when its bucket is reduced; a parameter that does not
+(registered the first time its bucket feeds a residual held here; tensor
+hooks run before DDP's), consumed when its bucket is reduced; a parameter that does not
 require a gradient now reached none. In the step that registers the hooks
 every parameter that requires a gradient counts as reached.
 
