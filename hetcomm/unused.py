@@ -22,9 +22,10 @@ first step this rank uses the parameter again.
 
 Which parameters a backward reached: a hook on each parameter's gradient
 (registered the first time its bucket feeds a residual held here; tensor
-hooks run before DDP's), consumed when its bucket is reduced; a parameter that does not
-require a gradient now reached none. In the step that registers the hooks
-every parameter that requires a gradient counts as reached.
+hooks run before DDP's), consumed when its bucket is reduced; a parameter
+that does not require a gradient now reached none. In the step that
+registers the hooks every parameter that requires a gradient counts as
+reached.
 
 A server's residual (the two-phase codecs on three or more ranks: what this
 rank, summing a segment of the bucket, missed of the sum) is held the same way,
