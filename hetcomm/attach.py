@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 import torch
 
 from . import buckets, options
+from .bucket_keys import offset_in
 
 if TYPE_CHECKING:
     from .state import HookState
@@ -59,8 +60,7 @@ def _as_bucket(bucket: buckets.Bucket, buf: torch.Tensor, parts, params, fill: f
     out = torch.full((buf.numel(),), fill, dtype=torch.float32, device=buf.device)
     for g, part, p in zip(bucket.grads, parts, params):
         if part is not None and g.numel():  # (an empty tensor's data_ptr is no offset into the bucket)
-            off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
-            slot = out.narrow(0, off, g.numel())
+            slot = out.narrow(0, offset_in(g, buf), g.numel())
             if p is not None and _dense(p):
                 slot = slot.as_strided(p.shape, p.stride())
             else:

@@ -1,5 +1,5 @@
 """A bucket's identity: the tuple of its parameters' numbers (its signature)
-and the state_dict key that names it."""
+and the state_dict key that names it; and where a gradient lies in it."""
 
 from __future__ import annotations
 
@@ -23,3 +23,10 @@ def overlapping(sig: Signature, keys) -> List[str]:
     one of ``sig``'s parameters: buckets of a layout DDP has since rebuilt."""
     mine, own = set(sig), key_of(sig)
     return [k for k in keys if k != own and not mine.isdisjoint(sig_of(k))]
+
+
+def offset_in(grad, buffer) -> int:
+    """The element offset of ``grad``, a view into a bucket's ``buffer``,
+    from the buffer's start. (A gradient of no elements may point anywhere:
+    callers skip it.)"""
+    return (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()

@@ -10,6 +10,7 @@ from typing import List, Tuple
 import torch
 
 from . import _C
+from .bucket_keys import offset_in
 from .lowrank_share import compressed_at
 
 
@@ -24,7 +25,7 @@ def matrix_layout(bucket, rank: int) -> torch.Tensor:
         n = g.numel()
         if n == 0:  # an empty parameter (a dimension of 0) has no place in the buffer
             continue
-        off = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+        off = offset_in(g, buf)
         if g.dim() >= 2:
             r_rows, cols = g.shape[0], n // g.shape[0]
             if compressed_at(r_rows, cols, rank):

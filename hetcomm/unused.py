@@ -49,6 +49,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .bucket_keys import offset_in
+
 
 class UnusedParams:
     """See the module."""
@@ -104,10 +106,10 @@ class UnusedParams:
         the residual then owes; returns (offset in the residual, numel, what
         was held) for :meth:`give_back`."""
         held = []
-        size, end = buffer.element_size(), base + residual.numel()
+        end = base + residual.numel()
         for i in positions:
             g = grads[i]
-            start = (g.data_ptr() - buffer.data_ptr()) // size
+            start = offset_in(g, buffer)  # (an empty gradient's lo >= hi below, wherever it points)
             lo, hi = max(start, base), min(start + g.numel(), end)
             if lo >= hi:
                 continue

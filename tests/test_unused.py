@@ -3,6 +3,7 @@ Lightning's ``toggle_optimizer``): its error feedback is held back for the
 step, not lost into a slot DDP throws away (hetcomm.unused); and lowrank's
 warm start survives a matrix whose gradient was zero on every rank."""
 
+import math
 import os
 
 import pytest
@@ -12,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
 from hetcomm import discards, topology, unused
+from hetcomm.bucket_keys import sig_of
 
 from . import models
 from .dist_harness import each_mode, run_ranks
@@ -43,14 +45,14 @@ def _slots(state, model, world, rank):
     index = state._buckets.params
     (key, residual), = state._buckets.residuals.items()
     server = state._buckets.server_residuals.get(key)
-    sig = [int(n) for n in key.split(",")]
-    numel = sum(residual.new_empty(index.shapes[n]).numel() for n in sig)
+    sig = sig_of(key)
+    numel = sum(math.prod(index.shapes[n]) for n in sig)
     hierarchical = residual.numel() != numel
     node_of = list(state.topology.node_ids) if hierarchical else []
     bases = hetcomm._C.state_offsets(numel, world, rank, node_of, hierarchical)
     out, off = {}, 0
     for n in sig:
-        size = residual.new_empty(index.shapes[n]).numel()
+        size = math.prod(index.shapes[n])
         name = next(k for k, p in model.named_parameters() if p is index.param(n))
         for prefix, r, base in (("", residual, 0 if not hierarchical else bases[0]), ("server ", server, bases[1])):
             if r is not None:
