@@ -17,7 +17,9 @@ held back" for the toggle loop since hetcomm.unused; 4 ranks there too):
 
     torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS]]
 
-A mode ``MODE@ALGO`` sets HookState's algorithm; with ``@hierarchical`` each
+A mode ``MODE+m`` attaches D's optimizer (its momentum compressed, not the
+gradient; the generator's own HookState, with a DDP model each, compresses
+the gradient: its SGD has no momentum). A mode ``MODE@ALGO`` sets HookState's algorithm; with ``@hierarchical`` each
 rank's node is ``node{rank // 2}`` unless HETCOMM_NODE says otherwise.
 """
 import os
@@ -40,15 +42,19 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _register(ddp: DDP, mode: str):
-    """``mode``'s hook on ``ddp`` (fp32: DDP's own all-reduce); the HookState to close, or None."""
+def _register(ddp: DDP, mode: str, momentum_of=None):
+    """``mode``'s hook on ``ddp`` (fp32: DDP's own all-reduce); the HookState to close, or None. A mode
+    ``NAME+m`` attaches ``momentum_of`` (D's SGD with momentum; None: the state compresses the gradient)."""
     if mode == "torch-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
         ddp.register_comm_hook(ps.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2),
                                ps.powerSGD_hook)
     elif mode != "fp32":
         name, _, algorithm = mode.partition("@")
-        state = hetcomm.HookState(name, min_compress_numel=0, algorithm=algorithm or None)
+        attached = name.endswith("+m")
+        state = hetcomm.HookState(name.removesuffix("+m"), min_compress_numel=0, algorithm=algorithm or None)
+        if attached and momentum_of is not None:
+            state.attach_optimizer(momentum_of)
         ddp.register_comm_hook(state, hetcomm.hook)
         return state
     return None
@@ -57,8 +63,8 @@ def _register(ddp: DDP, mode: str):
 def run(mode: str, generator_step: str, steps: int, rank: int) -> torch.Tensor:
     d = _discriminator()
     ddp = DDP(d)
-    state = _register(ddp, mode)
     opt = torch.optim.SGD(d.parameters(), lr=0.05, momentum=0.9)
+    state = _register(ddp, mode, opt)
     g = torch.Generator().manual_seed(rank + 1)
     softplus = nn.functional.softplus
     for _ in range(steps):
@@ -92,9 +98,9 @@ def run_toggled(mode: str, steps: int, rank: int):
     pair = _Pair()
     start = _flat(pair)
     ddp = DDP(pair, find_unused_parameters=True)
-    state = _register(ddp, mode)
     opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
     opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.01)
+    state = _register(ddp, mode, opt_d)
     g = torch.Generator().manual_seed(rank + 1)
     softplus = nn.functional.softplus
 
@@ -126,9 +132,9 @@ def run_separate(mode: str, steps: int, rank: int) -> torch.Tensor:
     D's with the fakes made without a graph. Its final parameters."""
     pair = _Pair()
     ddp_g, ddp_d = DDP(pair.g), DDP(pair.d)
-    states = [_register(ddp, mode) for ddp in (ddp_g, ddp_d)]
     opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
     opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.01)
+    states = [_register(ddp_g, mode), _register(ddp_d, mode, opt_d)]  # (the generator's SGD has no momentum)
     g = torch.Generator().manual_seed(rank + 1)
     softplus = nn.functional.softplus
     for _ in range(steps):

@@ -30,12 +30,9 @@ step after it.
 
 A parameter that no rank used in a step (switched off by ``toggle_optimizer``
 in one DDP model, or unused under ``find_unused_parameters=True``) keeps its
-gradient as it was: DDP does not write the reduced bucket back there, so what
-the hook repaid into its slot would be lost. The residuals hold it back
-instead (hetcomm.unused); where they cannot (under the attached momentum), in
-a state's first SWITCHED_OFF_STEPS steps a bucket with error feedback that
-holds parameters not requiring a gradient is warned of once, naming the fix
-(a DDP model each).
+gradient as it was: DDP does not write the reduced bucket back there. Its
+slots of the state are put back as they were before the step instead
+(hetcomm.unused), so nothing is lost and nothing is warned of.
 """
 
 from __future__ import annotations
@@ -49,18 +46,11 @@ import torch
 log = logging.getLogger("hetcomm")
 
 
-#: The steps of a state (from its first) in which its stateful buckets are looked through for parameters that
-#: do not require a gradient (switched off by Lightning's toggle_optimizer every step of a GAN's loop): a look at
-#: every parameter of the bucket, so not at every step of a run.
-SWITCHED_OFF_STEPS = 8
-
-
 class DiscardWatch:
     """See the module."""
 
     def __init__(self) -> None:
         self.warned = False
-        self.warned_off = False  # switched-off parameters in a stateful bucket (see see)
         self._param: Optional[weakref.ref] = None  # a parameter of the noted step's first stateful bucket
         self._step = -1
         self._nonfinite = 0  # the engine's count of non-finite steps when the last step began
@@ -89,39 +79,12 @@ class DiscardWatch:
 
         self._handles = [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
 
-    def see(self, step: int, steps_done: int, params: Iterable[Optional[torch.Tensor]], what: str,
-            unused_held: bool = False) -> None:
-        """A bucket of step ``step`` (this state's ``steps_done``-th) whose
-        state its gradient feeds: notes a parameter of it that requires a
-        gradient (:meth:`note`) and, in the state's first SWITCHED_OFF_STEPS
-        steps, warns once if some do not and the bucket's plan does not hold
-        their error feedback back (``unused_held``: hetcomm.unused; see
-        SWITCHED_OFF_STEPS)."""
-        scan = not self.warned_off and steps_done < SWITCHED_OFF_STEPS and not unused_held
-        if not (scan or self.wants(step)):
-            return
-        live, off = None, 0
-        for q in params:
-            if q is None:
-                continue
-            if not q.requires_grad:
-                off += 1
-            elif live is None:
-                live = q
-                if not scan:
-                    break
-        self.note(step, live, what)
-        if off and scan:
-            self.warned_off = True
-            log.warning(
-                "hetcomm: step %d reduced with error feedback (%s) a bucket holding %d parameter(s) that do not "
-                "require a gradient now (Lightning's toggle_optimizer switches another optimizer's parameters "
-                "off). Where no rank uses them in a step, DDP leaves their .grad as it was, and under the attached "
-                "momentum what the hook repays of their error feedback into their slots is lost (a "
-                "toy GAN ran 7-12x as far off fp32's path as with a DDP model each: bench/README \"A gradient thrown "
-                "away after its exchange\"). Give each model its own DDP model and HookState (harmless for "
-                "parameters frozen for good). (Warned once.)", step,
-                what, off)
+    def see(self, step: int, params: Iterable[Optional[torch.Tensor]], what: str) -> None:
+        """A bucket of step ``step`` whose state its gradient feeds: notes a
+        parameter of it that requires a gradient (:meth:`note`; one that does
+        not, switched off by ``toggle_optimizer``, no optimizer steps)."""
+        if self.wants(step):
+            self.note(step, next((q for q in params if q is not None and q.requires_grad), None), what)
 
     def wants(self, step: int) -> bool:
         """Whether a bucket of step ``step`` is still to be noted (one a step)."""

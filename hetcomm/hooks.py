@@ -13,7 +13,6 @@ import torch.distributed as dist
 from . import _C, buckets, clip, ddpfind, lowrank_layout, options
 from .lowrank_share import THRESHOLD, LowrankShare, agreed_lowest
 from .options import COMPRESSED
-from .unused import UnusedParams
 
 log = logging.getLogger("hetcomm")
 
@@ -44,17 +43,6 @@ def hook(state: "BucketSteps", bucket: dist.GradBucket) -> torch.futures.Future[
 #: (``divide_by_initial_world_size=False``): its zero gradient then weighs nothing, and the others' divisor is
 #: their own samples (engine divisors must be finite and > 0: total / 1e-20 is, in float32, for any total <= 2**40).
 _NO_SAMPLES = 1e-20
-
-
-def _giving_back(fut: torch.futures.Future, held, keep_new: bool) -> torch.futures.Future:
-    """``fut``, once the reduction is done and the held slots of each (residual, slots) in ``held`` owe what
-    they held again (:meth:`hetcomm.unused.UnusedParams.give_back`), also when it failed."""
-    def back(f):
-        for residual, slots in held:
-            UnusedParams.give_back(residual, slots, keep_new)
-        return f.value()
-
-    return fut.then(back)
 
 
 class BucketSteps:
@@ -295,28 +283,24 @@ class BucketSteps:
                     # from a dense plan): its momentum so far is the optimizer's, the same on every rank
                     store[key] = self._optimizer_momentum(bucket, buf)
                 momentum = self._buckets.residual(store, key, numel, buf.device)
-        held = None
-        # what the residuals owe for parameters this rank's backward did not reach waits for their next use
-        # (hetcomm.unused); not the attached momentum's
-        holds = residual is not None and momentum is None
-        if not holds or self._joined:
-            self._unused.forget(bucket.sig)  # its marks are this step's: a later held step must not read them
+        fed = (residual is not None or carry is not None or momentum is not None) and not self._joined
+        if not fed:
+            self._unused.forget(bucket.sig)  # its marks are this step's: a later step must not read them
         else:
+            # this gradient feeds state the next steps repay (a parameter of it that requires a gradient now noted)
+            self._discards.see(self.iter, map(self._buckets.params.param, bucket.sig),
+                               p.mode + (" of the attached momentum" if momentum is not None else ""))
+            # the state's slots of parameters this rank's backward did not reach: put back after the backward
+            # where no rank used them (DDP then writes no gradient of them; hetcomm.unused)
             unused = self._unused.unused(bucket.sig, self._buckets.params.param)
             if unused:
-                whole = residual.numel() == numel  # else this rank's shard of its node's sum (the hierarchy)
-                offsets = (0, 0) if whole and server is None else _C.state_offsets(
-                    numel, engine.size, engine.rank, list(node_of) if p.algorithm == "hierarchical" else [],
-                    p.algorithm == "hierarchical")
-                held = [(residual, self._unused.hold(bucket.grads, buf, unused, residual,
-                                                     carry if whole else None, base=0 if whole else offsets[0]))]
-                if server is not None:  # this rank's segment of the sum (three or more ranks or nodes)
-                    held.append((server, self._unused.hold(bucket.grads, buf, unused, server, base=offsets[1])))
-        if (residual is not None or carry is not None or momentum is not None) and not self._joined:
-            # this gradient feeds state the next steps repay (a parameter of it that requires a gradient now noted)
-            self._discards.see(self.iter, self._steps_done, map(self._buckets.params.param, bucket.sig),
-                               p.mode + (" of the attached momentum" if momentum is not None else ""),
-                               unused_held=holds)
+                shard = residual is not None and residual.numel() != numel  # this rank's shard of its node's sum
+                bases = _C.state_offsets(numel, engine.size, engine.rank,
+                                         list(node_of) if p.algorithm == "hierarchical" else [],
+                                         p.algorithm == "hierarchical") if shard or server is not None else (0, 0)
+                self._unused.keep(self.iter, [self._buckets.params.param(n) for n in bucket.sig], bucket.grads,
+                                  buf, unused, [(residual, bases[0] if shard else 0), (carry, 0),
+                                                (server, bases[1]), (momentum, 0)])
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
             if self._joined and self._sketch.on:
                 raise RuntimeError(
@@ -342,8 +326,6 @@ class BucketSteps:
                                    lowrank_wire=self.lowrank_wire,
                                    hold=p.mode == "lowrank" and self._rounds.hold(self.iter),
                                    sum_first=self._sketch.message(self.iter) if bucket.last else None)
-        if held:
-            fut = _giving_back(fut, held, keep_new=p.mode != "onebit")
         if bucket.last:
             self.last_bucket_time = time.monotonic()
             if buf.is_cuda:  # the host runs ahead of the GPU: time the GPU's work with an event

@@ -1,45 +1,47 @@
-"""Error feedback of a parameter this rank gave no gradient: held back, not lost.
+"""A parameter that no rank used in a step: its step of error feedback undone.
 
 DDP reduces every bucket whole. A parameter that this rank's backward did not
 reach (``find_unused_parameters=True``: a branch not taken, another task's
 head; Lightning's ``toggle_optimizer``, which switches the other optimizer's
 parameters off) sits in its bucket as its ``.grad`` stands (zero, or None:
-zeros), and where no rank used it DDP does not write the reduced bucket back
-into its ``.grad`` at all. What the hook's message repaid of its error
-feedback into that slot was then lost: a toy GAN with both models in one DDP
-model ran 7-12x as far off fp32's path as with a DDP model each (bench/README
+zeros). Where another rank used it, DDP writes the reduced slot into its
+``.grad`` on every rank and the optimizer applies it: the hook's message for
+it was an ordinary one. Where no rank used it, DDP writes nothing back: what
+the message repaid of the slot's error feedback, and what the attached
+momentum's slot decayed by, was lost (a toy GAN with both models in one DDP
+model ran 7-12x as far off fp32's path as with a DDP model each; bench/README
 "A gradient thrown away after its exchange").
 
-:class:`UnusedParams` holds such a parameter's residual (and carry) back for
-the step: its slots of the residual are zeroed before the bucket goes to the
-engine and added back once the reduction is done, so the slot's message
-carries just the gradient as DDP found it (a zero, which the codecs send
-exactly). What the codec missed of it is kept as ever; onebit, whose zero is
-sent as +scale where its 32-entry chunk holds another parameter's entries,
-keeps only what was held (the sign it sent for a zero is not owed: where no
-rank used the parameter nothing of it was applied). The debt is repaid at the
-first step this rank uses the parameter again.
+:class:`UnusedParams` keeps, for each parameter this rank's backward did not
+reach, its slots of the bucket's state as they were before the step (the
+residual, the carry, the server's segment, the attached momentum). After DDP's
+end of backward (an autograd final callback queued behind DDP's own), where
+DDP left the parameter's ``.grad`` as it was (None, or a tensor whose version
+did not move), no rank used it, and every rank puts those slots back: the
+step never happened for it, as for the optimizer, which skips a parameter
+without a gradient. Where DDP wrote it, the slots stay as the reduction left
+them.
+
+Every rank sees the same: DDP's choice is a global one (it all-reduces which
+parameters were used), so the undo is the same on every rank, and a codec
+whose state mixes ranks (lowrank's residual is each rank's message less its
+share of the approximated sum; a server's residual is what it missed of the
+segment's sum) is undone consistently. Holding the slots back before the
+step instead (this module's first form) could not know whether another rank
+used the parameter: there lowrank's held residual left the other ranks' in
+the sum uncancelled (a toy where the ranks took different heads each step
+ran 6-10x as far off fp32's path), and under the attached momentum the
+message of an unused slot is beta m, whose codec error is owed where another
+rank used it and must be dropped where none did.
 
 Which parameters a backward reached: a hook on each parameter's gradient
-(registered the first time its bucket feeds a residual held here; tensor
-hooks run before DDP's), consumed when its bucket is reduced; a parameter
-that does not require a gradient now reached none. In the step that
-registers the hooks every parameter that requires a gradient counts as
-reached.
-
-A server's residual (the two-phase codecs on three or more ranks: what this
-rank, summing a segment of the bucket, missed of the sum) is held the same way,
-by this rank's use: where no rank used the parameter every message's slot was
-an exact zero and so is the sum, and the residual keeps what it held; where
-others did, it adds what it missed of their sum to what it held. So is a
-hierarchical plan's residual, of this rank's shard of its node's sum: where
-this rank did not use a parameter and a rank of its node did, the node's sum
-is sent and what the codec missed of it is added to what was held (only the
-repayment waits for this rank's next use). A hierarchical plan's carry (of
-the whole bucket, summed within the node) is not held.
-
-Left as before: buckets under the attached momentum (the optimizer's
-momentum of a skipped parameter is not the hook's to hold).
+(registered the first time its bucket feeds state; tensor hooks run before
+DDP's), consumed when its bucket is reduced; a parameter that does not
+require a gradient now reached none. In the step that registers the hooks
+every parameter that requires a gradient counts as reached. A parameter
+whose ``.grad`` is a view of the bucket (``gradient_as_bucket_view=True``
+once it has one) is left out: whatever the hook writes to its slot is its
+gradient, and the optimizer applies it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ import torch
 
 from .bucket_keys import offset_in
 
+#: (a parameter, its .grad's version when the bucket went by, or None where it had none, the slots kept:
+#: (state tensor, offset, numel, values before the step))
+_Pending = Tuple[weakref.ref, Optional[int], List[Tuple[torch.Tensor, int, int, torch.Tensor]]]
+
+
+def _queue(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` at the end of the backward running now (RuntimeError outside one)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
 
 class UnusedParams:
     """See the module."""
@@ -58,6 +69,8 @@ class UnusedParams:
     def __init__(self) -> None:
         self._reached: set = set()  # parameter numbers whose gradient a backward computed since their last bucket
         self._hooked: Dict[int, object] = {}  # parameter number -> its hook's handle
+        self._pending: List[_Pending] = []
+        self._armed_at: Optional[int] = None  # the step whose end-of-backward check is queued
 
     def _watch(self, n: int, param: torch.Tensor) -> bool:
         """Hooks ``param`` (number ``n``) if it is not yet; whether it was already."""
@@ -91,50 +104,62 @@ class UnusedParams:
         return out
 
     def forget(self, sig: Sequence[int]) -> None:
-        """A bucket reduced without :meth:`unused` (a dense or hierarchical
-        plan, a join's shadow): its parameters' marks are spent."""
+        """A bucket reduced without :meth:`unused` (a plan without state, a
+        join's shadow): its parameters' marks are spent."""
         if self._reached:
             self._reached.difference_update(sig)
 
-    def hold(self, grads: Sequence[torch.Tensor], buffer: torch.Tensor, positions: Sequence[int],
-             residual: torch.Tensor, carry: Optional[torch.Tensor] = None,
-             base: int = 0) -> List[Tuple[int, int, torch.Tensor]]:
-        """Zeroes the slots of the parameters at ``positions`` (of the bucket's
-        ``grads``, views of ``buffer``) in ``residual``, which covers the
-        bucket's entries from ``base`` on (a server's segment; what lies
-        outside it is not its), and in the whole bucket's ``carry``, which
-        the residual then owes; returns (offset in the residual, numel, what
-        was held) for :meth:`give_back`."""
-        held = []
-        end = base + residual.numel()
-        for i in positions:
-            g = grads[i]
-            start = offset_in(g, buffer)  # (an empty gradient's lo >= hi below, wherever it points)
-            lo, hi = max(start, base), min(start + g.numel(), end)
-            if lo >= hi:
-                continue
-            slot = residual.narrow(0, lo - base, hi - lo)
-            owed = slot.clone()
-            slot.zero_()
-            if carry is not None:
-                c = carry.narrow(0, lo, hi - lo)
-                owed.add_(c)
-                c.zero_()
-            held.append((lo - base, hi - lo, owed))
-        return held
+    def keep(self, step: int, params: Sequence[Optional[torch.Tensor]], grads: Sequence[torch.Tensor],
+             buffer: torch.Tensor, positions: Sequence[int],
+             states: Sequence[Tuple[Optional[torch.Tensor], int]]) -> bool:
+        """Before step ``step``'s reduction of a bucket (its ``params``, their
+        ``grads``, views of ``buffer``): keeps the slots of the parameters at
+        ``positions`` in each (state, base) of ``states``, a flat tensor
+        covering the bucket's entries from ``base`` on (None: none), to be put
+        back after DDP's end of backward where no rank used the parameter.
+        False outside a backward (nothing kept)."""
+        if self._armed_at != step:
+            ref = weakref.ref(self)
 
-    @staticmethod
-    def give_back(residual: torch.Tensor, held: Sequence[Tuple[int, int, torch.Tensor]], keep_new: bool) -> None:
-        """After the reduction: the held slots owe what they held, plus (``keep_new``) what the codec missed of
-        the slot's message."""
-        for off, n, owed in held:
-            slot = residual.narrow(0, off, n)
-            if keep_new:
-                slot.add_(owed)
-            else:
-                slot.copy_(owed)
+            def behind_ddp():  # DDP queues its end of backward once its last bucket is ready; this runs after it
+                _queue(lambda: (lambda me: me is not None and me._undo())(ref()))
+
+            try:
+                _queue(behind_ddp)
+            except RuntimeError:  # no backward runs (a bucket handed over by hand)
+                return False
+            self._armed_at, self._pending = step, []
+        storage = buffer.untyped_storage().data_ptr()
+        for i in positions:
+            p, g = params[i], grads[i]
+            grad = p.grad if p is not None else None
+            if p is None or (grad is not None and grad.untyped_storage().data_ptr() == storage):
+                continue  # (a view of the bucket: what the hook writes there is applied)
+            start = offset_in(g, buffer)  # (an empty gradient's lo >= hi below, wherever it points)
+            kept = []
+            for t, base in states:
+                if t is None:
+                    continue
+                lo, hi = max(start, base), min(start + g.numel(), base + t.numel())
+                if lo < hi:
+                    kept.append((t, lo - base, hi - lo, t.narrow(0, lo - base, hi - lo).clone()))
+            if kept:
+                self._pending.append((weakref.ref(p), None if grad is None else grad._version, kept))
+        return True
+
+    def _undo(self) -> None:
+        """After DDP's end of backward: a kept parameter whose ``.grad`` DDP
+        left as it was (no rank used it) gets its slots back."""
+        pending, self._pending, self._armed_at = self._pending, [], None
+        for ref, version, kept in pending:
+            p = ref()
+            grad = p.grad if p is not None else None
+            if p is None or (grad is not None and (version is None or grad._version != version)):
+                continue  # DDP wrote it: some rank used it, and the optimizer applies the reduced slot
+            for t, off, n, before in kept:
+                t.narrow(0, off, n).copy_(before)
 
     def close(self) -> None:
         for handle in self._hooked.values():
             handle.remove()
-        self._hooked, self._reached = {}, set()
+        self._hooked, self._reached, self._pending = {}, set(), []

@@ -1,7 +1,8 @@
-"""A parameter this rank's backward did not reach (``find_unused_parameters``,
-Lightning's ``toggle_optimizer``): its error feedback is held back for the
-step, not lost into a slot DDP throws away (hetcomm.unused); and lowrank's
-warm start survives a matrix whose gradient was zero on every rank."""
+"""A parameter no rank used in a step (``find_unused_parameters``,
+Lightning's ``toggle_optimizer``): its slots of the state are put back after
+the backward, not lost into a slot DDP throws away, and left to the ordinary
+reduction where another rank used it (hetcomm.unused); and lowrank's warm
+start survives a matrix whose gradient was zero on every rank."""
 
 import math
 import os
@@ -12,14 +13,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import discards, topology, unused
+from hetcomm import topology, unused
 from hetcomm.bucket_keys import sig_of
 
 from . import models
 from .dist_harness import each_mode, run_ranks
 from .test_ddp_options import _GanPair, _toggled
 
-HOLD_MODES = ["int3", "fp8", "onebit", "topk", "lowrank"]
+UNDO_MODES = ["int3", "fp8", "onebit", "topk", "lowrank"]
 
 
 class _TwoHeads(nn.Module):
@@ -33,18 +34,20 @@ class _TwoHeads(nn.Module):
         return self.a(h).square().mean() + (self.b(h).square().mean() if use_b else 0.0)
 
 
-#: per step, whether each rank uses head b (rank 0 alone leaves it at step 3)
-_USE_B = [True, True, False, None, True]
+#: per step, whether each rank uses head b (None: rank 0 alone leaves it, at step 2; no rank uses it at step 3)
+_USE_B = [True, True, None, False, True]
 
 
 def _slots(state, model, world, rank):
-    """Each parameter's slice of its bucket's residual by name, and of the
+    """Each parameter's slice of its bucket's residual by name, of the
     server's residual (three or more ranks, or nodes: this rank's segment of
-    the sum) by "server " and name, where the residual holds some of it: a
-    hierarchical plan's holds this rank's shard of its node's sum (one bucket)."""
+    the sum) by "server " and name, where the residual holds some of it (a
+    hierarchical plan's holds this rank's shard of its node's sum), and of
+    the attached momentum by "momentum " and name (one bucket)."""
     index = state._buckets.params
     (key, residual), = state._buckets.residuals.items()
     server = state._buckets.server_residuals.get(key)
+    momentum = state._buckets.momentum.get(key)
     sig = sig_of(key)
     numel = sum(math.prod(index.shapes[n]) for n in sig)
     hierarchical = residual.numel() != numel
@@ -54,7 +57,8 @@ def _slots(state, model, world, rank):
     for n in sig:
         size = math.prod(index.shapes[n])
         name = next(k for k, p in model.named_parameters() if p is index.param(n))
-        for prefix, r, base in (("", residual, 0 if not hierarchical else bases[0]), ("server ", server, bases[1])):
+        for prefix, r, base in (("", residual, 0 if not hierarchical else bases[0]), ("server ", server, bases[1]),
+                                ("momentum ", momentum, 0)):
             if r is not None:
                 lo, hi = max(off, base), min(off + size, base + r.numel())
                 if lo < hi:
@@ -63,77 +67,156 @@ def _slots(state, model, world, rank):
     return out
 
 
-def _held(rank, world, mode, hold, algorithm):
-    """Head b of one bucket used as _USE_B says; each step's residual slots by name (after the step). The
-    hierarchical runs: two nodes of two ranks (HETCOMM_NODE)."""
-    if not hold:  # the path before hetcomm.unused: every slot's message carries its residual
+def _run_heads(rank, world, mode, undo, algorithm, attached=False):
+    """Head b of one bucket used as _USE_B says; each step's state slots by name (after the step), and with
+    ``attached`` (SGD's momentum compressed) the optimizer's momentum buffer of b.weight. The hierarchical
+    runs: two nodes of two ranks (HETCOMM_NODE)."""
+    if not undo:  # no slot kept: every slot's message carries its state, as before hetcomm.unused
         unused.UnusedParams.unused = lambda self, sig, param_of: []
     if algorithm == "hierarchical":
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     net = _TwoHeads()
     ddp = DDP(net, find_unused_parameters=True)
     state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0, algorithm=algorithm)
+    # each gradient applied (at lr 0: the same inputs each step)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0, momentum=0.9 if attached else 0.0)
+    if attached:
+        state.attach_optimizer(opt)
     ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # each gradient applied (at lr 0: the same inputs each step)
-    slots = []
+    slots, buffers = [], []
     for step, use in enumerate(_USE_B):
         opt.zero_grad(set_to_none=True)
         ddp(models.batch(rank, step, 8)[0], rank != 0 if use is None else use).backward()
         opt.step()
         slots.append(_slots(state, net, world, rank))
+        buffers.append(opt.state[net.b.weight].get("momentum_buffer") if attached else None)
+        if buffers[-1] is not None:
+            buffers[-1] = buffers[-1].clone()
     state.close()
-    return slots
+    return {"slots": slots, "buffers": buffers}
 
 
-@pytest.mark.parametrize("hold", [True, False])
-@pytest.mark.parametrize("algorithm", ["native", "hierarchical"])
-def test_a_parameter_no_rank_used_keeps_what_error_feedback_owes_it(algorithm, hold):
-    """Three ranks (native: flat), or two nodes of two (hierarchical: each rank's
-    residual is of its shard of the node's sum). Step 2: head b unused on
-    every rank. Its residual slots stay as they were to the bit (held back:
-    DDP writes no gradient of it back), and so do those of the server's
-    residual (the two-phase codecs' segment of the sum), while head a's move;
-    without the hold (the old path) they move too, and what they repaid was
-    lost. Step 3, flat: rank 0 alone leaves b unused: the codecs that send a
-    zero exactly (int3, fp8, topk) leave its slots as they were, and step 4
-    repays them."""
-    modes = HOLD_MODES if algorithm == "native" else ["int3", "fp8", "onebit", "lowrank"]
-    results = run_ranks(each_mode, 3 if algorithm == "native" else 4, _held, modes, hold, algorithm)
+def _check_undone(modes, undone, plain, attached=False):
+    """Step 3 (no rank used b): b's slots stay as step 2 left them, to the
+    bit, in every state kept (residual, server's, momentum), while a's move;
+    without the undo they move too (top-k may leave a small residual unsent
+    either way). Step 2 (rank 0 alone left b unused): every slot as the
+    plain path leaves it (nothing put back where another rank used it).
+    Returns how many server slots were seen per mode."""
+    servers = {}
     for mode in modes:
-        servers = seen = 0
-        for rank, slots in enumerate(r[mode] for r in results):
-            before, after = slots[1], slots[2]
-            assert any(not torch.equal(before[k], after[k]) for k in before if "b." not in k), (mode, rank)
-            names = [k for k in before if k.endswith(("b.weight", "b.bias"))]
-            servers += sum(k.startswith("server ") for k in names)
-            for name in names:
-                seen += 1
-                if hold or mode != "topk":  # (top-k may leave a small residual unsent either way)
-                    assert before[name].abs().sum() > 0, (mode, rank, name)  # it owed something
-                    assert torch.equal(before[name], after[name]) == hold, (mode, rank, name)
-            if hold and rank == 0 and mode in ("int3", "fp8", "topk") and algorithm == "native":
-                assert torch.equal(slots[3]["b.weight"], slots[2]["b.weight"]), mode
-                assert not torch.equal(slots[4]["b.weight"], slots[3]["b.weight"]), mode
+        seen = servers[mode] = 0
+        for rank, (mine, theirs) in enumerate(zip((r[mode]["slots"] for r in undone),
+                                                  (r[mode]["slots"] for r in plain))):
+            assert mine[2].keys() == theirs[2].keys() and all(
+                torch.equal(mine[2][k], theirs[2][k]) for k in mine[2]), (mode, rank)
+            for run, undo in ((mine, True), (theirs, False)):
+                before, after = run[2], run[3]
+                assert any(not torch.equal(before[k], after[k]) for k in before if "b." not in k), (mode, rank)
+                names = [k for k in before if k.endswith(("b.weight", "b.bias"))]
+                servers[mode] += undo and sum(k.startswith("server ") for k in names)
+                for name in names:
+                    seen += 1
+                    if undo or mode != "topk":
+                        assert before[name].abs().sum() > 0, (mode, rank, name)  # it owed something
+                        assert torch.equal(before[name], after[name]) == undo, (mode, rank, name, undo)
+            assert not attached or all(k in mine[3] for k in ("momentum b.weight", "momentum a.weight")), mode
         assert seen > 0, mode
-        assert (servers > 0) == (mode in ("int3", "fp8", "onebit") and algorithm == "native"), (mode, servers)
+    return servers
+
+
+@pytest.mark.parametrize("algorithm", ["native", "hierarchical"])
+def test_a_parameter_no_rank_used_gets_its_slots_back_after_the_backward(algorithm):
+    """Three ranks (native: flat), or two nodes of two (hierarchical: each
+    rank's residual is of its shard of the node's sum); every codec with
+    error feedback (_check_undone). The server's residual (the two-phase
+    codecs' segment of the sum) is kept too."""
+    modes = UNDO_MODES if algorithm == "native" else ["int3", "fp8", "onebit", "lowrank"]
+    world = 3 if algorithm == "native" else 4
+    undone = run_ranks(each_mode, world, _run_heads, modes, True, algorithm)
+    plain = run_ranks(each_mode, world, _run_heads, modes, False, algorithm)
+    servers = _check_undone(modes, undone, plain)
+    for mode in modes:
+        assert (servers[mode] > 0) == (mode in ("int3", "fp8", "onebit") and algorithm == "native"), mode
+
+
+def test_the_attached_momentum_of_a_parameter_no_rank_used_stays_the_optimizers():
+    """Under the attached momentum (SGD's, three ranks): the step no rank used
+    b, torch's SGD skips it (no gradient) and its momentum buffer stays; the
+    hook's momentum of b is put back with the residuals, so it stays the
+    optimizer's buffer (without the undo it decayed by beta: the compressed
+    momentum and the optimizer's parted)."""
+    modes = ["int3", "lowrank"]
+    undone = run_ranks(each_mode, 3, _run_heads, modes, True, "native", True)
+    plain = run_ranks(each_mode, 3, _run_heads, modes, False, "native", True)
+    _check_undone(modes, undone, plain, attached=True)
+    for mode in modes:
+        for runs, undo in ((undone, True), (plain, False)):
+            for r in runs:
+                buffers, slots = r[mode]["buffers"], r[mode]["slots"]
+                assert torch.equal(buffers[3], buffers[2]), mode  # torch's SGD skipped b at step 3
+                store = slots[3]["momentum b.weight"].view_as(buffers[3])
+                scale = float(buffers[3].abs().max())
+                assert torch.allclose(store, buffers[3], atol=1e-5 * scale) == undo, (mode, undo)
+
+
+def _grads_left(rank, world, how):
+    """int3, _USE_B on two ranks, DDP's gradients kept as ``how`` says: "none" (zero_grad's default),
+    "zeros" (set_to_none=False: DDP leaves the unused parameter's zeros, their version unmoved), "view"
+    (gradient_as_bucket_view=True, set_to_none=False: b's gradient is its slot of the bucket). Each step's
+    residual slots, and b.weight's gradient after step 3."""
+    net = _TwoHeads()
+    ddp = DDP(net, find_unused_parameters=True, gradient_as_bucket_view=how == "view")
+    state = hetcomm.HookState("int3", start_iter=0, min_compress_numel=0)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    slots = []
+    for step, use in enumerate(_USE_B):
+        opt.zero_grad(set_to_none=how == "none")
+        ddp(models.batch(rank, step, 8)[0], rank != 0 if use is None else use).backward()
+        if step == 3:
+            grad = None if net.b.weight.grad is None else net.b.weight.grad.clone()
+        opt.step()
+        slots.append(_slots(state, net, world, rank))
+    state.close()
+    return {"slots": slots, "grad": grad}
+
+
+def test_the_undo_reads_ddps_choice_from_the_gradient_it_left():
+    """Whether some rank used a parameter is DDP's choice, read from its
+    gradient after the backward: None where it was None, an unmoved version
+    where it was a tensor (set_to_none=False), both put back. A gradient that
+    is a view of the bucket (gradient_as_bucket_view) is what the hook wrote
+    there, repayment included, and the optimizer applies it: nothing put back."""
+    runs = run_ranks(each_mode, 2, _grads_left, ["none", "zeros", "view"])
+    for r in runs:
+        for how in ("none", "zeros", "view"):
+            before, after = r[how]["slots"][2]["b.weight"], r[how]["slots"][3]["b.weight"]
+            assert before.abs().sum() > 0, how
+            assert torch.equal(before, after) == (how != "view"), how
+        assert r["none"]["grad"] is None and torch.equal(r["zeros"]["grad"], torch.zeros(64, 64))
+        assert r["view"]["grad"].abs().sum() > 0  # the repayment, applied
 
 
 GAN_STEPS = 20
 
 
-def _gan(rank, world, mode, hold):
-    """Lightning's GAN loop (tests.test_ddp_options._toggled) on one DDP model; the pair's final parameters."""
-    if not hold:
+def _gan(rank, world, mode, undo):
+    """Lightning's GAN loop (tests.test_ddp_options._toggled) on one DDP model; the pair's final parameters.
+    ``MODE+m``: D's SGD attached (its momentum compressed)."""
+    if not undo:
         unused.UnusedParams.unused = lambda self, sig, param_of: []
     pair = _GanPair()
     start = models.flat_params(pair)
     ddp = DDP(pair, find_unused_parameters=True)
-    state = None
-    if mode != "torch":
-        state = hetcomm.HookState(mode, min_compress_numel=0)
-        ddp.register_comm_hook(state, hetcomm.hook)
     opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
     opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.05)
+    state = None
+    if mode != "torch":
+        state = hetcomm.HookState(mode.removesuffix("+m"), min_compress_numel=0)
+        if mode.endswith("+m"):
+            state.attach_optimizer(opt_d)
+        ddp.register_comm_hook(state, hetcomm.hook)
     for step in range(GAN_STEPS):
         _toggled(rank, opt_d, opt_g, pair, ddp, step)
     if state is not None:
@@ -143,18 +226,70 @@ def _gan(rank, world, mode, hold):
 
 def test_the_toggle_loop_in_one_ddp_model_follows_fp32():
     """Lightning's toggle_optimizer loop, generator and discriminator in one
-    DDP model: with the switched-off parameters' error feedback held back,
-    int3 and lowrank end within a third of the distance to fp32's weights
-    that the old path (their repayments lost) ended at (measured by
-    bench/discarded_gradient.py at 60 steps: 0.011 against 0.112 of fp32's
-    travel with int3, 0.0034 against 0.027 with lowrank)."""
-    held = run_ranks(each_mode, 2, _gan, ["torch", "int3", "lowrank"], True)[0]
-    lost = run_ranks(each_mode, 2, _gan, ["int3", "lowrank"], False)[0]
-    ref = held["torch"]["final"]
-    travel = (ref - held["torch"]["start"]).norm()
-    for mode in ("int3", "lowrank"):
-        now, before = ((r[mode]["final"] - ref).norm() / travel for r in (held, lost))
+    DDP model: with the switched-off parameters' slots put back, int3,
+    lowrank and int3 of the attached momentum end within a third of the
+    distance to fp32's weights that the plain path (their repayments lost)
+    ended at (bench/discarded_gradient.py at 60 steps: 0.011 against 0.112
+    of fp32's travel with int3, 0.0041 against 0.027 with lowrank, 0.035
+    against 0.255 with int3 of the momentum)."""
+    modes = ["int3", "lowrank", "int3+m"]
+    undone = run_ranks(each_mode, 2, _gan, ["torch"] + modes, True)[0]
+    lost = run_ranks(each_mode, 2, _gan, modes, False)[0]
+    ref = undone["torch"]["final"]
+    travel = (ref - undone["torch"]["start"]).norm()
+    for mode in modes:
+        now, before = ((r[mode]["final"] - ref).norm() / travel for r in (undone, lost))
         assert now < before / 3, (mode, float(now), float(before))
+
+
+class _Branches(nn.Module):
+    """A regression through one of two hidden layers, chosen per call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.out = nn.Linear(32, 128), nn.Linear(128, 1)
+        self.a, self.b = nn.Linear(128, 128), nn.Linear(128, 128)
+
+    def forward(self, x, use_b):
+        h = torch.relu(self.body(x))
+        return self.out(torch.relu((self.b if use_b else self.a)(h)))
+
+
+def _branches(rank, world, mode, steps):
+    """Two ranks, each step through one hidden layer each, never the same one (which, at random): every
+    hidden layer used by one rank and unused by the other. The final parameters and the start."""
+    net = _Branches()
+    start = models.flat_params(net)
+    ddp = DDP(net, find_unused_parameters=True)
+    state = None
+    if mode != "torch":
+        state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0)
+        ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
+    heads = torch.randint(0, 2, (steps,), generator=torch.Generator().manual_seed(7))
+    for step in range(steps):
+        x = models.batch(rank, step, 16)[0]
+        opt.zero_grad()
+        ((ddp(x, bool((int(heads[step]) + rank) % 2)) - x[:, :4].sum(1, keepdim=True)) ** 2).mean().backward()
+        opt.step()
+    if state is not None:
+        state.close()
+    return {"final": models.flat_params(net), "start": start}
+
+
+def test_ranks_that_leave_different_parameters_unused_stay_near_fp32():
+    """Where another rank used a parameter, its slots take the ordinary
+    reduction. lowrank's residual is each rank's message less its share of
+    the approximated sum, so it cancels across ranks only within a step:
+    holding this rank's slot back before the step (this module's first
+    form) left the others' uncancelled. In this loop lowrank then ended 0.255
+    of fp32's travel from fp32's weights; now 0.026 (int3 0.066 and 0.069:
+    its residual is each rank's own)."""
+    runs = run_ranks(each_mode, 2, _branches, ["torch", "lowrank"], 40)[0]
+    ref = runs["torch"]["final"]
+    off = (runs["lowrank"]["final"] - ref).norm() / (ref - runs["torch"]["start"]).norm()
+    assert off < 0.1, float(off)
 
 
 def _zero_at_first(rank, world, exact):
@@ -191,17 +326,3 @@ def test_lowrank_approximates_a_matrix_that_was_zero_on_every_rank():
     for step in (2, 3):
         err = (approx[step] - exact[step]).norm() / exact[step].norm()
         assert err < 0.5, (step, float(err))
-
-
-def test_switched_off_parameters_are_warned_of_where_their_plan_cannot_hold_them(caplog):
-    """hetcomm.discards' warning of parameters that do not require a gradient
-    in a stateful bucket: given where the plan does not hold their error
-    feedback back (under the attached momentum), not where it does."""
-    on, off = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2), requires_grad=False)
-    for held in (True, False):
-        watch = discards.DiscardWatch()
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="hetcomm"):
-            watch.see(0, 0, [on, off], "int3", unused_held=held)
-        watch.close()
-        assert ("do not require a gradient" in caplog.text) != held, held
