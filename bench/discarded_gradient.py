@@ -13,7 +13,11 @@ optimizer switched off (``toggle_optimizer``), each optimizer zeroing after
 its step; the whole pair's distance to fp32's the same way, and with a DDP
 model (and a HookState) each, no parameter left unused (bench/README
 "A gradient thrown away after its exchange", and "A parameter no rank used,
-held back" for the toggle loop since hetcomm.unused; 4 ranks there too):
+held back" for the toggle loop since hetcomm.unused; 4 ranks there too).
+Last, ranks that take different branches (``run_branches``): a regression
+through one of two hidden layers per rank and step, "apart" (no two ranks
+the same) and "random" (bench/README "A parameter no rank used: its step
+undone"):
 
     torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS]]
 
@@ -155,6 +159,43 @@ def run_separate(mode: str, steps: int, rank: int) -> torch.Tensor:
     return _flat(pair)
 
 
+class _Branches(nn.Module):
+    """A regression through one of two hidden layers, chosen per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.out = nn.Linear(32, 128), nn.Linear(128, 1)
+        self.a, self.b = nn.Linear(128, 128), nn.Linear(128, 128)
+
+    def forward(self, x, use_b: bool):
+        h = torch.relu(self.body(x))
+        return self.out(torch.relu((self.b if use_b else self.a)(h)))
+
+
+def run_branches(mode: str, how: str, steps: int, rank: int, world: int):
+    """Each rank a hidden layer a step (``find_unused_parameters=True``), at random: "apart", never the same
+    on two ranks (2 ranks: each layer used by one rank, unused by the other), or "random", each rank's own
+    draw (some steps no rank uses one). SGD with momentum 0.9 at lr 0.02; (final, initial) parameters."""
+    net = _Branches()
+    start = _flat(net)
+    ddp = DDP(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
+    state = _register(ddp, mode, opt)
+    data, draw = torch.Generator().manual_seed(rank + 1), torch.Generator().manual_seed(123)
+    for _ in range(steps):
+        heads = torch.randint(0, 2, (world,), generator=draw)
+        if how == "apart":
+            heads = (heads[0] + torch.arange(world)) % 2
+        x = torch.randn(16, 32, generator=data)
+        opt.zero_grad()
+        ((ddp(x, bool(heads[rank])) - x[:, :4].sum(1, keepdim=True)) ** 2).mean().backward()
+        opt.step()
+    if state is not None:
+        state.close()
+    return _flat(net), start
+
+
 def main() -> None:
     modes = (sys.argv[1] if len(sys.argv) > 1 else "int3,lowrank,fp8,onebit,topk,torch-powersgd").split(",")
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
@@ -181,6 +222,18 @@ def main() -> None:
             print(f"{mode:15s} the pair's distance to fp32's / fp32's travel: toggle_optimizer (one DDP model) "
                   f"{float((final - ref).norm() / (ref - start).norm()):.4f}, a DDP model each "
                   f"{float((apart - ref).norm() / (ref - start).norm()):.4f}", flush=True)
+    world = dist.get_world_size()
+    refs = {how: run_branches("fp32", how, steps, rank, world) for how in ("apart", "random")}
+    for mode in modes:
+        if mode == "torch-powersgd":
+            continue
+        line = []
+        for how, (ref, start) in refs.items():
+            final, _ = run_branches(mode, how, steps, rank, world)
+            line.append(f"{how} {float((final - ref).norm() / (ref - start).norm()):.4f}")
+        if rank == 0:
+            print(f"{mode:15s} ranks through different hidden layers, distance to fp32's / fp32's travel: "
+                  + ", ".join(line), flush=True)
     dist.destroy_process_group()
 
 
