@@ -298,9 +298,9 @@ class BucketSteps:
                 bases = _C.state_offsets(numel, engine.size, engine.rank,
                                          list(node_of) if p.algorithm == "hierarchical" else [],
                                          p.algorithm == "hierarchical") if shard or server is not None else (0, 0)
-                self._unused.keep(self.iter, [self._buckets.params.param(n) for n in bucket.sig], bucket.grads,
-                                  buf, unused, [(residual, bases[0] if shard else 0), (carry, 0),
-                                                (server, bases[1]), (momentum, 0)])
+                self._unused.keep([self._buckets.params.param(n) for n in bucket.sig], bucket.grads, buf, unused,
+                                  [(residual, bases[0] if shard else 0), (carry, 0), (server, bases[1]),
+                                   (momentum, 0)])
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
             if self._joined and self._sketch.on:
                 raise RuntimeError(

@@ -59,7 +59,7 @@ _Pending = Tuple[weakref.ref, Optional[int], List[Tuple[torch.Tensor, int, int, 
 
 
 def _queue(callback: Callable[[], None]) -> None:
-    """Runs ``callback`` at the end of the backward running now (RuntimeError outside one)."""
+    """Runs ``callback`` at the end of the backward running now."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
@@ -70,7 +70,7 @@ class UnusedParams:
         self._reached: set = set()  # parameter numbers whose gradient a backward computed since their last bucket
         self._hooked: Dict[int, object] = {}  # parameter number -> its hook's handle
         self._pending: List[_Pending] = []
-        self._armed_at: Optional[int] = None  # the step whose end-of-backward check is queued
+        self._armed_in: Optional[int] = None  # the backward (autograd graph task) whose end-of-backward check is queued
 
     def _watch(self, n: int, param: torch.Tensor) -> bool:
         """Hooks ``param`` (number ``n``) if it is not yet; whether it was already."""
@@ -109,26 +109,26 @@ class UnusedParams:
         if self._reached:
             self._reached.difference_update(sig)
 
-    def keep(self, step: int, params: Sequence[Optional[torch.Tensor]], grads: Sequence[torch.Tensor],
+    def keep(self, params: Sequence[Optional[torch.Tensor]], grads: Sequence[torch.Tensor],
              buffer: torch.Tensor, positions: Sequence[int],
              states: Sequence[Tuple[Optional[torch.Tensor], int]]) -> bool:
-        """Before step ``step``'s reduction of a bucket (its ``params``, their
-        ``grads``, views of ``buffer``): keeps the slots of the parameters at
-        ``positions`` in each (state, base) of ``states``, a flat tensor
-        covering the bucket's entries from ``base`` on (None: none), to be put
-        back after DDP's end of backward where no rank used the parameter.
-        False outside a backward (nothing kept)."""
-        if self._armed_at != step:
+        """Before a bucket's reduction (its ``params``, their ``grads``, views
+        of ``buffer``): keeps the slots of the parameters at ``positions`` in
+        each (state, base) of ``states``, a flat tensor covering the bucket's
+        entries from ``base`` on (None: none), to be put back after DDP's end
+        of this backward where no rank used the parameter. False outside a
+        backward (a bucket handed over by hand: nothing kept)."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:
+            return False
+        if self._armed_in != task:  # (what a backward that failed before its end kept is dropped)
             ref = weakref.ref(self)
 
             def behind_ddp():  # DDP queues its end of backward once its last bucket is ready; this runs after it
                 _queue(lambda: (lambda me: me is not None and me._undo())(ref()))
 
-            try:
-                _queue(behind_ddp)
-            except RuntimeError:  # no backward runs (a bucket handed over by hand)
-                return False
-            self._armed_at, self._pending = step, []
+            _queue(behind_ddp)
+            self._armed_in, self._pending = task, []
         storage = buffer.untyped_storage().data_ptr()
         for i in positions:
             p, g = params[i], grads[i]
@@ -150,7 +150,7 @@ class UnusedParams:
     def _undo(self) -> None:
         """After DDP's end of backward: a kept parameter whose ``.grad`` DDP
         left as it was (no rank used it) gets its slots back."""
-        pending, self._pending, self._armed_at = self._pending, [], None
+        pending, self._pending, self._armed_in = self._pending, [], None
         for ref, version, kept in pending:
             p = ref()
             grad = p.grad if p is not None else None

@@ -326,3 +326,51 @@ def test_lowrank_approximates_a_matrix_that_was_zero_on_every_rank():
     for step in (2, 3):
         err = (approx[step] - exact[step]).norm() / exact[step].norm()
         assert err < 0.5, (step, float(err))
+
+
+def test_the_undo_runs_after_the_backward_that_kept_and_only_for_it():
+    """UnusedParams alone (one process, no DDP): slots kept inside a backward
+    are put back at its end where the parameter's gradient stayed None, not
+    where the backward wrote one; outside a backward nothing is kept; what a
+    backward that failed before its end kept is dropped, not put back later."""
+    keeper = unused.UnusedParams()
+    used, idle = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    buffer = torch.zeros(5)
+    grads = [buffer[:3], buffer[3:]]
+    state = torch.arange(5.0)
+    assert not keeper.keep([used, idle], grads, buffer, [0, 1], [(state, 0)])  # no backward runs
+    x = torch.ones(3, requires_grad=True)
+
+    def in_backward(fail):
+        def hook(grad):
+            assert keeper.keep([used, idle], grads, buffer, [0, 1], [(state, 0)])
+            state.add_(10.0)  # the reduction moves every slot
+            if fail:
+                raise RuntimeError("a failing backward")
+            return grad
+        return hook
+
+    handle = x.register_hook(in_backward(False))
+    (x * used).sum().backward()  # used's gradient written; idle's stays None
+    handle.remove()
+    assert used.grad is not None and idle.grad is None
+    assert torch.equal(state, torch.tensor([10.0, 11.0, 12.0, 3.0, 4.0]))  # idle's slots put back, used's not
+    used.grad = None
+    handle = x.register_hook(in_backward(True))
+    with pytest.raises(RuntimeError, match="a failing backward"):
+        (x * used).sum().backward()
+    handle.remove()
+    assert torch.equal(state, torch.tensor([20.0, 21.0, 22.0, 13.0, 14.0]))  # its end never came: nothing put back
+    other = torch.zeros(5)
+    y = torch.ones(3, requires_grad=True)
+
+    def keep_other(grad):
+        assert keeper.keep([used, idle], grads, buffer, [1], [(other, 0)])
+        other.add_(1.0)
+        return grad
+
+    y.register_hook(keep_other)
+    (y * 2).sum().backward()
+    assert torch.equal(other, torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]))  # its own kept slots back
+    assert torch.equal(state, torch.tensor([20.0, 21.0, 22.0, 13.0, 14.0]))  # the failed backward's dropped
+    keeper.close()
