@@ -30,7 +30,7 @@ segment's sum) is undone consistently. Holding the slots back before the
 step instead (this module's first form) could not know whether another rank
 used the parameter: there lowrank's held residual left the other ranks' in
 the sum uncancelled (a toy where the ranks took different heads each step
-ran 6-10x as far off fp32's path), and under the attached momentum the
+ran 7-12x as far off fp32's path), and under the attached momentum the
 message of an unused slot is beta m, whose codec error is owed where another
 rank used it and must be dropped where none did.
 

@@ -114,7 +114,8 @@ def _check_undone(modes, undone, plain, attached=False):
                 before, after = run[2], run[3]
                 assert any(not torch.equal(before[k], after[k]) for k in before if "b." not in k), (mode, rank)
                 names = [k for k in before if k.endswith(("b.weight", "b.bias"))]
-                servers[mode] += undo and sum(k.startswith("server ") for k in names)
+                if undo:
+                    servers[mode] += sum(k.startswith("server ") for k in names)
                 for name in names:
                     seen += 1
                     if undo or mode != "topk":
