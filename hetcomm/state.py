@@ -270,7 +270,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self._loss_scale = 1.0  # the scale the engine divides this rank's buckets by
         self._sketch = clip.NormSketch()  # clip_grad_norm_'s estimate of the reduced gradient's norm
         self._discards = discards.DiscardWatch()  # a reduced gradient no optimizer stepped: warned once
-        self._unused = UnusedParams()  # error feedback of parameters a backward did not reach: held back
+        self._unused = UnusedParams()  # state slots of parameters no rank used: put back after the backward
         self._lowrank_share = LowrankShare()  # whether lowrank's rank carries the gradient (read now and then)
         self._steps_done = 0  # steps reduced by this state object (iter, unlike it, is restored by load_state_dict)
         #: This rank's compute precision (its hetcomm.amp.GradScaler's), None without one.
