@@ -23,8 +23,9 @@ undone"):
 
 A mode ``MODE+m`` attaches D's optimizer (its momentum compressed, not the
 gradient; the generator's own HookState, with a DDP model each, compresses
-the gradient: its SGD has no momentum). A mode ``MODE@ALGO`` sets HookState's algorithm; with ``@hierarchical`` each
-rank's node is ``node{rank // 2}`` unless HETCOMM_NODE says otherwise.
+the gradient: its SGD has no momentum). A mode ``MODE@ALGO`` sets
+HookState's algorithm; with ``@hierarchical`` each rank's node is
+``node{rank // 2}`` unless HETCOMM_NODE says otherwise.
 """
 import os
 import sys
