@@ -19,11 +19,13 @@ through one of two hidden layers per rank and step, "apart" (no two ranks
 the same) and "random" (bench/README "A parameter no rank used: its step
 undone"):
 
-    torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS]]
+    torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS [OPTIMS]]]
 
-A mode ``MODE+m`` attaches D's optimizer (its momentum compressed, not the
-gradient; the generator's own HookState, with a DDP model each, compresses
-the gradient: its SGD has no momentum). A mode ``MODE@ALGO`` sets
+The toggle pair runs with each of OPTIMS (default ``sgd,adam``): D's SGD
+with momentum and the generator's plain SGD, or a GAN's usual Adam for both
+(bench/README "Each parameter's own step"). A mode ``MODE+m`` attaches D's
+optimizer (its momentum compressed, not the gradient; the generator's own
+HookState, with a DDP model each, compresses the gradient). A mode ``MODE@ALGO`` sets
 HookState's algorithm; with ``@hierarchical`` each rank's node is
 ``node{rank // 2}`` unless HETCOMM_NODE says otherwise.
 """
@@ -98,13 +100,22 @@ class _Pair(nn.Module):
         return self.d(fake) if x is None else (self.d(x), self.d(fake.detach()))
 
 
-def run_toggled(mode: str, steps: int, rank: int):
+def _pair_optimizers(pair: _Pair, optim: str):
+    """D's and the generator's optimizers: "sgd" (D's with momentum 0.9, lr 0.05; the generator's plain, 0.01)
+    or "adam" (a GAN's usual: Adam with betas (0.5, 0.999), D's lr 2e-3, the generator's 4e-4)."""
+    if optim == "adam":
+        return (torch.optim.Adam(pair.d.parameters(), lr=2e-3, betas=(0.5, 0.999)),
+                torch.optim.Adam(pair.g.parameters(), lr=4e-4, betas=(0.5, 0.999)))
+    return (torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9),
+            torch.optim.SGD(pair.g.parameters(), lr=0.01))
+
+
+def run_toggled(mode: str, steps: int, rank: int, optim: str = "sgd"):
     """Lightning's GAN step with toggle_optimizer, both models in one DDP model: (final, initial) parameters."""
     pair = _Pair()
     start = _flat(pair)
     ddp = DDP(pair, find_unused_parameters=True)
-    opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
-    opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.01)
+    opt_d, opt_g = _pair_optimizers(pair, optim)
     state = _register(ddp, mode, opt_d)
     g = torch.Generator().manual_seed(rank + 1)
     softplus = nn.functional.softplus
@@ -132,14 +143,13 @@ def run_toggled(mode: str, steps: int, rank: int):
     return _flat(pair), start
 
 
-def run_separate(mode: str, steps: int, rank: int) -> torch.Tensor:
+def run_separate(mode: str, steps: int, rank: int, optim: str = "sgd") -> torch.Tensor:
     """The same GAN steps with a DDP model (and a HookState) each: the generator's backward with D switched off,
     D's with the fakes made without a graph. Its final parameters."""
     pair = _Pair()
     ddp_g, ddp_d = DDP(pair.g), DDP(pair.d)
-    opt_d = torch.optim.SGD(pair.d.parameters(), lr=0.05, momentum=0.9)
-    opt_g = torch.optim.SGD(pair.g.parameters(), lr=0.01)
-    states = [_register(ddp_g, mode), _register(ddp_d, mode, opt_d)]  # (the generator's SGD has no momentum)
+    opt_d, opt_g = _pair_optimizers(pair, optim)
+    states = [_register(ddp_g, mode), _register(ddp_d, mode, opt_d)]  # (the generator's gradient compressed)
     g = torch.Generator().manual_seed(rank + 1)
     softplus = nn.functional.softplus
     for _ in range(steps):
@@ -200,6 +210,7 @@ def run_branches(mode: str, how: str, steps: int, rank: int, world: int):
 def main() -> None:
     modes = (sys.argv[1] if len(sys.argv) > 1 else "int3,lowrank,fp8,onebit,topk,torch-powersgd").split(",")
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
+    optims = (sys.argv[3] if len(sys.argv) > 3 else "sgd,adam").split(",")  # the toggle pair's
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if any(m.endswith("@hierarchical") for m in modes):  # two ranks a node, unless told otherwise
@@ -213,16 +224,17 @@ def main() -> None:
         if rank == 0:
             print(f"{mode:15s} D's distance to fp32's / fp32's travel, the generator's backward: " + ", ".join(line),
                   flush=True)
-    ref, start = run_toggled("fp32", steps, rank)
-    for mode in modes:
-        if mode == "torch-powersgd":
-            continue  # its hook on find_unused_parameters' zeros: not this script's question
-        final, _ = run_toggled(mode, steps, rank)
-        apart = run_separate(mode, steps, rank)
-        if rank == 0:
-            print(f"{mode:15s} the pair's distance to fp32's / fp32's travel: toggle_optimizer (one DDP model) "
-                  f"{float((final - ref).norm() / (ref - start).norm()):.4f}, a DDP model each "
-                  f"{float((apart - ref).norm() / (ref - start).norm()):.4f}", flush=True)
+    for optim in optims:
+        ref, start = run_toggled("fp32", steps, rank, optim)
+        for mode in modes:
+            if mode == "torch-powersgd":
+                continue  # its hook on find_unused_parameters' zeros: not this script's question
+            final, _ = run_toggled(mode, steps, rank, optim)
+            apart = run_separate(mode, steps, rank, optim)
+            if rank == 0:
+                print(f"{mode:15s} the pair's distance to fp32's / fp32's travel{' (Adam)' if optim == 'adam' else ''}"
+                      f": toggle_optimizer (one DDP model) {float((final - ref).norm() / (ref - start).norm()):.4f}, "
+                      f"a DDP model each {float((apart - ref).norm() / (ref - start).norm()):.4f}", flush=True)
     world = dist.get_world_size()
     refs = {how: run_branches("fp32", how, steps, rank, world) for how in ("apart", "random")}
     for mode in modes:

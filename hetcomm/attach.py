@@ -108,8 +108,10 @@ class OptimizerLink:
         AdamW updates its variance on those steps only (a variance from the
         doublings alone rests on a few dozen samples: 1 point of accuracy on
         digits, measured in the README); torch's sees every step's compressed
-        difference (noisier, smaller steps). ``exact_every`` must be 0 or None
-        with SGD. With an Adam, top-k sends the momentum's entries with the
+        difference (noisier, smaller steps). These steps are counted in each
+        bucket's own steps, as ``start_iter`` is (a parameter switched off
+        does not count: :mod:`hetcomm.own_steps`). ``exact_every`` must be 0
+        or None with SGD. With an Adam, top-k sends the momentum's entries with the
         largest update, ``|m| / (sqrt(v) + eps)`` as the optimizer's next
         step divides, not the largest ``|m|``.
 

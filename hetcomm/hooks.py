@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 from . import _C, buckets, clip, ddpfind, lowrank_layout, options
+from .negotiation import default_group_timeout
 from .lowrank_share import THRESHOLD, LowrankShare, agreed_lowest
 from .options import COMPRESSED
+from .plan import DENSE
 
 log = logging.getLogger("hetcomm")
 
@@ -238,6 +240,22 @@ class BucketSteps:
                 for p, g in zip(b.sig, b.grads):
                     views[p].copy_(g)
 
+    def _own_step(self, bucket: buckets.Bucket, numel: int) -> int:
+        """The step the schedule reads for this bucket: its parameters' own
+        (hetcomm.own_steps; the global step where none was switched off).
+        Where that departs from the global step's plan, the ranks compare it."""
+        if self.compression in DENSE:
+            return self.iter
+        own = self._own_steps.step(bucket.sig, self._buckets.params.param, self.iter)
+        if own == self.iter or numel < self.min_compress_numel:
+            return own
+        at, usual = self._planner.schedule(own), self._planner.schedule(self.iter)
+        if at != usual:
+            self._own_exact = self._own_exact or usual == "c"  # auto: a step not wholly compressed
+            self._own_steps.agree(self._group(), f"{self.iter}/{bucket.index}", at,
+                                  self._timeout or default_group_timeout())
+        return own
+
     def _reduce(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
         buf = bucket.buffer
         numel = buf.numel()
@@ -253,7 +271,7 @@ class BucketSteps:
                 return self._buckets.lowrank_parts(bucket, key, at_rank)
             return lowrank_layout.matrix_layout(bucket, rank)
 
-        p = self._planner.plan(numel, key, bucket.index, self.iter, layout_of)
+        p = self._planner.plan(numel, key, bucket.index, self._own_step(bucket, numel), layout_of)
         self._step_plans[key] = p
         layout = q_state = None
         if p.mode == "lowrank":
@@ -333,7 +351,8 @@ class BucketSteps:
                 event.record(torch.cuda.current_stream(buf.device))
                 self.last_bucket_event = (self.iter, event)
             self._step_open = False
-            self._planner.auto.end_step(self._compressed_at(self.iter))
+            self._planner.auto.end_step(self._compressed_at(self.iter) and not self._own_exact)
+            self._own_exact = False
             self._lowrank_share.end_step(self.iter, self._rank_ladder.rank, engine.rank,
                                          warn=self._planner.auto.guard is None)
             self._plans_before, self.last_plans, self._step_plans = self.last_plans, self._step_plans, {}

@@ -58,7 +58,7 @@ def across_nodes(topo) -> bool:
     return topo.num_nodes > 1 and per_node is not None and per_node > 1
 
 
-def _default_group_timeout() -> Optional[timedelta]:
+def default_group_timeout() -> Optional[timedelta]:
     """The default process group's timeout (None where the backend hides it)."""
     try:
         pg = dist.group.WORLD
@@ -106,7 +106,7 @@ class Negotiation:
         if self._process_group is None:
             if not dist.is_initialized():
                 raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
-            self._process_group = dist.new_group(timeout=self._timeout or _default_group_timeout())
+            self._process_group = dist.new_group(timeout=self._timeout or default_group_timeout())
             self._own_group = os.getpid()
             _live_states.add(self)
         return self._process_group
@@ -135,7 +135,7 @@ class Negotiation:
         global _nccl_count
         _nccl_count += 1
         store = dist.distributed_c10d._get_default_store()
-        timeout = (self._timeout or _default_group_timeout())
+        timeout = (self._timeout or default_group_timeout())
         return _C.NcclTransport(store, f"hetcomm/nccl/{_nccl_count}", dist.get_rank(self._group()),
                                 dist.get_world_size(self._group()), device.index or 0,
                                 timeout.total_seconds() if timeout else 600.0)

@@ -106,7 +106,8 @@ class Planner:
         return algo, "HETCOMM_ALGO" if s._forced_algo else "predicted", predicted
 
     def plan(self, numel: int, key: str, index: int, step: int, layout_of) -> BucketPlan:
-        """The plan of one bucket (``index`` in this step, state key ``key``).
+        """The plan of one bucket (``index`` in this step, state key ``key``,
+        ``step`` its parameters' own step: hetcomm.own_steps).
         ``layout_of()`` gives lowrank's layout of the bucket (``layout_of(r)``: at rank r)."""
         s = self.s
         mode = s.resolved_compression
@@ -114,16 +115,25 @@ class Planner:
             return self._dense(numel, mode, "fixed")
         if numel < s.min_compress_numel:
             return self._dense(numel, "none", "small bucket")
-        if not s._compressed_at(step):
+        at = self.schedule(step)
+        if at == "w":
             wire = s._warmup_compression
-            if WARMUP_FROM <= step < s.start_iter and wire != "none":
-                algo, _, predicted = self.algorithm(numel, self._wire(wire, numel, layout_of))
-                return BucketPlan(wire, algo, "warm-up", predicted_s=predicted)
+            algo, _, predicted = self.algorithm(numel, self._wire(wire, numel, layout_of))
+            return BucketPlan(wire, algo, "warm-up", predicted_s=predicted)
+        if at == "x":
             return self._dense(numel, "none", "warm-up" if step < s.start_iter else "exact step", interim=True)
         if mode == "auto":
             return self.auto.plan(numel, key, index, layout_of)
         algo, why, predicted = self.algorithm(numel, self._wire(mode, numel, layout_of))
         return BucketPlan(mode, algo, why, predicted_s=predicted)
+
+    def schedule(self, step: int) -> str:
+        """What the schedule makes of a compressed bucket at (its own) step
+        ``step``: "c" compressed, "w" the warm-up's wire, "x" exact."""
+        s = self.s
+        if s._compressed_at(step):
+            return "c"
+        return "w" if WARMUP_FROM <= step < s.start_iter and s._warmup_compression != "none" else "x"
 
     def _wire(self, mode: str, numel: int, layout_of) -> planner.Wire:
         fraction = lowrank_fraction(layout_of(), numel, self.s.lowrank_wire) if mode == "lowrank" else None

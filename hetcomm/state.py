@@ -20,6 +20,7 @@ from .lowrank_rounds import RoundsTrial
 from .lowrank_ladder import DEFAULT_RANK, RankLadder
 from .lowrank_share import LowrankShare
 from .negotiation import Negotiation, destroy_own_group
+from .own_steps import OwnSteps
 from .state_io import StateIO
 from .unused import UnusedParams
 
@@ -88,7 +89,12 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
             (bench/README "Compressed from the first step"). ``"auto"``
             needs >= 1: its trial measures DDP's buckets as rebuilt in the
             second step (with ``static_graph=True`` in the third: a trial
-            begun before starts again).
+            begun before starts again). Counted, with every exact step of
+            ``attach_optimizer``, in a bucket's own steps: the steps its
+            parameters required a gradient in (``requires_grad=False``, as
+            Lightning's ``toggle_optimizer`` sets, does not count;
+            :mod:`hetcomm.own_steps`), so a GAN's two models in one DDP
+            model each take their first steps exact.
         error_feedback: keep what compression did not send and add it to the
             next step's gradient (default True). ``False`` exists to show why
             it matters.
@@ -271,6 +277,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self._sketch = clip.NormSketch()  # clip_grad_norm_'s estimate of the reduced gradient's norm
         self._discards = discards.DiscardWatch()  # a reduced gradient no optimizer stepped: warned once
         self._unused = UnusedParams()  # state slots of parameters no rank used: put back after the backward
+        self._own_steps = OwnSteps()  # each parameter's steps switched off: the schedule reads its bucket's own step
+        self._own_exact = False  # a bucket of this step exact by its own step where the global step compresses
         self._lowrank_share = LowrankShare()  # whether lowrank's rank carries the gradient (read now and then)
         self._steps_done = 0  # steps reduced by this state object (iter, unlike it, is restored by load_state_dict)
         #: This rank's compute precision (its hetcomm.amp.GradScaler's), None without one.

@@ -17,8 +17,9 @@ log = logging.getLogger("hetcomm")
 class StateIO:
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, lowrank Q matrices, compressed momentum, the last step's
-        bucket layout, the step counter, auto's trial and choices, lowrank's
-        share readings, chosen rank and rounds of this rank (waits for queued work)."""
+        bucket layout, the step counter, each parameter's steps switched off,
+        auto's trial and choices, lowrank's share readings, chosen rank and
+        rounds of this rank (waits for queued work)."""
         self._drain()
         return {
             "version": _STATE_DICT_VERSION,
@@ -36,6 +37,7 @@ class StateIO:
             "clip_sketch": self._sketch.on,
             "lrs": self._lrs,
             "momentum_beta": self._beta,
+            "off_steps": self._own_steps.state_dict(),
         }
 
     def load_state_dict(self, sd: Dict[str, Any], strict: bool = True) -> None:
@@ -102,6 +104,7 @@ class StateIO:
             self._rounds.load_state_dict(sd.get("lowrank_rounds"))  # agreed by the ranks
         self._sketch.on = self._sketch.on or bool(sd.get("clip_sketch", False))  # a resumed run sketches at once
         self._lrs = list(sd["lrs"]) if sd.get("lrs") is not None else None
+        self._own_steps.load_state_dict(sd.get("off_steps"))  # agreed by the ranks (a model changed: see below)
         # the beta the saved momentum was kept with (a scheduled momentum moves it); attach_optimizer takes it too
         self._saved_beta = float(sd["momentum_beta"]) if sd.get("momentum_beta") is not None else None
         if self._beta is not None and self._saved_beta is not None:
@@ -137,6 +140,7 @@ class StateIO:
                     "compressed momenta, lowrank's Q and auto's decisions start afresh",
                     len(saved), len(shapes), self.iter)
         self._restore_shared_only(sd, [])
+        self._own_steps.load_state_dict(None)  # (numbered by the old model's parameters)
 
     def stats(self) -> Dict[str, Any]:
         """Bytes and time of the last complete step and of the whole run:
