@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C, buckets, clip, ddpfind, lowrank_layout, options
-from .negotiation import default_group_timeout
 from .lowrank_share import THRESHOLD, LowrankShare, agreed_lowest
+from .negotiation import default_group_timeout
 from .options import COMPRESSED
 from .plan import DENSE
 
@@ -244,7 +244,7 @@ class BucketSteps:
         """The step the schedule reads for this bucket: its parameters' own
         (hetcomm.own_steps; the global step where none was switched off).
         Where that departs from the global step's plan, the ranks compare it."""
-        if self.compression in DENSE:
+        if (self.resolved_compression or self.compression) in DENSE:  # (auto-precision: fp16 or bf16)
             return self.iter
         own = self._own_steps.step(bucket.sig, self._buckets.params.param, self.iter)
         if own == self.iter or numel < self.min_compress_numel:
