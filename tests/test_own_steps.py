@@ -87,7 +87,7 @@ def test_a_gan_with_adam_in_one_ddp_model_ends_where_a_ddp_model_each_ends():
         assert own < 1.2 * each and own < glob / 1.8, (mode, float(own), float(glob), float(each))
 
 
-def _resumed_toggle(rank, world, mode, ckpt, keep_off_steps):
+def _resumed_toggle(rank, world, mode, keep_off_steps):
     """The toggle loop (tests.test_ddp_options._toggled) with Adam for 4 steps straight, and again saved after
     the generator's first backward (DDP's step 0; the discriminator not yet stepped) and resumed in new
     objects; ``keep_off_steps`` False drops the parameters' steps switched off from the saved state."""
@@ -141,13 +141,13 @@ def _resumed_toggle(rank, world, mode, ckpt, keep_off_steps):
     return {"straight": straight, "resumed": models.flat_params(pair)}
 
 
-def test_resume_keeps_each_parameters_steps_switched_off(tmp_path):
+def test_resume_keeps_each_parameters_steps_switched_off():
     """Saved after the generator's first step, before the discriminator's:
     the resumed run takes the discriminator's first step exact as the
     straight run did, and ends on its parameters to the bit; without the
     saved steps switched off it compresses that step and ends elsewhere."""
-    kept = run_ranks(each_mode, 2, _resumed_toggle, ["int3"], str(tmp_path), True)
-    dropped = run_ranks(each_mode, 2, _resumed_toggle, ["int3"], str(tmp_path), False)
+    kept = run_ranks(each_mode, 2, _resumed_toggle, ["int3"], True)
+    dropped = run_ranks(each_mode, 2, _resumed_toggle, ["int3"], False)
     for r in kept:
         assert torch.equal(r["int3"]["straight"], r["int3"]["resumed"])
     assert not torch.equal(dropped[0]["int3"]["straight"], dropped[0]["int3"]["resumed"])
