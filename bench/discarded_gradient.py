@@ -25,7 +25,9 @@ The toggle pair runs with each of OPTIMS (default ``sgd,adam``): D's SGD
 with momentum and the generator's plain SGD, or a GAN's usual Adam for both
 (bench/README "Each parameter's own step"). A mode ``MODE+m`` attaches D's
 optimizer (its momentum compressed, not the gradient; the generator's own
-HookState, with a DDP model each, compresses the gradient). A mode ``MODE@ALGO`` sets
+HookState, with a DDP model each, compresses the gradient); ``MODE+mm`` (Adam)
+attaches both, together to the one model's state, each to its own with a
+model each (bench/README "Two optimizers attached"). A mode ``MODE@ALGO`` sets
 HookState's algorithm; with ``@hierarchical`` each rank's node is
 ``node{rank // 2}`` unless HETCOMM_NODE says otherwise.
 """
@@ -51,16 +53,17 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 def _register(ddp: DDP, mode: str, momentum_of=None):
     """``mode``'s hook on ``ddp`` (fp32: DDP's own all-reduce); the HookState to close, or None. A mode
-    ``NAME+m`` attaches ``momentum_of`` (D's SGD with momentum; None: the state compresses the gradient)."""
+    ``NAME+m`` or ``NAME+mm`` attaches ``momentum_of`` (an optimizer or a list of them; None: the state
+    compresses the gradient)."""
     if mode == "torch-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
         ddp.register_comm_hook(ps.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2),
                                ps.powerSGD_hook)
     elif mode != "fp32":
         name, _, algorithm = mode.partition("@")
-        attached = name.endswith("+m")
-        state = hetcomm.HookState(name.removesuffix("+m"), min_compress_numel=0, algorithm=algorithm or None)
-        if attached and momentum_of is not None:
+        base = name.removesuffix("+mm").removesuffix("+m")
+        state = hetcomm.HookState(base, min_compress_numel=0, algorithm=algorithm or None)
+        if base != name and momentum_of is not None:
             state.attach_optimizer(momentum_of)
         ddp.register_comm_hook(state, hetcomm.hook)
         return state
@@ -110,13 +113,18 @@ def _pair_optimizers(pair: _Pair, optim: str):
             torch.optim.SGD(pair.g.parameters(), lr=0.01))
 
 
+def _both(mode: str) -> bool:
+    """``MODE+mm``: both optimizers attached."""
+    return mode.partition("@")[0].endswith("+mm")
+
+
 def run_toggled(mode: str, steps: int, rank: int, optim: str = "sgd"):
     """Lightning's GAN step with toggle_optimizer, both models in one DDP model: (final, initial) parameters."""
     pair = _Pair()
     start = _flat(pair)
     ddp = DDP(pair, find_unused_parameters=True)
     opt_d, opt_g = _pair_optimizers(pair, optim)
-    state = _register(ddp, mode, opt_d)
+    state = _register(ddp, mode, [opt_d, opt_g] if _both(mode) else opt_d)
     g = torch.Generator().manual_seed(rank + 1)
     softplus = nn.functional.softplus
 
@@ -149,7 +157,8 @@ def run_separate(mode: str, steps: int, rank: int, optim: str = "sgd") -> torch.
     pair = _Pair()
     ddp_g, ddp_d = DDP(pair.g), DDP(pair.d)
     opt_d, opt_g = _pair_optimizers(pair, optim)
-    states = [_register(ddp_g, mode), _register(ddp_d, mode, opt_d)]  # (the generator's gradient compressed)
+    # (the generator's gradient compressed, unless MODE+mm attaches its optimizer too)
+    states = [_register(ddp_g, mode, opt_g if _both(mode) else None), _register(ddp_d, mode, opt_d)]
     g = torch.Generator().manual_seed(rank + 1)
     softplus = nn.functional.softplus
     for _ in range(steps):

@@ -4,7 +4,11 @@ optimization, ``toggle_optimizer`` switching the other model's parameters off
 for each backward. Two CPU processes; the same fit under Lightning's own
 ``DDPStrategy`` (fp32 all-reduce) and under ``HetcommDDPStrategy``:
 
-    python examples/lightning_gan.py --compression int3 [--optim adam]
+    python examples/lightning_gan.py --compression int3 [--optim adam] [--attach]
+
+``--attach`` (with Adam): both optimizers attached together
+(``HetcommDDPStrategy(attach_optimizer=True)``: their momentum compressed,
+each parameter's read from its own Adam).
 
 Each backward leaves the other model's parameters unused on every rank; DDP
 then writes no gradient of them, and hetcomm puts their state slots back after
@@ -82,15 +86,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps a model (default 20)")
     parser.add_argument("--optim", choices=["sgd", "adam"], default="sgd",
                         help="SGD (the discriminator's with momentum) or Adam for both (default sgd)")
+    parser.add_argument("--attach", action="store_true",
+                        help="attach both optimizers (their momentum compressed; with --optim adam)")
     args = parser.parse_args()
+    if args.attach and args.optim != "adam":
+        parser.error("--attach needs --optim adam (the generator's SGD has no momentum to compress)")
     start = torch.cat([p.detach().reshape(-1) for p in GAN().parameters()])
     ref = fit(DDPStrategy(find_unused_parameters=True, process_group_backend="gloo"), args.steps, args.optim)
     ours = fit(HetcommDDPStrategy(args.compression, find_unused_parameters=True, process_group_backend="gloo",
-                                  hook_options={"min_compress_numel": 0}), args.steps, args.optim)
+                                  attach_optimizer=args.attach, hook_options={"min_compress_numel": 0}),
+               args.steps, args.optim)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, ours)
     if dist.get_rank() == 0:
         print(json.dumps({"compression": args.compression, "steps": args.steps, "optim": args.optim,
+                          "attached": args.attach,
                           "distance_to_fp32": float((ours - ref).norm() / (ref - start).norm()),
                           "replicas_identical": all(torch.equal(ours, f) for f in every)}))
 

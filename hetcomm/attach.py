@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -35,6 +35,90 @@ def _unwrapped(optimizer):
     if isinstance(inner, torch.optim.Optimizer) and type(optimizer).__name__ == "AcceleratedOptimizer":
         return inner
     return optimizer
+
+
+class Optimizers:
+    """The optimizer(s) a HookState follows (:meth:`OptimizerLink.attach_optimizer`,
+    :meth:`OptimizerLink.follow_lr`), held weakly and called as a weak
+    reference is: the optimizer, or where several were given (a GAN's
+    generator and discriminator in one DDP model) a :class:`Joined` view of
+    them; None once one is gone."""
+
+    def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
+        self._refs = tuple(weakref.ref(o) for o in optimizers)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __call__(self):
+        opts = [r() for r in self._refs]
+        return None if any(o is None for o in opts) else opts[0] if len(opts) == 1 else Joined(opts)
+
+    def same(self, optimizers: List[torch.optim.Optimizer]) -> bool:
+        """Whether these are ``optimizers``, in their order."""
+        return len(self._refs) == len(optimizers) and all(r() is o for r, o in zip(self._refs, optimizers))
+
+
+class _JoinedState:
+    """Several optimizers' ``state`` read as one (``get`` only: each
+    parameter's entry from the optimizer that has one, none made)."""
+
+    def __init__(self, opts) -> None:
+        self._maps = [o.state for o in opts]
+
+    def get(self, param, default=None):
+        for m in self._maps:
+            if param in m:
+                return m[param]
+        return default
+
+
+class Joined:
+    """Several optimizers whose parameters share a DDP model, read as one:
+    their ``param_groups`` in turn, their ``state`` joined; :meth:`each`
+    asks a question of each parameter's own optimizer."""
+
+    def __init__(self, opts) -> None:
+        self.optimizers = opts
+        self.param_groups = [g for o in opts for g in o.param_groups]
+        self.state = _JoinedState(opts)
+
+    def each(self, params, ask) -> list:
+        """``ask(optimizer, its parameters)`` (a list, one per parameter) of
+        each optimizer for the ``params`` it holds; in ``params``' order, None
+        for a parameter none holds."""
+        out: list = [None] * len(params)
+        for o in self.optimizers:
+            own = {id(p) for g in o.param_groups for p in g["params"]}
+            at = [i for i, p in enumerate(params) if p is not None and id(p) in own]
+            if at:
+                for i, v in zip(at, ask(o, [params[i] for i in at])):
+                    out[i] = v
+        return out
+
+
+def _optimizer_list(optimizer, who: str) -> List[torch.optim.Optimizer]:
+    """``optimizer`` (one, or a list or tuple of several) as a list of the
+    torch optimizers they are (unwrapped: :func:`_unwrapped`); a ValueError
+    where the list is empty or a parameter is in two of them."""
+    many = isinstance(optimizer, (list, tuple))
+    opts = [_unwrapped(o) for o in (optimizer if many else [optimizer])]
+    if not opts:
+        raise ValueError(f"{who}: optimizer must be an optimizer or a non-empty list of optimizers, got []")
+    seen: dict = {}
+    for i, o in enumerate(opts):
+        groups = getattr(o, "param_groups", None)
+        if not isinstance(groups, list) or not groups or not all(
+                isinstance(g, dict) and "params" in g and isinstance(g.get("lr"), (int, float, torch.Tensor))
+                for g in groups):
+            raise ValueError(f"optimizer{f'[{i}]' if many else ''} must be a torch.optim.Optimizer whose "
+                             f"param_groups each have an 'lr', got {type(o).__name__}")
+        for p in (p for g in groups for p in g["params"]):
+            if seen.setdefault(id(p), i) != i:
+                raise ValueError(f"{who}: a parameter (shape {tuple(p.shape)}) is in optimizer[{seen[id(p)]}] and "
+                                 f"optimizer[{i}]: each parameter's momentum and rate are read from the one "
+                                 f"optimizer that steps it")
+    return opts
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -80,10 +164,33 @@ def optimizer_beta(optimizer: torch.optim.Optimizer, adam: bool, who: str) -> Tu
     return betas.pop(), what
 
 
+def _kind(optimizer) -> str:
+    """``optimizer``'s kind as attach_optimizer keeps it (options.ATTACHED):
+    "sgd", "adam" (torch's Adam / AdamW) or "hetcomm-adamw"; a ValueError
+    naming the rule where it cannot be attached."""
+    from . import optim
+
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        raise ValueError("optimizer: a ZeroRedundancyOptimizer keeps each parameter's momentum on one rank "
+                         "only, and attach_optimizer needs it on every rank (every rank sends beta * m + g); "
+                         "with ZeRO compress the gradient (register the hook without attach_optimizer) or "
+                         "attach an unsharded torch.optim.SGD / Adam / AdamW")
+    if isinstance(optimizer, torch.optim.SGD):
+        if any(float(g.get("dampening", 0.0)) != 0.0 for g in optimizer.param_groups):
+            raise ValueError("optimizer: dampening must be 0 for momentum compression")
+        return "sgd"
+    if isinstance(optimizer, optim.AdamW):
+        return "hetcomm-adamw"
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adam"
+    raise ValueError(f"optimizer must be a torch.optim.SGD with momentum, hetcomm.optim.AdamW, "
+                     f"torch.optim.Adam or torch.optim.AdamW, got {type(optimizer).__name__}")
+
+
 class OptimizerLink:
     """HookState's link to the user's optimizer (the attributes are HookState's)."""
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *,
+    def attach_optimizer(self, optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], *,
                          exact_every: Optional[int] = None, total_steps: Optional[int] = None,
                          warmup_compression: Optional[str] = None,
                          warmup_fraction: Optional[float] = None) -> "HookState":
@@ -165,29 +272,33 @@ class OptimizerLink:
         optimizer's beta of that step, so its buffer stays the compressed
         momentum (all groups must share one beta at every step).
 
+        Several optimizers on one DDP model (a GAN's generator and
+        discriminator, Lightning's manual optimization): pass them together,
+        ``attach_optimizer([opt_g, opt_d])``: one kind (SGD, torch's
+        Adam/AdamW, or hetcomm's AdamW) and one momentum (SGD's ``momentum``,
+        Adam's ``betas[0]``) for all, no parameter in two. Each parameter's
+        momentum, and with an Adam the denominator top-k ranks its entries
+        by, are read from the optimizer that steps it; their rates are
+        followed group by group. A parameter none of them steps is reduced
+        the same way (its momentum kept at the attached beta, the difference
+        handed over: under an optimizer without momentum, its gradient with
+        error feedback), and top-k ranks a bucket holding it by ``|m|``.
+
         Nothing to retune: keep the optimizer, its learning rate and betas.
         With loss scaling use :class:`hetcomm.amp.GradScaler` (torch's hands
         the hook scaled gradients: the momentum would mix scales).
         """
         if self._negotiated:
             raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
-        optimizer = _unwrapped(optimizer)
-        self._check_lr_source(optimizer, "attach_optimizer")
-        from . import optim
-
-        adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, optim.AdamW))
-        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-            raise ValueError("optimizer: a ZeroRedundancyOptimizer keeps each parameter's momentum on one rank "
-                             "only, and attach_optimizer needs it on every rank (every rank sends beta * m + g); "
-                             "with ZeRO compress the gradient (register the hook without attach_optimizer) or "
-                             "attach an unsharded torch.optim.SGD / Adam / AdamW")
-        if isinstance(optimizer, torch.optim.SGD):
-            if any(float(g.get("dampening", 0.0)) != 0.0 for g in optimizer.param_groups):
-                raise ValueError("optimizer: dampening must be 0 for momentum compression")
-        elif not adam:
-            raise ValueError(f"optimizer must be a torch.optim.SGD with momentum, hetcomm.optim.AdamW, "
-                             f"torch.optim.Adam or torch.optim.AdamW, got {type(optimizer).__name__}")
-        beta, what = optimizer_beta(optimizer, adam, "optimizer")
+        opts = _optimizer_list(optimizer, "attach_optimizer")
+        self._check_lr_source(opts, "attach_optimizer")
+        kinds = [_kind(o) for o in opts]
+        if len(set(kinds)) > 1:
+            raise ValueError(f"optimizer: the optimizers attached together must be of one kind (SGD, torch's "
+                             f"Adam/AdamW, or hetcomm.optim.AdamW), got {', '.join(type(o).__name__ for o in opts)}")
+        adam = kinds[0] != "sgd"
+        joined = opts[0] if len(opts) == 1 else Joined(opts)
+        beta, what = optimizer_beta(joined, adam, "optimizer")
         if not 0.0 < beta < 1.0:
             raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}"
                              + (": without momentum there is none to compress; leave the optimizer unattached and "
@@ -224,19 +335,21 @@ class OptimizerLink:
         self._total_steps = total_steps
         self._warmup_fraction = fraction if total_steps is not None else None
         self._beta = beta if self._saved_beta is None else self._saved_beta
-        self._optimizer = self._lr_source = weakref.ref(optimizer)
+        self._optimizer = self._lr_source = Optimizers(opts)
         self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0
-        self._attached = ("hetcomm-adamw" if isinstance(optimizer, optim.AdamW) else "adam") if adam else "sgd"
-        if isinstance(optimizer, optim.AdamW):
+        self._attached = kinds[0]
+        if self._attached == "hetcomm-adamw":
             ref = weakref.ref(self)
-            optimizer._exact = lambda: (lambda s: s is None or s._last_step_exact())(ref())
+            for o in opts:
+                o._exact = lambda: (lambda s: s is None or s._last_step_exact())(ref())
         return self
 
-    def follow_lr(self, optimizer: torch.optim.Optimizer) -> "HookState":
+    def follow_lr(self, optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]) -> "HookState":
         """Keep error feedback in the units of ``optimizer``'s learning rate
         when the gradient itself is compressed (no :meth:`attach_optimizer`,
-        which does this for the optimizer it attaches). Call on every rank
-        before the first step; returns the state. Only each group's ``lr`` is
+        which does this for the optimizer(s) it attaches). Call on every rank
+        before the first step; returns the state. Several optimizers on one
+        DDP model: pass them in one list. Only each group's ``lr`` is
         read, at the start of every step, so any optimizer with
         ``param_groups`` is accepted; it is meant for SGD (below).
 
@@ -261,21 +374,17 @@ class OptimizerLink:
         """
         if self._negotiated:
             raise RuntimeError("follow_lr must be called before the first step, on every rank")
-        optimizer = _unwrapped(optimizer)
-        self._check_lr_source(optimizer, "follow_lr")
-        groups = getattr(optimizer, "param_groups", None)
-        if not isinstance(groups, list) or not groups or not all(
-                isinstance(g, dict) and isinstance(g.get("lr"), (int, float, torch.Tensor)) for g in groups):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer whose param_groups each have an 'lr', got "
-                             f"{type(optimizer).__name__}")
-        self._lr_source = weakref.ref(optimizer)
+        opts = _optimizer_list(optimizer, "follow_lr")
+        self._check_lr_source(opts, "follow_lr")
+        self._lr_source = Optimizers(opts)
         return self
 
-    def _check_lr_source(self, optimizer, who: str) -> None:
-        followed = self._lr_source() if self._lr_source is not None else None
-        if followed is not None and followed is not optimizer:
+    def _check_lr_source(self, opts: List[torch.optim.Optimizer], who: str) -> None:
+        followed = self._lr_source
+        if followed is not None and followed() is not None and not followed.same(opts):
             raise ValueError(f"{who}: optimizer is not the one whose learning rate this state already follows "
-                             f"({type(followed).__name__}); one HookState follows one optimizer")
+                             f"({len(followed)} optimizer(s)); one HookState follows one optimizer, or several "
+                             f"given together in one list")
 
     def _follow_momentum(self) -> None:
         """Follows a momentum that a schedule moves (``OneCycleLR``'s
@@ -344,7 +453,8 @@ class OptimizerLink:
                         lrs, left)
 
     def _optimizer_momentum(self, bucket: buckets.Bucket, buf: torch.Tensor) -> torch.Tensor:
-        """The attached optimizer's momentum of the bucket's parameters as the
+        """The attached optimizer's momentum of the bucket's parameters (each
+        one's own, several attached) as the
         hook keeps it (m = beta m + g), laid out as their gradients are in the
         bucket (zero where it has none yet): SGD's momentum buffer; Adam's
         first moment divided by 1 - beta1 (exp_avg = (1 - beta1) m).
@@ -370,7 +480,8 @@ class OptimizerLink:
 
     def _update_denominator(self, bucket: buckets.Bucket, buf: torch.Tensor, key: str):
         """An attached Adam's per-element denominator (``sqrt(v) + eps``, as
-        its step computes it) laid out as the bucket: top-k of its momentum
+        its step computes it; several attached: each parameter's own Adam's)
+        laid out as the bucket: top-k of its momentum
         ranks the entries by the update each would make, ``|m| / denominator``,
         not by ``|m|``: Adam moves every coordinate at about the learning
         rate, so ranking by ``|m|`` keeps the coordinates with small gradients
@@ -390,7 +501,8 @@ class OptimizerLink:
         cached = self._buckets.denominators.get(key)
         if cached is not None and cached[0] == version:
             return cached[1]
-        denominators = optim.update_denominators(opt, params)
+        denominators = opt.each(params, optim.update_denominators) if isinstance(opt, Joined) else \
+            optim.update_denominators(opt, params)
         if any(d is None for d in denominators):
             return None
         out = _as_bucket(bucket, buf, denominators, params, 1.0)  # (1 where the bucket has padding)

@@ -168,7 +168,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("optimizer kind (attach_optimizer)", ATTACHED.index(s._attached)),
         ("exact_every (attach_optimizer)", s._exact_every),
         ("warmup_compression (attach_optimizer)", WARMUP_WIRES.index(s._warmup_compression)),
-        (FOLLOW_NAME, int(s._lr_source is not None)),
+        (FOLLOW_NAME, len(s._lr_source) if s._lr_source is not None else 0),  # how many optimizers
         (SCALER_NAME, int(s._scaler is not None)),
         (ENV_NAME, 0 if not forced else (1 + ALGORITHMS.index(forced) if forced in ALGORITHMS else -1)),
     ]
@@ -182,7 +182,7 @@ _SHOW = {"compression": lambda v: COMPRESSIONS[v],
          "optimizer kind (attach_optimizer)": lambda v: ATTACHED[v] or "none",
          "warmup_compression (attach_optimizer)": lambda v: WARMUP_WIRES[v],
          "lowrank_wire": lambda v: LOWRANK_WIRES[v],
-         FOLLOW_NAME: lambda v: "yes" if v else "no",
+         FOLLOW_NAME: lambda v: "no" if not v else "yes" if v == 1 else f"yes, {v} optimizers",
          SCALER_NAME: lambda v: "yes" if v else "no",
          "algorithm": lambda v: "default" if v < 0 else (("auto",) + ALGORITHMS)[v],
          ENV_NAME: lambda v: "unset" if v == 0 else (ALGORITHMS[v - 1] if v > 0 else "invalid")}

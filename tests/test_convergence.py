@@ -264,24 +264,47 @@ def test_hetcomm_adamw_with_compressed_momentum_reaches_fp32s_loss(mode, fp32_ad
         assert naive[0]["loss"] >= 1.05 * fp32_adamw, (naive[0]["loss"], fp32_adamw)
 
 
+class _Both:
+    """Two optimizers stepped as one (models.train_step's ``opt``)."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+
 def _adam_topk_first_compressed_step(rank, world, which, device="cpu"):
     """Four steps (two before start_iter, two exact), then the first step whose
     momentum goes through top-k; returns what the reference needs: this rank's
     own gradient of that step, the momentum and the optimizer's variance before
-    it, and the gradient the hook handed the optimizer."""
+    it, and the gradient the hook handed the optimizer. ``which`` "torch-two":
+    the first layer in one torch Adam, the rest in another (rates 1e-3 and
+    3e-3), both attached (one bucket holds the two)."""
     model = models.mlp(hidden=64)
     ddp = models.ddp(model, rank, device, bucket_cap_mb=100)  # one bucket
-    opt = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3) if which == "hetcomm" else \
-        torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    if which == "torch-two":
+        opts = [torch.optim.Adam(params[:2], lr=1e-3), torch.optim.Adam(params[2:], lr=3e-3)]
+        opt, attached = _Both(*opts), opts
+    else:
+        opt = attached = hetcomm.optim.AdamW(ddp.parameters(), lr=1e-3) if which == "hetcomm" else \
+            torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    owner = {p: o for o in (attached if isinstance(attached, list) else [attached]) for g in o.param_groups
+             for p in g["params"]}
     state = hetcomm.HookState("topk", min_compress_numel=0, topk_ratio=0.05, start_iter=2)
-    state.attach_optimizer(opt)
+    state.attach_optimizer(attached)
     ddp.register_comm_hook(state, hetcomm.hook)
     for step in range(4):
         models.train_step(ddp, opt, rank, step, 8)
-    params = list(model.parameters())
-    before = {name: torch.cat([opt.state[p][name].reshape(-1) for p in params]).cpu()
+    before = {name: torch.cat([owner[p].state[p][name].reshape(-1) for p in params]).cpu()
               for name in ("exp_avg", "exp_avg_sq")}
-    counts = [int(opt.state[p]["variance_step" if which == "hetcomm" else "step"]) for p in params]
+    counts = [int(owner[p].state[p]["variance_step" if which == "hetcomm" else "step"]) for p in params]
     sizes = [p.numel() for p in params]
     twin = copy.deepcopy(model)
     x, y = models.batch(rank, 4, 8)
@@ -291,13 +314,14 @@ def _adam_topk_first_compressed_step(rank, world, which, device="cpu"):
             "handed": models.flat_grads(model), "exact": state._last_step_exact()}
 
 
-@pytest.mark.parametrize("which", ["hetcomm", "torch"])
+@pytest.mark.parametrize("which", ["hetcomm", "torch", "torch-two"])
 def test_topk_of_adams_momentum_sends_the_entries_with_the_largest_update(which, device):
     # Adam moves each coordinate by about lr whatever its gradient's size, so
     # top-k ranks the momentum by |m| / (sqrt(v) + eps), the update each entry
     # makes, not by |m|. Reference: each rank's x = g_i / 2 + beta m / 2, its
     # top 5 % by |x| / denominator, summed over the ranks; the optimizer is
-    # handed m_new - beta m.
+    # handed m_new - beta m. Two Adams attached together (a GAN's two models
+    # in one DDP model): each parameter's momentum and denominator its own's.
     runs = run_ranks(_adam_topk_first_compressed_step, 2, which, device.type)
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     r0 = runs[0]

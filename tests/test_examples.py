@@ -219,6 +219,19 @@ def test_lightning_gan_with_adam_takes_the_discriminators_first_step_exact(tmp_p
 
 
 @pytest.mark.skipif(not _lightning_available(), reason="PyTorch Lightning is not installed")
+def test_lightning_gan_attaches_both_adams_together(tmp_path):
+    # HetcommDDPStrategy(attach_optimizer=True) on the GAN's two optimizers (a ValueError before: one optimizer
+    # only): both attached to the one state, each parameter's momentum and top-k's denominator read from its own
+    # Adam. top-k's fit ends 0.615 of fp32's travel from Lightning's own DDPStrategy fit, 20 steps (the first 4 the
+    # warm-up); the gradient's top-k, nothing attached, 0.911
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "lightning_gan.py"), "--compression",
+                          "topk", "--optim", "adam", "--attach"], capture_output=True, text=True, timeout=600,
+                         env=ENV, cwd=tmp_path)
+    r = _last_json(out)
+    assert r["attached"] and r["replicas_identical"] and r["distance_to_fp32"] < 0.75, r
+
+
+@pytest.mark.skipif(not _lightning_available(), reason="PyTorch Lightning is not installed")
 def test_lightning_mixed_precision_scales_through_hetcomm_and_resumes_its_scale(tmp_path):
     # rank 0 in Lightning's 16-mixed, rank 1 in bf16-mixed (as a V100 next to an A100): the strategy hands the
     # plugins' scalers to hetcomm.amp.GradScaler (torch's would hand the hook gradients times 2**16), the fp16

@@ -61,7 +61,9 @@ class HetcommDDPStrategy(DDPStrategy):
             ``attach_optimizer=True``).
         attach_optimizer: compress the optimizer's momentum
             (:meth:`HookState.attach_optimizer`; SGD with momentum, Adam or
-            AdamW, one optimizer), with the fit's length as ``total_steps``
+            AdamW; several, as a GAN's manual optimization configures, are
+            attached together: one kind, one beta), with the fit's length
+            as ``total_steps``
             (``trainer.estimated_stepping_batches``, when finite): the first
             fifth of the fit is the warm-up (its gradient in fp8, the
             default). True, or a dict of ``attach_optimizer``'s keyword
@@ -69,9 +71,9 @@ class HetcommDDPStrategy(DDPStrategy):
             warm-up, ``{"exact_every": 0}``; a
             ``total_steps`` given there is used instead of Lightning's).
         follow_lr: without ``attach_optimizer``, whether error feedback
-            follows the learning rate of the fit's (single) optimizer
-            (:meth:`HookState.follow_lr`; True needs exactly one optimizer).
-            None (default): when it is a ``torch.optim.SGD`` (the update is
+            follows the learning rate of the fit's optimizer(s)
+            (:meth:`HookState.follow_lr`). None (default): when each is a
+            ``torch.optim.SGD`` (the update is
             linear in the gradient there, and the measured runs gained; with
             Adam they did not, README). An attached optimizer's rate is
             followed anyway.
@@ -138,20 +140,21 @@ class HetcommDDPStrategy(DDPStrategy):
             return
         if self.hook_state is None:
             return
+        opts = list(self.optimizers)
+        given = opts[0] if len(opts) == 1 else opts  # several (a GAN's two): attached or followed together
         if self._attach:
-            if len(self.optimizers) != 1:
-                raise ValueError(f"HetcommDDPStrategy(attach_optimizer=True) needs exactly one optimizer, got "
-                                 f"{len(self.optimizers)}")
-            steps = trainer.estimated_stepping_batches  # the whole fit's optimizer steps (inf: no limit set)
+            if not opts:
+                raise ValueError("HetcommDDPStrategy(attach_optimizer=True) needs an optimizer, got none")
+            # the fit's optimizer steps (inf: no limit set); with several, each steps once a batch in turn, and
+            # the hook counts each bucket's own steps (hetcomm.own_steps): about one a batch too
+            steps = trainer.estimated_stepping_batches
             total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
-            self.hook_state.attach_optimizer(self.optimizers[0], **{"total_steps": total, **self._attach_options})
+            self.hook_state.attach_optimizer(given, **{"total_steps": total, **self._attach_options})
         elif self._follow_lr is not False:
-            if self._follow_lr and len(self.optimizers) != 1:
-                raise ValueError(f"HetcommDDPStrategy(follow_lr=True) needs exactly one optimizer, got "
-                                 f"{len(self.optimizers)}")
-            opt = self.optimizers[0] if len(self.optimizers) == 1 else None
-            if self._follow_lr or isinstance(opt, torch.optim.SGD):
-                self.hook_state.follow_lr(opt)
+            if self._follow_lr and not opts:
+                raise ValueError("HetcommDDPStrategy(follow_lr=True) needs an optimizer, got none")
+            if opts and (self._follow_lr or all(isinstance(o, torch.optim.SGD) for o in opts)):
+                self.hook_state.follow_lr(given)
 
     def _scale_through_hetcomm(self, fitting: bool) -> None:
         """``precision="16-mixed"`` / ``"bf16-mixed"`` (Lightning's
