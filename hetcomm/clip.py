@@ -39,6 +39,8 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
+from . import step_hooks
+
 log = logging.getLogger("hetcomm")
 
 #: Sums in the gradient-norm sketch (8 KB a step on the wire, as float32). Prime: entry i goes to sum
@@ -70,7 +72,7 @@ class NormSketch:
         self.probes: List[torch.Tensor] = []
         self.handed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.warned_rescaled = False
-        self._watch = None  # the handle of the optimizer step pre-hook that looks for a rescaled gradient
+        self._watch = False  # listening before optimizer steps for a rescaled gradient (hetcomm.step_hooks)
         self._pending: Optional[tuple] = None  # (handed and .grad values, their copy's CUDA event or None, step)
 
     def begin_step(self, step: int, weight: float, scale: float) -> None:
@@ -103,19 +105,16 @@ class NormSketch:
             except RuntimeError:  # not inside a backward pass
                 return
         self.probes.append(param)
-        if self._watch is None:
+        if not self._watch:
+            step_hooks.listen(self)
+            self._watch = True
 
-            def pre_step(optimizer, args, kwargs) -> None:
-                sk = ref()
-                if sk is not None:
-                    try:
-                        sk.check_rescaled()
-                    except Exception:  # a check must never break the user's step
-                        log.debug("hetcomm: the rescaled-gradient check failed", exc_info=True)
-
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            self._watch = register_optimizer_step_pre_hook(pre_step)
+    def _pre_step(self, optimizer) -> None:
+        """Before every optimizer's step, once a lossy bucket was probed (hetcomm.step_hooks)."""
+        try:
+            self.check_rescaled()
+        except Exception:  # a check must never break the user's step
+            log.debug("hetcomm: the rescaled-gradient check failed", exc_info=True)
 
     def snapshot(self) -> None:
         """At the end of backward: 64 handed values of the first probed
@@ -175,16 +174,9 @@ class NormSketch:
                 "(Warned once.)", step, c)
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.remove()
-            self._watch = None
+        step_hooks.leave(self)
+        self._watch = False
         self.probes, self.handed, self._pending = [], None, None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def message(self, step: int) -> Optional[torch.Tensor]:
         """At the step's last bucket: what the ranks sum for the estimate

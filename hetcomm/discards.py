@@ -43,6 +43,8 @@ from typing import Iterable, List, Optional
 
 import torch
 
+from . import step_hooks
+
 log = logging.getLogger("hetcomm")
 
 
@@ -60,24 +62,16 @@ class DiscardWatch:
         self._version = 0  # its version counter when noted: an update in place (a hand-written step) moves it
         self._inside: List[weakref.ref] = []  # the optimizers whose step() runs now (a closure's backward)
         # every optimizer's step, from the start (a closure's first backward runs inside the first step)
-        ref = weakref.ref(self)  # the hooks must not keep the watch alive
+        step_hooks.listen(self, pre=True, post=True)
 
-        def pre_step(optimizer, args, kwargs) -> None:
-            watch = ref()
-            if watch is not None:
-                watch._inside.append(weakref.ref(optimizer))
-                param = watch._param() if watch._param is not None else None
-                if param is not None and not watch._stepped:
-                    watch._stepped = _holds(optimizer, param)
+    def _pre_step(self, optimizer) -> None:
+        self._inside.append(weakref.ref(optimizer))
+        param = self._param() if self._param is not None else None
+        if param is not None and not self._stepped:
+            self._stepped = _holds(optimizer, param)
 
-        def post_step(optimizer, args, kwargs) -> None:
-            watch = ref()
-            if watch is not None:
-                watch._inside = [o for o in watch._inside if o() is not optimizer and o() is not None]
-
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self._handles = [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
+    def _post_step(self, optimizer) -> None:
+        self._inside = [o for o in self._inside if o() is not optimizer and o() is not None]
 
     def see(self, step: int, params: Iterable[Optional[torch.Tensor]], what: str) -> None:
         """A bucket of step ``step`` whose state its gradient feeds: notes a
@@ -122,15 +116,8 @@ class DiscardWatch:
             "their exchanges. (Warned once.)", noted, self._what, step, noted)
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._inside = [], []
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        step_hooks.leave(self)
+        self._inside = []
 
 
 def _holds(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:

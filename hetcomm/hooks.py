@@ -318,7 +318,8 @@ class BucketSteps:
                                          p.algorithm == "hierarchical") if shard or server is not None else (0, 0)
                 self._unused.keep([self._buckets.params.param(n) for n in bucket.sig], bucket.grads, buf, unused,
                                   [(residual, bases[0] if shard else 0), (carry, 0), (server, bases[1]),
-                                   (momentum, 0)])
+                                   (momentum, 0)],
+                                  None if q_state is None else lowrank_layout.q_slots(bucket.grads, layout, q_state))
         if clip.NormSketch.lossy(p, momentum):  # its handed gradient's norm is not the reduced one's
             if self._joined and self._sketch.on:
                 raise RuntimeError(

@@ -5,7 +5,7 @@ start, the same on every rank, and its columns kept when the rank changes
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -54,6 +54,24 @@ def q_blocks(layout: torch.Tensor) -> List[Tuple[int, int, int]]:
             blocks.append((offset, cols, rank))
             offset += cols * rank
     return blocks
+
+
+def q_slots(grads, layout: torch.Tensor, q: torch.Tensor) -> Dict[int, List[Tuple[torch.Tensor, int, int]]]:
+    """Position in a bucket's ``grads`` -> its matrix's part of the flat Q
+    ``q`` of ``layout`` (:func:`matrix_layout`'s), as (q, offset, numel), for
+    the tensors approximated at a rank (each matrix's Q is its own: P = M Q,
+    orthonormalised per matrix, Q = M^T P); none where the layout is not one
+    row per tensor (sent dense)."""
+    at = [i for i, g in enumerate(grads) if g.numel()]
+    rows = layout.tolist()
+    if len(rows) != len(at):
+        return {}
+    out, offset = {}, 0
+    for i, (_, _, cols, rank) in zip(at, rows):
+        if rank:
+            out[i] = [(q, offset, cols * rank)]
+            offset += cols * rank
+    return out
 
 
 def q_at(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, key: str) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import weakref
 from datetime import timedelta
 from typing import Any, Optional, Tuple
@@ -31,15 +32,27 @@ def _close_states() -> None:
     # still free them: a gloo group freed during finalization aborts.
     for state in list(_live_states):
         state.close()
+    destroy_doomed()
 
 
-def destroy_own_group(group) -> None:
+#: Groups of states freed by the garbage collector, destroyed at the next safe point (destroy_own_group)
+_doomed: list = []
+
+
+def destroy_own_group(group, now: bool = True) -> None:
     """Frees a gloo group a HookState made for itself once its comm thread
     stopped (a local act: no rank waits for another), so that a process
     making many states (a sweep, a notebook) does not keep each one's gloo
     threads and sockets (3 and 5 a state, measured) until
     ``destroy_process_group()``. Any other backend's group is left to that:
-    an NCCL communicator's abort may be collective."""
+    an NCCL communicator's abort may be collective. ``now`` False (a state
+    freed by the garbage collector, which runs at whatever allocation set it
+    off, inside c10d's own ``new_group`` too): it is destroyed at the next
+    state's first group, the next ``close()`` or exit (:func:`destroy_doomed`)."""
+    if not now:
+        _doomed.append(group)
+        return
+    destroy_doomed()
     if not dist.is_initialized():
         return  # destroy_process_group() ran: every group went with it
     try:
@@ -47,6 +60,24 @@ def destroy_own_group(group) -> None:
             dist.destroy_process_group(group)
     except (ValueError, RuntimeError):
         pass  # not a group c10d knows any more
+
+
+def destroy_doomed() -> None:
+    """Destroys the groups :func:`destroy_own_group` put off."""
+    while _doomed:
+        destroy_own_group(_doomed.pop())
+
+
+def inside_c10d() -> bool:
+    """Whether torch.distributed's Python code is on the stack (a state freed
+    by the garbage collector from inside ``new_group``: its group is then
+    destroyed later, not in the middle of c10d's bookkeeping of another)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def across_nodes(topo) -> bool:
@@ -106,6 +137,7 @@ class Negotiation:
         if self._process_group is None:
             if not dist.is_initialized():
                 raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
+            destroy_doomed()  # (here, not inside new_group: a state freed meanwhile waits for the next)
             self._process_group = dist.new_group(timeout=self._timeout or default_group_timeout())
             self._own_group = os.getpid()
             _live_states.add(self)

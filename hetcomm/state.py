@@ -19,7 +19,7 @@ from .hooks import BucketSteps
 from .lowrank_rounds import RoundsTrial
 from .lowrank_ladder import DEFAULT_RANK, RankLadder
 from .lowrank_share import LowrankShare
-from .negotiation import Negotiation, destroy_own_group
+from .negotiation import Negotiation, destroy_own_group, inside_c10d
 from .own_steps import OwnSteps
 from .state_io import StateIO
 from .unused import UnusedParams
@@ -369,6 +369,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         group the state made for itself is destroyed here (its threads and
         sockets go now, not at ``destroy_process_group()``). The state's
         ``stats()`` and ``state_dict()`` still work; reducing does not."""
+        self._close(now=True)
+
+    def _close(self, now: bool) -> None:
         if self._engine is not None:
             self._engine.close()
         self._sketch.close()
@@ -377,11 +380,12 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self._closed = True
         group, self._process_group = self._process_group, None
         if group is not None and self._own_group == os.getpid():  # (not in a forked child: the parent's group)
-            destroy_own_group(group)
+            destroy_own_group(group, now)
 
     def __del__(self) -> None:
         try:
-            self.close()
+            # freed by the garbage collector inside c10d (new_group): its group destroyed at the next safe point
+            self._close(now=not inside_c10d())
         except Exception:
             pass
 

@@ -111,13 +111,16 @@ class UnusedParams:
 
     def keep(self, params: Sequence[Optional[torch.Tensor]], grads: Sequence[torch.Tensor],
              buffer: torch.Tensor, positions: Sequence[int],
-             states: Sequence[Tuple[Optional[torch.Tensor], int]]) -> bool:
+             states: Sequence[Tuple[Optional[torch.Tensor], int]],
+             own: Optional[Dict[int, List[Tuple[torch.Tensor, int, int]]]] = None) -> bool:
         """Before a bucket's reduction (its ``params``, their ``grads``, views
         of ``buffer``): keeps the slots of the parameters at ``positions`` in
         each (state, base) of ``states``, a flat tensor covering the bucket's
-        entries from ``base`` on (None: none), to be put back after DDP's end
-        of this backward where no rank used the parameter. False outside a
-        backward (a bucket handed over by hand: nothing kept)."""
+        entries from ``base`` on (None: none), and the slots ``own`` names per
+        position, (state, offset, numel) (lowrank's Q of its matrix), to be
+        put back after DDP's end of this backward where no rank used the
+        parameter. False outside a backward (a bucket handed over by hand:
+        nothing kept)."""
         task = torch._C._current_graph_task_id()
         if task < 0:
             return False
@@ -143,6 +146,8 @@ class UnusedParams:
                 lo, hi = max(start, base), min(start + g.numel(), base + t.numel())
                 if lo < hi:
                     kept.append((t, lo - base, hi - lo, t.narrow(0, lo - base, hi - lo).clone()))
+            for t, off, n in (own or {}).get(i, ()):
+                kept.append((t, off, n, t.narrow(0, off, n).clone()))
             if kept:
                 self._pending.append((weakref.ref(p), None if grad is None else grad._version, kept))
         return True

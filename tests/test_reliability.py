@@ -802,6 +802,42 @@ def test_a_sweep_of_states_in_one_process_keeps_no_threads_or_sockets():
         assert last == first and first[0] <= before[0] + 1 and first[1] <= before[1] + 2, (before, first, last)
 
 
+def test_a_watch_freed_inside_an_optimizers_step_leaves_without_breaking_the_step():
+    # torch's optimizer step hooks are global. Each state's watches (hetcomm.discards, hetcomm.clip) registered
+    # hooks of their own and removed them when closed, and a state freed by the garbage collector (a DDP model's
+    # reference cycle) closed them at whatever allocation set the collection off: inside opt.step()'s loop over
+    # those hooks that raised "OrderedDict mutated during iteration" (seen in CI). One pair of hooks reads a weak
+    # set of listeners now (hetcomm.step_hooks).
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from hetcomm import discards
+
+    def collect(*args):
+        gc.collect()
+
+    # the collecting hooks first: the watches' hooks (where they are their own) come after them in torch's loop
+    handles = [register(collect) for register in (register_optimizer_step_pre_hook, register_optimizer_step_post_hook)]
+    gc.disable()  # the watches wait for the collection the step's own hook runs
+    try:
+        freed = []
+        for _ in range(3):
+            watch = discards.DiscardWatch()
+            watch.cycle = watch  # freed by a collection only
+            freed.append(weakref.ref(watch))
+        del watch
+        param = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([param], lr=0.1)
+        param.grad = torch.ones(2)
+        opt.step()
+        opt.step()
+    finally:
+        gc.enable()
+        for h in handles:
+            h.remove()
+    assert all(ref() is None for ref in freed)
+    assert torch.equal(param.detach(), torch.full((2,), -0.2))
+
+
 _EXIT_SCRIPT = """
 import atexit, os, sys
 threads = lambda: len(os.listdir("/proc/self/task"))

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
-from hetcomm import topology, unused
+from hetcomm import lowrank_layout, topology, unused
 from hetcomm.bucket_keys import sig_of
 
 from . import models
@@ -44,20 +44,27 @@ def _slots(state, model, world, rank):
     server's residual (three or more ranks, or nodes: this rank's segment of
     the sum) by "server " and name, where the residual holds some of it (a
     hierarchical plan's holds this rank's shard of its node's sum), and of
-    the attached momentum by "momentum " and name (one bucket)."""
+    the attached momentum by "momentum " and name (one bucket), and of
+    lowrank's Q by "q " and name (a matrix approximated at a rank)."""
     index = state._buckets.params
     (key, residual), = state._buckets.residuals.items()
     server = state._buckets.server_residuals.get(key)
     momentum = state._buckets.momentum.get(key)
     sig = sig_of(key)
     numel = sum(math.prod(index.shapes[n]) for n in sig)
+    q, layout = state._buckets.lowrank_q.get(key), state._buckets.layouts.get(key)
+    spans = {} if q is None or layout is None else lowrank_layout.q_slots(
+        [torch.empty(math.prod(index.shapes[n])) for n in sig], layout[1], q)
+    qs = {i: t[off:off + size].clone() for i, [(t, off, size)] in spans.items()}
     hierarchical = residual.numel() != numel
     node_of = list(state.topology.node_ids) if hierarchical else []
     bases = hetcomm._C.state_offsets(numel, world, rank, node_of, hierarchical)
     out, off = {}, 0
-    for n in sig:
+    for i, n in enumerate(sig):
         size = math.prod(index.shapes[n])
         name = next(k for k, p in model.named_parameters() if p is index.param(n))
+        if i in qs:
+            out["q " + name] = qs[i]
         for prefix, r, base in (("", residual, 0 if not hierarchical else bases[0]), ("server ", server, bases[1]),
                                 ("momentum ", momentum, 0)):
             if r is not None:
@@ -78,7 +85,8 @@ def _run_heads(rank, world, mode, undo, algorithm, attached=False):
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     net = _TwoHeads()
     ddp = DDP(net, find_unused_parameters=True)
-    state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0, algorithm=algorithm)
+    # (lowrank at rank 4: its matrices approximated, each with its Q)
+    state = hetcomm.HookState(mode, start_iter=0, min_compress_numel=0, algorithm=algorithm, **models.fixed_rank(mode))
     # each gradient applied (at lr 0: the same inputs each step)
     opt = torch.optim.SGD(net.parameters(), lr=0.0, momentum=0.9 if attached else 0.0)
     if attached:
