@@ -14,7 +14,9 @@ model ran 7-12x as far off fp32's path as with a DDP model each; bench/README
 
 :class:`UnusedParams` keeps, for each parameter this rank's backward did not
 reach, its slots of the bucket's state as they were before the step (the
-residual, the carry, the server's segment, the attached momentum). After DDP's
+residual, the carry, the server's segment, the attached momentum, and
+lowrank's Q of its matrix, whose power iteration on the residual alone turned
+the warm start away from the gradient's subspace). After DDP's
 end of backward (an autograd final callback queued behind DDP's own), where
 DDP left the parameter's ``.grad`` as it was (None, or a tensor whose version
 did not move), no rank used it, and every rank puts those slots back: the
