@@ -90,12 +90,15 @@ def test_a_gan_with_adam_in_one_ddp_model_ends_where_a_ddp_model_each_ends():
 def _resumed_toggle(rank, world, mode, keep_off_steps):
     """The toggle loop (tests.test_ddp_options._toggled) with Adam for 4 steps straight, and again saved after
     the generator's first backward (DDP's step 0; the discriminator not yet stepped) and resumed in new
-    objects; ``keep_off_steps`` False drops the parameters' steps switched off from the saved state."""
+    objects; ``keep_off_steps`` False drops the parameters' steps switched off from the saved state. ``MODE+mm``:
+    both Adams attached together."""
     def build():
         pair = _GanPair()
         ddp = DDP(pair, find_unused_parameters=True)
         opts = (torch.optim.Adam(pair.d.parameters(), lr=2e-3), torch.optim.Adam(pair.g.parameters(), lr=4e-4))
-        state = hetcomm.HookState(mode, min_compress_numel=0)
+        state = hetcomm.HookState(mode.removesuffix("+mm"), min_compress_numel=0)
+        if mode.endswith("+mm"):
+            state.attach_optimizer(list(opts))
         ddp.register_comm_hook(state, hetcomm.hook)
         return pair, ddp, opts, state
 
@@ -145,11 +148,14 @@ def test_resume_keeps_each_parameters_steps_switched_off():
     """Saved after the generator's first step, before the discriminator's:
     the resumed run takes the discriminator's first step exact as the
     straight run did, and ends on its parameters to the bit; without the
-    saved steps switched off it compresses that step and ends elsewhere."""
-    kept = run_ranks(each_mode, 2, _resumed_toggle, ["int3"], True)
+    saved steps switched off it compresses that step and ends elsewhere. The
+    same with both Adams attached together and top-k of their momentum (each
+    entry ranked by its own Adam's denominator, read from the loaded ones)."""
+    kept = run_ranks(each_mode, 2, _resumed_toggle, ["int3", "topk+mm"], True)
     dropped = run_ranks(each_mode, 2, _resumed_toggle, ["int3"], False)
     for r in kept:
-        assert torch.equal(r["int3"]["straight"], r["int3"]["resumed"])
+        for mode in ("int3", "topk+mm"):
+            assert torch.equal(r[mode]["straight"], r[mode]["resumed"]), mode
     assert not torch.equal(dropped[0]["int3"]["straight"], dropped[0]["int3"]["resumed"])
 
 
