@@ -1,4 +1,5 @@
-"""The optimizer a HookState follows: :meth:`attach_optimizer` (its momentum
+"""The optimizer a HookState follows (or several together:
+:mod:`hetcomm.optimizer_set`): :meth:`attach_optimizer` (its momentum
 compressed) and :meth:`follow_lr` (error feedback in its learning rate's
 units), a mixin of :class:`hetcomm.state.HookState`; and what each step reads
 of it: a rate or momentum a schedule moved, the momentum and Adam's
@@ -14,6 +15,7 @@ import torch
 
 from . import buckets, options
 from .bucket_keys import offset_in
+from .optimizer_set import Joined, Optimizers, optimizer_list
 
 if TYPE_CHECKING:
     from .state import HookState
@@ -25,100 +27,6 @@ EXACT_EVERY = 16
 #: attach_optimizer(total_steps=N): the first this fraction of the run is the warm-up, the gradient reduced
 #: without momentum compression (attach_optimizer's ``warmup_fraction`` default; README).
 WARMUP_FRACTION = 0.2
-
-
-def _unwrapped(optimizer):
-    """The torch optimizer a framework's wrapper steps (Hugging Face
-    Accelerate's ``AcceleratedOptimizer`` holds it as ``.optimizer``): the
-    hook reads the momentum and the rates from the optimizer itself."""
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer) and type(optimizer).__name__ == "AcceleratedOptimizer":
-        return inner
-    return optimizer
-
-
-class Optimizers:
-    """The optimizer(s) a HookState follows (:meth:`OptimizerLink.attach_optimizer`,
-    :meth:`OptimizerLink.follow_lr`), held weakly and called as a weak
-    reference is: the optimizer, or where several were given (a GAN's
-    generator and discriminator in one DDP model) a :class:`Joined` view of
-    them; None once one is gone."""
-
-    def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
-        self._refs = tuple(weakref.ref(o) for o in optimizers)
-
-    def __len__(self) -> int:
-        return len(self._refs)
-
-    def __call__(self):
-        opts = [r() for r in self._refs]
-        return None if any(o is None for o in opts) else opts[0] if len(opts) == 1 else Joined(opts)
-
-    def same(self, optimizers: List[torch.optim.Optimizer]) -> bool:
-        """Whether these are ``optimizers``, in their order."""
-        return len(self._refs) == len(optimizers) and all(r() is o for r, o in zip(self._refs, optimizers))
-
-
-class _JoinedState:
-    """Several optimizers' ``state`` read as one (``get`` only: each
-    parameter's entry from the optimizer that has one, none made)."""
-
-    def __init__(self, opts) -> None:
-        self._maps = [o.state for o in opts]
-
-    def get(self, param, default=None):
-        for m in self._maps:
-            if param in m:
-                return m[param]
-        return default
-
-
-class Joined:
-    """Several optimizers whose parameters share a DDP model, read as one:
-    their ``param_groups`` in turn, their ``state`` joined; :meth:`each`
-    asks a question of each parameter's own optimizer."""
-
-    def __init__(self, opts) -> None:
-        self.optimizers = opts
-        self.param_groups = [g for o in opts for g in o.param_groups]
-        self.state = _JoinedState(opts)
-
-    def each(self, params, ask) -> list:
-        """``ask(optimizer, its parameters)`` (a list, one per parameter) of
-        each optimizer for the ``params`` it holds; in ``params``' order, None
-        for a parameter none holds."""
-        out: list = [None] * len(params)
-        for o in self.optimizers:
-            own = {id(p) for g in o.param_groups for p in g["params"]}
-            at = [i for i, p in enumerate(params) if p is not None and id(p) in own]
-            if at:
-                for i, v in zip(at, ask(o, [params[i] for i in at])):
-                    out[i] = v
-        return out
-
-
-def _optimizer_list(optimizer, who: str) -> List[torch.optim.Optimizer]:
-    """``optimizer`` (one, or a list or tuple of several) as a list of the
-    torch optimizers they are (unwrapped: :func:`_unwrapped`); a ValueError
-    where the list is empty or a parameter is in two of them."""
-    many = isinstance(optimizer, (list, tuple))
-    opts = [_unwrapped(o) for o in (optimizer if many else [optimizer])]
-    if not opts:
-        raise ValueError(f"{who}: optimizer must be an optimizer or a non-empty list of optimizers, got []")
-    seen: dict = {}
-    for i, o in enumerate(opts):
-        groups = getattr(o, "param_groups", None)
-        if not isinstance(groups, list) or not groups or not all(
-                isinstance(g, dict) and "params" in g and isinstance(g.get("lr"), (int, float, torch.Tensor))
-                for g in groups):
-            raise ValueError(f"optimizer{f'[{i}]' if many else ''} must be a torch.optim.Optimizer whose "
-                             f"param_groups each have an 'lr', got {type(o).__name__}")
-        for p in (p for g in groups for p in g["params"]):
-            if seen.setdefault(id(p), i) != i:
-                raise ValueError(f"{who}: a parameter (shape {tuple(p.shape)}) is in optimizer[{seen[id(p)]}] and "
-                                 f"optimizer[{i}]: each parameter's momentum and rate are read from the one "
-                                 f"optimizer that steps it")
-    return opts
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -290,15 +198,15 @@ class OptimizerLink:
         """
         if self._negotiated:
             raise RuntimeError("attach_optimizer must be called before the first step, on every rank")
-        opts = _optimizer_list(optimizer, "attach_optimizer")
+        opts = optimizer_list(optimizer, "attach_optimizer")
         self._check_lr_source(opts, "attach_optimizer")
         kinds = [_kind(o) for o in opts]
         if len(set(kinds)) > 1:
             raise ValueError(f"optimizer: the optimizers attached together must be of one kind (SGD, torch's "
                              f"Adam/AdamW, or hetcomm.optim.AdamW), got {', '.join(type(o).__name__ for o in opts)}")
         adam = kinds[0] != "sgd"
-        joined = opts[0] if len(opts) == 1 else Joined(opts)
-        beta, what = optimizer_beta(joined, adam, "optimizer")
+        attached = Optimizers(opts)
+        beta, what = optimizer_beta(attached(), adam, "optimizer")
         if not 0.0 < beta < 1.0:
             raise ValueError(f"optimizer {what} must be in (0, 1) to be compressed, got {beta}"
                              + (": without momentum there is none to compress; leave the optimizer unattached and "
@@ -335,7 +243,7 @@ class OptimizerLink:
         self._total_steps = total_steps
         self._warmup_fraction = fraction if total_steps is not None else None
         self._beta = beta if self._saved_beta is None else self._saved_beta
-        self._optimizer = self._lr_source = Optimizers(opts)
+        self._optimizer = self._lr_source = attached
         self._exact_every = (EXACT_EVERY if exact_every is None else exact_every) if adam else 0
         self._attached = kinds[0]
         if self._attached == "hetcomm-adamw":
@@ -374,7 +282,7 @@ class OptimizerLink:
         """
         if self._negotiated:
             raise RuntimeError("follow_lr must be called before the first step, on every rank")
-        opts = _optimizer_list(optimizer, "follow_lr")
+        opts = optimizer_list(optimizer, "follow_lr")
         self._check_lr_source(opts, "follow_lr")
         self._lr_source = Optimizers(opts)
         return self

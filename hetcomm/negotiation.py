@@ -49,23 +49,22 @@ def destroy_own_group(group, now: bool = True) -> None:
     freed by the garbage collector, which runs at whatever allocation set it
     off, inside c10d's own ``new_group`` too): it is destroyed at the next
     state's first group, the next ``close()`` or exit (:func:`destroy_doomed`)."""
-    if not now:
-        _doomed.append(group)
-        return
-    destroy_doomed()
-    if not dist.is_initialized():
-        return  # destroy_process_group() ran: every group went with it
-    try:
-        if dist.get_backend(group) == "gloo":
-            dist.destroy_process_group(group)
-    except (ValueError, RuntimeError):
-        pass  # not a group c10d knows any more
+    _doomed.append(group)
+    if now:
+        destroy_doomed()
 
 
 def destroy_doomed() -> None:
-    """Destroys the groups :func:`destroy_own_group` put off."""
+    """Destroys the groups :func:`destroy_own_group` was given, those put off first."""
     while _doomed:
-        destroy_own_group(_doomed.pop())
+        group = _doomed.pop(0)
+        if not dist.is_initialized():
+            continue  # destroy_process_group() ran: every group went with it
+        try:
+            if dist.get_backend(group) == "gloo":
+                dist.destroy_process_group(group)
+        except (ValueError, RuntimeError):
+            pass  # not a group c10d knows any more
 
 
 def inside_c10d() -> bool:

@@ -140,8 +140,7 @@ class HetcommDDPStrategy(DDPStrategy):
             return
         if self.hook_state is None:
             return
-        opts = list(self.optimizers)
-        given = opts[0] if len(opts) == 1 else opts  # several (a GAN's two): attached or followed together
+        opts = list(self.optimizers)  # several (a GAN's two): attached or followed together
         if self._attach:
             if not opts:
                 raise ValueError("HetcommDDPStrategy(attach_optimizer=True) needs an optimizer, got none")
@@ -149,12 +148,12 @@ class HetcommDDPStrategy(DDPStrategy):
             # the hook counts each bucket's own steps (hetcomm.own_steps): about one a batch too
             steps = trainer.estimated_stepping_batches
             total = int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps >= 1 else None
-            self.hook_state.attach_optimizer(given, **{"total_steps": total, **self._attach_options})
+            self.hook_state.attach_optimizer(opts, **{"total_steps": total, **self._attach_options})
         elif self._follow_lr is not False:
             if self._follow_lr and not opts:
                 raise ValueError("HetcommDDPStrategy(follow_lr=True) needs an optimizer, got none")
             if opts and (self._follow_lr or all(isinstance(o, torch.optim.SGD) for o in opts)):
-                self.hook_state.follow_lr(given)
+                self.hook_state.follow_lr(opts)
 
     def _scale_through_hetcomm(self, fitting: bool) -> None:
         """``precision="16-mixed"`` / ``"bf16-mixed"`` (Lightning's
