@@ -19,7 +19,7 @@ through one of two hidden layers per rank and step, "apart" (no two ranks
 the same) and "random" (bench/README "A parameter no rank used: its step
 undone"):
 
-    torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS [OPTIMS]]]
+    torchrun --nproc-per-node 2 bench/discarded_gradient.py [MODES [STEPS [OPTIMS [SEEDS]]]]
 
 The toggle pair runs with each of OPTIMS (default ``sgd,adam``): D's SGD
 with momentum and the generator's plain SGD, or a GAN's usual Adam for both
@@ -29,7 +29,11 @@ HookState, with a DDP model each, compresses the gradient); ``MODE+mm`` (Adam)
 attaches both, together to the one model's state, each to its own with a
 model each (bench/README "Two optimizers attached"). A mode ``MODE@ALGO`` sets
 HookState's algorithm; with ``@hierarchical`` each rank's node is
-``node{rank // 2}`` unless HETCOMM_NODE says otherwise.
+``node{rank // 2}`` unless HETCOMM_NODE says otherwise. SEEDS (default 1)
+runs the toggle pair on that many data streams (seed 0 is the default's),
+a line each and their means: a single stream's ratio of the two setups moved
+from 0.75x to 1.22x from one stream to the next (bench/README "One DDP model
+or two: lowrank's toggle pair over seeds").
 """
 import os
 import sys
@@ -118,14 +122,19 @@ def _both(mode: str) -> bool:
     return mode.partition("@")[0].endswith("+mm")
 
 
-def run_toggled(mode: str, steps: int, rank: int, optim: str = "sgd"):
+def _data(rank: int, seed: int) -> torch.Generator:
+    """A rank's stream of the toggle pair's batches (seed 0: the script's first, ``rank + 1``)."""
+    return torch.Generator().manual_seed(1000 * seed + rank + 1)
+
+
+def run_toggled(mode: str, steps: int, rank: int, optim: str = "sgd", seed: int = 0):
     """Lightning's GAN step with toggle_optimizer, both models in one DDP model: (final, initial) parameters."""
     pair = _Pair()
     start = _flat(pair)
     ddp = DDP(pair, find_unused_parameters=True)
     opt_d, opt_g = _pair_optimizers(pair, optim)
     state = _register(ddp, mode, [opt_d, opt_g] if _both(mode) else opt_d)
-    g = torch.Generator().manual_seed(rank + 1)
+    g = _data(rank, seed)
     softplus = nn.functional.softplus
 
     def toggle(opt):
@@ -151,7 +160,7 @@ def run_toggled(mode: str, steps: int, rank: int, optim: str = "sgd"):
     return _flat(pair), start
 
 
-def run_separate(mode: str, steps: int, rank: int, optim: str = "sgd") -> torch.Tensor:
+def run_separate(mode: str, steps: int, rank: int, optim: str = "sgd", seed: int = 0) -> torch.Tensor:
     """The same GAN steps with a DDP model (and a HookState) each: the generator's backward with D switched off,
     D's with the fakes made without a graph. Its final parameters."""
     pair = _Pair()
@@ -159,7 +168,7 @@ def run_separate(mode: str, steps: int, rank: int, optim: str = "sgd") -> torch.
     opt_d, opt_g = _pair_optimizers(pair, optim)
     # (the generator's gradient compressed, unless MODE+mm attaches its optimizer too)
     states = [_register(ddp_g, mode, opt_g if _both(mode) else None), _register(ddp_d, mode, opt_d)]
-    g = torch.Generator().manual_seed(rank + 1)
+    g = _data(rank, seed)
     softplus = nn.functional.softplus
     for _ in range(steps):
         x, z = torch.randn(32, 64, generator=g) + 1, torch.randn(32, 8, generator=g)
@@ -216,10 +225,36 @@ def run_branches(mode: str, how: str, steps: int, rank: int, world: int):
     return _flat(net), start
 
 
+def toggle_pair(modes, steps: int, rank: int, optim: str, seeds: int) -> None:
+    """Each mode's toggle pair in one DDP model and with a DDP model each, on ``seeds`` data streams: the
+    distance to fp32's weights (the same stream) over fp32's travel, a line a stream; over several, the means."""
+    refs = [run_toggled("fp32", steps, rank, optim, seed) for seed in range(seeds)]
+    for mode in modes:
+        if mode == "torch-powersgd":
+            continue  # its hook on find_unused_parameters' zeros: not this script's question
+        ones, eaches = [], []
+        for seed, (ref, start) in enumerate(refs):
+            final, _ = run_toggled(mode, steps, rank, optim, seed)
+            apart = run_separate(mode, steps, rank, optim, seed)
+            ones.append(float((final - ref).norm() / (ref - start).norm()))
+            eaches.append(float((apart - ref).norm() / (ref - start).norm()))
+            if rank == 0:
+                print(f"{mode:15s} the pair's distance to fp32's / fp32's travel{' (Adam)' if optim == 'adam' else ''}"
+                      f"{f', seed {seed}' if seeds > 1 else ''}: toggle_optimizer (one DDP model) {ones[-1]:.4f}, "
+                      f"a DDP model each {eaches[-1]:.4f}", flush=True)
+        if rank == 0 and seeds > 1:
+            ratios = torch.tensor(ones) / torch.tensor(eaches)
+            print(f"{mode:15s} over {seeds} seeds{' (Adam)' if optim == 'adam' else ''}: one DDP model "
+                  f"{sum(ones) / seeds:.4f}, a DDP model each {sum(eaches) / seeds:.4f} (the means; one / each: "
+                  f"geometric mean {float(ratios.log().mean().exp()):.2f}, {float(ratios.min()):.2f}-"
+                  f"{float(ratios.max()):.2f})", flush=True)
+
+
 def main() -> None:
     modes = (sys.argv[1] if len(sys.argv) > 1 else "int3,lowrank,fp8,onebit,topk,torch-powersgd").split(",")
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
     optims = (sys.argv[3] if len(sys.argv) > 3 else "sgd,adam").split(",")  # the toggle pair's
+    seeds = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # ... and its data streams
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if any(m.endswith("@hierarchical") for m in modes):  # two ranks a node, unless told otherwise
@@ -234,16 +269,7 @@ def main() -> None:
             print(f"{mode:15s} D's distance to fp32's / fp32's travel, the generator's backward: " + ", ".join(line),
                   flush=True)
     for optim in optims:
-        ref, start = run_toggled("fp32", steps, rank, optim)
-        for mode in modes:
-            if mode == "torch-powersgd":
-                continue  # its hook on find_unused_parameters' zeros: not this script's question
-            final, _ = run_toggled(mode, steps, rank, optim)
-            apart = run_separate(mode, steps, rank, optim)
-            if rank == 0:
-                print(f"{mode:15s} the pair's distance to fp32's / fp32's travel{' (Adam)' if optim == 'adam' else ''}"
-                      f": toggle_optimizer (one DDP model) {float((final - ref).norm() / (ref - start).norm()):.4f}, "
-                      f"a DDP model each {float((apart - ref).norm() / (ref - start).norm()):.4f}", flush=True)
+        toggle_pair(modes, steps, rank, optim, seeds)
     world = dist.get_world_size()
     refs = {how: run_branches("fp32", how, steps, rank, world) for how in ("apart", "random")}
     for mode in modes:
