@@ -300,3 +300,78 @@ def test_accelerate_example_resumes_bit_for_bit_through_save_state(tmp_path):
         assert {"hetcomm-rank0.pt", "hetcomm-rank1.pt", "optimizer.bin"} <= set(r["files"])
     assert resumed["checksum"] == straight["checksum"]
     assert straight["accuracy"] > 0.6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="Hugging Face transformers is not installed")
+def test_transformers_trainer_resumes_bit_for_bit_from_its_own_checkpoint(tmp_path):
+    # hetcomm.integrations.transformers.register: the hook on the Trainer's DDP model at on_train_begin, int3 of the
+    # gradient under the Trainer's AdamW, linear schedule with warm-up, 2 micro-batches a step and clipping at norm
+    # 1 (through the state: the reduced gradient's norm); each rank's state in the Trainer's checkpoint-20 folder
+    common = ("--steps", "40", "--save-at", "20", "--out", str(tmp_path / "run"))
+    straight = _torchrun(tmp_path, *common, script="transformers_train.py")
+    resumed = _torchrun(tmp_path, *common, "--resume", script="transformers_train.py")
+    fresh = _torchrun(tmp_path, *common, "--resume-fresh", script="transformers_train.py")
+    for r in (straight, resumed, fresh):
+        assert r["steps"] == 40 and r["replicas_identical"] and r["plans"] == ["int3/native"], r
+        # the Trainer's clipping measured the reduced gradient, not what int3 handed back (hetcomm warns of that)
+        assert not any("handed gradients were multiplied" in w for w in r["warnings"]), r["warnings"]
+    assert {"hetcomm-rank0.pt", "hetcomm-rank1.pt", "trainer_state.json", "optimizer.pt"} <= set(straight["files"])
+    assert resumed["hook_steps"] == 40 and resumed["checksum"] == straight["checksum"]
+    # without the saved hook state the resumed run starts it afresh, says so, and ends elsewhere
+    assert fresh["hook_steps"] == 20 and fresh["checksum"] != straight["checksum"]
+    assert any("starts afresh" in w for w in fresh["warnings"]) and not resumed["warnings"]
+    assert straight["accuracy"] > 0.8
+    # clipping off and the gradient's norm logged: the Trainer asks the accelerator for it with max_norm inf
+    logged = _torchrun(tmp_path, "--steps", "20", "--out", str(tmp_path / "log"), "--max-grad-norm", "0",
+                       "--logging-steps", "5", script="transformers_train.py")
+    assert len(logged["grad_norms"]) == 4 and all(0 < g < 100 for g in logged["grad_norms"]), logged
+    assert not logged["warnings"]
+
+
+_REGISTER_CHECKS = """
+import json, tempfile
+import torch, torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+import hetcomm
+import hetcomm.integrations.transformers as hf
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x, labels=None):
+        return {"loss": torch.nn.functional.cross_entropy(self.lin(x), labels)}
+
+def error(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+data = [{"x": torch.randn(4), "labels": torch.tensor(i % 2)} for i in range(8)]
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=1, report_to="none", use_cpu=True,
+                         save_strategy="no", disable_tqdm=True)
+trainer = Trainer(model=Tiny(), args=args, train_dataset=data)
+out = {"not_a_state": error(lambda: hf.register(trainer, "auto")),
+       "not_a_trainer": error(lambda: hf.register(object(), hetcomm.HookState("int3")))}
+state = hf.register(trainer, hetcomm.HookState("int3"))
+out["twice"] = error(lambda: hf.register(trainer, hetcomm.HookState("int3")))
+out["one_process"] = error(trainer.train)
+state.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="Hugging Face transformers is not installed")
+def test_transformers_register_names_what_it_needs(tmp_path):
+    # in a process of its own: Accelerate's process state is a singleton
+    out = _last_json(subprocess.run([sys.executable, "-c", _REGISTER_CHECKS], capture_output=True, text=True,
+                                    timeout=300, env=ENV, cwd=tmp_path))
+    assert "state must be a hetcomm.HookState" in out["not_a_state"]
+    assert "trainer must be a transformers.Trainer" in out["not_a_trainer"]
+    assert "already has a HookState" in out["twice"]
+    # one process: the Trainer does not wrap the model in DDP, and hetcomm has nothing to reduce
+    assert "not a DistributedDataParallel" in out["one_process"]
