@@ -6,7 +6,8 @@ the Trainer's own ``checkpoint-N`` folders.
 
 Trains an MLP on scikit-learn's digits (a module whose forward takes the
 batch's ``labels`` and returns the loss, as a Trainer wants) with the
-Trainer's defaults for a fine-tune: AdamW with a linear schedule and a warm-up
+Trainer's defaults for a fine-tune: AdamW (--optim sgd: SGD with momentum 0.9;
+--attach: its momentum compressed, ``attach_optimizer``) with a linear schedule and a warm-up
 of a tenth, the gradient clipped at norm 1 (--max-grad-norm), 2 micro-batches of --batch a step
 (gradient accumulation), and the gradient in --compression (default int3;
 ``auto`` decides by measured step times, so its runs do not repeat bit for
@@ -65,6 +66,8 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--resume-fresh", action="store_true")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="the Trainer's clipping (0: off)")
+    p.add_argument("--optim", choices=("adamw", "sgd"), default="adamw", help="sgd: momentum 0.9")
+    p.add_argument("--attach", action="store_true", help="compress the optimizer's momentum (attach_optimizer)")
     p.add_argument("--logging-steps", type=int, default=0, help="log the loss and gradient norm every N steps")
     args = p.parse_args()
 
@@ -80,14 +83,17 @@ def main() -> None:
     ckpt = os.path.join(args.out, f"checkpoint-{args.save_at}")
     targs = TrainingArguments(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=2, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=args.steps // 10,
+        gradient_accumulation_steps=2, learning_rate=3e-3 if args.optim == "adamw" else 0.05,
+        optim="adamw_torch" if args.optim == "adamw" else "sgd", optim_args="momentum=0.9" if args.optim == "sgd" else None,
+        lr_scheduler_type="linear", warmup_steps=args.steps // 10,
         max_grad_norm=args.max_grad_norm, save_strategy="steps" if args.save_at else "no",
         save_steps=args.save_at or 500, logging_strategy="steps" if args.logging_steps else "no",
         logging_steps=args.logging_steps or 500, report_to="none", use_cpu=True, seed=0, dataloader_drop_last=True,
         disable_tqdm=True, ddp_find_unused_parameters=False)
     model = Classifier()
     trainer = Trainer(model=model, args=targs, train_dataset=Digits(x, y))
-    state = hetcomm.integrations.transformers.register(trainer, hetcomm.HookState(args.compression))
+    state = hetcomm.integrations.transformers.register(trainer, hetcomm.HookState(args.compression),
+                                                       attach_optimizer=args.attach)
     if args.resume or args.resume_fresh:
         if args.resume_fresh and targs.process_index == 0:
             for name in os.listdir(ckpt):
@@ -109,6 +115,7 @@ def main() -> None:
                           "plans": sorted({f"{q['mode']}/{q['algorithm']}" for q in stats["plans"].values()}),
                           "files": sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else [],
                           "checksum": float(flat.double().sum()), "warnings": warned,
+                          "attached": stats.get("attached"), "clip_calls": stats.get("clip", {}).get("calls", 0),
                           "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]}))
     state.close()
 

@@ -156,7 +156,9 @@ class StateIO:
         links: a node is a hostname or ``HETCOMM_NODE``; a message of
         hetcomm's own algorithms by its peer, a backend's collective, as the
         native all-reduce, by its share of peers off the node); plus ``iter``
-        and the ``compression`` in use; ``join_steps`` once this rank has
+        and the ``compression`` in use; ``attached`` (the kind of optimizer
+        whose momentum is compressed: ``"sgd"``, ``"adam"``, ``"hetcomm-adamw"``)
+        once :meth:`attach_optimizer` was called; ``join_steps`` once this rank has
         shadowed steps inside DDP's join (its inputs ran out);
         ``lowrank_share`` once lowrank (or auto's guard on it) measured how much
         of this rank's gradient its rank carries (:mod:`hetcomm.lowrank_share`:
@@ -176,6 +178,8 @@ class StateIO:
         if self._engine is not None:
             out.update(self._engine.stats())
         out["precisions"] = self.precisions
+        if self._attached is not None:
+            out["attached"] = self._attached
         out["plans"] = {k: {"mode": p.mode, "algorithm": p.algorithm, "why": p.why, "predicted_s": p.predicted_s}
                         for k, p in self.last_plans.items()}
         if self._join_steps:

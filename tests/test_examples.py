@@ -315,17 +315,34 @@ def test_transformers_trainer_resumes_bit_for_bit_from_its_own_checkpoint(tmp_pa
         assert r["steps"] == 40 and r["replicas_identical"] and r["plans"] == ["int3/native"], r
         # the Trainer's clipping measured the reduced gradient, not what int3 handed back (hetcomm warns of that)
         assert not any("handed gradients were multiplied" in w for w in r["warnings"]), r["warnings"]
+    # every optimizer step's clipping went through the state (the straight run's 40; a resumed run's own 20)
+    assert (straight["clip_calls"], resumed["clip_calls"], straight["attached"]) == (40, 20, None)
     assert {"hetcomm-rank0.pt", "hetcomm-rank1.pt", "trainer_state.json", "optimizer.pt"} <= set(straight["files"])
     assert resumed["hook_steps"] == 40 and resumed["checksum"] == straight["checksum"]
     # without the saved hook state the resumed run starts it afresh, says so, and ends elsewhere
     assert fresh["hook_steps"] == 20 and fresh["checksum"] != straight["checksum"]
     assert any("starts afresh" in w for w in fresh["warnings"]) and not resumed["warnings"]
     assert straight["accuracy"] > 0.8
-    # clipping off and the gradient's norm logged: the Trainer asks the accelerator for it with max_norm inf
+    # clipping off: the Trainer still reads the gradient's norm every step (to log it), from the accelerator's
+    # clip_grad_norm_ with max_norm inf, which hetcomm's clipping refuses: the norm alone, through the state
     logged = _torchrun(tmp_path, "--steps", "20", "--out", str(tmp_path / "log"), "--max-grad-norm", "0",
                        "--logging-steps", "5", script="transformers_train.py")
     assert len(logged["grad_norms"]) == 4 and all(0 < g < 100 for g in logged["grad_norms"]), logged
-    assert not logged["warnings"]
+    assert not logged["warnings"] and logged["clip_calls"] == 20
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="Hugging Face transformers is not installed")
+def test_transformers_trainer_with_its_momentum_compressed_resumes_bit_for_bit(tmp_path):
+    # register(..., attach_optimizer=True): onebit of the Trainer's SGD momentum (optim="sgd", momentum 0.9), its
+    # warm-up the run's first fifth (max_steps 40), resumed after step 20 from the Trainer's checkpoint
+    common = ("--steps", "40", "--save-at", "20", "--out", str(tmp_path / "run"), "--optim", "sgd", "--attach",
+              "--compression", "onebit")
+    straight = _torchrun(tmp_path, *common, script="transformers_train.py")
+    resumed = _torchrun(tmp_path, *common, "--resume", script="transformers_train.py")
+    for r in (straight, resumed):
+        assert r["steps"] == 40 and r["hook_steps"] == 40 and r["replicas_identical"], r
+        assert r["plans"] == ["onebit/native"] and r["attached"] == "sgd" and not r["warnings"], r
+    assert resumed["checksum"] == straight["checksum"]
 
 
 _REGISTER_CHECKS = """

@@ -25,8 +25,11 @@ in place of its accelerator's ``clip_grad_norm_``), not by the norm of what a
 lossy codec handed back: that is the gradient plus the error feedback being
 repaid, and clipping it clips more and harder than fp32 would (hetcomm warns
 where it sees that). Gradient accumulation (``no_sync``) needs nothing more.
-The hook compresses the gradient (``attach_optimizer`` is not offered here:
-the Trainer makes its optimizer inside ``train()``).
+``register(..., attach_optimizer=True)`` compresses the optimizer's momentum
+instead of the gradient (:meth:`hetcomm.HookState.attach_optimizer` on the
+optimizer the Trainer makes inside ``train()``, with the run's ``max_steps`` as
+``total_steps``: its first fifth the warm-up): SGD with momentum
+(``optim="sgd", optim_args="momentum=0.9"``) or the Trainer's AdamW.
 """
 
 from __future__ import annotations
@@ -54,10 +57,11 @@ log = logging.getLogger("hetcomm")
 class HetcommCallback(TrainerCallback):
     """The callback :func:`register` adds (module docstring)."""
 
-    def __init__(self, trainer: Any, state: HookState) -> None:
-        self.trainer, self.state = trainer, state
+    def __init__(self, trainer: Any, state: HookState, attach_optimizer: bool = False) -> None:
+        self.trainer, self.state, self.attach = trainer, state, attach_optimizer
         self.resume: Optional[str] = None  # the checkpoint folder this train() call resumes from
         self._hooked: Optional[DistributedDataParallel] = None
+        self._attached: Any = None  # the optimizer attached (a later train() call keeps the Trainer's)
 
     def on_train_begin(self, args, state, control, **kwargs):
         ddp = self.trainer.model_wrapped
@@ -68,6 +72,9 @@ class HetcommCallback(TrainerCallback):
         if ddp is not self._hooked:  # a DDP model takes one hook; a later train() call may wrap anew
             ddp.register_comm_hook(self.state, hook)
             self._hooked = ddp
+        if self.attach and self.trainer.optimizer is not self._attached:
+            self.state.attach_optimizer(self.trainer.optimizer, total_steps=state.max_steps)
+            self._attached = self.trainer.optimizer
         _scale_through_hetcomm(self.trainer.accelerator, self.state)
         _clip_through_hetcomm(self.trainer.accelerator, self.state)
         if self.resume is not None:
@@ -106,17 +113,18 @@ def _clip_through_hetcomm(accelerator: Any, state: HookState) -> None:
     accelerator._hetcomm_clip = state
 
 
-def register(trainer: Any, state: HookState) -> HookState:
+def register(trainer: Any, state: HookState, attach_optimizer: bool = False) -> HookState:
     """Have ``trainer`` (a ``transformers.Trainer``) reduce through ``state``
     with :func:`hetcomm.hook` and carry it in its checkpoints (module
-    docstring). Call it before ``trainer.train()``. Returns ``state``."""
+    docstring); ``attach_optimizer``: its momentum compressed. Call it before
+    ``trainer.train()``. Returns ``state``."""
     if not isinstance(state, HookState):
         raise ValueError(f"state must be a hetcomm.HookState, got {type(state).__name__}")
     if not hasattr(trainer, "callback_handler") or not hasattr(trainer, "train"):
         raise ValueError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
     if any(isinstance(cb, HetcommCallback) for cb in trainer.callback_handler.callbacks):
         raise ValueError("hetcomm.integrations.transformers.register: this Trainer already has a HookState")
-    callback = HetcommCallback(trainer, state)
+    callback = HetcommCallback(trainer, state, attach_optimizer)
     trainer.add_callback(callback)
     train = trainer.train
 
