@@ -11,12 +11,14 @@ as warm-up) unless --compression/--no-attach say otherwise, in micro-batches of
 --batch accumulated over --accumulate (``accelerator.accumulate``: DDP's
 no_sync). --save-at N: ``save_state`` after step N into <out>/state (each
 rank's hetcomm state beside Accelerate's files); --resume: ``load_state`` from
-there (saved after step --save-at) and on to --steps. Rank 0 prints a JSON
-line at the end.
+there (saved after step --save-at) and on to --steps; --clip C:
+``accelerator.clip_grad_norm_`` at C (by the reduced gradient's norm). Rank 0
+prints a JSON line at the end, with what the ``hetcomm`` logger warned of there.
 """
 
 import argparse
 import json
+import logging
 import os
 
 import torch
@@ -38,7 +40,11 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--save-at", type=int, default=-1)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--clip", type=float, default=0.0, help="accelerator.clip_grad_norm_ at this norm (0: off)")
     args = p.parse_args()
+    warned = []  # what the hetcomm logger warned of on this rank
+    logging.getLogger("hetcomm").addHandler(type("Seen", (logging.Handler,), {
+        "emit": lambda self, record: warned.append(record.getMessage())})(logging.WARNING))
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -62,6 +68,8 @@ def main() -> None:
             idx = torch.randint(0, len(y), (args.batch,), generator=g)
             with accelerator.accumulate(model):  # no_sync but on the last micro-batch, which steps
                 accelerator.backward(torch.nn.functional.cross_entropy(model(x[idx]), y[idx]))
+                if args.clip and accelerator.sync_gradients:  # by the reduced gradient's norm, through the state
+                    accelerator.clip_grad_norm_(model.parameters(), args.clip)
                 opt.step()
                 opt.zero_grad()
         if step + 1 == args.save_at and not args.resume:
@@ -77,7 +85,8 @@ def main() -> None:
                           "replicas_identical": all(torch.equal(flat, f) for f in every),
                           "plans": sorted(f"{q['mode']}/{q['algorithm']}" for q in stats["plans"].values()),
                           "files": sorted(os.listdir(folder)) if os.path.isdir(folder) else [],
-                          "checksum": float(flat.double().sum())}))
+                          "checksum": float(flat.double().sum()), "warnings": warned,
+                          "clip_calls": stats.get("clip", {}).get("calls", 0)}))
     state.close()
     accelerator.end_training()  # destroys the process group
 

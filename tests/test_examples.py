@@ -291,13 +291,16 @@ def test_lightning_validate_and_a_second_fit_after_a_fit(tmp_path):
 def test_accelerate_example_resumes_bit_for_bit_through_save_state(tmp_path):
     # hetcomm.integrations.accelerate.register: the hook on Accelerate's DDP model, onebit of the momentum, 2
     # micro-batches a step (accelerator.accumulate: one reduction a step), save_state after step 20 with each rank's
-    # hetcomm state beside Accelerate's files (its own register_for_checkpointing saves the main process's alone)
-    common = ("--steps", "40", "--save-at", "20", "--out", str(tmp_path))
+    # hetcomm state beside Accelerate's files (its own register_for_checkpointing saves the main process's alone);
+    # accelerator.clip_grad_norm_ at 0.5 clips by the reduced gradient's norm, through the state
+    common = ("--steps", "40", "--save-at", "20", "--out", str(tmp_path), "--clip", "0.5")
     straight = _torchrun(tmp_path, *common, script="accelerate_train.py")
     resumed = _torchrun(tmp_path, *common, "--resume", script="accelerate_train.py")
     for r in (straight, resumed):
         assert r["hook_steps"] == 40 and r["replicas_identical"] and r["plans"] == ["onebit/native"]
         assert {"hetcomm-rank0.pt", "hetcomm-rank1.pt", "optimizer.bin"} <= set(r["files"])
+        assert not any("handed gradients were multiplied" in w for w in r["warnings"]), r["warnings"]
+    assert (straight["clip_calls"], resumed["clip_calls"]) == (40, 20)
     assert resumed["checksum"] == straight["checksum"]
     assert straight["accuracy"] > 0.6
 

@@ -17,14 +17,18 @@ carry on, a rank the saving run lacked taking rank 0's file). Under
 ``Accelerator(mixed_precision="fp16")`` Accelerate's GradScaler becomes a
 :class:`hetcomm.amp.GradScaler` with its settings: torch's hands the hook
 gradients times the loss scale (README, "Mixed cluster").
-``accelerator.accumulate(model)`` (DDP's ``no_sync``) needs nothing more; clip
-with ``state.clip_grad_norm_`` (after ``accelerator.unscale_gradients()``),
-not ``accelerator.clip_grad_norm_``, when the momentum is compressed.
+``accelerator.accumulate(model)`` (DDP's ``no_sync``) needs nothing more.
+``accelerator.clip_grad_norm_`` clips by the norm of the gradient the ranks
+reduced (``state.clip_grad_norm_`` after unscaling), not by the norm of what a
+lossy codec handed back (the gradient or momentum plus the error feedback being
+repaid: clipping that clips more and harder than fp32 would).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -68,7 +72,27 @@ def register(accelerator: Any, model: Any, state: HookState) -> HookState:
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
     _scale_through_hetcomm(accelerator, state)
+    _clip_through_hetcomm(accelerator, state)
     return state
+
+
+def _clip_through_hetcomm(accelerator: Any, state: HookState) -> None:
+    """``accelerator.clip_grad_norm_`` (Accelerate's way to clip, and what
+    transformers' Trainer calls) clips by the norm of the gradient the ranks
+    reduced, ``state.clip_grad_norm_`` (after unscaling, as Accelerate's does),
+    not by the norm of what a lossy codec handed back."""
+    if getattr(accelerator, "_hetcomm_clip", None) is state:
+        return
+
+    def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0):
+        accelerator.unscale_gradients()
+        # max_norm inf: the norm alone (transformers' Trainer reads it so every step, to log it, with clipping
+        # off); the largest finite bound clips nothing and reads the same norm
+        bound = max_norm if math.isfinite(max_norm) else sys.float_info.max
+        return state.clip_grad_norm_(list(parameters), bound, norm_type)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+    accelerator._hetcomm_clip = state
 
 
 def _scale_through_hetcomm(accelerator: Any, state: HookState) -> None:

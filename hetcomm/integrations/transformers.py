@@ -35,9 +35,7 @@ optimizer the Trainer makes inside ``train()``, with the run's ``max_steps`` as
 from __future__ import annotations
 
 import logging
-import math
 import os
-import sys
 from typing import Any, Optional
 
 from torch.nn.parallel import DistributedDataParallel
@@ -49,7 +47,7 @@ import torch
 from ..checkpoint import read_rank_file
 from ..hooks import hook
 from ..state import HookState
-from .accelerate import _rank_file, _scale_through_hetcomm
+from .accelerate import _clip_through_hetcomm, _rank_file, _scale_through_hetcomm
 
 log = logging.getLogger("hetcomm")
 
@@ -93,24 +91,6 @@ class HetcommCallback(TrainerCallback):
         os.makedirs(folder, exist_ok=True)
         torch.save(self.state.state_dict(), _rank_file(folder, args.process_index))
         return control
-
-
-def _clip_through_hetcomm(accelerator: Any, state: HookState) -> None:
-    """The Trainer clips through ``accelerator.clip_grad_norm_`` (after
-    unscaling): on this accelerator it clips by the reduced gradient's norm,
-    ``state.clip_grad_norm_``."""
-    if getattr(accelerator, "_hetcomm_clip", None) is state:
-        return
-
-    def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0):
-        accelerator.unscale_gradients()
-        # max_norm inf: the Trainer asks for the norm alone (to log it, clipping off); the largest finite bound
-        # clips nothing and reads the same norm
-        bound = max_norm if math.isfinite(max_norm) else sys.float_info.max
-        return state.clip_grad_norm_(list(parameters), bound, norm_type)
-
-    accelerator.clip_grad_norm_ = clip_grad_norm_
-    accelerator._hetcomm_clip = state
 
 
 def register(trainer: Any, state: HookState, attach_optimizer: bool = False) -> HookState:
