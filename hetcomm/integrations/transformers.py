@@ -38,11 +38,10 @@ import logging
 import os
 from typing import Any, Optional
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
-
-import torch
 
 from ..checkpoint import read_rank_file
 from ..hooks import hook
