@@ -9,7 +9,8 @@ batch's ``labels`` and returns the loss, as a Trainer wants) with the
 Trainer's defaults for a fine-tune: AdamW (--optim sgd: SGD with momentum 0.9;
 --attach: its momentum compressed, ``attach_optimizer``) with a linear schedule and a warm-up
 of a tenth, the gradient clipped at norm 1 (--max-grad-norm), 2 micro-batches of --batch a step
-(gradient accumulation), and the gradient in --compression (default int3;
+(gradient accumulation), the Trainer's own DDP settings (for a model that is not a
+``PreTrainedModel``: ``find_unused_parameters=True``), and the gradient in --compression (default int3;
 ``auto`` decides by measured step times, so its runs do not repeat bit for
 bit). --save-at N: the Trainer's checkpoint after step N (each rank's hook
 state beside its files); --resume: ``train(resume_from_checkpoint=...)`` from
@@ -89,7 +90,7 @@ def main() -> None:
         max_grad_norm=args.max_grad_norm, save_strategy="steps" if args.save_at else "no",
         save_steps=args.save_at or 500, logging_strategy="steps" if args.logging_steps else "no",
         logging_steps=args.logging_steps or 500, report_to="none", use_cpu=True, seed=0, dataloader_drop_last=True,
-        disable_tqdm=True, ddp_find_unused_parameters=False)
+        disable_tqdm=True)
     model = Classifier()
     trainer = Trainer(model=model, args=targs, train_dataset=Digits(x, y))
     state = hetcomm.integrations.transformers.register(trainer, hetcomm.HookState(args.compression),
