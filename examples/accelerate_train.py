@@ -43,8 +43,12 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.0, help="accelerator.clip_grad_norm_ at this norm (0: off)")
     args = p.parse_args()
     warned = []  # what the hetcomm logger warned of on this rank
-    logging.getLogger("hetcomm").addHandler(type("Seen", (logging.Handler,), {
-        "emit": lambda self, record: warned.append(record.getMessage())})(logging.WARNING))
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warned.append(record.getMessage())
+
+    logging.getLogger("hetcomm").addHandler(Seen(logging.WARNING))
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)
     rank, world = accelerator.process_index, accelerator.num_processes

@@ -66,12 +66,8 @@ def q_slots(grads, layout: torch.Tensor, q: torch.Tensor) -> Dict[int, List[Tupl
     rows = layout.tolist()
     if len(rows) != len(at):
         return {}
-    out, offset = {}, 0
-    for i, (_, _, cols, rank) in zip(at, rows):
-        if rank:
-            out[i] = [(q, offset, cols * rank)]
-            offset += cols * rank
-    return out
+    approximated = [i for i, (_, _, _, rank) in zip(at, rows) if rank]
+    return {i: [(q, offset, cols * rank)] for i, (offset, cols, rank) in zip(approximated, q_blocks(layout))}
 
 
 def q_at(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, key: str) -> torch.Tensor:
