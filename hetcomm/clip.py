@@ -239,9 +239,9 @@ def _as_list(parameters: Union[torch.Tensor, Iterable[torch.Tensor]]) -> List[to
 def clip_grad_norm_(state, parameters, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
     """:meth:`hetcomm.HookState.clip_grad_norm_` (documented there)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-            math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0 (inf: the norm alone, nothing clipped, as with torch), "
+                         f"got {max_norm!r}")
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or float(norm_type) != 2.0:
         raise ValueError(f"norm_type must be 2.0: hetcomm estimates the 2-norm of the reduced gradient, got "
                          f"{norm_type!r} (use torch.nn.utils.clip_grad_norm_ for other norms of the handed one)")

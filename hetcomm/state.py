@@ -355,7 +355,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         call it from the first step on (the steps before ``start_iter`` are
         exact anyway); a step that does not call it still sends its sketch.
         Parameters outside the DDP model count with their local gradient, as
-        with torch. ``norm_type`` must be 2."""
+        with torch. ``norm_type`` must be 2; ``max_norm`` ``inf`` reads the
+        norm and clips nothing, as with torch."""
         return clip.clip_grad_norm_(self, parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def _reduced_param(self, p: torch.Tensor) -> bool:

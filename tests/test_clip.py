@@ -2,6 +2,7 @@
 reduced (what fp32's all-reduce hands over), not of what a lossy codec
 handed back, checked against a single-process full-batch gradient."""
 
+import math
 import os
 
 import pytest
@@ -59,7 +60,8 @@ def _clipped(rank, world, mode, attach, scaled=False, algorithm="native", min_nu
         out["handed"].append(models.flat_grads(model))
         norm = state.clip_grad_norm_(model.parameters(), MAX_NORM)
         again = state.clip_grad_norm_(model.parameters(), MAX_NORM)  # the clipped gradient's norm now
-        out["norm"].append((norm.item(), again.item()))
+        unbounded = state.clip_grad_norm_(model.parameters(), math.inf)  # that norm again, nothing clipped
+        out["norm"].append((norm.item(), again.item(), unbounded.item()))
         out["clipped"].append(models.flat_grads(model))
         if scaler is not None:
             scaler.step(opt)
@@ -69,6 +71,7 @@ def _clipped(rank, world, mode, attach, scaled=False, algorithm="native", min_nu
     errors = out["errors"] = {}
     for name, call in (("norm_type", lambda: state.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)),
                        ("max_norm", lambda: state.clip_grad_norm_(model.parameters(), 0.0)),
+                       ("nan", lambda: state.clip_grad_norm_(model.parameters(), math.nan)),
                        ("parameters", lambda: state.clip_grad_norm_(list(model.parameters())[:1], 1.0)),
                        ("type", lambda: state.clip_grad_norm_(3, 1.0))):
         try:
@@ -123,7 +126,7 @@ def _check_clipped(results, case):
     for step in range(STEPS):
         true = _full_batch_grad(r0["params"][step], step, len(results)).norm().item()
         handed = r0["handed"][step].norm().item()
-        norm, again = r0["norm"][step]
+        norm, again, unbounded = r0["norm"][step]
         if step < START:  # exact steps: the handed gradient is the reduced one, as torch measures it
             assert norm == pytest.approx(handed, rel=1e-6)
             assert norm == pytest.approx(true, rel=1e-5)
@@ -133,6 +136,7 @@ def _check_clipped(results, case):
         coef = min(1.0, MAX_NORM / (norm + 1e-6))
         torch.testing.assert_close(r0["clipped"][step], r0["handed"][step] * coef, rtol=1e-5, atol=1e-8)
         assert again == pytest.approx(min(norm, MAX_NORM), rel=1e-4)  # a second call: the clipped norm
+        assert unbounded == pytest.approx(again, rel=1e-6)  # max_norm inf (after which "clipped" was read)
     assert max(est_err) < 0.08, (mode, attach, est_err)
     if clip.NormSketch.lossy(_plan(mode), attach or None):
         # the handed gradient's norm is off by more: the estimate is what makes the difference
@@ -226,7 +230,7 @@ def _plan(mode):
 def test_bad_arguments_are_clear_errors(clipped_runs):
     errors = clipped_runs[("onebit", True)][0]["errors"]
     assert "norm_type must be 2.0" in errors["norm_type"]
-    assert "max_norm must be a finite number > 0" in errors["max_norm"]
+    assert "max_norm must be a number > 0" in errors["max_norm"] and "nan" in errors["nan"]
     assert "parameters must hold every parameter of the compressed buckets" in errors["parameters"]
     assert "parameters must be a tensor or an iterable of tensors" in errors["type"]
 

@@ -327,7 +327,7 @@ def test_transformers_trainer_resumes_bit_for_bit_from_its_own_checkpoint(tmp_pa
     assert any("starts afresh" in w for w in fresh["warnings"]) and not resumed["warnings"]
     assert straight["accuracy"] > 0.8
     # clipping off: the Trainer still reads the gradient's norm every step (to log it), from the accelerator's
-    # clip_grad_norm_ with max_norm inf, which hetcomm's clipping refuses: the norm alone, through the state
+    # clip_grad_norm_ with max_norm inf (the norm alone, as torch's reads it), through the state
     logged = _torchrun(tmp_path, "--steps", "20", "--out", str(tmp_path / "log"), "--max-grad-norm", "0",
                        "--logging-steps", "5", script="transformers_train.py")
     assert len(logged["grad_norms"]) == 4 and all(0 < g < 100 for g in logged["grad_norms"]), logged

@@ -26,9 +26,7 @@ repaid: clipping that clips more and harder than fp32 would).
 
 from __future__ import annotations
 
-import math
 import os
-import sys
 from typing import Any
 
 import torch
@@ -86,10 +84,8 @@ def _clip_through_hetcomm(accelerator: Any, state: HookState) -> None:
 
     def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0):
         accelerator.unscale_gradients()
-        # max_norm inf: the norm alone (transformers' Trainer reads it so every step, to log it, with clipping
-        # off); the largest finite bound clips nothing and reads the same norm
-        bound = max_norm if math.isfinite(max_norm) else sys.float_info.max
-        return state.clip_grad_norm_(list(parameters), bound, norm_type)
+        # (max_norm inf, the norm alone: transformers' Trainer reads it so every step, to log it, clipping off)
+        return state.clip_grad_norm_(list(parameters), max_norm, norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
     accelerator._hetcomm_clip = state
