@@ -39,6 +39,10 @@ if __name__ == "__main__":
         print("ms a step, each 10 steps:", [round(1000 * sum(times[n:n + 10]) / len(times[n:n + 10]), 1)
                                             for n in range(0, len(times), 10)])
         plans = {k: (p["mode"], p["algorithm"]) for k, p in state.stats()["plans"].items()}
-        print("plans", plans, "guard", (state.stats().get("auto") or {}).get("lowrank_guard"))
+        auto = state.stats().get("auto") or {}
+        print("plans", plans, "guard", auto.get("lowrank_guard"))
+        for key, b in (auto.get("buckets") or {}).items():  # each candidate's predicted ms, and its measured
+            print("candidates", key[:24], [(c["mode"], c["algorithm"], c.get("predicted_s") and
+                                            round(1000 * c["predicted_s"], 1)) for c in b["candidates"]])
     state.close()
     dist.destroy_process_group()

@@ -15,9 +15,11 @@
    old buckets starts again in the new: :meth:`AutoPlanner._drop_replaced`.)
    In the first trial, after round 0 (each bucket's best predicted
    candidate; the guarded lowrank only where it is predicted fastest and
-   may run now, see 5), the ranks agree on the rounds whose predicted
-   communication alone is over ``AUTO_SPAN`` times round 0's step; those do
-   not run at all (:meth:`AutoPlanner._skip_hopeless`). After the first
+   may run now, see 5) and each round of its first cycle after it, the
+   ranks agree on the rounds still to run whose predicted communication
+   alone is over ``AUTO_SPAN`` times the fastest round's step so far (a
+   round of fp32 alone, which runs no codec: ``AUTO_LINK_SPAN``, 1.25);
+   those do not run at all (:meth:`AutoPlanner._skip_hopeless`). After the first
    cycle (each round once) the ranks agree on the rounds that took over
    ``AUTO_SPAN`` times the fastest; those run no more (fp32 at 100 Mbit: 3
    steps of it cost 25 compressed ones; they could not win).
@@ -142,7 +144,7 @@ class AutoPlanner(TrialRounds, GuardedLowrank):
         self._step_times: Dict[int, List[float]] = {}  # trial round -> step seconds
         self._order: Dict[str, List[int]] = {}  # bucket key -> candidate indices in trial-round order
         self._kept: Optional[List[int]] = None  # the rounds the trial repeats after its first cycle (once agreed)
-        self._skipped: Optional[List[int]] = None  # the first trial's rounds its first cycle leaves out (once agreed)
+        self._skipped: Optional[List[int]] = None  # the first trial's rounds its first cycle leaves out (as agreed)
         self._rechecking = False
         self.rechecks = 0                  # re-checks started so far
         #: the compressed step from which a re-check confirms the last one's keep (_kept_by_margin), else None
@@ -314,8 +316,8 @@ class AutoPlanner(TrialRounds, GuardedLowrank):
         if self.guard is not None and lowrank_share.LowrankShare.closes(self.s.iter - 1) and \
                 not self.skips_reading(self.s.iter - 1):
             self._read_guard(engine)
-        if self.trial_start is not None and not self._rechecking and self._skipped is None and \
-                self.compressed_steps - self.trial_start == 1 and self._rounds() > 1:
+        if self.trial_start is not None and not self._rechecking and \
+                1 <= self.compressed_steps - self.trial_start < len(self._cycle()):
             self._skip_hopeless(engine)
         if self.trial_start is not None and self._kept is None and \
                 self.compressed_steps - self.trial_start == len(self._cycle()):

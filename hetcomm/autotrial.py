@@ -20,6 +20,7 @@ AUTO_RECHECK = 1000   # compressed steps between later re-checks
 AUTO_CONFIRM = 20     # compressed steps to a re-check that confirms one kept from the admitted lowrank by its margin
 AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
 AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
+AUTO_LINK_SPAN = 1.25  # the first trial leaves out an fp32 round predicted this much slower than its round 0's step
 AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
 INF = float("inf")     # a round's time where there is none (not measured, or not allowed)
 
@@ -190,26 +191,42 @@ class TrialRounds:
         return cycle[t] if t < len(cycle) else self._kept[(t - len(cycle)) % len(self._kept)]
 
     def _skip_hopeless(self, engine) -> None:
-        """The first trial, after its first round (each bucket's best
-        predicted candidate): every rank all-gathers that round's step time;
-        the rounds whose *predicted* communication alone (the cost model's
-        time of each bucket's collective, summed) is over AUTO_SPAN times
-        that round's slowest rank are left out of the trial. A step ends
-        after its buckets' collectives, whose bytes share the links, so such
-        a round cannot be faster than the one measured (the topology probe's
-        bandwidth at 100 Mbit is 0.88-1.0x the link's: the AUTO_SPAN margin
-        is for a probe that misjudged it).
+        """The first trial's first cycle, before each round after round 0
+        (each bucket's best predicted candidate): every rank all-gathers its
+        step time of the rounds run so far; the rounds still to run whose
+        *predicted* communication alone (the cost model's time of each
+        bucket's collective, summed) is over AUTO_SPAN times the fastest of
+        those rounds (by its slowest rank) are left out of the trial. A step
+        ends after its buckets' collectives, whose bytes share the links, so
+        such a round cannot be faster than the one measured (the topology
+        probe's bandwidth at 100 Mbit is 0.88-1.0x the link's: the AUTO_SPAN
+        margin is for a probe that misjudged it, and for a codec's time
+        measured apart from the model's). A round of fp32 alone has no codec:
+        its prediction is the links' time, at most 1 / 0.88 of it, so over
+        AUTO_LINK_SPAN (1.25) times a measured round it cannot be the fastest
+        (unless that round ran the guarded lowrank, whose own margin decides
+        against the next round instead: AUTO_SPAN then).
         fp32 on the wide model at 100 Mbit: one step of 600 ms where fp8's
-        takes 165. Re-checks measure what they keep (the first trial's
-        skipped rounds are pruned, as hopeless, and measured again by the
-        full re-checks)."""
+        takes 165. On the LSTM of ``hetcomm bench train`` (2 x 2 testbed, 100
+        Mbit) fp32 is predicted at 73 ms where int3's step is 43-52: it ran a
+        step of 165-175 ms, measured against round 0 alone (the run's first
+        compressed step, 109 ms on one rank), before it was measured against
+        the rounds after it too. Re-checks measure what they keep (the first
+        trial's skipped rounds are pruned, as hopeless, and measured again by
+        the full re-checks)."""
+        ran = self.compressed_steps - self.trial_start
+        cycle = self._cycle()
         _, times, _ = self._gather_round_times(engine)
-        first = max(r[0] for r in times)
+        worst = [max(col) for col in zip(*times)]
+        best = min(cycle[:ran], key=lambda c: (worst[c], c))
 
-        def predicted(c: int) -> float:
-            ts = [cand[2] for cand in self._round_candidates(c)]
-            return 0.0 if any(t is None for t in ts) else sum(ts)
-        self._skipped = [c for c in range(1, self._rounds()) if first < INF and predicted(c) > AUTO_SPAN * first]
+        def hopeless(c: int) -> bool:
+            cands = self._round_candidates(c)
+            if worst[best] == INF or any(cand[2] is None for cand in cands):
+                return False
+            link_only = all(cand[0] == "none" for cand in cands) and not self._runs_guarded(best)
+            return sum(cand[2] for cand in cands) > (AUTO_LINK_SPAN if link_only else AUTO_SPAN) * worst[best]
+        self._skipped = (self._skipped or []) + [c for c in cycle[ran:] if hopeless(c)]
 
     def _cut(self, engine) -> None:
         """After the trial's first cycle: every rank all-gathers its step

@@ -1025,6 +1025,45 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     assert fresh.pruned == planner.pruned and fresh.rechecks == planner.rechecks
 
 
+@pytest.mark.parametrize("link_span", [autotrial.AUTO_LINK_SPAN, autotrial.AUTO_SPAN])
+def test_the_first_trial_leaves_out_an_fp32_round_whose_link_time_alone_cannot_win(monkeypatch, link_span):
+    """The planner alone, on a clock of its own, one slow link (12.5 MB/s):
+    fp32's all-reduce of a 4 MiB bucket is predicted at 0.336 s. Round 0
+    (fp8) takes 0.45 s in the run's first step, 0.2 after; bf16 0.25. Against
+    round 0's step fp32 is not hopeless; against bf16's, measured next, a
+    round that runs no codec (predicted by the links' time alone) over 1.25x
+    it cannot be the fastest, so fp32 does not run. With fp32's margin as
+    wide as a codec round's (AUTO_SPAN, 2x) it runs a step of 0.6 s."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(autotrial, "AUTO_LINK_SPAN", link_span)
+    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
+                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
+    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
+                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, _compressed_at=lambda step: True)
+    plans = plan.Planner(state)
+    planner = plans.auto
+    planner.modes = ("none", "bf16", "fp8")
+    cost = {"none": 0.6, "bf16": 0.25, "fp8": 0.2}
+    clock = [0.0]
+    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
+    engine = _OneRankEngine()
+    preds = {}
+    for m, _, t in planner._candidates(1 << 20, lambda: None):
+        preds.setdefault(m, t)
+    assert 1.25 * cost["bf16"] < preds["none"] < 1.25 * 0.45 and preds["bf16"] < cost["fp8"], preds
+    ran = []
+    for step in range(12):
+        planner.begin_step(engine)
+        p = plans.plan(1 << 20, "0", 0, step, lambda: None)
+        ran.append((p.mode, p.why))
+        clock[0] += 0.45 if step == 0 else cost[p.mode]
+        planner.end_step(True)
+    trial = [m for m, why in ran if why == "trial"]
+    assert trial[:2] == ["fp8", "bf16"] and sorted(trial) == ["bf16"] * 3 + ["fp8"] * 3 + ["none"] * (link_span > 1.5)
+    assert ran[-1] == ("fp8", "measured")
+
+
 def _guarded_planner_run(monkeypatch, first_share, cost, readings=None, resume_at=None):
     """The planner alone, one 1M-element bucket on a clock of its own, steps
     0 .. 2 LATER + 29: lowrank guarded, its guard's first reading
