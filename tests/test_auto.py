@@ -970,6 +970,23 @@ class _OneRankEngine:
         return fut
 
 
+def _clocked_planner(monkeypatch, modes):
+    """The planner alone for one rank, on a clock of its own (``[seconds]``),
+    one slow link (12.5 MB/s) between two nodes, auto's modes ``modes``:
+    (the state, the Planner, its AutoPlanner, the clock, the engine)."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
+                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
+    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
+                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, _compressed_at=lambda step: True)
+    plans = plan.Planner(state)
+    plans.auto.modes = modes
+    clock = [0.0]
+    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
+    return state, plans, plans.auto, clock, _OneRankEngine()
+
+
 def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(monkeypatch):
     """The planner alone, on a clock of its own: fp32 costs 10 per step, fp8
     1.0 and onebit 1.2. The first trial picks fp8 and finds fp32 hopeless
@@ -978,19 +995,8 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     leaves fp32 out; every AUTO_FULL_EVERY-th re-check measures it again. When
     onebit becomes clearly faster (0.5, past the hysteresis) a re-check
     switches to it."""
-    from types import SimpleNamespace
-
-    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
-                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
-    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
-                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, _compressed_at=lambda step: True)
-    plans = plan.Planner(state)
-    planner = plans.auto
-    planner.modes = ("none", "fp8", "onebit")
+    state, plans, planner, clock, engine = _clocked_planner(monkeypatch, ("none", "fp8", "onebit"))
     cost = {"none": 10.0, "fp8": 1.0, "onebit": 1.2}
-    clock = [0.0]
-    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
-    engine = _OneRankEngine()
     ran = []  # (compressed step, mode, why)
     for step in range(3 * autoplan.AUTO_RECHECK + autoplan.AUTO_SETTLE + 60):
         if step == autoplan.AUTO_SETTLE + 2 * autoplan.AUTO_RECHECK:
@@ -1034,20 +1040,9 @@ def test_the_first_trial_leaves_out_an_fp32_round_whose_link_time_alone_cannot_w
     round that runs no codec (predicted by the links' time alone) over 1.25x
     it cannot be the fastest, so fp32 does not run. With fp32's margin as
     wide as a codec round's (AUTO_SPAN, 2x) it runs a step of 0.6 s."""
-    from types import SimpleNamespace
-
     monkeypatch.setattr(autotrial, "AUTO_LINK_SPAN", link_span)
-    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
-                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
-    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
-                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, _compressed_at=lambda step: True)
-    plans = plan.Planner(state)
-    planner = plans.auto
-    planner.modes = ("none", "bf16", "fp8")
+    _, plans, planner, clock, engine = _clocked_planner(monkeypatch, ("none", "bf16", "fp8"))
     cost = {"none": 0.6, "bf16": 0.25, "fp8": 0.2}
-    clock = [0.0]
-    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
-    engine = _OneRankEngine()
     preds = {}
     for m, _, t in planner._candidates(1 << 20, lambda: None):
         preds.setdefault(m, t)
