@@ -8,17 +8,23 @@ win"; "Digits' best mode on the Intel Xeon"):
     ... -- python bench/auto_first_steps.py 40 2     (start_iter 2: the trial from step 2, auto's default before)
     ... -- python bench/auto_first_steps.py 200 - classify adamw    (STEPS START_ITER TASK OPTIMIZER; - : the default)
     ... -- python bench/auto_first_steps.py 200 - classify sgd int3  (a fixed mode's steps beside auto's: MODE last)
+    LINK_SPAN=2.0 hetcomm testbed ... -- python bench/auto_first_steps.py 30 - rnn adamw
+        (hetcomm.autotrial.AUTO_LINK_SPAN for this run: 2.0 leaves fp32's round out of the first trial as a codec
+        round's, by 2x the fastest round measured so far, as before 2026-12-05)
 """
 import logging
+import os
 import sys
 
 import torch.distributed as dist
 from torch import nn
 
 import hetcomm
+from hetcomm import autotrial
 from hetcomm.benchmarks import common, tasks, train
 
 if __name__ == "__main__":
+    autotrial.AUTO_LINK_SPAN = float(os.environ.get("LINK_SPAN", autotrial.AUTO_LINK_SPAN))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if rank == 0:
