@@ -20,8 +20,8 @@ AUTO_RECHECK = 1000   # compressed steps between later re-checks
 AUTO_CONFIRM = 20     # compressed steps to a re-check that confirms one kept from the admitted lowrank by its margin
 AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faster than the current one
 AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
-AUTO_LINK_SPAN = 1.25  # the first trial leaves out an fp32 round predicted this much slower than its round 0's step
 AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
+AUTO_LINK_SPAN = 1.25  # the first trial leaves out an fp32 round predicted this much slower than its fastest so far
 INF = float("inf")     # a round's time where there is none (not measured, or not allowed)
 
 
@@ -208,10 +208,10 @@ class TrialRounds:
         against the next round instead: AUTO_SPAN then).
         fp32 on the wide model at 100 Mbit: one step of 600 ms where fp8's
         takes 165. On the LSTM of ``hetcomm bench train`` (2 x 2 testbed, 100
-        Mbit) fp32 is predicted at 73 ms where int3's step is 43-52: it ran a
-        step of 165-175 ms, measured against round 0 alone (the run's first
-        compressed step, 109 ms on one rank), before it was measured against
-        the rounds after it too. Re-checks measure what they keep (the first
+        Mbit) fp32 is predicted at 109 ms where int3's round 0 took 48-109:
+        measured against round 0's first step at 2x, it ran a step of 160-205
+        ms in 9 runs of 10; so, in 5 of 10 (bench/README "The LSTM with AdamW
+        on an Intel Xeon"). Re-checks measure what they keep (the first
         trial's skipped rounds are pruned, as hopeless, and measured again by
         the full re-checks)."""
         ran = self.compressed_steps - self.trial_start
