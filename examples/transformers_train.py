@@ -76,10 +76,9 @@ def main() -> None:
 
     class Seen(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                warned.append(record.getMessage())
+            warned.append(record.getMessage())
 
-    logging.getLogger("hetcomm").addHandler(Seen())
+    logging.getLogger("hetcomm").addHandler(Seen(logging.WARNING))
     x, y, x_test, y_test = load_digits()
     ckpt = os.path.join(args.out, f"checkpoint-{args.save_at}")
     targs = TrainingArguments(

@@ -25,13 +25,19 @@ AUTO_LINK_SPAN = 1.25  # the first trial leaves out an fp32 round predicted this
 INF = float("inf")     # a round's time where there is none (not measured, or not allowed)
 
 
+def slowest(times: Sequence[Sequence[float]]) -> List[float]:
+    """Each candidate's (round's) time by its slowest rank, from
+    ``times[rank][candidate]`` (inf where a rank has none)."""
+    return [max(col) for col in zip(*times)]
+
+
 def choose(times: Sequence[Sequence[float]], current: Optional[int] = None,
            hysteresis: float = AUTO_HYSTERESIS) -> int:
     """The candidate to keep, from ``times[rank][candidate]`` (seconds; inf
     where not measured): the one whose slowest rank is fastest (ties: the
     earlier, better-predicted one). With a ``current`` choice, switch only to
     one at least ``1 / hysteresis`` times faster."""
-    worst = [max(col) for col in zip(*times)]
+    worst = slowest(times)
     best = min(range(len(worst)), key=lambda j: (worst[j], j))
     if current is not None and worst[best] > hysteresis * worst[current]:
         return current
@@ -217,7 +223,7 @@ class TrialRounds:
         ran = self.compressed_steps - self.trial_start
         cycle = self._cycle()
         _, times, _ = self._gather_round_times(engine)
-        worst = [max(col) for col in zip(*times)]
+        worst = slowest(times)
         best = min(cycle[:ran], key=lambda c: (worst[c], c))
 
         def hopeless(c: int) -> bool:
@@ -240,7 +246,7 @@ class TrialRounds:
         1.4 s: two more steps each of fp8 and bf16 across nodes and of fp8
         flat, at their measured times)."""
         _, times, _ = self._gather_round_times(engine)
-        worst = [max(col) for col in zip(*times)]  # inf: a rank has no time for it
+        worst = slowest(times)
         best = min((w for w in worst if w < INF), default=INF)
         self._kept = [c for c in self._cycle() if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
 
@@ -276,7 +282,7 @@ class TrialRounds:
         if (fingerprints != fingerprints[0]).any():
             raise ValueError("hetcomm: compression='auto' ranks planned different candidates for the same buckets "
                              "(different topologies or options): construct HookState alike on every rank")
-        self.round_times = [max(c) for c in zip(*times)]
+        self.round_times = slowest(times)
         judged = [self._judged(r) for r in times]
         current = 0 if self._rechecking and self._allowed(0) else None
         if not self._rechecking:
