@@ -16,12 +16,13 @@ the gradient at that norm after backward (hetcomm's modes through
 ``clip``. MODE may also be a floor, no training mode: ``no-comm`` (each rank keeps its own gradient: the
 step's compute when the ranks share the machine's cores) or ``barrier`` (that, and one float all-reduced a
 step: the least a synchronised step costs; bench/README "The floor of a step"). OPTIM: ``hetcomm bench train``'s optimizer (sgd: SGD-momentum, the default; adamw), at the
-task's learning rate for it. Run once per rank under torch.distributed's env:// variables
+task's learning rate for it. BUCKET_MB: DDP's ``bucket_cap_mb`` (PowerSGD's hook keeps one bucket, as
+``bench train`` runs it; default: DDP's, a first bucket of 1 MB). Run once per rank under torch.distributed's env:// variables
 (bench/README "What the testbed's step is made of", "The language model clipped, and
 clipping's sum moves with the last bucket"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit -- \\
-        python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP [CLIP|- [OPTIM]]]]]
+        python bench/step_phases.py lowrank-r4 [STEPS [TASK [SKIP [CLIP|- [OPTIM [BUCKET_MB]]]]]]
 """
 import os
 import resource
@@ -97,17 +98,19 @@ def _plans(st: dict) -> str:
     return out
 
 
-def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[float], optim: str = "sgd") -> None:
+def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[float], optim: str = "sgd",
+         bucket_mb: Optional[float] = None) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     task = tasks.TASKS[task_name]()
     if mode_name in FLOORS:
-        ddp = nn.parallel.DistributedDataParallel(task.model())
+        ddp = nn.parallel.DistributedDataParallel(task.model(), **({} if bucket_mb is None else
+                                                                   {"bucket_cap_mb": bucket_mb}))
         hook_state, hook, state = mode_name == "barrier", _floor_hook, None
     else:
         mode = modes.get(mode_name)
-        ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options())  # PowerSGD: one bucket
+        ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options(bucket_mb))  # PowerSGD: one bucket
         hook_state, hook, state = mode.comm_hook()
     opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
     if hook is not None:
@@ -167,4 +170,4 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     main(args[0], int(args[1]) if len(args) > 1 else 200, args[2] if len(args) > 2 else "wide",
          int(args[3]) if len(args) > 3 else 40, float(args[4]) if len(args) > 4 and args[4] != "-" else None,
-         args[5] if len(args) > 5 else "sgd")
+         args[5] if len(args) > 5 else "sgd", float(args[6]) if len(args) > 6 else None)

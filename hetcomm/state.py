@@ -240,6 +240,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         #: time.monotonic() of the last bucket's hook call: this rank's backward
         #: compute was done then (what follows is waiting for the others).
         self.last_bucket_time: Optional[float] = None
+        self._one_bucket_hinted = False  # (BucketSteps._hint_one_bucket: once a state)
         #: CUDA buckets: (step, event recorded on the backward stream at the
         #: last bucket's hook call): the GPU's compute was done when it fired.
         self.last_bucket_event: Optional[tuple] = None

@@ -15,6 +15,7 @@ ranks still training had, scaled as DDP's ``divide_by_initial_world_size``
 says."""
 
 import contextlib
+import logging
 import os
 
 import pytest
@@ -889,3 +890,62 @@ def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
         assert all(r["warned"] == [] for r in runs[key]), (key, runs[key][0]["warned"])
     for r in runs[("int3", "accumulate")]:
         assert len(r["warned"]) == 1 and "accumulate gradients" in r["warned"][0]
+
+
+def _wide_first_layer():
+    """176k elements (704 KB: one DDP bucket by default), 135k of them in the first layer (DDP's last bucket)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(models.IN, 4096), nn.ReLU(), nn.Linear(4096, models.OUT))
+
+
+def _one_bucket(rank, world, mode, bucket_cap_mb):
+    """Four steps of _wide_first_layer: the hetcomm logger's INFO records
+    about a step of one bucket, and the step's buckets."""
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "in one bucket" in record.getMessage():
+                seen.append((record.levelno, record.getMessage()))
+
+    logger = logging.getLogger("hetcomm")
+    handler, level = Catch(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+        ddp = DDP(_wide_first_layer(), **kwargs)
+        state = hetcomm.HookState(mode)
+        ddp.register_comm_hook(state, hetcomm.hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        for step in range(4):
+            models.train_step(ddp, opt, rank, step, 8, state)
+        buckets = len(state.last_plans)
+        state.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return {"seen": seen, "buckets": buckets}
+
+
+def test_a_compressed_model_in_one_ddp_bucket_is_told_of_bucket_cap_mb_once():
+    """A model DDP holds whole in its first bucket (under 1 MiB) exchanges its
+    gradient only once backward has ended: compressed (int3, flat on one node),
+    rank 0 is told once, at INFO, with the bucket's size and half of it as
+    DDP's bucket_cap_mb; rank 1 is not. Not told: the same model in buckets of
+    0.1 MB (two a step, the last as large as the hint asks), or in fp32 on one
+    node (nothing slow to hide)."""
+    told = run_ranks(_one_bucket, 2, "int3", None)
+    numel = sum(p.numel() for p in _wide_first_layer().parameters())
+    first = sum(p.numel() for p in _wide_first_layer()[0].parameters())
+    assert first >= hetcomm.hooks.ONE_BUCKET_HINT and numel * 4 < 2 ** 20
+    mb = numel * 4 / 2 ** 20
+    assert told[0]["buckets"] == 1 and len(told[0]["seen"]) == 1, told[0]
+    level, message = told[0]["seen"][0]
+    assert level == logging.INFO and f"in one bucket ({mb:.2f} MB)" in message
+    assert f"bucket_cap_mb={mb / 2:.2g})" in message
+    assert told[1]["seen"] == []
+    split = run_ranks(_one_bucket, 2, "int3", 0.1)
+    assert split[0]["buckets"] == 2 and all(r["seen"] == [] for r in split)
+    dense = run_ranks(_one_bucket, 2, "none", None)
+    assert dense[0]["buckets"] == 1 and all(r["seen"] == [] for r in dense)
