@@ -276,9 +276,8 @@ class BucketSteps:
             mb = numel * itemsize / 2 ** 20
             log.info("hetcomm: DDP hands this model's whole gradient over in one bucket (%.2f MB), so its exchange "
                      "starts only once backward has ended; DDP(..., bucket_cap_mb=%.2g) (about half of it) sends "
-                     "the first part while backward computes the rest (the LSTM of hetcomm bench train, 0.90 MB, "
-                     "int3 across 2 nodes at 100 Mbit: 0.90-0.96x the step with bucket_cap_mb=0.5; README \"A model "
-                     "in one bucket\")", mb, mb / 2)
+                     "the first part while backward computes the rest, where the ranks have CPU to spare for a second "
+                     "exchange (README \"A model in one bucket\")", mb, mb / 2)
 
     def _reduce(self, bucket: buckets.Bucket, engine) -> torch.futures.Future:
         buf = bucket.buffer
