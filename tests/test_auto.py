@@ -172,8 +172,8 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     if first:
         plan.planner.predict = _rank_predict(first, hopeless, fp32_order)
-    if not cut:
-        autotrial.AUTO_SPAN = INF
+    if not cut:  # neither margin leaves a round out (fp32's own, AUTO_LINK_SPAN, against a fast round under load)
+        autotrial.AUTO_SPAN = autotrial.AUTO_LINK_SPAN = INF
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)) if big \
         else models.mlp(hidden=96)
@@ -832,7 +832,7 @@ def _held_carry_run(rank, world, cache_dir, last_trial):
     autotrial.choose = lambda times, current=None: 1  # round 1 = fp32: the decided plan is dense
     # ... whatever a loaded machine times: every cycle runs both rounds (the trial's length), and fp32 replaces the
     # best predicted round (top-k) without being faster in every cycle (under load it was not, and top-k stayed)
-    autotrial.AUTO_SPAN = INF
+    autotrial.AUTO_SPAN = autotrial.AUTO_LINK_SPAN = INF
     autotrial.faster_in_every_cycle = lambda *args: True
     torch.manual_seed(0)
     model = models.mlp(hidden=96)
