@@ -13,7 +13,7 @@ import hetcomm
 from hetcomm import clip, topology
 
 from . import models
-from .dist_harness import run_ranks
+from .dist_harness import hetcomm_records, run_ranks
 
 SIZES = [6, 10, 8]  # samples per rank (batch-size weighting on)
 STEPS, START = 8, 2
@@ -239,18 +239,7 @@ def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True, view=
     """A loop that clips after every step with torch's clip_grad_norm_ (the
     handed gradient's norm), with hetcomm's, or scales the gradients up
     (``view``: DDP's gradient_as_bucket_view=True)."""
-    import logging
-
-    seen = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            if "were multiplied by" in record.getMessage() or "was first called" in record.getMessage():
-                seen.append(record.getMessage())
-
-    handler = Catch()
-    logging.getLogger("hetcomm").addHandler(handler)
-    try:
+    with hetcomm_records() as records:
         model = models.mlp(hidden=96)
         ddp = DDP(model, bucket_cap_mb=0.02, gradient_as_bucket_view=view)
         state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=START)
@@ -271,9 +260,8 @@ def _rescaled_warnings(rank, world, clip_with, mode="onebit", attach=True, view=
                     p.grad.mul_(2.0)
             opt.step()
         state.close()
-    finally:
-        logging.getLogger("hetcomm").removeHandler(handler)
-    return seen
+    messages = [r.getMessage() for r in records]
+    return [m for m in messages if "were multiplied by" in m or "was first called" in m]
 
 
 def test_torchs_clip_after_a_lossy_step_is_a_warning_once():

@@ -22,7 +22,7 @@ from hetcomm.buckets import sig_of
 
 from . import models
 from . import reference as ref
-from .dist_harness import run_ranks
+from .dist_harness import hetcomm_records, run_ranks
 
 N, D = Regress.N, Regress.D
 
@@ -669,8 +669,6 @@ def _lr_schedule_units(rank, world):
     before the next step's reduction, the compressed momentum is not; no move
     or a move to 0 leaves them as they are (a group at 0: its buckets); groups moved by different factors:
     each bucket by its groups' factor, a bucket of both groups as it is."""
-    import logging
-
     torch.manual_seed(0)
     model = models.mlp()
     ddp = DDP(model, bucket_cap_mb=0.001)  # a bucket per layer (after the first step's rebuild)
@@ -683,11 +681,8 @@ def _lr_schedule_units(rank, world):
     state.attach_optimizer(opt)
     for step in range(4):
         models.train_step(ddp, opt, rank, step, 16)
-    out, seen = {}, []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("hetcomm").addHandler(handler)
-    try:
+    out = {}
+    with hetcomm_records() as records:
         def move(lrs):
             before, momentum = _residuals(state), {k: t.clone() for k, t in state._buckets.momentum.items()}
             for g, lr in zip(opt.param_groups, lrs):
@@ -705,9 +700,7 @@ def _lr_schedule_units(rank, world):
         out["different_again"] = move([0.05, 0.1])  # group 0 x 2, group 1 x 0.25
         out["one_frozen"] = move([0.0, 0.05])  # group 0 stays (rate 0), group 1 x 2
         out["unfrozen"] = move([0.025, 0.05])  # group 0 from its last nonzero rate 0.05: x 2
-    finally:
-        logging.getLogger("hetcomm").removeHandler(handler)
-    out["warnings"] = [m for m in seen if "different factors" in m]
+    out["warnings"] = [r.getMessage() for r in records if "different factors" in r.getMessage()]
     group = {id(p): 0 for p in first}
     out["groups"] = {k: {group.get(id(state._buckets.params.param(n)), 1) for n in sig_of(k)}
                      for k in state._buckets.residuals}
@@ -846,12 +839,6 @@ def test_follow_lr_rejects_what_it_cannot_follow_and_agrees_across_ranks():
 
 def _onebit_gradient_warnings(rank, world):
     """Which optimizers make a followed onebit-of-the-gradient state warn."""
-    import logging
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("hetcomm").addHandler(handler)
     out = {}
     cases = {"sgd-m": ("onebit", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False),
              "adamw": ("onebit", lambda p: torch.optim.AdamW(p, lr=1e-3), False),
@@ -866,9 +853,9 @@ def _onebit_gradient_warnings(rank, world):
         if attach:
             state.attach_optimizer(opt)
         ddp.register_comm_hook(state, hetcomm.hook)
-        del records[:]
-        for step in range(3):
-            models.train_step(ddp, opt, rank, step, 8)
+        with hetcomm_records() as records:
+            for step in range(3):
+                models.train_step(ddp, opt, rank, step, 8)
         out[name] = [r.getMessage() for r in records if "keeps a momentum of it" in r.getMessage()]
         state.close()
     return out

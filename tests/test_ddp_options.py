@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hetcomm
 
 from . import models
-from .dist_harness import each_mode, run_ranks
+from .dist_harness import each_mode, hetcomm_records, run_ranks
 
 STEPS = (3, 5, 7)  # each rank's number of batches: rank 0 joins first, rank 2 trains alone at the end
 EQUAL = (16, 16, 16)
@@ -796,17 +796,7 @@ def _discarded(rank, world, mode, how):
     of the optimizer's). A second optimizer (the generator's, on
     a parameter of its own) steps after the generator's backward. D's final
     parameters and hetcomm's warnings."""
-    import logging
-
-    seen = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    handler = Catch(level=logging.WARNING)
-    logging.getLogger("hetcomm").addHandler(handler)
-    try:
+    with hetcomm_records() as records:
         if how == "toggle":  # both in one DDP model: DDP reduces the switched-off parameters' zeros
             pair = _GanPair()
             ddp = DDP(pair, find_unused_parameters=True)
@@ -816,7 +806,8 @@ def _discarded(rank, world, mode, how):
             for step in range(6):
                 _toggled(rank, opt_d, opt_g, pair, ddp, step)
             state.close()
-            return {"params": models.flat_params(pair), "warned": [m for m in seen if "before any optimizer" in m]}
+            warned = [r.getMessage() for r in records if "before any optimizer" in r.getMessage()]
+            return {"params": models.flat_params(pair), "warned": warned}
         d = _gan_start()
         ddp = DDP(d)
         state, opt = _hooked(ddp, mode, 0)
@@ -856,9 +847,8 @@ def _discarded(rank, world, mode, how):
                 opt_g.step()
         if state is not None:
             state.close()
-    finally:
-        logging.getLogger("hetcomm").removeHandler(handler)
-    return {"params": models.flat_params(d), "warned": [m for m in seen if "before any optimizer stepped" in m]}
+    warned = [r.getMessage() for r in records if "before any optimizer stepped" in r.getMessage()]
+    return {"params": models.flat_params(d), "warned": warned}
 
 
 def test_a_gradient_thrown_away_after_its_exchange_is_warned_once():
@@ -901,18 +891,7 @@ def _wide_first_layer():
 def _one_bucket(rank, world, mode, bucket_cap_mb):
     """Four steps of _wide_first_layer: the hetcomm logger's INFO records
     about a step of one bucket, and the step's buckets."""
-    seen = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            if "in one bucket" in record.getMessage():
-                seen.append((record.levelno, record.getMessage()))
-
-    logger = logging.getLogger("hetcomm")
-    handler, level = Catch(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with hetcomm_records(logging.INFO) as records:
         kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
         ddp = DDP(_wide_first_layer(), **kwargs)
         state = hetcomm.HookState(mode)
@@ -922,9 +901,7 @@ def _one_bucket(rank, world, mode, bucket_cap_mb):
             models.train_step(ddp, opt, rank, step, 8, state)
         buckets = len(state.last_plans)
         state.close()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    seen = [(r.levelno, r.getMessage()) for r in records if "in one bucket" in r.getMessage()]
     return {"seen": seen, "buckets": buckets}
 
 

@@ -13,7 +13,7 @@ import hetcomm
 from hetcomm import _C
 
 from . import models
-from .dist_harness import run_ranks
+from .dist_harness import hetcomm_records, run_ranks
 
 # (offset, rows, cols, rank): a 40x24 matrix at rank 3, a dense vector, a 16x16 matrix at rank 2
 LAYOUT = [[0, 40, 24, 3], [960, 1, 30, 0], [990, 16, 16, 2]]
@@ -555,15 +555,10 @@ def _share_run(rank, world, batch, steps):
     """lowrank at rank 1 on a Linear layer: windows of one step, 4 and 8;
     the reference is the top-1 share of a replica's local gradient at step 8."""
     import copy
-    import logging
 
     from hetcomm import lowrank_share
 
     lowrank_share.FIRST, lowrank_share.FIRST_SPAN, lowrank_share.SPAN, lowrank_share.LATER = 4, 0, 0, 8
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("hetcomm").addHandler(handler)
     torch.manual_seed(0)
     model = torch.nn.Linear(48, 40)
     ddp = DDP(model)
@@ -571,17 +566,18 @@ def _share_run(rank, world, batch, steps):
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     reference = None
-    for step in range(steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(batch, 48, generator=g), torch.randn(batch, 40, generator=g)
-        if step == 8:
-            replica = copy.deepcopy(model)
-            torch.nn.functional.mse_loss(replica(x), y).backward()
-            s2 = torch.linalg.svdvals(replica.weight.grad.double()).pow(2)
-            reference = float(s2[0] / s2.sum())
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
+    with hetcomm_records() as records:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(batch, 48, generator=g), torch.randn(batch, 40, generator=g)
+            if step == 8:
+                replica = copy.deepcopy(model)
+                torch.nn.functional.mse_loss(replica(x), y).backward()
+                s2 = torch.linalg.svdvals(replica.weight.grad.double()).pow(2)
+                reference = float(s2[0] / s2.sum())
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
     warnings = [r.getMessage() for r in records if "carries" in r.getMessage()]
     out = {"share": state.stats().get("lowrank_share"), "reference": reference, "warnings": warnings}
     state.close()

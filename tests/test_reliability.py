@@ -21,7 +21,7 @@ from hetcomm import modes as mode_table
 from hetcomm import topology
 
 from . import models
-from .dist_harness import each_mode, run_ranks
+from .dist_harness import each_mode, hetcomm_records, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -183,24 +183,19 @@ def test_one_nan_element_on_one_of_four_ranks_leaves_every_state_untouched(one_n
 
 
 def _warnings_of_a_diverged_run(rank, world, steps):
-    import logging
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("hetcomm").addHandler(handler)
-    model = models.mlp(hidden=128)
-    ddp = DDP(model, bucket_cap_mb=0.02)
-    state = hetcomm.HookState("onebit", min_compress_numel=1000)
-    ddp.register_comm_hook(state, hetcomm.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for step in range(steps):
-        x, y = models.batch(rank, step, 16)
-        if step >= 2:
-            x[0, 0] = float("nan")  # every step from 2 on: a run that diverged
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    with hetcomm_records() as records:
+        model = models.mlp(hidden=128)
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        state = hetcomm.HookState("onebit", min_compress_numel=1000)
+        ddp.register_comm_hook(state, hetcomm.hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(steps):
+            x, y = models.batch(rank, step, 16)
+            if step >= 2:
+                x[0, 0] = float("nan")  # every step from 2 on: a run that diverged
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
     return [r.getMessage() for r in records], state.stats()["nonfinite_steps"]
 
 

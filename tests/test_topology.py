@@ -14,7 +14,7 @@ from hetcomm import probe as probing
 from hetcomm.topology import LinkClass, Topology
 
 from . import models
-from .dist_harness import run_ranks
+from .dist_harness import hetcomm_records, run_ranks
 
 
 def _topo(nodes, intra=(5e-6, 1 / 50e9), inter=(50e-6, 1 / 1.25e9)):
@@ -313,19 +313,9 @@ def test_a_compressed_mode_crosses_nodes_hierarchically_by_default(algorithm_run
 
 
 def _hierarchy_on_one_node(rank, world, cache_dir):
-    import logging
-
-    seen = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
     os.environ["HETCOMM_CACHE_DIR"] = cache_dir
-    handler = Catch(level=logging.WARNING)
-    logging.getLogger("hetcomm").addHandler(handler)
-    try:
-        out = {}
+    out = {}
+    with hetcomm_records() as records:
         for mode, algorithm in (("fp8", "hierarchical"), ("none", "hierarchical"), ("fp8", None),
                                 ("lowrank", "hierarchical")):
             model = models.mlp(hidden=96)
@@ -336,13 +326,12 @@ def _hierarchy_on_one_node(rank, world, cache_dir):
             for step in range(4):
                 models.train_step(ddp, opt, rank, step, 8)
             total = state.stats()["total"]
-            out[mode if algorithm else "default"] = (list(seen), total["bytes_sent"], total["fp32_bytes"],
+            out[mode if algorithm else "default"] = ([r.getMessage() for r in records], total["bytes_sent"],
+                                                     total["fp32_bytes"],
                                                      {p["algorithm"] for p in state.stats()["plans"].values()})
-            seen.clear()
+            records.clear()
             state.close()
-        return out
-    finally:
-        logging.getLogger("hetcomm").removeHandler(handler)
+    return out
 
 
 def test_a_compressed_hierarchy_on_one_node_says_it_compresses_nothing(tmp_path):
