@@ -8,12 +8,15 @@ after one run of the first layout that is not counted (a launch's first run
 is its slowest: PowerSGD's hook, one bucket whatever the cap, read 50.9 and
 48.3 ms as "default" against 47.0 and 46.4 without it).
 Printed on rank 0: each run's mean and median step (ms, steps SKIP.. ) and
-the step's buckets, then each layout's mean of the runs' means. Run once per
-rank under torch.distributed's env:// variables (bench/README "A model in one
-bucket: DDP's bucket_cap_mb"):
+the step's buckets, then each layout's mean of the runs' means. ``--device
+cuda`` (last; "cpu" by default) puts each rank's model and batches on
+the GPU of its LOCAL_RANK (ranks share GPUs where there are fewer; NCCL with
+a GPU per rank, gloo otherwise, as ``bench train --device cuda``), each step
+timed to the GPU's end. Run once per rank under torch.distributed's env://
+variables (bench/README "A model in one bucket: DDP's bucket_cap_mb"):
 
     hetcomm testbed --nodes 2 --ranks-per-node 2 --inter-node-rate 100mbit --sched batch -- \\
-        python bench/bucket_layouts.py rnn int3 adamw 150 30 6 -,0.5
+        python bench/bucket_layouts.py rnn int3 adamw 150 30 6 -,0.5 [--device cuda]
 """
 import statistics
 import sys
@@ -25,26 +28,29 @@ import torch.distributed as dist
 from torch import nn
 
 from hetcomm import modes
-from hetcomm.benchmarks import tasks, train
+from hetcomm.benchmarks import common, tasks, train
 
 
-def one_run(task_name: str, mode_name: str, optim: str, steps: int, cap: Optional[float], rank: int):
+def one_run(task_name: str, mode_name: str, optim: str, steps: int, cap: Optional[float], rank: int,
+            dev: torch.device):
     """(step times in s, buckets of the last step) of a fresh model in the layout ``cap`` makes."""
     task = tasks.TASKS[task_name]()
     torch.manual_seed(0)
     mode = modes.get(mode_name)
-    ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options(cap))  # PowerSGD: one bucket
+    ddp = nn.parallel.DistributedDataParallel(task.model().to(dev), device_ids=[dev.index] if dev.type == "cuda"
+                                              else None, **mode.ddp_options(cap))  # PowerSGD: one bucket
     hook_state, hook, state = mode.comm_hook()
     ddp.register_comm_hook(hook_state, hook)
     opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
     dist.barrier()
     times = []
     for step in range(steps):
-        x, y = task.batch_for(step, rank)
+        x, y = (t.to(dev) for t in task.batch_for(step, rank))
         t0 = time.perf_counter()
         opt.zero_grad()
         task.loss(ddp(x), y).backward()
         opt.step()
+        common.sync(dev)  # a GPU's step counts when it is done
         times.append(time.perf_counter() - t0)
     buckets = len(state.last_plans) if state is not None else None
     if state is not None:
@@ -52,14 +58,17 @@ def one_run(task_name: str, mode_name: str, optim: str, steps: int, cap: Optiona
     return times, buckets
 
 
-def main(task_name: str, mode_name: str, optim: str, steps: int, skip: int, reps: int, caps: List[Optional[float]]):
-    dist.init_process_group("gloo")
+def main(task_name: str, mode_name: str, optim: str, steps: int, skip: int, reps: int, caps: List[Optional[float]],
+         device: str = "cpu"):
+    common.require_device(device, "bucket_layouts.py")
+    dist.init_process_group(common.backend_for(device, 1))
     rank = dist.get_rank()
+    dev = common.rank_device(rank, device)
     means = {cap: [] for cap in caps}
-    one_run(task_name, mode_name, optim, steps, caps[0], rank)  # not counted
+    one_run(task_name, mode_name, optim, steps, caps[0], rank, dev)  # not counted
     for rep in range(reps):
         for cap in caps if rep % 2 == 0 else caps[::-1]:
-            times, buckets = one_run(task_name, mode_name, optim, steps, cap, rank)
+            times, buckets = one_run(task_name, mode_name, optim, steps, cap, rank, dev)
             kept = times[skip:]
             means[cap].append(statistics.mean(kept) * 1e3)
             if rank == 0:
@@ -68,7 +77,7 @@ def main(task_name: str, mode_name: str, optim: str, steps: int, skip: int, reps
                       f"{statistics.median(kept) * 1e3:6.1f} ms  buckets {buckets if buckets is not None else '-'}",
                       flush=True)
     if rank == 0:
-        print(f"{task_name} {mode_name} {optim}: mean of the runs' mean steps (ms), steps {skip}-{steps - 1}")
+        print(f"{task_name} {mode_name} {optim} on {device}: mean of the runs' mean steps (ms), steps {skip}-{steps - 1}")
         for cap, m in means.items():
             label = "default" if cap is None else f"{cap:g} MB"
             print(f"  {label:8s} {statistics.mean(m):6.1f}   ({' '.join(f'{v:.1f}' for v in m)})")
@@ -77,4 +86,9 @@ def main(task_name: str, mode_name: str, optim: str, steps: int, skip: int, reps
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], a[2], int(a[3]), int(a[4]), int(a[5]), [None if c == "-" else float(c) for c in a[6].split(",")])
+    device = "cpu"
+    if "--device" in a:
+        device = a[a.index("--device") + 1]
+        a = a[:a.index("--device")]
+    main(a[0], a[1], a[2], int(a[3]), int(a[4]), int(a[5]), [None if c == "-" else float(c) for c in a[6].split(",")],
+         device)

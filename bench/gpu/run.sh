@@ -19,7 +19,11 @@
 #    there the model's compute is the GPU's and the link is what is left (the issue's 0.1x of fp32's time).
 #    HETCOMM_GPU_TESTBED_TASKS / _SEEDS / _RATE / _MODES pick its tasks ("classify lm"; "lm:1" gives a task its own
 #    seeds), seeds (2), link rate (100mbit) and modes (fp32,torch-powersgd,auto); one invocation and JSON a task.
-# 7. (stage "profile", not by default) Nsight Compute's speed of light and
+# 7. (stage "layouts", not by default) DDP's one bucket against bucket_cap_mb=0.5 on the same 2 x 2 testbed with
+#    the models on the GPU (bench/bucket_layouts.py --device cuda, the layouts taking turns): whether splitting a
+#    model of one bucket pays where the ranks' compute is not four processes on the CPU's cores.
+#    HETCOMM_GPU_LAYOUTS ("rnn:int3 lm:int3"): task:mode pairs, AdamW, 150 steps, 4 repetitions each.
+# 8. (stage "profile", not by default) Nsight Compute's speed of light and
 #    occupancy of each codec kernel, into OUT_DIR/ncu_codecs.txt.
 # HETCOMM_GPU_STAGES (default "build tests compress ddp train") picks stages;
 # HETCOMM_GPU_TRAIN_TASKS / _OPTIMS / _MODES the train stage's tasks, optimizers and modes;
@@ -87,6 +91,20 @@ if has testbed; then
     done
   else
     echo "# testbed stage skipped: $why"
+  fi
+fi
+if has layouts; then
+  why=$("$py" -c "from hetcomm import testbed; ok, why = testbed.netns_support(); print('ok' if ok else why)")
+  if [ "$why" = ok ]; then
+    for tm in ${HETCOMM_GPU_LAYOUTS:-rnn:int3 lm:int3}; do
+      echo "# layouts: ${tm%%:*} ${tm#*:} at $((SECONDS)) s"
+      "$py" -m hetcomm.cli testbed --nodes 2 --ranks-per-node 2 --inter-node-rate "${HETCOMM_GPU_TESTBED_RATE:-100mbit}" \
+        --sched batch --timeout 900 -- "$py" bench/bucket_layouts.py "${tm%%:*}" "${tm#*:}" adamw 150 30 4 -,0.5 \
+        --device cuda > "$out/bucket_layouts_${tm%%:*}_${tm#*:}.txt" 2>&1 || echo "# layouts failed on $tm"
+      grep -v "^\[W" "$out/bucket_layouts_${tm%%:*}_${tm#*:}.txt" | tail -4 || true
+    done
+  else
+    echo "# layouts stage skipped: $why"
   fi
 fi
 if has profile; then
