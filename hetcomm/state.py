@@ -123,12 +123,14 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
             binds (README).
         algorithm: how each bucket's sum is computed. ``None`` (default):
             ``"auto"`` with ``compression="auto"``, else ``"native"``, except
-            that with fp8, onebit, topk or lowrank on several nodes of the
+            that with fp8, int3, onebit, topk or lowrank on several nodes of the
             same number (> 1) of ranks the compressed buckets go
             ``"hierarchical"``: exact inside a node, compressed across nodes
             only (lowrank: its factors P and Q summed inside each node, then
             across; the nodes from the hostnames or ``HETCOMM_NODE``, nothing
-            probed; ``stats()["plans"]`` says "across nodes"). ``"native"``
+            probed; ``stats()["plans"]`` says "across nodes"), their exact
+            steps in fp32 over the same hierarchy (buckets under
+            ``min_compress_numel`` on the group's own). ``"native"``
             (the process group's own all-reduce; given, it compresses every
             rank's exchange), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``

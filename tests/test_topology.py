@@ -298,11 +298,13 @@ def test_a_compressed_mode_crosses_nodes_hierarchically_by_default(algorithm_run
     """2 nodes x 2 ranks, algorithm left at its default: the compressed steps
     run the hierarchy (exact inside a node, compressed across nodes), sending
     what algorithm='hierarchical' sends and not what 'native' sends; the
-    dense steps before start_iter stay the process group's own all-reduce;
-    algorithm='native' given keeps every step flat."""
+    dense step before start_iter goes over the hierarchy too, exact in fp32
+    inside and across nodes (gloo's ring would put 1.5x the bucket on each way
+    of the link); algorithm='native' given keeps every step flat."""
     for r in algorithm_runs:
         default, hier = r[(mode, None)]["steps"], r[(mode, "hierarchical")]["steps"]
-        assert default[0][0] == [("none", "native", "warm-up")], default[0]  # start_iter 1 (the default): dense
+        assert default[0][0] == [("none", "hierarchical", "warm-up")], default[0]  # start_iter 1 (the default)
+        assert default[0][1] == hier[0][1] > 0  # the bytes of algorithm='hierarchical''s exact step
         for step in range(1, 6):
             assert default[step][0] == [(mode, "hierarchical", "across nodes")], default[step]
             assert default[step][1] == hier[step][1] > 0
@@ -310,6 +312,41 @@ def test_a_compressed_mode_crosses_nodes_hierarchically_by_default(algorithm_run
             flat = r[(mode, "native")]["steps"]
             assert all(flat[step][0] == [(mode, "native", "fixed")] for step in range(1, 6)), flat
             assert all(flat[step][1] != default[step][1] for step in range(1, 6))
+
+
+def _exact_steps_across_nodes(rank, world, cache_dir):
+    os.environ[topology.ENV_NODE] = f"node{rank // 2}"
+    os.environ["HETCOMM_CACHE_DIR"] = cache_dir
+    model = models.mlp(hidden=96)
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    # DDP's buckets after step 0: the last two layers (10,282 elements) and the first (IN x 96 + 96 = 3,168), under
+    # min_compress_numel: sent dense on every step
+    state = hetcomm.HookState("onebit", min_compress_numel=4000)
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    state.attach_optimizer(opt, exact_every=3)
+    plans = []
+    for step in range(8):
+        models.train_step(ddp, opt, rank, step, 8)
+        plans.append(sorted((p.mode, p.algorithm, p.why) for p in state.last_plans.values()))
+    state.close()
+    return {"plans": plans, "params": models.flat_params(model)}
+
+
+def test_an_attached_adams_exact_steps_cross_nodes_over_the_hierarchy(tmp_path):
+    """2 nodes x 2 ranks, onebit with an AdamW attached at the default
+    algorithm: its exact steps of the buckets it compresses are summed in
+    fp32 over the hierarchy (gloo's ring puts 1.5x the bucket on each way of
+    the link, the hierarchy 1x), a bucket under min_compress_numel stays on
+    the process group's own all-reduce; the replicas stay bit-identical."""
+    runs = run_ranks(_exact_steps_across_nodes, 4, str(tmp_path))
+    plans = runs[0]["plans"]
+    exact = [p for step in plans for p in step if p[2] == "exact step"]
+    small = [p for step in plans for p in step if p[2] == "small bucket"]
+    assert exact and set(exact) == {("none", "hierarchical", "exact step")}, plans
+    assert small and set(small) == {("none", "native", "small bucket")}, plans
+    assert ("onebit", "hierarchical", "across nodes") in {p for step in plans for p in step}, plans
+    assert all(r["plans"] == plans and torch.equal(r["params"], runs[0]["params"]) for r in runs[1:])
 
 
 def _hierarchy_on_one_node(rank, world, cache_dir):
