@@ -25,7 +25,7 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     task_name, mode_name, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     optim = sys.argv[4] if len(sys.argv) > 4 else "adamw"
-    task, mode = tasks.TASKS[task_name](), modes.get(sys.argv[2])
+    task, mode = tasks.TASKS[task_name](), modes.get(mode_name)
     ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options(None))
     opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim), mode.attach)
     state, _ = train._register(ddp, mode_name, opt, steps)
