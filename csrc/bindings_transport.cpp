@@ -185,13 +185,17 @@ void bind_transports(py::module_& m) {
              const std::string& inter, c10::optional<at::Tensor> res, c10::optional<at::Tensor> sres, int64_t chunk,
              double ratio, int64_t pieces) {
             TORCH_CHECK_VALUE(x.is_contiguous(), "hetcomm: x must be contiguous");
-            TORCH_CHECK_VALUE(inter == "ring" || inter == "none" || inter == "onebit" || inter == "fp8" ||
-                                  inter == "int3" || inter == "topk",
-                              "hetcomm: inter must be 'ring' (or 'none'), 'onebit', 'fp8', 'int3' or 'topk', got '", inter,
-                              "'");
+            TORCH_CHECK_VALUE(inter == "ring" || inter == "none" || inter == "fp16" || inter == "bf16" ||
+                                  inter == "onebit" || inter == "fp8" || inter == "int3" || inter == "topk",
+                              "hetcomm: inter must be 'ring' (or 'none'), 'fp16', 'bf16', 'onebit', 'fp8', 'int3' or "
+                              "'topk', got '", inter, "'");
+            TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || (inter != "fp16" && inter != "bf16"),
+                              "hetcomm: x must be float32 for inter '", inter, "', got ", x.scalar_type());
             BucketReducer::check_topology(order, node_of, t.size());
             const collectives::Codec codec = inter == "ring" ? collectives::Codec::kNone : codec_named(inter);
-            if (codec != collectives::Codec::kNone) ops::check_chunk(chunk);
+            const bool coded = codec != collectives::Codec::kNone && codec != collectives::Codec::kFP16 &&
+                               codec != collectives::Codec::kBF16;
+            if (coded) ops::check_chunk(chunk);
             at::Tensor flat = x.view({-1});
             const Algo algo = algo_named(algorithm);
             collectives::InterOptions o;
@@ -207,7 +211,8 @@ void bind_transports(py::module_& m) {
           py::arg("node_of") = std::vector<int>{}, py::arg("inter") = "ring", py::arg("residual") = py::none(),
           py::arg("server_residual") = py::none(), py::arg("chunk") = 2048, py::arg("topk_ratio") = 0.01,
           py::arg("pieces") = 0, nogil,
-          "Sum of x over ranks, in place, by the named algorithm (pieces: of a onebit / fp8 / int3 stage across nodes).")
+          "Sum of x over ranks, in place, by the named algorithm; inter: the hierarchical algorithm's stage across nodes "
+          "(pieces: of a onebit / fp8 / int3 one).")
       .def("counters", [](T& t) {
         py::dict d;
         d["bytes_sent"] = t.counters().bytes_sent.load();

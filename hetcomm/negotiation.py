@@ -214,7 +214,7 @@ class Negotiation:
         if self._algorithm_default:
             self._across_nodes = across_nodes(self.topology)
             if self._across_nodes and self._rank() == 0:
-                log.info("hetcomm: %d nodes x %d ranks: compression %r runs across nodes only (exact inside a "
+                log.info("hetcomm: %d nodes x %d ranks: compression %r runs across nodes only (float32 inside a "
                          "node, the hierarchical algorithm); algorithm='native' compresses every rank's exchange",
                          self.topology.num_nodes, self.topology.ranks_per_node(), self.compression)
         if self.compression == "auto-precision":

@@ -18,6 +18,8 @@ from .planner import DEFAULT_CHUNK
 from .topology import ALGORITHMS
 
 COMPRESSIONS = ("none", "fp16", "bf16", "auto-precision", "fp8", "int3", "onebit", "topk", "lowrank", "auto")
+#: The 16-bit casts (auto-precision: whichever every rank's device has).
+CASTS = ("fp16", "bf16", "auto-precision")
 Compression = Literal["none", "fp16", "bf16", "auto-precision", "fp8", "int3", "onebit", "topk", "lowrank", "auto"]
 Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 # What attach_optimizer saw (the auto mode's safe set depends on it).

@@ -90,10 +90,11 @@ class Planner:
         s = self.s
         if s.algorithm != "auto":
             if s._across_nodes and (not wire.dense or numel >= s.min_compress_numel):
-                # the default for a compressed mode on several nodes, its dense steps of the buckets it compresses
-                # too (an attached Adam's exact steps, an exact warm-up): gloo's ring puts 1.5x the bucket on each
-                # way of the link between two nodes of two ranks, the hierarchy 1x (the LSTM's fp32 step on the
-                # 2 x 2 testbed at 100 Mbit 118-126 ms against 156-160). A small bucket stays on the group's own.
+                # the default for a compressed mode or a 16-bit cast on several nodes, a compressed mode's dense
+                # steps of the buckets it compresses too (an attached Adam's exact steps, an exact warm-up): gloo's
+                # ring puts 1.5x the bucket on each way of the link between two nodes of two ranks, the hierarchy 1x
+                # (the LSTM's fp32 step on the 2 x 2 testbed at 100 Mbit 118-126 ms against 156-160). A small
+                # bucket stays on the group's own.
                 return "hierarchical", "across nodes", None
             if not planner.carries(s.algorithm, wire):
                 return "native", "fixed", None  # the codecs run flat or across nodes only

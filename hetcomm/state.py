@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import buckets, clip, discards, options, plan
-from .options import COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
+from .options import CASTS, COMPRESSED, COMPRESSIONS, Algorithm, Compression  # noqa: F401 (public names)
 from .attach import OptimizerLink
 from .hooks import BucketSteps
 from .lowrank_rounds import RoundsTrial
@@ -123,14 +123,15 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
             binds (README).
         algorithm: how each bucket's sum is computed. ``None`` (default):
             ``"auto"`` with ``compression="auto"``, else ``"native"``, except
-            that with fp8, int3, onebit, topk or lowrank on several nodes of the
-            same number (> 1) of ranks the compressed buckets go
-            ``"hierarchical"``: exact inside a node, compressed across nodes
-            only (lowrank: its factors P and Q summed inside each node, then
-            across; the nodes from the hostnames or ``HETCOMM_NODE``, nothing
-            probed; ``stats()["plans"]`` says "across nodes"), their exact
-            steps in fp32 over the same hierarchy (buckets under
-            ``min_compress_numel`` on the group's own). ``"native"``
+            that with fp8, int3, onebit, topk, lowrank, fp16, bf16 or
+            auto-precision on several nodes of the same number (> 1) of ranks
+            the buckets go ``"hierarchical"``: exact inside a node, compressed
+            (or cast to 16 bits: the node's float32 sum rounded once) across
+            nodes only (lowrank: its factors P and Q summed inside each node,
+            then across; the nodes from the hostnames or ``HETCOMM_NODE``,
+            nothing probed; ``stats()["plans"]`` says "across nodes"), a
+            compressed mode's exact steps in fp32 over the same hierarchy
+            (buckets under ``min_compress_numel`` on the group's own). ``"native"``
             (the process group's own all-reduce; given, it compresses every
             rank's exchange), ``"ring"`` (ranks grouped
             by node), ``"halving_doubling"``, ``"tree"``, ``"hierarchical"``
@@ -222,9 +223,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self._rounds = RoundsTrial(self.compression in ("lowrank", "auto"), self.start_iter)
         self.lowrank_wire: str = opts["lowrank_wire"]
         self.algorithm: str = opts["algorithm"]
-        #: algorithm left to its default with a compressed mode: the first step decides from the nodes
-        #: (negotiation); _across_nodes: its compressed buckets then run hierarchically
-        self._algorithm_default = algorithm is None and self.compression in COMPRESSED
+        #: algorithm left to its default with a compressed mode or a 16-bit cast: the first step decides from
+        #: the nodes (negotiation); _across_nodes: its buckets then run hierarchically
+        self._algorithm_default = algorithm is None and self.compression in COMPRESSED + CASTS
         self._across_nodes = False
         self.transport: str = opts["transport"]
         self.candidates: Optional[tuple] = opts["candidates"]

@@ -124,6 +124,58 @@ def test_hierarchical_compresses_only_across_nodes():
     assert results[0]["exact_bytes"] == 4 * (half + 2 * (2 * 500) + half)
 
 
+
+def _hier_cast(rank, world, node_of, n):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    t.set_nodes(node_of)
+    out = {}
+    for inter in ("fp16", "bf16"):
+        x = _inputs(rank, n)
+        before = dict(t.counters())
+        t.allreduce(x, "hierarchical", node_of=node_of, inter=inter)
+        after = t.counters()
+        out[inter] = (x, after["bytes_sent"] - before["bytes_sent"],
+                      after["bytes_sent_across_nodes"] - before["bytes_sent_across_nodes"])
+    x = _inputs(rank, n)
+    before = dict(t.counters())
+    t.allreduce(x, "hierarchical", node_of=node_of)
+    out["none"] = (x, t.counters()["bytes_sent_across_nodes"] - before["bytes_sent_across_nodes"])
+    try:
+        t.allreduce(_inputs(rank, n).half(), "hierarchical", node_of=node_of, inter="bf16")
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("node_of", [[0, 0, 1, 1], [0, 0, 1, 1, 2, 2]])
+def test_a_16_bit_cast_crosses_nodes_only(node_of):
+    """inter='fp16' / 'bf16': the sum inside each node in float32, rounded to
+    16 bits once, summed in 16 bits across the nodes and read back: on 2 nodes
+    bit for bit the 16-bit sum of the two nodes' rounded float32 sums (the
+    same bits on every rank), half the exact hierarchy's bytes across nodes;
+    within a 16-bit rounding of the float64 sum on 3 nodes."""
+    n, world = 1001, len(node_of)
+    results = run_ranks(_hier_cast, world, node_of, n)
+    assert "x must be float32 for inter 'bf16'" in results[0]["error"]
+    xs = [_inputs(r, n) for r in range(world)]
+    nodes = sorted(set(node_of))
+    node_sums = [sum(xs[r] for r in range(world) if node_of[r] == nd) for nd in nodes]
+    for inter, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        got = results[0][inter][0]
+        for r in range(1, world):
+            assert torch.equal(results[r][inter][0], got), (inter, r)
+        if len(nodes) == 2:
+            assert torch.equal(got, (node_sums[0].to(dtype) + node_sums[1].to(dtype)).float()), inter
+            # each rank's shard crosses once, in 2 bytes an element, not 4
+            assert [r[inter][2] for r in results] == [r["none"][1] // 2 for r in results]
+            assert all(r[inter][2] > 0 for r in results)
+        want = sum(xs).double()
+        eps = torch.finfo(dtype).eps
+        bound = eps * (sum(s.double().abs() for s in node_sums) + want.abs()) + 1e-6
+        assert ((got.double() - want).abs() <= bound).all(), inter
+        # an exact float32 sum inside the node: no more error than rounding each node's sum once and the total
+        assert not torch.equal(got, want.float())
+
 def _rounds(rank, world, n):
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     out = {}

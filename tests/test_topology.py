@@ -221,14 +221,15 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
     state = hetcomm.HookState(mode, algorithm=algorithm, min_compress_numel=0)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    grads, steps, sent = [], [], 0
+    grads, steps, sent, across = [], [], 0, 0
     for step in range(6):
         models.train_step(ddp, opt, rank, step, 8)
         grads.append(models.flat_grads(model))
-        total = state.stats()["total"]["bytes_sent"]
-        # each step: its buckets' (mode, algorithm, why), and the bytes this rank sent
-        steps.append((sorted({(p.mode, p.algorithm, p.why) for p in state.last_plans.values()}), total - sent))
-        sent = total
+        total = state.stats()["total"]
+        # each step: its buckets' (mode, algorithm, why), the bytes this rank sent, of them to other nodes
+        steps.append((sorted({(p.mode, p.algorithm, p.why) for p in state.last_plans.values()}),
+                      total["bytes_sent"] - sent, total["bytes_sent_across_nodes"] - across))
+        sent, across = total["bytes_sent"], total["bytes_sent_across_nodes"]
     stats = state.stats()
     topo = state.topology
     return {"params": models.flat_params(model), "grads": grads, "codec_s": stats["total"]["codec_s"],
@@ -239,7 +240,8 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
 ALGORITHM_CASES = [("none", "auto"), ("none", "ring"), ("none", "hierarchical"), ("fp16", "halving_doubling"),
                    ("none", "tree"), ("onebit", "hierarchical"), ("topk", "hierarchical"), ("onebit", "auto"),
                    ("lowrank", "hierarchical"), ("lowrank", "auto"), ("fp8", "hierarchical"), ("fp8", None),
-                   ("topk", None), ("lowrank", None), ("fp8", "native"), ("none", "native")]
+                   ("topk", None), ("lowrank", None), ("fp8", "native"), ("bf16", None), ("fp16", "native"),
+                   ("none", "native")]
 
 
 def _unprobed(*args, **kwargs):
@@ -312,6 +314,24 @@ def test_a_compressed_mode_crosses_nodes_hierarchically_by_default(algorithm_run
             flat = r[(mode, "native")]["steps"]
             assert all(flat[step][0] == [(mode, "native", "fixed")] for step in range(1, 6)), flat
             assert all(flat[step][1] != default[step][1] for step in range(1, 6))
+
+
+def test_a_16_bit_cast_crosses_nodes_hierarchically_by_default(algorithm_runs):
+    """bf16 at the default algorithm on 2 nodes x 2 ranks: every step over
+    the hierarchy, float32 inside a node and 16 bits across, so half the exact
+    hierarchy's bytes cross (gloo's ring of 16 bits would put 1.5x the cast
+    bucket on each way of the link); algorithm='native' given casts every
+    rank's gradient on the group's own all-reduce."""
+    for r in algorithm_runs:
+        cast, exact = r[("bf16", None)]["steps"], r[("none", "hierarchical")]["steps"]
+        for step in range(6):
+            assert cast[step][0] == [("bf16", "hierarchical", "across nodes")], cast[step]
+            assert cast[step][2] * 2 == exact[step][2] > 0
+        flat = r[("fp16", "native")]["steps"]
+        assert all(flat[step][0] == [("fp16", "native", "fixed")] for step in range(6)), flat
+    # the first step (the same parameters in both runs) within bf16's rounding (8 bits) of the exact sum
+    cast, exact = algorithm_runs[0][("bf16", None)]["grads"][0], algorithm_runs[0][("none", "native")]["grads"][0]
+    assert 0 < (cast - exact).norm() <= 2 ** -8 * exact.norm()
 
 
 def _exact_steps_across_nodes(rank, world, cache_dir):
@@ -414,6 +434,20 @@ def test_planner_lowrank_goes_hierarchical_on_slow_links_and_flat_on_one_node():
     # sending less is predicted faster
     assert planner.predict(two_nodes, 1 << 24, "native", "lowrank:0.01") < \
         planner.predict(two_nodes, 1 << 24, "native", "lowrank:0.1")
+
+
+def test_the_cost_model_sends_a_16_bit_casts_hierarchy_in_float32_inside_nodes():
+    """A 16-bit cast over the hierarchy: float32 inside the nodes (as the
+    exact hierarchy), half its bytes across; at 100 Mbit between nodes the
+    planner picks it over every flat algorithm."""
+    slow = _topo(["a", "a", "b", "b"], inter=(50e-6, 1 / 12.5e6))
+    nbytes = 4 << 20
+    exact = planner.predict(slow, nbytes, "hierarchical")
+    cast = planner.predict(slow, nbytes, "hierarchical", "bf16")
+    cast_time = 2 * nbytes / (slow.codec_gbps * 1e9 * 4) / 2  # each rank casts its half of the bucket
+    inside = planner._hierarchical(slow, nbytes, 0.0)  # float32 inside the node, nothing across
+    assert cast == pytest.approx(cast_time + inside + (exact - inside) / 2)
+    assert planner.plan(slow, nbytes, "bf16")["algorithm"] == "hierarchical"
 
 
 def test_lowranks_share_of_the_bytes_counts_its_wire():

@@ -343,6 +343,21 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
       case Codec::kNone:
         allreduce_ring(across, shard);
         break;
+      case Codec::kFP16:
+      case Codec::kBF16: {
+        // A 16-bit cast across nodes only: the node's float32 sum rounded once, summed in 16 bits across the
+        // nodes (the same operands in the same order on every peer), read back; the all-gather moves float32.
+        at::Tensor h = at::empty({shard.numel()}, shard.options().dtype(inter.codec == Codec::kFP16 ? at::kHalf
+                                                                                                    : at::kBFloat16));
+        {
+          Timed _(timer);
+          ops::cast_encode_into(shard, 1.0, h);
+        }
+        allreduce_ring(across, h);
+        Timed _(timer);
+        ops::cast_decode(h, 1.0, shard);
+        break;
+      }
       case Codec::kOneBit:
         allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
                          nullptr, f);
@@ -363,8 +378,8 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
                        f);
         break;
       default:
-        TORCH_CHECK_VALUE(false, "hetcomm: the hierarchical all-reduce carries none, onebit, fp8, int3 or topk across "
-                          "nodes, got codec ", static_cast<int>(inter.codec));
+        TORCH_CHECK_VALUE(false, "hetcomm: the hierarchical all-reduce carries none, fp16, bf16, onebit, fp8, int3 or "
+                          "topk across nodes, got codec ", static_cast<int>(inter.codec));
     }
     if (!shard_finite.everywhere) shard.fill_(std::numeric_limits<float>::quiet_NaN());
   }

@@ -89,16 +89,17 @@ class SubgroupTransport : public Transport {
 };
 
 // A wire format: what a bucket's fp32 elements become on the wire (the
-// engine's per-bucket codec; kNone, kOneBit, kFP8, kInt3 and kTopK also name the
-// inter-node stage of the hierarchical all-reduce).
+// engine's per-bucket codec; all but kLowRank also name the inter-node stage
+// of the hierarchical all-reduce).
 enum class Codec : int { kNone = 0, kFP16 = 1, kBF16 = 2, kOneBit = 3, kTopK = 4, kLowRank = 5, kFP8 = 6, kInt3 = 7 };
 
 // Intra-node reduce-scatter (ring), inter-node all-reduce of each rank's
 // shard among the ranks with the same local index, intra-node all-gather.
 // node_of[r] is rank r's node id; every node must hold the same number of
-// ranks. The inter-node stage is an exact ring (kNone) or compressed (kOneBit
-// / kFP8 / kInt3 / kTopK, with the given residuals, sized for this rank's shard);
-// intra-node stays exact.
+// ranks. The inter-node stage is an exact ring (kNone), a 16-bit cast (kFP16 /
+// kBF16: the node's float32 sum rounded once, a ring in 16 bits) or compressed
+// (kOneBit / kFP8 / kInt3 / kTopK, with the given residuals, sized for this
+// rank's shard); intra-node stays float32.
 struct InterOptions {
   Codec codec = Codec::kNone;
   int64_t chunk = 2048;

@@ -184,9 +184,19 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
       const Algo algo = job.algo;
       const auto& order = ring_order_;
       const auto& nodes = node_of_;
-      collectives::allreduce_dense(t, buf, divisor, wire, codec_, [algo, &order, &nodes](Transport& tr, at::Tensor& y) {
-        collectives::allreduce_by(tr, y, algo, order, nodes);
-      });
+      if (algo == Algo::kHierarchical && wire != at::kFloat && buf.scalar_type() == at::kFloat) {
+        // A 16-bit cast across nodes only: each node sums in float32 and rounds that once (divided first, so
+        // no overflow the cast of each rank's share would not have had).
+        collectives::InterOptions inter;
+        inter.codec = job.codec;
+        inter.timer = &codec_;
+        if (divisor != 1.0) buf.div_(divisor);
+        collectives::allreduce_hierarchical(t, buf, nodes, inter);
+      } else {
+        collectives::allreduce_dense(t, buf, divisor, wire, codec_, [algo, &order, &nodes](Transport& tr, at::Tensor& y) {
+          collectives::allreduce_by(tr, y, algo, order, nodes);
+        });
+      }
       // Warm-up and dense buckets: m follows the optimizer's own buffer, with
       // the same operations (m = beta m + g), so it matches it bit for bit. A
       // non-finite result (the same on every rank) is a step the optimizer

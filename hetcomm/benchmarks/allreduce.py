@@ -42,7 +42,9 @@ def reduce_once(t, x: torch.Tensor, algo: str, wire: str, topo: topology.Topolog
     a compressed wire's error feedback lives in ``state`` (:func:`wire_state`);
     ``pieces``: of the onebit / fp8 exchange, flat or across nodes (0: by the size)."""
     order, nodes = topo.ring_order(), topo.node_ids
-    if wire in ("fp16", "bf16"):
+    if wire in ("fp16", "bf16") and algo == "hierarchical":  # float32 inside the nodes, as HookState's buckets
+        t.allreduce(x, algo, node_of=nodes, inter=wire)
+    elif wire in ("fp16", "bf16"):
         h = ops.cast_encode(x, 1.0, "float16" if wire == "fp16" else "bfloat16")
         t.allreduce(h, algo, order=order if algo == "ring" else [], node_of=nodes)
         ops.cast_decode(h, 1.0, x)
