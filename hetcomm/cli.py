@@ -91,8 +91,8 @@ def _topo_worker(rank, world, wires):
     default = "hierarchical" if across_nodes(topo) else "native"
     text = planner.describe(topo, wires) + "\ncompute precision per rank (hetcomm.amp.precision_for; " \
         "HETCOMM_PRECISION overrides): " + ", ".join(f"{r} {p}" for r, p in enumerate(precisions)) + \
-        f"\nfp8 / onebit / topk / lowrank at the default algorithm: {default} " + \
-        ("(compressed across nodes only)" if default == "hierarchical" else
+        f"\nfp8 / int3 / onebit / topk / lowrank / fp16 / bf16 at the default algorithm: {default} " + \
+        ("(compressed or cast across nodes only)" if default == "hierarchical" else
          "(flat: one node, one rank a node, or nodes of unequal size)")
     return text, {"topology": topo.to_json(), "plans": planner.plan_table(topo, wires), "precisions": precisions,
                   "compressed_default": default}

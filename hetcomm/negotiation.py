@@ -250,8 +250,8 @@ class Negotiation:
                              f"{self.topology.nodes}")
         # (lowrank's hierarchy sums its factors inside the node too: it compresses on one node)
         if self.algorithm == "hierarchical" and self.topology.num_nodes == 1 and self.topology.world > 1 and \
-                self.compression in plan.COMPRESSED and self.compression != "lowrank":
-            log.warning("hetcomm: algorithm 'hierarchical' with all %d ranks on one node (%s): its sum is exact "
+                self.compression in plan.COMPRESSED + options.CASTS and self.compression != "lowrank":
+            log.warning("hetcomm: algorithm 'hierarchical' with all %d ranks on one node (%s): its sum is in fp32 "
                         "inside a node and nothing crosses nodes, so compression %r sends every bucket in fp32 "
                         "here; algorithm='native' compresses on one node (a node is a hostname or HETCOMM_NODE)",
                         self.topology.world, self.topology.nodes[0], self.compression)

@@ -374,7 +374,7 @@ def _hierarchy_on_one_node(rank, world, cache_dir):
     out = {}
     with hetcomm_records() as records:
         for mode, algorithm in (("fp8", "hierarchical"), ("none", "hierarchical"), ("fp8", None),
-                                ("lowrank", "hierarchical")):
+                                ("lowrank", "hierarchical"), ("bf16", "hierarchical")):
             model = models.mlp(hidden=96)
             ddp = DDP(model)
             state = hetcomm.HookState(mode, algorithm=algorithm, min_compress_numel=0)
@@ -396,8 +396,12 @@ def test_a_compressed_hierarchy_on_one_node_says_it_compresses_nothing(tmp_path)
     nothing crosses nodes, so fp8 sends fp32's bytes; each rank warns once,
     naming the way to compress there (algorithm 'native'); fp32 is not warned about.
     fp8 with the default algorithm compresses flat there, silently. lowrank's
-    hierarchy sums its factors inside the node: it compresses there, unwarned."""
+    hierarchy sums its factors inside the node: it compresses there, unwarned.
+    A 16-bit cast's hierarchy casts across nodes only: it is warned about too."""
     for r in run_ranks(_hierarchy_on_one_node, 2, str(tmp_path)):
+        warned, sent, fp32, _ = r["bf16"]
+        assert fp32 > 0 and sent == fp32 and len(warned) == 1, (sent, fp32, warned)
+        assert "compression 'bf16' sends every bucket in fp32" in warned[0]
         warned, sent, fp32, _ = r["fp8"]
         assert fp32 > 0 and 0 <= sent - fp32 <= 16  # fp32's bytes (and the overflow check's 4-byte flags)
         assert len(warned) == 1 and "algorithm 'hierarchical' with all 2 ranks on one node" in warned[0]
