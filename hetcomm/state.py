@@ -39,7 +39,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
             ``"none"``: fp32 all-reduce (bit-identical to PyTorch's
             ``allreduce_hook`` when batch sizes are equal).
             ``"fp16"`` / ``"bf16"``: divide by the weight, cast, all-reduce in
-            the 16-bit format, cast back.
+            the 16-bit format, cast back (on several nodes, by default, the
+            float32 sum inside each node cast once and summed in 16 bits
+            across the nodes only: ``algorithm``).
             ``"auto-precision"``: bf16 when every rank's device supports it
             natively (CPU, or CUDA with compute capability >= 8.0), else fp16;
             decided collectively at the first step.
