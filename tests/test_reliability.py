@@ -144,15 +144,15 @@ def _one_nan_element(rank, world, mode, bad_rank, element, skip_bad):
     bad_grads = _twelve_steps(ddp, model, opt, rank, BAD, skip_bad, spoil)
     return {"params": models.flat_params(model), "bad_nonfinite": None if bad_grads is None else
             int((~torch.isfinite(bad_grads)).sum()), "stats": state.stats(),
-            "algorithms": sorted({p.algorithm for p in state.last_plans.values() if p.compressed})}
+            "algorithms": sorted({p.algorithm for p in state.last_plans.values() if p.mode != "none"})}
 
 
 #: (mode, where the NaN is: rank, element of the first weight). Two nodes x two ranks: "@native" runs the two
 #: phases flat (a server residual on each owner), the default and "@hierarchical" the hierarchy (fp8, onebit and
-#: top-k across nodes); element 0 lies in rank 0's segment and shard, the other in the last.
+#: top-k across nodes, and the 16-bit casts); element 0 lies in rank 0's segment and shard, the other in the last.
 ONE_NAN = [("fp8@native", 3, 0), ("onebit@native", 1, 4000), ("topk@native", 2, 0), ("onebit+m@native", 3, 0),
            ("fp8", 3, 0), ("onebit@hierarchical", 0, 4000), ("topk@hierarchical", 3, 0), ("onebit+m", 1, 0),
-           ("int3@native", 2, 4000), ("int3", 0, 0)]
+           ("int3@native", 2, 4000), ("int3", 0, 0), ("bf16", 3, 0), ("fp16", 1, 4000)]
 
 
 def _one_nan_runs(rank, world):
@@ -179,7 +179,8 @@ def test_one_nan_element_on_one_of_four_ranks_leaves_every_state_untouched(one_n
         assert torch.isfinite(b["params"]).all()
         assert torch.equal(b["params"], bad[0]["params"])
         assert torch.equal(b["params"], c["params"])
-        assert b["stats"]["nonfinite_steps"] == 1 and c["stats"]["nonfinite_steps"] == 0
+        if case[0] not in ("bf16", "fp16"):  # (a cast keeps no state to put back, and counts no skipped step)
+            assert b["stats"]["nonfinite_steps"] == 1 and c["stats"]["nonfinite_steps"] == 0
 
 
 def _warnings_of_a_diverged_run(rank, world, steps):
