@@ -139,7 +139,10 @@ def _hier_cast(rank, world, node_of, n):
     x = _inputs(rank, n)
     before = dict(t.counters())
     t.allreduce(x, "hierarchical", node_of=node_of)
-    out["none"] = (x, t.counters()["bytes_sent_across_nodes"] - before["bytes_sent_across_nodes"])
+    after = t.counters()
+    out["none"] = (x, after["bytes_sent_across_nodes"] - before["bytes_sent_across_nodes"],
+                   after["bytes_sent"] - before["bytes_sent"])
+    out["shard"] = _C.hierarchical_shard_numel(n, node_of, rank)
     try:
         t.allreduce(_inputs(rank, n).half(), "hierarchical", node_of=node_of, inter="bf16")
     except ValueError as e:
@@ -150,10 +153,12 @@ def _hier_cast(rank, world, node_of, n):
 @pytest.mark.parametrize("node_of", [[0, 0, 1, 1], [0, 0, 1, 1, 2, 2]])
 def test_a_16_bit_cast_crosses_nodes_only(node_of):
     """inter='fp16' / 'bf16': the sum inside each node in float32, rounded to
-    16 bits once, summed in 16 bits across the nodes and read back: on 2 nodes
-    bit for bit the 16-bit sum of the two nodes' rounded float32 sums (the
-    same bits on every rank), half the exact hierarchy's bytes across nodes;
-    within a 16-bit rounding of the float64 sum on 3 nodes."""
+    16 bits once, summed in 16 bits across the nodes, gathered in 16 bits
+    inside the node and widened: on 2 nodes bit for bit the 16-bit sum of the
+    two nodes' rounded float32 sums (the same bits on every rank), half the
+    exact hierarchy's bytes across nodes; within a 16-bit rounding of the
+    float64 sum on 3 nodes. Inside the node the reduce-scatter sends float32,
+    the all-gather its shard in 2 bytes an element."""
     n, world = 1001, len(node_of)
     results = run_ranks(_hier_cast, world, node_of, n)
     assert "x must be float32 for inter 'bf16'" in results[0]["error"]
@@ -169,6 +174,9 @@ def test_a_16_bit_cast_crosses_nodes_only(node_of):
             # each rank's shard crosses once, in 2 bytes an element, not 4
             assert [r[inter][2] for r in results] == [r["none"][1] // 2 for r in results]
             assert all(r[inter][2] > 0 for r in results)
+        for r in results:  # the exact hierarchy's bytes inside the node, less 2 bytes an element of the gather
+            inside, exact_inside = r[inter][1] - r[inter][2], r["none"][2] - r["none"][1]
+            assert inside == exact_inside - 2 * r["shard"], (inter, inside, exact_inside, r["shard"])
         want = sum(xs).double()
         eps = torch.finfo(dtype).eps
         bound = eps * (sum(s.double().abs() for s in node_sums) + want.abs()) + 1e-6

@@ -323,6 +323,35 @@ std::pair<int64_t, int64_t> state_offsets(int64_t n, int world, int rank, const 
   return {b[l.local_index], b[l.local_index] + onebit_segment_offset(shard, static_cast<int>(l.peers.size()), me)};
 }
 
+namespace {
+
+// Steps 2 and 3 of the hierarchy with a 16-bit cast across nodes: this rank's
+// shard of the node's float32 sum rounded once, summed in 16 bits among its
+// peers (the same operands in the same order on each), and the 16-bit shards
+// gathered inside the node: the sum is a 16-bit value, so gathering it in 16
+// bits and widening once gives float32's bits in half the bytes.
+void cast_across_then_gather(Transport& t, Transport& local, at::Tensor& x, const Hierarchy& l,
+                             const std::vector<int64_t>& b, const InterOptions& inter) {
+  CodecTimer own;
+  CodecTimer& timer = inter.timer ? *inter.timer : own;
+  at::Tensor h = at::empty({x.numel()}, x.options().dtype(inter.codec == Codec::kFP16 ? at::kHalf : at::kBFloat16));
+  at::Tensor mine = span(h, b[l.local_index], b[l.local_index + 1]);
+  if (mine.numel() > 0) {
+    {
+      Timed _(timer);
+      ops::cast_encode_into(span(x, b[l.local_index], b[l.local_index + 1]), 1.0, mine);
+    }
+    SubgroupTransport across(t, l.peers, tags::kAcross);
+    allreduce_ring(across, mine);
+  }
+  if (l.locals.size() > 1) ring_all_gather(local, h, identity(local.size()), b, tags::kGather);
+  Timed _(timer);
+  ops::cast_decode(h, 1.0, x);
+  if (inter.finite != nullptr) inter.finite->everywhere = ops::all_finite(x);
+}
+
+}  // namespace
+
 void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>& node_of, const InterOptions& inter) {
   check_x(x);
   const Hierarchy l = hierarchy_of(node_of, t.rank(), t.size());
@@ -333,6 +362,10 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
   if (l.locals.size() > 1) ring_reduce_scatter(local, x, identity(local.size()), b, tags::kSteps);
   // 2. inter-node all-reduce of that block among the ranks with the same local index
   at::Tensor shard = span(x, b[l.local_index], b[l.local_index + 1]);
+  if (l.peers.size() > 1 && (inter.codec == Codec::kFP16 || inter.codec == Codec::kBF16)) {
+    cast_across_then_gather(t, local, x, l, b, inter);
+    return;
+  }
   if (l.peers.size() > 1 && shard.numel() > 0) {
     SubgroupTransport across(t, l.peers, tags::kAcross);
     CodecTimer own;
@@ -343,21 +376,6 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
       case Codec::kNone:
         allreduce_ring(across, shard);
         break;
-      case Codec::kFP16:
-      case Codec::kBF16: {
-        // A 16-bit cast across nodes only: the node's float32 sum rounded once, summed in 16 bits across the
-        // nodes (the same operands in the same order on every peer), read back; the all-gather moves float32.
-        at::Tensor h = at::empty({shard.numel()}, shard.options().dtype(inter.codec == Codec::kFP16 ? at::kHalf
-                                                                                                    : at::kBFloat16));
-        {
-          Timed _(timer);
-          ops::cast_encode_into(shard, 1.0, h);
-        }
-        allreduce_ring(across, h);
-        Timed _(timer);
-        ops::cast_decode(h, 1.0, shard);
-        break;
-      }
       case Codec::kOneBit:
         allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
                          nullptr, f);
