@@ -142,7 +142,7 @@ def predict(topo: Topology, nbytes: float, algorithm: str, wire: Union[str, Wire
         return _predict_lowrank(topo, nbytes, algorithm, wire.fraction)
     if wire.dense:
         codec = 2 * nbytes / (topo.codec_gbps * 1e9 * 4) if wire.kind != "none" else 0.0  # casts: ~4x the 1-bit codec
-        if algorithm == "hierarchical" and wire.kind != "none":  # float32 inside the nodes, the cast of a shard across
+        if algorithm == "hierarchical" and wire.kind != "none":  # each rank casts its shard of the node's sum
             return codec / (topo.ranks_per_node() or 1) + _hierarchical(topo, nbytes, nbytes / 4 * WIRE_BYTES[wire.kind])
         return codec + _DENSE_COST[algorithm](topo, nbytes / 4 * WIRE_BYTES[wire.kind])
     codec = 3 * nbytes / (topo.codec_gbps * 1e9)
@@ -193,13 +193,16 @@ def _tree(topo: Topology, b: float) -> float:
     return 2 * math.ceil(math.log2(topo.world)) * _stage(topo.worst(), 1, b)
 
 
-def _hierarchical(topo: Topology, b: float, across: Optional[float] = None) -> float:
-    """b bytes summed inside each node, ``across`` (default b) of them across the nodes."""
+def _hierarchical(topo: Topology, b: float, cast: Optional[float] = None) -> float:
+    """b bytes reduce-scattered inside each node, summed across the nodes and
+    gathered back; with ``cast`` (a 16-bit cast's bytes) only the reduce-scatter
+    moves b, the sum across and the all-gather ``cast``."""
     per_node, nodes = topo.ranks_per_node(), topo.num_nodes
     _, intra, inter = _links(topo)
-    local = 2 * _stage(intra, per_node - 1, (per_node - 1) / per_node * b)
-    across = b if across is None else across
-    return local + _stage(inter, _ring_messages(nodes), 2 * (nodes - 1) / nodes * across / per_node * _share(topo))
+    small = b if cast is None else cast
+    local = _stage(intra, per_node - 1, (per_node - 1) / per_node * b) + \
+        _stage(intra, per_node - 1, (per_node - 1) / per_node * small)
+    return local + _stage(inter, _ring_messages(nodes), 2 * (nodes - 1) / nodes * small / per_node * _share(topo))
 
 
 #: The cost of each algorithm's dense all-reduce of b wire bytes ("native":

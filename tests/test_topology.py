@@ -441,16 +441,20 @@ def test_planner_lowrank_goes_hierarchical_on_slow_links_and_flat_on_one_node():
 
 
 def test_the_cost_model_sends_a_16_bit_casts_hierarchy_in_float32_inside_nodes():
-    """A 16-bit cast over the hierarchy: float32 inside the nodes (as the
-    exact hierarchy), half its bytes across; at 100 Mbit between nodes the
-    planner picks it over every flat algorithm."""
-    slow = _topo(["a", "a", "b", "b"], inter=(50e-6, 1 / 12.5e6))
+    """A 16-bit cast over the hierarchy: the exact hierarchy's float32
+    reduce-scatter inside the nodes, half its bytes across and in the
+    all-gather; at 100 Mbit between nodes the planner picks it over every flat
+    algorithm."""
+    intra_beta, inter_beta = 1 / 50e9, 1 / 12.5e6
+    slow = _topo(["a", "a", "b", "b"], intra=(5e-6, intra_beta), inter=(50e-6, inter_beta))
     nbytes = 4 << 20
     exact = planner.predict(slow, nbytes, "hierarchical")
     cast = planner.predict(slow, nbytes, "hierarchical", "bf16")
     cast_time = 2 * nbytes / (slow.codec_gbps * 1e9 * 4) / 2  # each rank casts its half of the bucket
-    inside = planner._hierarchical(slow, nbytes, 0.0)  # float32 inside the node, nothing across
-    assert cast == pytest.approx(cast_time + inside + (exact - inside) / 2)
+    # 2 ranks a node: the all-gather sends half the bucket in 2 bytes, not 4; across, the link carries both
+    # ranks' halves at once, the whole bucket in 2 bytes
+    saved = nbytes / 2 / 2 * intra_beta + nbytes / 2 * inter_beta
+    assert cast == pytest.approx(cast_time + exact - saved)
     assert planner.plan(slow, nbytes, "bf16")["algorithm"] == "hierarchical"
 
 
