@@ -242,9 +242,12 @@ def test_a_nonfinite_compressed_step_is_reduced_like_allreduce_hook(mode):
         assert torch.allclose(theirs[fin], ours[fin], rtol=1e-6, atol=1e-7)
 
 
-def _grad_scaler_run(rank, world, mode, overflow_at):
+def _grad_scaler_run(rank, world, mode, overflow_at, two_nodes=False):
     """fp16 autocast + GradScaler on CPU (what a V100 trains with). GradScaler's
-    first scale (65536) overflows; rank 0 also overflows at overflow_at."""
+    first scale (65536) overflows; rank 0 also overflows at overflow_at.
+    two_nodes: the ranks on two nodes of world / 2."""
+    if two_nodes:
+        os.environ[topology.ENV_NODE] = f"node{rank * 2 // world}"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(models.IN, 256), torch.nn.ReLU(), torch.nn.Linear(256, models.OUT))
     ddp = DDP(model, bucket_cap_mb=0.02)
@@ -275,7 +278,8 @@ def _grad_scaler_run(rank, world, mode, overflow_at):
     with torch.no_grad():
         final = torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).item()
     return {"params": models.flat_params(model), "scales": scales, "final": final, "initial": initial,
-            "nonfinite": state.stats()["nonfinite_steps"] if state else None}
+            "nonfinite": state.stats()["nonfinite_steps"] if state else None,
+            "algorithms": sorted({p.algorithm for p in state.last_plans.values()}) if state else None}
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +303,25 @@ def test_grad_scaler_fp16_keeps_training_through_overflows(mode, allreduce_hook_
     # ... and it kept training: the final loss is close to allreduce_hook's.
     assert ours[0]["final"] <= ref[0]["final"] * 1.05 + 0.01, (ours[0]["final"], ref[0]["final"])
     assert ours[0]["final"] < 0.9 * ours[0]["initial"]
+
+
+def test_grad_scaler_fp16_through_overflows_with_an_fp16_cast_across_two_nodes():
+    """4 ranks on 2 nodes, HookState("fp16") at its default algorithm: the
+    float32 sum inside each node cast once to fp16 across. GradScaler's
+    overflows (its first scale, rank 0's forced one) reach every rank: one
+    skip decision everywhere, the replicas identical, and training goes on as
+    under allreduce_hook."""
+    ref = run_ranks(_grad_scaler_run, 4, "allreduce_hook", 30, True)
+    ours = run_ranks(_grad_scaler_run, 4, "fp16", 30, True)
+    # (the last layer's bucket is under min_compress_numel: on the group's own all-reduce)
+    assert all(r["algorithms"] == ["hierarchical", "native"] for r in ours), [r["algorithms"] for r in ours]
+    for r in ours[1:]:
+        assert torch.equal(r["params"], ours[0]["params"]) and r["scales"] == ours[0]["scales"]
+    assert torch.isfinite(ours[0]["params"]).all()
+    assert ours[0]["scales"][30] == ours[0]["scales"][29] / 2
+    assert ours[0]["scales"][:30] == ref[0]["scales"][:30]  # the same overflows as allreduce_hook's
+    assert ours[0]["final"] <= ref[0]["final"] * 1.05 + 0.01, (ours[0]["final"], ref[0]["final"])
+    assert ours[0]["final"] < 0.95 * ours[0]["initial"]  # (60 steps of 4 ranks at lr 0.02: 2.31 -> 2.12)
 
 
 def _batch_size_forgotten(rank, world):
