@@ -668,7 +668,7 @@ def _dead_peer(rank, world, mode, algorithm, cache_dir):
     ("none", "native"), ("fp16", "native"), ("bf16", "native"), ("onebit", "native"), ("topk", "native"),
     ("lowrank", "native"), ("none", "ring"), ("none", "tree"), ("none", "halving_doubling"),
     ("none", "hierarchical"), ("onebit", "hierarchical"), ("topk", "hierarchical"), ("lowrank", "hierarchical"),
-    ("none", "auto"),
+    ("none", "auto"), ("bf16", "hierarchical"),
 ])
 def test_a_dead_peer_is_an_error_on_the_survivor_in_every_mode_and_algorithm(tmp_path, mode, algorithm):
     r0 = run_ranks(_dead_peer, 2, mode, algorithm, str(tmp_path), check=False, pg_timeout=6, timeout=90)[0]
