@@ -124,7 +124,6 @@ def test_hierarchical_compresses_only_across_nodes():
     assert results[0]["exact_bytes"] == 4 * (half + 2 * (2 * 500) + half)
 
 
-
 def _hier_cast(rank, world, node_of, n):
     t = _C.ProcessGroupTransport(dist.group.WORLD)
     t.set_nodes(node_of)
@@ -177,12 +176,13 @@ def test_a_16_bit_cast_crosses_nodes_only(node_of):
         for r in results:  # the exact hierarchy's bytes inside the node, less 2 bytes an element of the gather
             inside, exact_inside = r[inter][1] - r[inter][2], r["none"][2] - r["none"][1]
             assert inside == exact_inside - 2 * r["shard"], (inter, inside, exact_inside, r["shard"])
+        # no more error than rounding each node's float32 sum once and the total once
         want = sum(xs).double()
         eps = torch.finfo(dtype).eps
         bound = eps * (sum(s.double().abs() for s in node_sums) + want.abs()) + 1e-6
         assert ((got.double() - want).abs() <= bound).all(), inter
-        # an exact float32 sum inside the node: no more error than rounding each node's sum once and the total
-        assert not torch.equal(got, want.float())
+        assert not torch.equal(got, want.float())  # (but rounded: 16 bits crossed)
+
 
 def _rounds(rank, world, n):
     t = _C.ProcessGroupTransport(dist.group.WORLD)

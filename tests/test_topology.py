@@ -318,8 +318,8 @@ def test_a_compressed_mode_crosses_nodes_hierarchically_by_default(algorithm_run
 
 def test_a_16_bit_cast_crosses_nodes_hierarchically_by_default(algorithm_runs):
     """bf16 at the default algorithm on 2 nodes x 2 ranks: every step over
-    the hierarchy, float32 inside a node and 16 bits across, so half the exact
-    hierarchy's bytes cross (gloo's ring of 16 bits would put 1.5x the cast
+    the hierarchy, the node's sum in float32 and 16 bits across, so half the
+    exact hierarchy's bytes cross (gloo's ring of 16 bits would put 1.5x the cast
     bucket on each way of the link); algorithm='native' given casts every
     rank's gradient on the group's own all-reduce."""
     for r in algorithm_runs:
