@@ -1,6 +1,7 @@
 """Topology discovery, probes, the alpha-beta fit and the planner."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -222,26 +223,28 @@ def _ddp_algorithm(rank, world, mode, algorithm, cache_dir):
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     grads, steps, sent, across = [], [], 0, 0
-    for step in range(6):
-        models.train_step(ddp, opt, rank, step, 8)
-        grads.append(models.flat_grads(model))
-        total = state.stats()["total"]
-        # each step: its buckets' (mode, algorithm, why), the bytes this rank sent, of them to other nodes
-        steps.append((sorted({(p.mode, p.algorithm, p.why) for p in state.last_plans.values()}),
-                      total["bytes_sent"] - sent, total["bytes_sent_across_nodes"] - across))
-        sent, across = total["bytes_sent"], total["bytes_sent_across_nodes"]
+    with hetcomm_records(logging.INFO) as records:
+        for step in range(6):
+            models.train_step(ddp, opt, rank, step, 8)
+            grads.append(models.flat_grads(model))
+            total = state.stats()["total"]
+            # each step: its buckets' (mode, algorithm, why), the bytes this rank sent, of them to other nodes
+            steps.append((sorted({(p.mode, p.algorithm, p.why) for p in state.last_plans.values()}),
+                          total["bytes_sent"] - sent, total["bytes_sent_across_nodes"] - across))
+            sent, across = total["bytes_sent"], total["bytes_sent_across_nodes"]
     stats = state.stats()
     topo = state.topology
     return {"params": models.flat_params(model), "grads": grads, "codec_s": stats["total"]["codec_s"],
             "plans": {k: p["algorithm"] for k, p in stats["plans"].items()}, "steps": steps,
-            "topology": None if topo is None else (topo.source, sorted(topo.links), topo.node_ids)}
+            "topology": None if topo is None else (topo.source, sorted(topo.links), topo.node_ids),
+            "hinted": [r.getMessage() for r in records if "sums as allreduce_hook does" in r.getMessage()]}
 
 
 ALGORITHM_CASES = [("none", "auto"), ("none", "ring"), ("none", "hierarchical"), ("fp16", "halving_doubling"),
                    ("none", "tree"), ("onebit", "hierarchical"), ("topk", "hierarchical"), ("onebit", "auto"),
                    ("lowrank", "hierarchical"), ("lowrank", "auto"), ("fp8", "hierarchical"), ("fp8", None),
                    ("topk", None), ("lowrank", None), ("fp8", "native"), ("bf16", None), ("fp16", "native"),
-                   ("none", "native")]
+                   ("none", None), ("none", "native")]
 
 
 def _unprobed(*args, **kwargs):
@@ -332,6 +335,23 @@ def test_a_16_bit_cast_crosses_nodes_hierarchically_by_default(algorithm_runs):
     # the first step (the same parameters in both runs) within bf16's rounding (8 bits) of the exact sum
     cast, exact = algorithm_runs[0][("bf16", None)]["grads"][0], algorithm_runs[0][("none", "native")]["grads"][0]
     assert 0 < (cast - exact).norm() <= 2 ** -8 * exact.norm()
+
+
+def test_fp32_at_its_default_algorithm_sums_as_allreduce_hook_and_names_the_hierarchy_once(algorithm_runs):
+    """HookState("none") at its default algorithm on 2 nodes x 2 ranks: every
+    step on the group's own all-reduce, the bits of algorithm='native' (what
+    allreduce_hook sums); rank 0 is told once, at INFO, that gloo's ring over
+    the 4 ranks puts 1.5x each bucket on each way of a node's link and the
+    hierarchy 1x; nobody is told where the algorithm is given."""
+    for rank, r in enumerate(algorithm_runs):
+        default, native = r[("none", None)], r[("none", "native")]
+        assert all(torch.equal(a, b) for a, b in zip(default["grads"], native["grads"]))
+        assert all(step[0] == [("none", "native", "fixed")] for step in default["steps"]), default["steps"]
+        assert len(default["hinted"]) == (1 if rank == 0 else 0), default["hinted"]
+        assert native["hinted"] == [] and r[("none", "hierarchical")]["hinted"] == []
+    message = algorithm_runs[0][("none", None)]["hinted"][0]
+    assert "over all 4 ranks: at least 1.5x of each bucket" in message and "puts 1x there" in message
+    assert "algorithm='hierarchical'" in message
 
 
 def _exact_steps_across_nodes(rank, world, cache_dir):
