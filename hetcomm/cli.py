@@ -94,6 +94,11 @@ def _topo_worker(rank, world, wires):
         f"\nfp8 / int3 / onebit / topk / lowrank / fp16 / bf16 at the default algorithm: {default} " + \
         ("(compressed or cast across nodes only)" if default == "hierarchical" else
          "(flat: one node, one rank a node, or nodes of unequal size)")
+    if default == "hierarchical":
+        n, w = topo.num_nodes, topo.world
+        text += f"\nnone at the default algorithm: native (allreduce_hook's sum; on gloo a ring over all {w} ranks, " \
+                f"at least {2 * (w - 1) / w:.2g}x of each bucket on each way of a node's link); " \
+                f"algorithm='hierarchical': {2 * (n - 1) / n:.2g}x"
     return text, {"topology": topo.to_json(), "plans": planner.plan_table(topo, wires), "precisions": precisions,
                   "compressed_default": default}
 

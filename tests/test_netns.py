@@ -46,6 +46,9 @@ def test_shaped_inter_node_link_is_measured_and_everything_is_cleaned_up(tmp_pat
     assert big and all(p["algorithm"] in ("hierarchical", "halving_doubling") for p in big)
     # 2 nodes x 2 ranks: a compressed mode at the default algorithm goes across nodes only
     assert data["compressed_default"] == "hierarchical" and "compressed or cast across nodes only" in r.stdout
+    # fp32 ("none") stays allreduce_hook's sum; the hierarchy's bytes on a node's link are named beside gloo's ring's
+    assert "none at the default algorithm: native (allreduce_hook's sum; on gloo a ring over all 4 ranks, at least " \
+        "1.5x of each bucket on each way of a node's link); algorithm='hierarchical': 1x" in r.stdout
     assert _namespaces() == before
 
 
