@@ -243,8 +243,9 @@ class Negotiation:
         if bucket_device.type == "cuda" and _moves_cuda_with_nccl(self._group()):
             return  # NCCL's own all-reduce plans its rings and trees by the topology
         log.info("hetcomm: compression='none' sums as allreduce_hook does, on gloo's all-reduce over all %d ranks: "
-                 "at least %.2gx of each bucket on each way of a node's link to the others; algorithm='hierarchical' sums "
-                 "inside each node first and puts %.2gx there (the same float32 sum, added in another order)",
+                 "at least %.2gx of each bucket on each way of a node's link to the others; "
+                 "algorithm='hierarchical' sums inside each node first and puts %.2gx there (the same float32 sum, "
+                 "added in another order)",
                  world, 2 * (world - 1) / world, 2 * (nodes - 1) / nodes)
 
     def _warn_gradient_sign_under_momentum(self) -> None:
