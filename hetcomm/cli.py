@@ -83,7 +83,7 @@ def _topo_worker(rank, world, wires):
 
     from . import planner, topology
     from .amp import precision_for
-    from .negotiation import across_nodes
+    from .negotiation import across_nodes, link_loads
 
     topo = topology.detect(use_cache=False)
     precisions = [None] * world
@@ -95,10 +95,10 @@ def _topo_worker(rank, world, wires):
         ("(compressed or cast across nodes only)" if default == "hierarchical" else
          "(flat: one node, one rank a node, or nodes of unequal size)")
     if default == "hierarchical":
-        n, w = topo.num_nodes, topo.world
-        text += f"\nnone at the default algorithm: native (allreduce_hook's sum; on gloo a ring over all {w} ranks, " \
-                f"at least {2 * (w - 1) / w:.2g}x of each bucket on each way of a node's link); " \
-                f"algorithm='hierarchical': {2 * (n - 1) / n:.2g}x"
+        ring, hierarchy = link_loads(topo.node_ids)
+        text += "\nnone at the default algorithm: native (allreduce_hook's sum; on gloo a ring over all " \
+                f"{topo.world} ranks, at least {ring:.2g}x of each bucket on each way of a node's link); " \
+                f"algorithm='hierarchical': {hierarchy:.2g}x"
     return text, {"topology": topo.to_json(), "plans": planner.plan_table(topo, wires), "precisions": precisions,
                   "compressed_default": default}
 

@@ -88,8 +88,21 @@ def across_nodes(topo) -> bool:
     compressed buckets hierarchically on ``topo``: several nodes, the same
     number of ranks on each, more than one (with one rank a node the
     hierarchy is the flat exchange; with unequal nodes it does not apply)."""
-    per_node = topo.ranks_per_node()
-    return topo.num_nodes > 1 and per_node is not None and per_node > 1
+    return equal_nodes_of_several(topo.node_ids)
+
+
+def equal_nodes_of_several(node_of: list) -> bool:
+    """:func:`across_nodes`' rule on each rank's node id."""
+    per_node = {node_of.count(n) for n in set(node_of)}
+    return len(per_node) == 1 and len(set(node_of)) > 1 and per_node != {1}
+
+
+def link_loads(node_of: list) -> Tuple[float, float]:
+    """Each bucket's share on each way of a node's link: gloo's ring over all
+    W ranks (ranks numbered by node; at least this), the hierarchy over N
+    nodes: 2 (W - 1) / W and 2 (N - 1) / N."""
+    world, nodes = len(node_of), len(set(node_of))
+    return 2 * (world - 1) / world, 2 * (nodes - 1) / nodes
 
 
 def default_group_timeout() -> Optional[timedelta]:
@@ -234,19 +247,15 @@ class Negotiation:
         1) / N: 1.5x against 1x on 2 nodes x 2 ranks. The ``hetcomm`` logger
         says so once at INFO, on rank 0 (README "A compressed mode
         compresses what crosses nodes")."""
-        if self.compression != "none" or not self._algorithm_left or self._rank() != 0:
-            return
-        nodes, world = len(set(node_of)), len(node_of)
-        per_node = {node_of.count(n) for n in set(node_of)}
-        if nodes < 2 or len(per_node) != 1 or per_node == {1}:
+        if self.compression != "none" or not self._algorithm_left or self._rank() != 0 or \
+                not equal_nodes_of_several(node_of):
             return
         if bucket_device.type == "cuda" and _moves_cuda_with_nccl(self._group()):
             return  # NCCL's own all-reduce plans its rings and trees by the topology
         log.info("hetcomm: compression='none' sums as allreduce_hook does, on gloo's all-reduce over all %d ranks: "
                  "at least %.2gx of each bucket on each way of a node's link to the others; "
                  "algorithm='hierarchical' sums inside each node first and puts %.2gx there (the same float32 sum, "
-                 "added in another order)",
-                 world, 2 * (world - 1) / world, 2 * (nodes - 1) / nodes)
+                 "added in another order)", len(node_of), *link_loads(node_of))
 
     def _warn_gradient_sign_under_momentum(self) -> None:
         """onebit of the *gradient* under an optimizer that keeps a momentum

@@ -227,8 +227,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self.algorithm: str = opts["algorithm"]
         #: algorithm left to its default with a compressed mode or a 16-bit cast: the first step decides from
         #: the nodes (negotiation); _across_nodes: its buckets then run hierarchically
-        self._algorithm_default = algorithm is None and self.compression in COMPRESSED + CASTS
         self._algorithm_left = algorithm is None  # ("none": the first step hints at the hierarchy across nodes)
+        self._algorithm_default = self._algorithm_left and self.compression in COMPRESSED + CASTS
         self._across_nodes = False
         self.transport: str = opts["transport"]
         self.candidates: Optional[tuple] = opts["candidates"]
