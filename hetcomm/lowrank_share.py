@@ -214,6 +214,7 @@ class LowrankShare:
         self._read = 0
         self._open = False
         self._window: list = []  # this window's per-step shares (one per rank read) so far
+        self._copies: list = []  # this step's matrices to read at its end: (copy, ranks, read at several)
         self._gen = torch.Generator().manual_seed(0)
 
     def state_dict(self) -> dict:
@@ -247,33 +248,45 @@ class LowrankShare:
         in this rank's gradient ``buf``, before it is reduced; at each of
         ``ranks`` (a matrix lowrank would send dense at one carries all of it
         there; the rank in use last: the window's :attr:`last` share), or at
-        the layout's own."""
+        the layout's own. Only copied here (the exchange then reduces ``buf``
+        in place); read at :meth:`end_step`, after the step's last bucket was
+        submitted, so the reading runs while the buckets are exchanged, not
+        before their exchange starts: on the LSTM of ``hetcomm bench train``
+        a reading step of auto's guard took 12-15 ms more than its neighbours
+        on the 2 x 2 testbed, read before the submit (bench/README "The
+        guard's reading during the exchange")."""
         self._added = True
         for off, rows, cols, rank in layout.tolist():
             if rank and (self._read == 0 or self._read + rows * cols <= BUDGET):  # one matrix at least
                 self._read += rows * cols
                 g = buf.narrow(0, off, rows * cols).view(rows, cols)
-                if g.device.type != "cpu":
-                    # read on the CPU: the language model's reading (11 matrices of 28-384 x 96) took 110-120 ms a
-                    # step on an H200 (the steps of the guard's windows against the others: cuSOLVER's gesvd and a
-                    # sync per matrix), 7 ms of one CPU thread; the copy is what BUDGET bounds, and the reading the
-                    # same as a CPU bucket's (bench/README "Time to accuracy with CUDA buckets on the 2 x 2
-                    # testbed")
-                    g = g.cpu()
-                if not bool(torch.isfinite(g).all()):  # an overflow step (GradScaler skips it): no reading
-                    self._den = float("nan")
-                    return
+                # read on the CPU: the language model's reading (11 matrices of 28-384 x 96) took 110-120 ms a
+                # step on an H200 (the steps of the guard's windows against the others: cuSOLVER's gesvd and a
+                # sync per matrix), 7 ms of one CPU thread; the copy is what BUDGET bounds, and the reading the
+                # same as a CPU bucket's (bench/README "Time to accuracy with CUDA buckets on the 2 x 2 testbed")
+                g = g.cpu() if g.device.type != "cpu" else g.clone()
                 at = [rank] if ranks is None else [min(r, rows, cols) for r in ranks]
-                nums, den = top_shares(g, at, self._gen)
-                nums = [n if ranks is None or compressed_at(rows, cols, r) else den for n, r in zip(nums, at)]
-                self._nums = [a + b for a, b in zip(self._nums, nums)] if self._nums else nums
-                self._den += den
-                self._open = True
+                self._copies.append((g, at, ranks is not None))
+
+    def _read_copies(self) -> None:
+        """The readings of the matrices :meth:`add` copied this step, in order."""
+        copies, self._copies = self._copies, []
+        for g, at, ladder in copies:
+            if not bool(torch.isfinite(g).all()):  # an overflow step (GradScaler skips it): no reading
+                self._den = float("nan")
+                return
+            rows, cols = g.shape
+            nums, den = top_shares(g, at, self._gen)
+            nums = [n if not ladder or compressed_at(rows, cols, r) else den for n, r in zip(nums, at)]
+            self._nums = [a + b for a, b in zip(self._nums, nums)] if self._nums else nums
+            self._den += den
+            self._open = True
 
     def end_step(self, step: int, rank: int, world_rank: int, warn: bool = True) -> None:
         """After the step's buckets: its share joins the window; a window's
         last step closes it (its mean is :attr:`last`). ``warn``: a fixed
         lowrank warns below THRESHOLD (auto's guard decides instead)."""
+        self._read_copies()
         nums, den, read = self._nums, self._den, self._open
         if self._added:
             self.read_at = step

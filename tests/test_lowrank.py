@@ -598,6 +598,83 @@ def test_lowrank_reads_how_much_of_the_gradient_its_rank_carries_and_warns_once_
     assert r1["warnings"] == []
 
 
+def test_a_reading_is_of_the_gradient_handed_over_and_runs_at_the_steps_end(monkeypatch):
+    """add() only copies the matrices: the exchange reduces the bucket in
+    place after it, and end_step reads what was handed over."""
+    from hetcomm import lowrank_share
+
+    read = []
+    top = lowrank_share.top_shares
+    monkeypatch.setattr(lowrank_share, "top_shares", lambda g, ranks, gen: read.append(g.shape) or top(g, ranks, gen))
+    monkeypatch.setattr(lowrank_share, "FIRST", 1)
+    g = _planted(30, 20, [5.0, 1.0, 0.5], 3).float()
+    buf = g.reshape(-1).clone()
+    share = lowrank_share.LowrankShare()
+    share.add(buf, torch.tensor([[0, 30, 20, 1]]))
+    assert read == []  # nothing read yet
+    buf.fill_(1.0)  # the exchange writes the sum (a rank-1 matrix: its share would be 1)
+    share.end_step(1 + lowrank_share.FIRST_SPAN, 1, 0, warn=False)
+    assert read == [(30, 20)]
+    assert share.last["share"] == pytest.approx(25.0 / 26.25, abs=1e-6)
+
+
+def _read_order_run(rank, world):
+    """lowrank at rank 1 on two DDP buckets, windows of one step (2 and 8):
+    each step's submits and readings, in order."""
+    from hetcomm import lowrank_share
+
+    lowrank_share.FIRST, lowrank_share.FIRST_SPAN, lowrank_share.SPAN, lowrank_share.LATER = 2, 0, 0, 8
+    events = []
+    top = lowrank_share.top_shares
+    lowrank_share.top_shares = lambda g, ranks, gen: events.append(("read",)) or top(g, ranks, gen)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 40))
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = hetcomm.HookState("lowrank", matrix_approximation_rank=1, min_compress_numel=0)
+    ensure = state._ensure_engine
+
+    class Recorded:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+        def submit_bucket(self, **kw):
+            events.append(("submit", kw["last"]))
+            return self._engine.submit_bucket(**kw)
+
+    state._ensure_engine = lambda device=None: Recorded(ensure(device))
+    ddp.register_comm_hook(state, hetcomm.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    steps = []
+    for step in range(10):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(16, 48, generator=g), torch.randn(16, 40, generator=g)
+        events.clear()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        steps.append(list(events))
+    out = {"steps": steps, "share": state.stats().get("lowrank_share")}
+    state.close()
+    return out
+
+
+def test_the_readings_of_a_step_run_after_its_last_bucket_was_submitted():
+    """The reading runs while the buckets are exchanged: after every submit
+    of its step (the buckets are copied when handed over)."""
+    for r in run_ranks(_read_order_run, 2):
+        for step, events in enumerate(r["steps"]):
+            submits = [e for e in events if e[0] == "submit"]
+            # (DDP's first step runs in one bucket, then in its rebuilt layout of bucket_cap_mb)
+            assert len(submits) >= (2 if step else 1) and submits[-1] == ("submit", True), (step, events)
+            reads = [i for i, e in enumerate(events) if e == ("read",)]
+            assert bool(reads) == (step in (2, 8)), (step, events)
+            assert all(i > events.index(("submit", True)) for i in reads), (step, events)
+        assert r["share"]["step"] == 8
+
+
 def test_a_small_matrix_is_read_by_the_range_finder_only_where_what_it_leaves_out_bounds_its_error(monkeypatch):
     """Up to EXACT_UP_TO: a 256 x 256 matrix of rank 20 (a step's gradient of
     a small batch) is read by the range finder at 2 x 8 + OVERSAMPLE columns,
