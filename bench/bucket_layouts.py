@@ -23,25 +23,17 @@ import sys
 import time
 from typing import List, Optional
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-from hetcomm import modes
 from hetcomm.benchmarks import common, tasks, train
 
 
 def one_run(task_name: str, mode_name: str, optim: str, steps: int, cap: Optional[float], rank: int,
-            dev: torch.device):
+            device: str):
     """(step times in s, buckets of the last step) of a fresh model in the layout ``cap`` makes."""
     task = tasks.TASKS[task_name]()
-    torch.manual_seed(0)
-    mode = modes.get(mode_name)
-    ddp = nn.parallel.DistributedDataParallel(task.model().to(dev), device_ids=[dev.index] if dev.type == "cuda"
-                                              else None, **mode.ddp_options(cap))  # PowerSGD: one bucket
-    hook_state, hook, state = mode.comm_hook()
-    ddp.register_comm_hook(hook_state, hook)
-    opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
+    dev = common.rank_device(rank, device)
+    _, ddp, opt, state, _ = train.setup(task, mode_name, optim, steps, rank, device, cap)  # PowerSGD: one bucket
     dist.barrier()
     times = []
     for step in range(steps):
@@ -63,12 +55,11 @@ def main(task_name: str, mode_name: str, optim: str, steps: int, skip: int, reps
     common.require_device(device, "bucket_layouts.py")
     dist.init_process_group(common.backend_for(device, 1))
     rank = dist.get_rank()
-    dev = common.rank_device(rank, device)
     means = {cap: [] for cap in caps}
-    one_run(task_name, mode_name, optim, steps, caps[0], rank, dev)  # not counted
+    one_run(task_name, mode_name, optim, steps, caps[0], rank, device)  # not counted
     for rep in range(reps):
         for cap in caps if rep % 2 == 0 else caps[::-1]:
-            times, buckets = one_run(task_name, mode_name, optim, steps, cap, rank, dev)
+            times, buckets = one_run(task_name, mode_name, optim, steps, cap, rank, device)
             kept = times[skip:]
             means[cap].append(statistics.mean(kept) * 1e3)
             if rank == 0:

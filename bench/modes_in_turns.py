@@ -1,5 +1,5 @@
-"""Each MODE of `hetcomm bench train` (its hook as `bench train` registers
-it) for STEPS steps of TASK, the modes in turns and then in reverse, REPS
+"""Each MODE of `hetcomm bench train` (its hook and DDP's layout as `bench train` makes
+them) for STEPS steps of TASK, the modes in turns and then in reverse, REPS
 times: the mean and median ms a step of steps 40 on, and the plans each
 hetcomm run ended on; with SEGMENTS (``A-B,C-D,...``) also each mode's ms a
 step in each segment of steps, the mean over its runs of each run's mean
@@ -15,9 +15,7 @@ message, repeated for its time; ...; what auto pays over int3, step by step"):
 import statistics
 import sys
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from hetcomm.benchmarks import common, tasks, train
 
@@ -31,10 +29,7 @@ if __name__ == "__main__":
     times_of = {m: [] for m in modes}
     for mode in (modes + modes[::-1]) * reps:
         task = tasks.TASKS[task_name]()
-        torch.manual_seed(0)
-        ddp = nn.parallel.DistributedDataParallel(task.model())
-        opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
-        state, _ = train._register(ddp, mode, opt, steps)
+        _, ddp, opt, state, _ = train.setup(task, mode, optim, steps, rank)
         times = common.timed_steps(ddp, opt, task, rank, steps)
         means[mode].append(1000 * statistics.mean(times[40:]))
         times_of[mode].append(times)

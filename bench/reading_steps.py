@@ -12,9 +12,7 @@ during the exchange"):
 import statistics
 import sys
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from hetcomm import lowrank_share
 from hetcomm.benchmarks import common, tasks, train
@@ -26,10 +24,7 @@ if __name__ == "__main__":
     reading, after = [], []
     for _ in range(reps):
         task = tasks.TASKS[task_name]()
-        torch.manual_seed(0)
-        ddp = nn.parallel.DistributedDataParallel(task.model())
-        opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
-        state, _ = train._register(ddp, "auto", opt, steps)
+        _, ddp, opt, state, _ = train.setup(task, "auto", optim, steps, rank)
         times = common.timed_steps(ddp, opt, task, rank, steps)
         due = [s for s in range(35, steps - 5) if lowrank_share.LowrankShare.due(s)]
         reading += [times[s] for s in due]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetcomm import _C, modes
+from hetcomm import _C
 from hetcomm.benchmarks import tasks, train
 
 COLUMNS = ("fwd", "bwd", "clip", "opt", "step", "codec", "comm", "cpu", "faults", "vcsw", "fwd_alone", "bwd_alone",
@@ -102,19 +102,15 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
          bucket_mb: Optional[float] = None) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
     task = tasks.TASKS[task_name]()
     if mode_name in FLOORS:
         ddp = nn.parallel.DistributedDataParallel(task.model(), **({} if bucket_mb is None else
                                                                    {"bucket_cap_mb": bucket_mb}))
-        hook_state, hook, state = mode_name == "barrier", _floor_hook, None
-    else:
-        mode = modes.get(mode_name)
-        ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options(bucket_mb))  # PowerSGD: one bucket
-        hook_state, hook, state = mode.comm_hook()
-    opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
-    if hook is not None:
-        ddp.register_comm_hook(hook_state, hook)
+        opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim))
+        ddp.register_comm_hook(mode_name == "barrier", _floor_hook)
+        state = None
+    else:  # as bench train runs it (PowerSGD: one bucket)
+        _, ddp, opt, state, _ = train.setup(task, mode_name, optim, steps, rank, bucket_mb=bucket_mb)
     rows = []
     clocks = {}
     for step in range(steps):

@@ -15,9 +15,7 @@ import sys
 import time
 
 import torch.distributed as dist
-from torch import nn
 
-from hetcomm import modes
 from hetcomm.benchmarks import tasks, train
 
 if __name__ == "__main__":
@@ -25,10 +23,8 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     task_name, mode_name, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     optim = sys.argv[4] if len(sys.argv) > 4 else "adamw"
-    task, mode = tasks.TASKS[task_name](), modes.get(mode_name)
-    ddp = nn.parallel.DistributedDataParallel(task.model(), **mode.ddp_options(None))
-    opt = train.make_optimizer(optim, ddp.parameters(), train.task_lr(task, optim), mode.attach)
-    state, _ = train._register(ddp, mode_name, opt, steps)
+    task = tasks.TASKS[task_name]()
+    _, ddp, opt, state, _ = train.setup(task, mode_name, optim, steps, rank)
     by_plan = {}
     for step in range(steps):
         x, y = task.batch_for(step, rank)

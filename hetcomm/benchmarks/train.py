@@ -112,6 +112,24 @@ def _register(ddp, mode: str, opt: torch.optim.Optimizer, steps: int):
     return None, lambda done: m.torch_bytes(ddp.module, dist.get_world_size(), done)
 
 
+def setup(task: Task, mode: str, optim: str, steps: int, rank: int, device: str = "cpu",
+          bucket_mb: Optional[float] = None, lr: Optional[float] = None):
+    """A run of ``task``'s model as ``hetcomm bench train`` makes it, on
+    ``rank``'s device: DDP in the mode's layout (PyTorch's PowerSGD: one
+    bucket; the others ``bucket_mb`` or DDP's default), the optimizer at
+    ``lr`` (default fp32's), the mode's hook registered. Returns (model, ddp,
+    optimizer, hetcomm state or None, bytes per step function); the bench/
+    scripts that time modes against each other start their runs here too."""
+    dev = common.rank_device(rank, device)
+    m = mode_table.get(mode)
+    model = task.model().to(dev)  # initialised on the CPU: the same start on either device
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                              **m.ddp_options(bucket_mb))
+    opt = make_optimizer(optim, ddp.parameters(), task_lr(task, optim) if lr is None else lr, m.attach)
+    state, bytes_per_step = _register(ddp, mode, opt, steps)
+    return model, ddp, opt, state, bytes_per_step
+
+
 def _clip(state, model: nn.Module, clip: Optional[float], handed: bool) -> bool:
     """Clips the step's gradients at norm ``clip`` (None: not at all): by the
     reduced gradient's norm (hetcomm's HookState.clip_grad_norm_), or with
@@ -135,11 +153,7 @@ def _run(rank: int, task: Task, optim: str, mode: str, steps: int, eval_every: i
          clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
          device: str = "cpu", bucket_mb: Optional[float] = None) -> Optional[Dict]:
     dev = common.rank_device(rank, device)
-    model = task.model().to(dev)  # initialised on the CPU: the same start on either device
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                              **mode_table.get(mode).ddp_options(bucket_mb))
-    opt = make_optimizer(optim, ddp.parameters(), lr, mode_table.get(mode).attach)
-    state, bytes_per_step = _register(ddp, mode, opt, steps)
+    model, ddp, opt, state, bytes_per_step = setup(task, mode, optim, steps, rank, device, bucket_mb, lr)
     sched = make_schedule(opt, schedule, steps)
     curve, train_s, clipped, faults = [], 0.0, 0, 0
     for step in range(steps):
