@@ -19,9 +19,9 @@ from .plan import DENSE
 log = logging.getLogger("hetcomm")
 
 #: A step's only bucket of at least this many elements gets the one-bucket hint (BucketSteps._hint_one_bucket):
-#: 512 KB of fp32, the least segment the codecs pipeline in pieces (compressed.cpp's kPieceNumel).
-# A step of one bucket this large (elements) is told of bucket_cap_mb; below it the split lost: digits' MLP (85k)
-# in two buckets stepped 1.28x one bucket's time (bench/README "A model in one bucket: DDP's bucket_cap_mb")
+#: 512 KB of fp32, the least segment the codecs pipeline in pieces (compressed.cpp's kPieceNumel). Below it the
+#: split lost: digits' MLP (85k elements) in two buckets took 1.28x one bucket's step on the 2 x 2 testbed
+#: (bench/README "A model in one bucket: DDP's bucket_cap_mb").
 ONE_BUCKET_HINT = 1 << 17
 
 # The core's enums by name (pybind11 builds a new __members__ dict on every access: once here, not per bucket).
