@@ -34,7 +34,10 @@ def entropy(counts: torch.Tensor) -> float:
     return float(-(p * p.log2()).sum())
 
 
-def main(task_name: str, optim: str, steps: int) -> None:
+def train_int3(task_name: str, optim: str, steps: int, see):
+    """Trains TASK at its fp32 rate with the whole gradient sent as int3 with
+    error feedback, calling ``see(step, words, n)`` with each step's int3
+    words (n values) before they are decoded; returns (task, model)."""
     torch.manual_seed(0)
     task = tasks.TASKS[task_name]()
     model = task.model()
@@ -42,26 +45,39 @@ def main(task_name: str, optim: str, steps: int) -> None:
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     residual = torch.zeros(n)
-    counts = torch.zeros(7, dtype=torch.int64)
-    groups = zero_groups = 0
     for step in range(steps):
         x, y = task.batch_for(step, 0)
         opt.zero_grad()
         task.loss(model(x), y).backward()
         g = torch.cat([p.grad.reshape(-1) for p in params])
         words, scales = ops.int3_encode(g, residual)
-        codes = codes_of(words, n)
-        if step >= FROM_STEP:
-            counts += torch.bincount(codes, minlength=7)
-            full = codes[: n // 32 * 32].view(-1, 32)
-            groups += full.shape[0]
-            zero_groups += int((full == 3).all(1).sum())
+        see(step, words, n)
         message = ops.int3_decode(words, scales, n)
         offset = 0
         for p in params:
             p.grad.copy_(message[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         opt.step()
+    return task, model
+
+
+def main(task_name: str, optim: str, steps: int) -> None:
+    counts = torch.zeros(7, dtype=torch.int64)
+    groups = zero_groups = 0
+    size = 0
+
+    def see(step, words, n):
+        nonlocal groups, zero_groups, counts, size
+        size = n
+        if step >= FROM_STEP:
+            codes = codes_of(words, n)
+            counts += torch.bincount(codes, minlength=7)
+            full = codes[: n // 32 * 32].view(-1, 32)
+            groups += full.shape[0]
+            zero_groups += int((full == 3).all(1).sum())
+
+    task, model = train_int3(task_name, optim, steps, see)
+    n = size
     h = entropy(counts)
     shares = ", ".join(f"{float(v):.3f}" for v in counts.double() / counts.sum())
     print(f"{task_name} {optim}, {n} values, steps {FROM_STEP}-{steps - 1}: code shares {shares}; order-0 entropy "

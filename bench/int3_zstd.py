@@ -15,60 +15,44 @@ import time
 
 import torch
 
-from hetcomm import ops
-from hetcomm.benchmarks import tasks, train
-
 try:
     import lz4.block
     import zstandard
 except ImportError as e:  # pragma: no cover - an optional benchmark
     sys.exit(f"bench/int3_zstd.py needs zstandard and lz4 (pip install zstandard lz4): {e}")
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from int3_entropy import FROM_STEP, codes_of  # noqa: E402
+from int3_entropy import FROM_STEP, codes_of, train_int3  # noqa: E402
 
 
 def main(task_name: str, optim: str, steps: int) -> None:
-    torch.manual_seed(0)
-    task = tasks.TASKS[task_name]()
-    model = task.model()
-    opt = train.make_optimizer(optim, model.parameters(), train.task_lr(task, optim))
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    residual = torch.zeros(n)
     z1, z3 = zstandard.ZstdCompressor(level=1), zstandard.ZstdCompressor(level=3)
     unz = zstandard.ZstdDecompressor()
     ways = {"zstd 1, bit planes": (z1.compress, False), "zstd 3, bit planes": (z3.compress, False),
             "lz4, bit planes": (lz4.block.compress, False), "zstd 1, a byte a code": (z1.compress, True)}
     size = {k: 0 for k in ways}
     spent = {k: 0.0 for k in ways}
-    raw = 0
-    back = 0.0
-    for step in range(steps):
-        x, y = task.batch_for(step, 0)
-        opt.zero_grad()
-        task.loss(model(x), y).backward()
-        g = torch.cat([p.grad.reshape(-1) for p in params])
-        words, scales = ops.int3_encode(g, residual)
-        if step >= FROM_STEP:
-            planes = words.numpy().tobytes()
-            codes = codes_of(words, n).to(torch.uint8).numpy().tobytes()
-            raw += len(planes)
-            for name, (fn, by_code) in ways.items():
-                t0 = time.perf_counter()
-                out = fn(codes if by_code else planes)
-                spent[name] += time.perf_counter() - t0
-                size[name] += len(out)
-            packed = z1.compress(planes)
+    raw, back, values = 0, 0.0, 0
+
+    def see(step, words, n):
+        nonlocal raw, back, values
+        values = n
+        if step < FROM_STEP:
+            return
+        planes = words.numpy().tobytes()
+        codes = codes_of(words, n).to(torch.uint8).numpy().tobytes()
+        raw += len(planes)
+        for name, (fn, by_code) in ways.items():
             t0 = time.perf_counter()
-            assert unz.decompress(packed) == planes
-            back += time.perf_counter() - t0
-        message = ops.int3_decode(words, scales, n)
-        offset = 0
-        for p in params:
-            p.grad.copy_(message[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        opt.step()
+            out = fn(codes if by_code else planes)
+            spent[name] += time.perf_counter() - t0
+            size[name] += len(out)
+        packed = z1.compress(planes)
+        t0 = time.perf_counter()
+        assert unz.decompress(packed) == planes
+        back += time.perf_counter() - t0
+
+    train_int3(task_name, optim, steps, see)
+    n = values
     k = steps - FROM_STEP
     print(f"{task_name} {optim}, {n} values, steps {FROM_STEP}-{steps - 1}: int3's payload {raw / k / 1e3:.1f} KB a "
           f"step (and {2 * ((n + 31) // 32) / 1e3:.1f} KB of bf16 scales at chunk 32)")
