@@ -62,7 +62,8 @@ class Int3Hook:
                 self.sent += 4
                 cap = min(raw_len, (max(int(v) for v in lengths) + 3) // 4 * 4)
             length = len(packed) if len(packed) <= cap else -1
-            body = torch.frombuffer(bytearray(packed), dtype=torch.uint8) if length >= 0 else torch.zeros(0, dtype=torch.uint8)
+            body = (torch.frombuffer(bytearray(packed), dtype=torch.uint8) if length >= 0
+                    else torch.zeros(0, dtype=torch.uint8))
         msg = torch.zeros(HEADER + cap + scales.numel() * 2, dtype=torch.uint8)
         msg[:HEADER].view(torch.int32).copy_(torch.tensor([length, raw_len], dtype=torch.int32))
         msg[HEADER:HEADER + body.numel()].copy_(body[:cap])
@@ -88,9 +89,9 @@ class Int3Hook:
                 p = m[HEADER:HEADER + raw_len]
             s = m[HEADER + cap:].view(torch.bfloat16)
             ops.int3_decode(p.view(torch.int32), s, g.numel(), out=out, accumulate=True)
-        if self.compress:  # the next capacity: the largest length every rank saw, with a margin
+        if self.compress:  # the next capacity: the largest length every rank saw, with a margin, the scales aligned
             fit = [h[0] for h in heads if h[0] >= 0]
-            self.cap[i] = raw_len if not fit else min(raw_len, (int(max(fit) * 1.15) + 64) // 4 * 4)  # the scales aligned
+            self.cap[i] = raw_len if not fit else min(raw_len, (int(max(fit) * 1.15) + 64) // 4 * 4)
         self.steps += bucket.is_last()
         fut = torch.futures.Future()
         fut.set_result(out)
