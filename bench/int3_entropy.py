@@ -64,20 +64,18 @@ def train_int3(task_name: str, optim: str, steps: int, see):
 def main(task_name: str, optim: str, steps: int) -> None:
     counts = torch.zeros(7, dtype=torch.int64)
     groups = zero_groups = 0
-    size = 0
 
     def see(step, words, n):
-        nonlocal groups, zero_groups, counts, size
-        size = n
+        nonlocal groups, zero_groups
         if step >= FROM_STEP:
             codes = codes_of(words, n)
-            counts += torch.bincount(codes, minlength=7)
+            counts.add_(torch.bincount(codes, minlength=7))
             full = codes[: n // 32 * 32].view(-1, 32)
             groups += full.shape[0]
             zero_groups += int((full == 3).all(1).sum())
 
     task, model = train_int3(task_name, optim, steps, see)
-    n = size
+    n = sum(p.numel() for p in model.parameters())
     h = entropy(counts)
     shares = ", ".join(f"{float(v):.3f}" for v in counts.double() / counts.sum())
     print(f"{task_name} {optim}, {n} values, steps {FROM_STEP}-{steps - 1}: code shares {shares}; order-0 entropy "

@@ -31,11 +31,10 @@ def main(task_name: str, optim: str, steps: int) -> None:
             "lz4, bit planes": (lz4.block.compress, False), "zstd 1, a byte a code": (z1.compress, True)}
     size = {k: 0 for k in ways}
     spent = {k: 0.0 for k in ways}
-    raw, back, values = 0, 0.0, 0
+    raw, back = 0, 0.0
 
     def see(step, words, n):
-        nonlocal raw, back, values
-        values = n
+        nonlocal raw, back
         if step < FROM_STEP:
             return
         planes = words.numpy().tobytes()
@@ -51,8 +50,8 @@ def main(task_name: str, optim: str, steps: int) -> None:
         assert unz.decompress(packed) == planes
         back += time.perf_counter() - t0
 
-    train_int3(task_name, optim, steps, see)
-    n = values
+    _, model = train_int3(task_name, optim, steps, see)
+    n = sum(p.numel() for p in model.parameters())
     k = steps - FROM_STEP
     print(f"{task_name} {optim}, {n} values, steps {FROM_STEP}-{steps - 1}: int3's payload {raw / k / 1e3:.1f} KB a "
           f"step (and {2 * ((n + 31) // 32) / 1e3:.1f} KB of bf16 scales at chunk 32)")
