@@ -35,8 +35,11 @@ if __name__ == "__main__":
         times_of[mode].append(times)
         if rank == 0:
             plans = {k: (p["mode"], p["algorithm"]) for k, p in state.stats()["plans"].items()} if state else ""
-            print(f"{mode}: mean {means[mode][-1]:.2f} median {1000 * statistics.median(times[40:]):.2f} ms {plans}",
-                  flush=True)
+            total = state.stats()["total"] if state else {}
+            sent = (f" sent {total['bytes_sent'] / steps / 1e3:.1f} KB a step, across nodes "
+                    f"{total['bytes_sent_across_nodes'] / steps / 1e3:.1f}") if state else ""
+            print(f"{mode}: mean {means[mode][-1]:.2f} median {1000 * statistics.median(times[40:]):.2f} ms{sent} "
+                  f"{plans}", flush=True)
         if state is not None:
             state.close()
     if rank == 0:

@@ -21,6 +21,7 @@
 #include "collectives/algorithms.h"
 #include "collectives/compressed.h"
 #include "collectives/lowrank.h"
+#include "collectives/packing.h"
 #include "engine/engine.h"
 #include "engine/worker.h"
 #include "ops/codecs.h"
@@ -77,6 +78,7 @@ py::dict build_info() {
   d["cuda_archs"] = std::string(HETCOMM_CUDA_ARCHS);
   d["nccl_version"] = std::string(HETCOMM_NCCL_VERSION);
   d["torch_version"] = std::string(TORCH_VERSION);
+  d["zstd"] = collectives::zstd_available();  // libzstd found at run time (packed messages)
   return d;
 }
 
@@ -234,7 +236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c10::optional<at::Tensor> layout, c10::optional<at::Tensor> q_state, Algo algo,
              c10::optional<at::Tensor> momentum, double beta, c10::optional<at::Tensor> carry,
              c10::optional<at::Tensor> update_denominator, bool pipeline, const std::string& lowrank_wire, bool hold,
-             c10::optional<at::Tensor> sum_first) {
+             c10::optional<at::Tensor> sum_first, bool pack) {
             BucketJob job;
             job.index = index;
             job.buffer = buffer;
@@ -256,6 +258,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             job.pipeline = pipeline;
             job.hold = hold;
             job.sum_first = opt(sum_first);
+            job.pack = pack;
             return wrap_future(e.submit_bucket(std::move(job)));
           },
           py::arg("index"), py::arg("buffer"), py::arg("codec"), py::arg("chunk"), py::arg("topk_ratio"),
@@ -263,7 +266,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("layout") = py::none(), py::arg("q_state") = py::none(), py::arg("algorithm") = Algo::kNative,
           py::arg("momentum") = py::none(), py::arg("beta") = 0.0, py::arg("carry") = py::none(),
           py::arg("update_denominator") = py::none(), py::arg("pipeline") = false, py::arg("lowrank_wire") = "fp32",
-          py::arg("hold") = false, py::arg("sum_first") = py::none())
+          py::arg("hold") = false, py::arg("sum_first") = py::none(), py::arg("pack") = false)
       .def("set_topology", &Engine::set_topology, py::arg("ring_order"), py::arg("node_of"))
       .def("set_nodes", &Engine::set_nodes, py::arg("node_of"))
       .def("set_loss_scale", &Engine::set_loss_scale, py::arg("scale"))

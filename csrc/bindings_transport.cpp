@@ -56,18 +56,18 @@ void blocking(Transport& t, const std::function<void()>& fn) {
 // The two-phase exchanges (onebit, fp8) share one Python signature; `run` is the collective.
 using TwoPhase = void (*)(Transport&, at::Tensor&, double, int64_t, const at::Tensor&, const at::Tensor&,
                           collectives::CodecTimer&, int64_t, const collectives::MomentumFold*,
-                          collectives::Finite*);
+                          collectives::Finite*, bool);
 
 auto two_phase_binding(TwoPhase run) {
   return [run](Transport& t, at::Tensor x, double divisor, int64_t chunk, c10::optional<at::Tensor> wres,
                c10::optional<at::Tensor> sres, int64_t pieces, c10::optional<at::Tensor> momentum,
-               double momentum_alpha, double beta, bool finite) {
+               double momentum_alpha, double beta, bool finite, bool pack) {
     collectives::CodecTimer timer;
     at::Tensor flat = flat_float32(x);
     const collectives::MomentumFold fold{opt(momentum), momentum_alpha, beta};
     collectives::Finite f{finite};
     blocking(t, [&] {
-      run(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces, fold.m.defined() ? &fold : nullptr, &f);
+      run(t, flat, divisor, chunk, opt(wres), opt(sres), timer, pieces, fold.m.defined() ? &fold : nullptr, &f, pack);
     });
     return f.everywhere;
   };
@@ -124,22 +124,24 @@ void bind_transports(py::module_& m) {
       .def("allreduce_onebit", two_phase_binding(&collectives::allreduce_onebit), py::arg("x"), py::arg("divisor"),
            py::arg("chunk") = 32, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
-           py::arg("beta") = 0.0, py::arg("finite") = true, nogil,
+           py::arg("beta") = 0.0, py::arg("finite") = true, py::arg("pack") = false, nogil,
            "Two-phase 1-bit all-reduce of x in place (x = sum_i x_i / divisor_i, approximately), pipelined in "
            "`pieces` (0: by the bucket's size). With `momentum` m: x += momentum_alpha * m before, and the "
            "hand-over (ops.momentum_handoff with beta) after, piece by piece. `finite`: this rank's input is "
            "(False: it sends a flag, encodes nothing). Returns whether every rank's was; where not, nothing was "
-           "decoded into x (the others' residuals and an owner's server residual written: the caller's to put back).")
+           "decoded into x (the others' residuals and an owner's server residual written: the caller's to put back). "
+           "`pack` (the same on every rank): each round's messages zstd-compressed where every rank can, the same "
+           "bits in fewer bytes where the codes are peaked.")
       .def("allreduce_fp8", two_phase_binding(&collectives::allreduce_fp8), py::arg("x"), py::arg("divisor"),
            py::arg("chunk") = 256, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
-           py::arg("beta") = 0.0, py::arg("finite") = true, nogil,
+           py::arg("beta") = 0.0, py::arg("finite") = true, py::arg("pack") = false, nogil,
            "Two-phase fp8 (e4m3, power-of-two scale per chunk) all-reduce of x in place, pipelined in `pieces`; "
            "`finite` and the result as for allreduce_onebit.")
       .def("allreduce_int3", two_phase_binding(&collectives::allreduce_int3), py::arg("x"), py::arg("divisor"),
            py::arg("chunk") = 32, py::arg("worker_residual") = py::none(), py::arg("server_residual") = py::none(),
            py::arg("pieces") = 0, py::arg("momentum") = py::none(), py::arg("momentum_alpha") = 0.0,
-           py::arg("beta") = 0.0, py::arg("finite") = true, nogil,
+           py::arg("beta") = 0.0, py::arg("finite") = true, py::arg("pack") = false, nogil,
            "Two-phase 3-bit linear (bf16 scale per chunk) all-reduce of x in place, pipelined in `pieces`; "
            "`finite` and the result as for allreduce_onebit.")
       .def(

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, buckets, clip, ddpfind, lowrank_layout, options
+from . import _C, buckets, clip, ddpfind, lowrank_layout, options, plan
 from .lowrank_share import THRESHOLD, LowrankShare, agreed_lowest
 from .negotiation import default_group_timeout
 from .options import COMPRESSED
@@ -369,7 +369,8 @@ class BucketSteps:
                                    carry=carry, update_denominator=denominator, pipeline=True,
                                    lowrank_wire=self.lowrank_wire,
                                    hold=p.mode == "lowrank" and self._rounds.hold(self.iter),
-                                   sum_first=self._sketch.message(self.iter) if bucket.last else None)
+                                   sum_first=self._sketch.message(self.iter) if bucket.last else None,
+                                   pack=plan.packs(self, p))
         if bucket.last:
             if bucket.index == 0:
                 self._hint_one_bucket(numel, buf.element_size(), p)

@@ -189,6 +189,12 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
         if algorithm not in ("auto",) + ALGORITHMS:
             raise ValueError(f"mode {name!r}: the algorithm after @ must be one of auto, {', '.join(ALGORITHMS)}")
         return replace(m, name=name, options={**m.options, "algorithm": algorithm})
+    packed = next((w for w in ("zstd", "raw") if name.endswith(f"-{w}")), None) if choices is None else None
+    if packed is not None:
+        m = _part(name, name[:-len(packed) - 1])
+        if m.is_torch:
+            raise ValueError(f"mode {name!r}: -{packed} (HookState's pack) is for hetcomm's modes")
+        return replace(m, name=name, options={**m.options, "pack": packed == "zstd"})
     wire = next((w for w in LOWRANK_WIRES if name.endswith(f"-{w}")), None) if choices is None else None
     if wire is not None:
         m = _part(name, name[:-len(wire) - 1])
@@ -240,7 +246,8 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
                  "int3 as onebit-cN, fp8-cN, int3-cN: N elements per scale; topk as topk-kN: N per mille of the entries; a +m mode "
                  "as X+m-pN: a warm-up of N % of the run; "
                  "a hetcomm mode as X-sN: compressed from step N (HookState's start_iter), X@ALGO: its algorithm; "
-                 "a lowrank mode as X-fp32 / X-bf16: its factors in float32 / bf16)"
+                 "a lowrank mode as X-fp32 / X-bf16: its factors in float32 / bf16; "
+                 "a hetcomm mode as X-zstd / X-raw: its messages packed or not, HookState's pack)"
                  ) if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")
     return MODES[name]

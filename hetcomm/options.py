@@ -69,7 +69,7 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
              min_compress_numel: int,
              topk_ratio: float, topk_exact: bool, matrix_approximation_rank: Optional[int], algorithm: Optional[str],
              transport: str, timeout: Optional[timedelta], process_group: Any, rank: Optional[int],
-             candidates: Optional[Sequence[str]], lowrank_wire: str) -> Dict[str, Any]:
+             candidates: Optional[Sequence[str]], lowrank_wire: str, pack: Optional[bool] = None) -> Dict[str, Any]:
     """The options after their rules, or a ValueError naming the argument."""
     if rank is not None:
         warnings.warn("HookState(rank=...) is deprecated: it is lowrank's matrix_approximation_rank (rank reads "
@@ -102,6 +102,8 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
         raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
     if not isinstance(topk_exact, bool):
         raise ValueError(f"topk_exact must be a bool, got {topk_exact!r}")
+    if pack is not None and not isinstance(pack, bool):
+        raise ValueError(f"pack must be None (int3 across a slow link between nodes), True or False, got {pack!r}")
     if algorithm is None:  # compression="auto" chooses the algorithm too
         algorithm = "auto" if compression == "auto" else "native"
     if algorithm != "auto" and algorithm not in ALGORITHMS:
@@ -126,7 +128,7 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
     return dict(compression=compression, start_iter=start_iter, error_feedback=error_feedback, chunk_size=chunk_size,
                 min_compress_numel=min_compress_numel, topk_ratio=float(topk_ratio), topk_exact=topk_exact,
                 matrix_approximation_rank=matrix_approximation_rank, lowrank_wire=lowrank_wire, algorithm=algorithm,
-                transport=transport, candidates=candidates)
+                transport=transport, candidates=candidates, pack=pack)
 
 
 def float_bits(x: float) -> int:
@@ -161,6 +163,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("topk_exact", int(s.topk_exact)),
         ("matrix_approximation_rank", s._rank_given or 0),  # 0: lowrank chooses it (RankLadder)
         ("lowrank_wire", LOWRANK_WIRES.index(s.lowrank_wire)),
+        ("pack", -1 if s.pack is None else int(s.pack)),  # every rank packs a bucket's messages, or none does
         # a compressed mode's default decides by the nodes (negotiation.across_nodes), "native" given does not
         ("algorithm", -1 if s._algorithm_default else (("auto",) + ALGORITHMS).index(s.algorithm)),
         ("transport", ("auto", "pg").index(s.transport)),

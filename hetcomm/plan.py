@@ -66,6 +66,34 @@ def wire_of(mode: str, topk_ratio: float, lowrank_fraction: Optional[float] = No
     return planner.Wire(mode)
 
 
+#: ``pack=None`` packs int3 where each node has one rank and the link between them is slower than this, or
+#: unmeasured. zstd level 1 took int3's 422 KB a step of the wide MLP to 0.64-0.68x in 0.8-0.9 ms on a 2-core
+#: Xeon, 0.3-0.4 ms to undo: a third of the bytes saved pays for the host's time below about 0.9 Gbit/s. On the
+#: testbed at 100 Mbit packed int3 took 0.84x raw int3's step on digits with a rank a node, and 1.12x with two
+#: (the hierarchy's shards across the link: 0.88x the bytes, less than the round of lengths and the codec cost
+#: four ranks on two cores); bench/README "int3's messages packed".
+PACK_BELOW_GBIT = 0.5
+#: the codecs whose messages can be packed (collectives/packing.h), and the one ``pack=None`` packs
+PACKABLE = ("onebit", "fp8", "int3")
+
+
+def packs(s, p: BucketPlan) -> bool:
+    """Whether bucket plan ``p``'s messages travel zstd-packed under HookState
+    ``s``'s ``pack``; decided from what every rank knows alike (the option,
+    the plan, the topology), so the ranks agree."""
+    if p.mode not in PACKABLE or s.pack is False:
+        return False
+    if s.pack:
+        return True
+    topo = s.topology
+    if p.mode != "int3" or topo is None or topo.num_nodes < 2 or topo.ranks_per_node() != 1:
+        return False
+    if not all(str(d.get("model", "")).startswith("cpu") for d in topo.devices):
+        return False  # GPUs' codes are on the device: no packing there (unmeasured)
+    inter = topo.links.get("inter")
+    return inter is None or not inter.beta > 0 or 8e-9 / inter.beta < PACK_BELOW_GBIT
+
+
 def lowrank_fraction(layout, numel: int, wire: str = "fp32") -> float:
     """The fraction of a bucket's fp32 bytes that lowrank's P, Q and dense parts
     carry (``wire``: HookState's ``lowrank_wire``; bf16 sends half the bytes)."""

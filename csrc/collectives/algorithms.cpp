@@ -378,15 +378,15 @@ void allreduce_hierarchical(Transport& t, at::Tensor& x, const std::vector<int>&
         break;
       case Codec::kOneBit:
         allreduce_onebit(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
-                         nullptr, f);
+                         nullptr, f, inter.pack);
         break;
       case Codec::kFP8:
         allreduce_fp8(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
-                      nullptr, f);
+                      nullptr, f, inter.pack);
         break;
       case Codec::kInt3:
         allreduce_int3(across, shard, 1.0, inter.chunk, inter.residual, inter.server_residual, timer, inter.pieces,
-                       nullptr, f);
+                       nullptr, f, inter.pack);
         break;
       case Codec::kTopK:
         allreduce_topk(across, shard, 1.0, inter.topk_ratio, inter.topk_exact, inter.residual, timer,

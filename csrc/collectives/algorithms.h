@@ -106,6 +106,7 @@ struct InterOptions {
   double topk_ratio = 0.01;
   bool topk_exact = true;
   int64_t pieces = 0;  // of the onebit / fp8 / int3 exchange (0: by its size, see allreduce_onebit)
+  bool pack = false;   // the onebit / fp8 / int3 messages zstd-packed (see allreduce_onebit)
   at::Tensor residual, server_residual;
   at::Tensor update_denominator;  // top-k's, the whole bucket's (undefined: none); each rank's shard takes its part
   CodecTimer* timer = nullptr;  // where the inter-node codec's time is added (the reducer's, for stats())

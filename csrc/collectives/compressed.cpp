@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <vector>
 
+#include "collectives/packing.h"
 #include "kernels/int3.h"
 #include "kernels/sign.h"
 #include "ops/codecs.h"
@@ -122,6 +124,27 @@ bool any_flagged(Transport& t, const Block& blk, const at::Tensor& blocks, int w
   return blk.flags(blocks, w).max().item<int32_t>() != 0;
 }
 
+// What a round sends: raw's k blocks of `ints`, or with pack those blocks
+// compressed (the codec's time) where every rank can (round: agreed on, the
+// lengths' all-gather; see collectives/packing.h).
+at::Tensor pack_round(Transport& t, std::optional<PackedRound>& round, const at::Tensor& raw, int k, int64_t ints,
+                      bool pack, CodecTimer& timer) {
+  if (!pack) return raw;
+  {
+    Timed _(timer);
+    round.emplace(raw, k, ints);
+  }
+  round->agree(t);
+  return round->wire();
+}
+
+// The raw blocks of what a round received (block i from rank i, its block `slot`).
+at::Tensor unpack_round(const std::optional<PackedRound>& round, const at::Tensor& got, int slot, CodecTimer& timer) {
+  if (!round) return got;
+  Timed _(timer);
+  return round->unpack(got, slot);
+}
+
 at::Tensor narrow_or_empty(const at::Tensor& t, int64_t begin, int64_t len) {
   return t.defined() ? t.narrow(0, begin, len) : at::Tensor();
 }
@@ -204,7 +227,7 @@ int64_t piece_stride(int64_t seg, int64_t unit, int64_t pieces, bool overlaps) {
 // x, on the wire while piece p + 1 is encoded.
 void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                         CodecTimer& timer, const SegmentCodec& codec, int64_t pieces, const MomentumFold* fold,
-                        Finite& finite) {
+                        Finite& finite, bool pack) {
   const int w = t.size();
   const int64_t n = x.numel();
   if (n == 0) return;  // every rank's bucket has x's size
@@ -215,6 +238,7 @@ void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chu
   const auto ints = x.options().dtype(at::kInt);
   std::vector<at::Tensor> all(np), keep(np);
   std::vector<Pending> gathered(np);
+  std::vector<std::optional<PackedRound>> rounds(np);
   for (int p = 0; p < np; ++p) {
     const int64_t len = piece_len(p);
     const Block blk(codec, len, chunk, p == 0);
@@ -228,14 +252,15 @@ void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chu
       codec.encode(part, narrow_or_empty(worker_residual, p * ps, len), divisor, chunk, blk.payload(mine, len),
                    blk.scales(mine, len, chunk));
     }
-    all[p] = at::empty({w * blk.ints()}, ints);
-    keep[p] = mine;
-    gathered[p] = t.start_all_gather(all[p], mine);
+    keep[p] = pack_round(t, rounds[p], mine, 1, blk.ints(), pack, timer);
+    all[p] = at::empty({w * keep[p].numel()}, ints);
+    gathered[p] = t.start_all_gather(all[p], keep[p]);
   }
   for (int p = 0; p < np; ++p) {
     const int64_t len = piece_len(p);
     const Block blk(codec, len, chunk, p == 0);
     gathered[p].wait();
+    all[p] = unpack_round(rounds[p], all[p], 0, timer);
     if (p == 0) finite.everywhere = !any_flagged(t, blk, all[0], w);
     if (len == 0 || !finite.everywhere) continue;
     Timed _(timer);
@@ -260,7 +285,7 @@ void allreduce_exchange(Transport& t, at::Tensor& x, double divisor, int64_t chu
 // segments' own, so the result is bit for bit the one of a single piece.
 void two_phases(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                 const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec, int64_t pieces,
-                const MomentumFold* fold, Finite& finite) {
+                const MomentumFold* fold, Finite& finite, bool pack) {
   const int w = t.size();
   const int me = t.rank();
   const int64_t n = x.numel();
@@ -280,6 +305,7 @@ void two_phases(Transport& t, at::Tensor& x, double divisor, int64_t chunk, cons
   const auto ints = x.options().dtype(at::kInt);  // on the bucket's device
   std::vector<at::Tensor> recv(np), all(np), keep(2 * np);  // keep: what a started collective reads
   std::vector<Pending> scattered(np), gathered(np);
+  std::vector<std::optional<PackedRound>> scatter_rounds(np), gather_rounds(np);  // where packed
   auto scatter = [&](int p) {  // phase 1 of piece p: each segment's piece to the segment's owner
     const Block blk = block_of(p);
     at::Tensor send = at::zeros({w * blk.ints()}, ints);
@@ -298,13 +324,15 @@ void two_phases(Transport& t, at::Tensor& x, double divisor, int64_t chunk, cons
                      blk.scales(block, len, chunk));
       }
     }
-    recv[p] = at::empty({w * blk.ints()}, ints);
+    send = pack_round(t, scatter_rounds[p], send, w, blk.ints(), pack, timer);
+    recv[p] = at::empty_like(send);
     keep[2 * p] = send;
     scattered[p] = t.start_all_to_all(recv[p], send);
   };
   auto reduce = [&](int p) {  // phase 2: the owner sums its piece, encodes it and all-gathers it
     const Block blk = block_of(p);
     scattered[p].wait();
+    recv[p] = unpack_round(scatter_rounds[p], recv[p], me, timer);
     at::Tensor mine = at::zeros({blk.ints()}, ints);
     const int64_t len = piece_len(me, p);
     if (len > 0) {
@@ -320,13 +348,15 @@ void two_phases(Transport& t, at::Tensor& x, double divisor, int64_t chunk, cons
     // A flagged sender sent zeros: the sum is finite, and wrong; the flag goes on to every rank (on the device:
     // the host learns it once, before decoding).
     if (p == 0) blk.flags(mine, 1).copy_(at::amax(blk.flags(recv[p], w), {0}));
-    all[p] = at::empty({w * blk.ints()}, ints);
+    mine = pack_round(t, gather_rounds[p], mine, 1, blk.ints(), pack, timer);
+    all[p] = at::empty({w * mine.numel()}, ints);
     keep[2 * p + 1] = mine;
     gathered[p] = t.start_all_gather(all[p], mine);
   };
   auto decode = [&](int p) {  // every rank decodes the same messages
     const Block blk = block_of(p);
     gathered[p].wait();
+    all[p] = unpack_round(gather_rounds[p], all[p], 0, timer);
     if (p == 0) finite.everywhere = !any_flagged(t, blk, all[0], w);
     if (!finite.everywhere) return;
     Timed _(timer);
@@ -354,7 +384,7 @@ void two_phases(Transport& t, at::Tensor& x, double divisor, int64_t chunk, cons
 // Checks the arguments, then one exchange on one or two ranks, else the two phases.
 void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                          const at::Tensor& server_residual, CodecTimer& timer, const SegmentCodec& codec,
-                         int64_t pieces, const MomentumFold* fold, Finite* finite_out) {
+                         int64_t pieces, const MomentumFold* fold, Finite* finite_out, bool pack) {
   Finite here_only;
   Finite& finite = finite_out != nullptr ? *finite_out : here_only;
   const int w = t.size();
@@ -371,9 +401,9 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
   // Checked before anything is sent: an error half-way would leave the other ranks waiting.
   if (fold != nullptr) ops::check_momentum(x, fold->m, "momentum", fold->add_alpha, fold->beta);
   if (one_exchange(w)) {
-    allreduce_exchange(t, x, divisor, chunk, worker_residual, timer, codec, pieces, fold, finite);
+    allreduce_exchange(t, x, divisor, chunk, worker_residual, timer, codec, pieces, fold, finite, pack);
   } else {
-    two_phases(t, x, divisor, chunk, worker_residual, server_residual, timer, codec, pieces, fold, finite);
+    two_phases(t, x, divisor, chunk, worker_residual, server_residual, timer, codec, pieces, fold, finite, pack);
   }
   check_none_flagged(finite_out, finite.everywhere);
 }
@@ -382,23 +412,23 @@ void allreduce_two_phase(Transport& t, at::Tensor& x, double divisor, int64_t ch
 
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                       const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold,
-                      Finite* finite) {
+                      Finite* finite, bool pack) {
   allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, sign_codec(), pieces, fold,
-                      finite);
+                      finite, pack);
 }
 
 void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                    const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold,
-                   Finite* finite) {
+                   Finite* finite, bool pack) {
   allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, fp8_codec(), pieces, fold,
-                      finite);
+                      finite, pack);
 }
 
 void allreduce_int3(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                     const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces, const MomentumFold* fold,
-                    Finite* finite) {
+                    Finite* finite, bool pack) {
   allreduce_two_phase(t, x, divisor, chunk, worker_residual, server_residual, timer, int3_codec(), pieces, fold,
-                      finite);
+                      finite, pack);
 }
 
 }  // namespace collectives

@@ -87,17 +87,17 @@ inline void check_none_flagged(const Finite* given, bool everywhere) {
 // residual.
 void allreduce_onebit(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                       const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0,
-                      const MomentumFold* fold = nullptr, Finite* finite = nullptr);
+                      const MomentumFold* fold = nullptr, Finite* finite = nullptr, bool pack = false);
 // The same two phases with fp8 e4m3 codes and a power-of-two scale per chunk
 // (kernels/fp8.h): 8 bits per element, residuals laid out as for onebit.
 void allreduce_fp8(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                    const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0,
-                   const MomentumFold* fold = nullptr, Finite* finite = nullptr);
+                   const MomentumFold* fold = nullptr, Finite* finite = nullptr, bool pack = false);
 // The same two phases with 3-bit linear codes and a bf16 scale per chunk
 // (kernels/int3.h): 3 bits per element, residuals laid out as for onebit.
 void allreduce_int3(Transport& t, at::Tensor& x, double divisor, int64_t chunk, const at::Tensor& worker_residual,
                     const at::Tensor& server_residual, CodecTimer& timer, int64_t pieces = 0,
-                    const MomentumFold* fold = nullptr, Finite* finite = nullptr);
+                    const MomentumFold* fold = nullptr, Finite* finite = nullptr, bool pack = false);
 // Elements of the segment this rank averages in the two phases.
 int64_t onebit_segment_numel(int64_t n, int world, int rank);
 // Its server residual's size: the segment's, or 0 on one or two ranks (one exchange).

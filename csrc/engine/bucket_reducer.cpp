@@ -254,6 +254,7 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         inter.chunk = job.chunk;
         inter.topk_ratio = job.topk_ratio;
         inter.topk_exact = job.topk_exact;
+        inter.pack = job.pack;
         inter.update_denominator = job.update_denominator;
         inter.residual = job.residual;
         inter.server_residual = job.server_residual;
@@ -263,13 +264,13 @@ at::Tensor BucketReducer::reduce(BucketJob& job) {
         collectives::allreduce_hierarchical(t, x, node_of_, inter);
       } else if (job.codec == Codec::kOneBit)
         collectives::allreduce_onebit(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded,
-                                      &finite);
+                                      &finite, job.pack);
       else if (job.codec == Codec::kFP8)
         collectives::allreduce_fp8(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded,
-                                   &finite);
+                                   &finite, job.pack);
       else if (job.codec == Codec::kInt3)
         collectives::allreduce_int3(t, x, divisor, job.chunk, job.residual, job.server_residual, codec_, 0, folded,
-                                    &finite);
+                                    &finite, job.pack);
       // lowrank's error feedback keeps what this rank's share of the sum (its batch weight, not the loss
       // scale) missed
       else if (job.codec == Codec::kLowRank && job.algo == Algo::kHierarchical)

@@ -30,6 +30,8 @@ struct BucketJob {
   int64_t chunk = 2048;
   double topk_ratio = 0.01;
   bool topk_exact = true;
+  // onebit, fp8, int3: their messages zstd-packed (collectives/packing.h), the same on every rank
+  bool pack = false;
   // An attached Adam's per-element sqrt(v) + eps (float32, the bucket's numel; may be undefined):
   // top-k ranks the entries by |x| / it (the update each would make, not the momentum).
   at::Tensor update_denominator;
