@@ -103,6 +103,10 @@ def main() -> None:
                           "attached": args.attach,
                           "distance_to_fp32": float((ours - ref).norm() / (ref - start).norm()),
                           "replicas_identical": all(torch.equal(ours, f) for f in every)}))
+    # free the gloo group now, not while the interpreter exits: a group freed then can abort the process
+    # ("terminate called without an active exception", torch's own; README "torchrun, PyTorch Lightning and
+    # Accelerate"), as examples/lightning_train.py does
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -200,6 +200,9 @@ class Negotiation:
         node_of = topology.node_ids(gathered[:, len(cfg) + 2].tolist())
         engine.set_nodes(node_of)  # stats()' bytes across nodes
         self._hint_exact_hierarchy(node_of, bucket_device)
+        if self.pack and not _C.build_info()["zstd"]:
+            log.warning("hetcomm: pack=True, but this rank found no libzstd (libzstd.so.1): every rank sends its "
+                        "onebit, fp8 and int3 messages raw; install zstd's library (e.g. apt install libzstd1)")
         bf16_everywhere = bool(gathered[:, len(cfg)].all())
         if self._scaler is not None:
             self.precisions = [options.precision_name(int(c)) for c in gathered[:, len(cfg) + 1]]

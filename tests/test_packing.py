@@ -13,7 +13,7 @@ import torch.distributed as dist
 import hetcomm
 from hetcomm import _C, plan
 
-from .dist_harness import run_ranks
+from .dist_harness import hetcomm_records, run_ranks
 
 pytestmark = pytest.mark.skipif(not _C.build_info()["zstd"], reason="no libzstd on this machine: nothing is packed")
 
@@ -88,7 +88,9 @@ def test_packed_onebit_and_fp8_are_their_raw_exchange(name):
             assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
-def _ddp_pack(rank, world, pack, mode):
+def _ddp_pack(rank, world, pack, mode, no_zstd_rank=-1):
+    if rank == no_zstd_rank:
+        os.environ["HETCOMM_ZSTD"] = "0"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -96,13 +98,15 @@ def _ddp_pack(rank, world, pack, mode):
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
-    for _ in range(6):
-        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    with hetcomm_records() as seen:
+        for _ in range(6):
+            x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
     sent = state.stats()["total"]["bytes_sent"]
-    return [p.detach().clone() for p in model.parameters()], sent
+    os.environ.pop("HETCOMM_ZSTD", None)
+    return [p.detach().clone() for p in model.parameters()], sent, [r.getMessage() for r in seen]
 
 
 def test_ddp_with_pack_trains_the_same_replicas_as_without():
@@ -114,6 +118,20 @@ def test_ddp_with_pack_trains_the_same_replicas_as_without():
         assert all(torch.equal(a, b) for a, b in zip(raw[r][0], packed[r][0]))
         assert all(torch.equal(a, b) for a, b in zip(packed[r][0], packed[0][0]))
         assert packed[r][1] < raw[r][1]
+        assert not packed[r][2]
+
+
+def test_ddp_with_pack_on_a_rank_without_zstd_warns_and_sends_raw():
+    """pack=True where rank 1 has no zstd: that rank warns, naming the fix;
+    every rank sends raw (the unpacked run's bytes plus a round of lengths a
+    step) and the replicas are the unpacked run's."""
+    raw = run_ranks(_ddp_pack, 2, False, "int3")
+    mixed = run_ranks(_ddp_pack, 2, True, "int3", 1)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(raw[r][0], mixed[r][0]))
+        assert raw[r][1] < mixed[r][1] <= raw[r][1] + 6 * 4
+    assert not mixed[0][2]
+    assert any("no libzstd" in m and "raw" in m for m in mixed[1][2])
 
 
 def _mismatch(rank, world):
