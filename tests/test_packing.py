@@ -15,7 +15,7 @@ from hetcomm import _C, plan
 
 from .dist_harness import hetcomm_records, run_ranks
 
-pytestmark = pytest.mark.skipif(not _C.build_info()["zstd"], reason="no libzstd on this machine: nothing is packed")
+needs_zstd = pytest.mark.skipif(not _C.build_info()["zstd"], reason="no libzstd on this machine: nothing is packed")
 
 
 def _peaked(n, g):
@@ -44,6 +44,7 @@ def _codec_steps(rank, world, name, n, pieces, pack, no_zstd_rank, steps=3):
     return outs, after["bytes_sent"] - before["bytes_sent"], after["calls"] - before["calls"]
 
 
+@needs_zstd
 @pytest.mark.parametrize("world,n,pieces", [(2, 100_003, 1), (2, 300_000, 3), (4, 100_003, 1), (4, 600_000, 2)])
 def test_packed_int3_is_the_raw_exchange_bit_for_bit_in_fewer_bytes(world, n, pieces):
     """One exchange (2 ranks) and the two phases (4), in one piece and in
@@ -109,6 +110,7 @@ def _ddp_pack(rank, world, pack, mode, no_zstd_rank=-1):
     return [p.detach().clone() for p in model.parameters()], sent, [r.getMessage() for r in seen]
 
 
+@needs_zstd
 def test_ddp_with_pack_trains_the_same_replicas_as_without():
     """HookState(pack=True) in a DDP run with SGD-momentum: the replicas are
     the unpacked run's to the bit, and fewer bytes went."""
@@ -121,6 +123,7 @@ def test_ddp_with_pack_trains_the_same_replicas_as_without():
         assert not packed[r][2]
 
 
+@needs_zstd
 def test_ddp_with_pack_on_a_rank_without_zstd_warns_and_sends_raw():
     """pack=True where rank 1 has no zstd: that rank warns, naming the fix;
     every rank sends raw (the unpacked run's bytes plus a round of lengths a
