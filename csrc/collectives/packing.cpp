@@ -106,7 +106,7 @@ PackedRound::PackedRound(const at::Tensor& raw, int k, int64_t ints) : k_(k), in
 void PackedRound::agree(Transport& t) {
   const int w = t.size();
   at::Tensor mine = at::full({k_}, -1, at::dtype(at::kInt));
-  for (size_t j = 0; j < out_.size(); ++j) mine[j] = static_cast<int32_t>(out_[j].size());
+  for (size_t j = 0; j < out_.size(); ++j) mine.data_ptr<int32_t>()[j] = static_cast<int32_t>(out_[j].size());
   at::Tensor gathered = at::empty({w * k_}, at::dtype(at::kInt).device(t.device()));
   at::Tensor sent = mine.to(t.device());
   t.all_gather(gathered, sent);
