@@ -169,8 +169,9 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         pack: the onebit, fp8 and int3 messages compressed losslessly with zstd
             (the system's libzstd, loaded at run time; where a rank lacks it,
             raw): the same bits in fewer bytes where the codes are peaked (int3's
-            on digits and the wide MLP: 0.61-0.68x), for the codec's time and one
-            small all-gather a round. ``None`` (default): int3 buckets on the
+            bit planes on digits and the wide MLP: 0.61-0.68x; its whole
+            messages on digits with a rank a node, 0.70-0.80x), for the codec's
+            time and one small all-gather a round. ``None`` (default): int3 buckets on the
             host on several nodes of one rank each, unless the measured link
             between them is faster than :data:`hetcomm.plan.PACK_BELOW_GBIT`.
             ``True``: every onebit, fp8 and int3 bucket; ``False``: none.
