@@ -77,21 +77,26 @@ PACK_BELOW_GBIT = 0.5
 PACKABLE = ("onebit", "fp8", "int3")
 
 
-def packs(s, p: BucketPlan) -> bool:
-    """Whether bucket plan ``p``'s messages travel zstd-packed under HookState
-    ``s``'s ``pack``; decided from what every rank knows alike (the option,
-    the plan, the topology), so the ranks agree."""
-    if p.mode not in PACKABLE or s.pack is False:
-        return False
-    if s.pack:
-        return True
-    topo = s.topology
-    if p.mode != "int3" or topo is None or topo.num_nodes < 2 or topo.ranks_per_node() != 1:
+def packs_int3_by_default(topo) -> bool:
+    """``pack=None``'s rule on the topology, read once when it is known (the
+    same on every rank): several nodes of one rank each, every rank on the
+    host, a link between them under :data:`PACK_BELOW_GBIT` or unmeasured."""
+    if topo is None or topo.num_nodes < 2 or topo.ranks_per_node() != 1:
         return False
     if not all(str(d.get("model", "")).startswith("cpu") for d in topo.devices):
         return False  # GPUs' codes are on the device: no packing there (unmeasured)
     inter = topo.links.get("inter")
     return inter is None or not inter.beta > 0 or 8e-9 / inter.beta < PACK_BELOW_GBIT
+
+
+def packs(s, p: BucketPlan) -> bool:
+    """Whether bucket plan ``p``'s messages travel zstd-packed under HookState
+    ``s``'s ``pack``; decided from what every rank knows alike (the option,
+    the plan, and ``s._pack_int3``: :func:`packs_int3_by_default` of its
+    topology), so the ranks agree."""
+    if p.mode not in PACKABLE or s.pack is False:
+        return False
+    return bool(s.pack) or (p.mode == "int3" and s._pack_int3)
 
 
 def lowrank_fraction(layout, numel: int, wire: str = "fp32") -> float:

@@ -235,6 +235,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self._rounds = RoundsTrial(self.compression in ("lowrank", "auto"), self.start_iter)
         self.lowrank_wire: str = opts["lowrank_wire"]
         self.pack: Optional[bool] = opts["pack"]
+        self._pack_int3 = False  # pack=None's rule on the topology (negotiation: plan.packs_int3_by_default)
         self.algorithm: str = opts["algorithm"]
         #: algorithm left to its default with a compressed mode or a 16-bit cast: the first step decides from
         #: the nodes (negotiation); _across_nodes: its buckets then run hierarchically

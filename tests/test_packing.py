@@ -166,17 +166,22 @@ def test_pack_option_and_rule():
         def ranks_per_node(self):
             return self.per_node
 
+    by_default = plan.packs_int3_by_default
+    assert by_default(Topo(2, 0.1)) and by_default(Topo(2, None))
+    assert not by_default(Topo(2, 10.0))  # a fast link: the host's time would not pay
+    assert not by_default(Topo(1, None))  # one node
+    assert not by_default(Topo(2, 0.1, per_node=2))  # the hierarchy's shards: measured to lose
+    assert not by_default(Topo(2, 0.1, "NVIDIA H100"))  # codes on a GPU
+    assert not by_default(None)  # no topology (a fixed mode with algorithm given)
+
     class S:
         def __init__(self, pack, topo):
-            self.pack, self.topology = pack, topo
+            self.pack, self._pack_int3 = pack, by_default(topo)
 
     int3, fp8 = plan.BucketPlan("int3", "native", "fixed"), plan.BucketPlan("fp8", "native", "fixed")
     bf16 = plan.BucketPlan("bf16", "native", "fixed")
-    assert plan.packs(S(None, Topo(2, 0.1)), int3) and plan.packs(S(None, Topo(2, None)), int3)
-    assert not plan.packs(S(None, Topo(2, 10.0)), int3)  # a fast link: the host's time would not pay
-    assert not plan.packs(S(None, Topo(1, None)), int3)  # one node
-    assert not plan.packs(S(None, Topo(2, 0.1, per_node=2)), int3)  # the hierarchy's shards: measured to lose
-    assert not plan.packs(S(None, Topo(2, 0.1, "NVIDIA H100")), int3)  # codes on a GPU
+    assert plan.packs(S(None, Topo(2, 0.1)), int3)
+    assert not plan.packs(S(None, Topo(2, 10.0)), int3)
     assert not plan.packs(S(None, Topo(2, 0.1)), fp8)  # auto packs int3 only
     assert plan.packs(S(True, Topo(1, None)), fp8) and not plan.packs(S(True, None), bf16)
     assert not plan.packs(S(False, Topo(2, 0.1)), int3)

@@ -35,8 +35,6 @@ class PackedRound {
   // Learns every rank's lengths (blocking: the lengths' all-gather) and lays
   // out wire(). Every rank of t calls it for the same round, before wire().
   void agree(Transport& t);
-  // Whether the blocks travel packed.
-  bool packed() const { return packed_; }
   // What this rank sends: raw itself where not packed, else k blocks of the
   // longest compressed length (in int32s), each rank's the same size.
   const at::Tensor& wire() const { return wire_; }
