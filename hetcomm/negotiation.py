@@ -235,7 +235,7 @@ class Negotiation:
                 log.info("hetcomm: %d nodes x %d ranks: compression %r runs across nodes only (float32 inside a "
                          "node, the hierarchical algorithm); algorithm='native' compresses every rank's exchange",
                          self.topology.num_nodes, self.topology.ranks_per_node(), self.compression)
-        self._pack_int3 = plan.packs_int3_by_default(self.topology)  # once: packs() is per bucket and step
+        self._packed_modes = plan.packed_by_default(self.topology)  # once: packs() is per bucket and step
         if self.compression == "auto-precision":
             self.resolved_compression = "bf16" if bf16_everywhere else "fp16"
         self._warn_gradient_sign_under_momentum()

@@ -66,37 +66,42 @@ def wire_of(mode: str, topk_ratio: float, lowrank_fraction: Optional[float] = No
     return planner.Wire(mode)
 
 
-#: ``pack=None`` packs int3 where each node has one rank and the link between them is slower than this, or
-#: unmeasured. zstd level 1 took int3's 422 KB a step of the wide MLP to 0.64-0.68x in 0.8-0.9 ms on a 2-core
-#: Xeon, 0.3-0.4 ms to undo: a third of the bytes saved pays for the host's time below about 0.9 Gbit/s. On the
-#: testbed at 100 Mbit packed int3 took 0.84x raw int3's step on digits with a rank a node, and 1.12x with two
-#: (the hierarchy's shards across the link: 0.88x the bytes, less than the round of lengths and the codec cost
-#: four ranks on two cores); bench/README "int3's messages packed".
+#: ``pack=None`` packs fp8 and int3 across nodes whose link is slower than this, or unmeasured (int3 only where
+#: each node has one rank). zstd level 1 took int3's 422 KB a step of the wide MLP to 0.64-0.68x in 0.8-0.9 ms on
+#: a 2-core Xeon, 0.3-0.4 ms to undo: a third of the bytes saved pays for the host's time below about 0.9 Gbit/s.
+#: On the testbed at 100 Mbit (bench/README "int3's messages packed", "fp8's messages packed"): packed int3 took
+#: 0.84x raw int3's step on digits with a rank a node, and 1.10-1.12x with two (the hierarchy's shards across the
+#: link: 0.88x the bytes, less than the round of lengths and the codec cost four ranks on two cores); packed fp8
+#: took 0.36-0.45x raw fp8's step on digits with a rank a node, 0.73-0.91x with two (0.62x its bytes across),
+#: 0.90x on the wide MLP, and the LSTM's (0.93x the bytes) within its noise.
 PACK_BELOW_GBIT = 0.5
-#: the codecs whose messages can be packed (collectives/packing.h), and the one ``pack=None`` packs
+#: the codecs whose messages can be packed (collectives/packing.h)
 PACKABLE = ("onebit", "fp8", "int3")
 
 
-def packs_int3_by_default(topo) -> bool:
-    """``pack=None``'s rule on the topology, read once when it is known (the
-    same on every rank): several nodes of one rank each, every rank on the
-    host, a link between them under :data:`PACK_BELOW_GBIT` or unmeasured."""
-    if topo is None or topo.num_nodes < 2 or topo.ranks_per_node() != 1:
-        return False
+def packed_by_default(topo) -> Tuple[str, ...]:
+    """The modes ``pack=None`` packs on topology ``topo``, read once when it is
+    known (the same on every rank): on several nodes, every rank on the host,
+    a link between them under :data:`PACK_BELOW_GBIT` or unmeasured, fp8, and
+    int3 too where each node has one rank."""
+    if topo is None or topo.num_nodes < 2:
+        return ()
     if not all(str(d.get("model", "")).startswith("cpu") for d in topo.devices):
-        return False  # GPUs' codes are on the device: no packing there (unmeasured)
+        return ()  # GPUs' codes are on the device: no packing there (unmeasured)
     inter = topo.links.get("inter")
-    return inter is None or not inter.beta > 0 or 8e-9 / inter.beta < PACK_BELOW_GBIT
+    if inter is not None and inter.beta > 0 and 8e-9 / inter.beta >= PACK_BELOW_GBIT:
+        return ()
+    return ("fp8", "int3") if topo.ranks_per_node() == 1 else ("fp8",)
 
 
 def packs(s, p: BucketPlan) -> bool:
     """Whether bucket plan ``p``'s messages travel zstd-packed under HookState
     ``s``'s ``pack``; decided from what every rank knows alike (the option,
-    the plan, and ``s._pack_int3``: :func:`packs_int3_by_default` of its
+    the plan, and ``s._packed_modes``: :func:`packed_by_default` of its
     topology), so the ranks agree."""
     if p.mode not in PACKABLE or s.pack is False:
         return False
-    return bool(s.pack) or (p.mode == "int3" and s._pack_int3)
+    return bool(s.pack) or p.mode in s._packed_modes
 
 
 def lowrank_fraction(layout, numel: int, wire: str = "fp32") -> float:

@@ -170,11 +170,13 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
             (the system's libzstd, loaded at run time; where a rank lacks it,
             raw): the same bits in fewer bytes where the codes are peaked (int3's
             bit planes on digits and the wide MLP: 0.61-0.68x; its whole
-            messages on digits with a rank a node, 0.70-0.80x), for the codec's
-            time and one small all-gather a round. ``None`` (default): int3 buckets on the
-            host on several nodes of one rank each, unless the measured link
-            between them is faster than :data:`hetcomm.plan.PACK_BELOW_GBIT`.
-            ``True``: every onebit, fp8 and int3 bucket; ``False``: none.
+            messages on digits with a rank a node, 0.70-0.80x; fp8's across
+            nodes on digits 0.62x, on the wide MLP 0.84x), for the codec's time
+            and one small all-gather a round. ``None`` (default): on the host
+            across nodes, unless the measured link between them is faster than
+            :data:`hetcomm.plan.PACK_BELOW_GBIT`, fp8 buckets, and int3 buckets
+            too where every node has one rank. ``True``: every onebit, fp8 and
+            int3 bucket; ``False``: none.
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
@@ -235,7 +237,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         self._rounds = RoundsTrial(self.compression in ("lowrank", "auto"), self.start_iter)
         self.lowrank_wire: str = opts["lowrank_wire"]
         self.pack: Optional[bool] = opts["pack"]
-        self._pack_int3 = False  # pack=None's rule on the topology (negotiation: plan.packs_int3_by_default)
+        self._packed_modes: tuple = ()  # pack=None's rule on the topology (negotiation: plan.packed_by_default)
         self.algorithm: str = opts["algorithm"]
         #: algorithm left to its default with a compressed mode or a 16-bit cast: the first step decides from
         #: the nodes (negotiation); _across_nodes: its buckets then run hierarchically

@@ -166,22 +166,25 @@ def test_pack_option_and_rule():
         def ranks_per_node(self):
             return self.per_node
 
-    by_default = plan.packs_int3_by_default
-    assert by_default(Topo(2, 0.1)) and by_default(Topo(2, None))
-    assert not by_default(Topo(2, 10.0))  # a fast link: the host's time would not pay
-    assert not by_default(Topo(1, None))  # one node
-    assert not by_default(Topo(2, 0.1, per_node=2))  # the hierarchy's shards: measured to lose
-    assert not by_default(Topo(2, 0.1, "NVIDIA H100"))  # codes on a GPU
-    assert not by_default(None)  # no topology (a fixed mode with algorithm given)
+    by_default = plan.packed_by_default
+    assert by_default(Topo(2, 0.1)) == ("fp8", "int3") and by_default(Topo(2, None)) == ("fp8", "int3")
+    assert by_default(Topo(2, 10.0)) == ()  # a fast link: the host's time would not pay
+    assert by_default(Topo(1, None)) == ()  # one node
+    assert by_default(Topo(2, 0.1, per_node=2)) == ("fp8",)  # int3's hierarchy shards: measured to lose
+    assert by_default(Topo(2, 0.1, "NVIDIA H100")) == ()  # codes on a GPU
+    assert by_default(None) == ()  # no topology (a fixed mode with algorithm given)
 
     class S:
         def __init__(self, pack, topo):
-            self.pack, self._pack_int3 = pack, by_default(topo)
+            self.pack, self._packed_modes = pack, by_default(topo)
 
     int3, fp8 = plan.BucketPlan("int3", "native", "fixed"), plan.BucketPlan("fp8", "native", "fixed")
     bf16 = plan.BucketPlan("bf16", "native", "fixed")
-    assert plan.packs(S(None, Topo(2, 0.1)), int3)
-    assert not plan.packs(S(None, Topo(2, 10.0)), int3)
-    assert not plan.packs(S(None, Topo(2, 0.1)), fp8)  # auto packs int3 only
+    onebit = plan.BucketPlan("onebit", "native", "fixed")
+    assert plan.packs(S(None, Topo(2, 0.1)), int3) and plan.packs(S(None, Topo(2, 0.1)), fp8)
+    assert not plan.packs(S(None, Topo(2, 10.0)), int3) and not plan.packs(S(None, Topo(2, 10.0)), fp8)
+    two_a_node = S(None, Topo(2, 0.1, per_node=2))
+    assert not plan.packs(two_a_node, int3) and plan.packs(two_a_node, fp8)
+    assert not plan.packs(S(None, Topo(2, 0.1)), onebit)  # signs do not compress: onebit only when asked
     assert plan.packs(S(True, Topo(1, None)), fp8) and not plan.packs(S(True, None), bf16)
     assert not plan.packs(S(False, Topo(2, 0.1)), int3)
