@@ -65,6 +65,8 @@ py::dict totals_dict(const ReduceTotals& t) {
   d["collectives"] = t.collectives;
   d["bytes_sent_across_nodes"] = t.bytes_sent_across;
   d["bytes_recv_across_nodes"] = t.bytes_recv_across;
+  d["packed_rounds"] = t.packed_rounds;
+  d["unpacked_rounds"] = t.unpacked_rounds;
   d["compression_ratio"] = t.bytes_sent > 0 ? static_cast<double>(t.fp32_bytes) / t.bytes_sent : 1.0;
   return d;
 }

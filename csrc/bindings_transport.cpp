@@ -223,6 +223,8 @@ void bind_transports(py::module_& m) {
         d["calls"] = t.counters().calls.load();
         d["bytes_sent_across_nodes"] = t.counters().bytes_sent_across.load();
         d["bytes_recv_across_nodes"] = t.counters().bytes_recv_across.load();
+        d["packed_rounds"] = t.counters().packed_rounds.load();
+        d["unpacked_rounds"] = t.counters().unpacked_rounds.load();
         return d;
       })
       .def("set_nodes", &T::set_nodes, py::arg("node_of"),

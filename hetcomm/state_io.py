@@ -155,7 +155,10 @@ class StateIO:
         those bytes, what went to / came from ranks on other nodes, the slow
         links: a node is a hostname or ``HETCOMM_NODE``; a message of
         hetcomm's own algorithms by its peer, a backend's collective, as the
-        native all-reduce, by its share of peers off the node); plus ``iter``
+        native all-reduce, by its share of peers off the node),
+        ``packed_rounds`` / ``unpacked_rounds`` (rounds offered for packing,
+        ``pack``, that went zstd-packed / raw: raw where a rank lacks libzstd
+        or the packed blocks were no shorter); plus ``iter``
         and the ``compression`` in use; ``attached`` (the kind of optimizer
         whose momentum is compressed: ``"sgd"``, ``"adam"``, ``"hetcomm-adamw"``)
         once :meth:`attach_optimizer` was called; ``join_steps`` once this rank has

@@ -41,7 +41,8 @@ def _codec_steps(rank, world, name, n, pieces, pack, no_zstd_rank, steps=3):
         outs.append((y, wres.clone(), sres.clone()))
     after = t.counters()
     os.environ.pop("HETCOMM_ZSTD", None)
-    return outs, after["bytes_sent"] - before["bytes_sent"], after["calls"] - before["calls"]
+    return (outs, after["bytes_sent"] - before["bytes_sent"], after["calls"] - before["calls"],
+            [after[k] - before[k] for k in ("packed_rounds", "unpacked_rounds")])
 
 
 @needs_zstd
@@ -60,6 +61,7 @@ def test_packed_int3_is_the_raw_exchange_bit_for_bit_in_fewer_bytes(world, n, pi
         # each round adds one all-gather of the lengths: one round a piece on 2 ranks, two on 4 (scatter, gather)
         rounds = (1 if world == 2 else 2) * pieces
         assert packed[r][2] == raw[r][2] + 3 * rounds
+        assert packed[r][3] == [3 * rounds, 0] and raw[r][3] == [0, 0]  # the counters: every round packed
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -76,6 +78,7 @@ def test_a_rank_without_zstd_makes_every_rank_send_raw(world):
         # the lengths: k int32s to each other rank a round (k: 1, or the world's blocks in the scatter round)
         lengths = 3 * (world - 1) * 4 * (1 if world == 2 else 1 + world)
         assert mixed[r][1] == raw[r][1] + lengths and mixed[r][2] == raw[r][2] + 3 * rounds
+        assert mixed[r][3] == [0, 3 * rounds]  # offered for packing, every round went raw
 
 
 @pytest.mark.parametrize("name", ["onebit", "fp8"])
@@ -87,6 +90,7 @@ def test_packed_onebit_and_fp8_are_their_raw_exchange(name):
     for r in range(4):
         for a, b in zip(raw[r][0], packed[r][0]):
             assert all(torch.equal(u, v) for u, v in zip(a, b))
+        assert sum(packed[r][3]) == 3 * 2 and packed[r][3] == packed[0][3]  # two rounds a step, decided alike
 
 
 def _ddp_pack(rank, world, pack, mode, no_zstd_rank=-1):
@@ -105,9 +109,10 @@ def _ddp_pack(rank, world, pack, mode, no_zstd_rank=-1):
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
             opt.zero_grad()
-    sent = state.stats()["total"]["bytes_sent"]
+    total = state.stats()["total"]
     os.environ.pop("HETCOMM_ZSTD", None)
-    return [p.detach().clone() for p in model.parameters()], sent, [r.getMessage() for r in seen]
+    return ([p.detach().clone() for p in model.parameters()], total["bytes_sent"], [r.getMessage() for r in seen],
+            (total["packed_rounds"], total["unpacked_rounds"]))
 
 
 @needs_zstd
@@ -121,6 +126,7 @@ def test_ddp_with_pack_trains_the_same_replicas_as_without():
         assert all(torch.equal(a, b) for a, b in zip(packed[r][0], packed[0][0]))
         assert packed[r][1] < raw[r][1]
         assert not packed[r][2]
+        assert packed[r][3][0] >= 5 and raw[r][3] == (0, 0)  # stats() counts the packed rounds
 
 
 @needs_zstd
@@ -133,6 +139,7 @@ def test_ddp_with_pack_on_a_rank_without_zstd_warns_and_sends_raw():
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(raw[r][0], mixed[r][0]))
         assert raw[r][1] < mixed[r][1] <= raw[r][1] + 6 * 4
+        assert mixed[r][3][0] == 0 and mixed[r][3][1] >= 5
     assert not mixed[0][2]
     assert any("no libzstd" in m and "raw" in m for m in mixed[1][2])
 

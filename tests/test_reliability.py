@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
+from hetcomm import _C
 from hetcomm import modes as mode_table
 from hetcomm import topology
 
@@ -287,7 +288,11 @@ def allreduce_hook_scaler_run():
     return run_ranks(_grad_scaler_run, 2, "allreduce_hook", 30)
 
 
-@pytest.mark.parametrize("mode", ["none", "onebit", "topk", "lowrank", "lowrank-fp32"])
+_packed = pytest.mark.skipif(not _C.build_info()["zstd"], reason="no libzstd on this machine: nothing is packed")
+
+
+@pytest.mark.parametrize("mode", ["none", "onebit", "topk", "lowrank", "lowrank-fp32",
+                                  pytest.param("int3-zstd", marks=_packed), pytest.param("fp8-zstd", marks=_packed)])
 def test_grad_scaler_fp16_keeps_training_through_overflows(mode, allreduce_hook_scaler_run):
     ref = allreduce_hook_scaler_run
     ours = run_ranks(_grad_scaler_run, 2, mode, 30)

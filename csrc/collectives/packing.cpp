@@ -117,6 +117,7 @@ void PackedRound::agree(Transport& t) {
   const int64_t longest = *std::max_element(lengths_.begin(), lengths_.end());
   cap_ = (longest + 3) / 4;
   packed_ = every && cap_ < ints_;
+  (packed_ ? t.counters().packed_rounds : t.counters().unpacked_rounds) += 1;
   if (!packed_) return;
   wire_ = at::zeros({k_ * cap_}, at::dtype(at::kInt));
   auto* dst = reinterpret_cast<uint8_t*>(wire_.data_ptr<int32_t>());

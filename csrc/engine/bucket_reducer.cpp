@@ -52,7 +52,8 @@ at::Tensor BucketReducer::gather_config(const at::Tensor& config) {
 
 BucketReducer::WireMark BucketReducer::wire_mark() const {
   const WireCounters& wc = transport_->counters();
-  return {wc.bytes_sent, wc.bytes_recv, wc.comm_ns, wc.calls, wc.bytes_sent_across, wc.bytes_recv_across};
+  return {wc.bytes_sent, wc.bytes_recv, wc.comm_ns, wc.calls, wc.bytes_sent_across, wc.bytes_recv_across,
+          wc.packed_rounds, wc.unpacked_rounds};
 }
 
 void BucketReducer::add_wire_since(const WireMark& m) {
@@ -63,6 +64,8 @@ void BucketReducer::add_wire_since(const WireMark& m) {
   calls_ += now.calls - m.calls;
   sent_across_ += now.sent_across - m.sent_across;
   recv_across_ += now.recv_across - m.recv_across;
+  packed_rounds_ += now.packed - m.packed;
+  unpacked_rounds_ += now.unpacked - m.unpacked;
 }
 
 at::Tensor BucketReducer::sum(const at::Tensor& x) {
@@ -317,7 +320,9 @@ void BucketReducer::end_bucket(const BucketJob& job, std::chrono::steady_clock::
                   now.numel - step_start_.numel,           now.buckets - step_start_.buckets,
                   now.fp32_bytes - step_start_.fp32_bytes, now.collectives - step_start_.collectives,
                   now.bytes_sent_across - step_start_.bytes_sent_across,
-                  now.bytes_recv_across - step_start_.bytes_recv_across};
+                  now.bytes_recv_across - step_start_.bytes_recv_across,
+                  now.packed_rounds - step_start_.packed_rounds,
+                  now.unpacked_rounds - step_start_.unpacked_rounds};
     step_start_ = now;
     last_step_buckets_ = std::move(step_buckets_);
     step_buckets_.clear();
@@ -336,7 +341,8 @@ void BucketReducer::reduce_nonfinite(BucketJob& job, double divisor) {
 }
 
 ReduceTotals BucketReducer::totals() const {
-  return {sent_, recv_, comm_ns_, codec_.ns, numel_, buckets_, fp32_bytes_, calls_, sent_across_, recv_across_};
+  return {sent_, recv_, comm_ns_, codec_.ns, numel_, buckets_,
+          fp32_bytes_, calls_, sent_across_, recv_across_, packed_rounds_, unpacked_rounds_};
 }
 
 std::vector<std::pair<int64_t, double>> BucketReducer::last_step_buckets() const {

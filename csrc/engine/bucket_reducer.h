@@ -91,6 +91,7 @@ struct ReduceTotals {
   int64_t bytes_sent = 0, bytes_recv = 0, comm_ns = 0, codec_ns = 0, numel = 0, buckets = 0, fp32_bytes = 0;
   int64_t collectives = 0;  // the transport's calls (an all-reduce, a point-to-point step: one each)
   int64_t bytes_sent_across = 0, bytes_recv_across = 0;  // to / from ranks on other nodes (Transport::set_nodes)
+  int64_t packed_rounds = 0, unpacked_rounds = 0;  // rounds offered for packing that went packed / raw
 };
 
 class BucketReducer {
@@ -151,7 +152,7 @@ class BucketReducer {
  private:
   // The transport's counters now, and adding what they grew by since to this reducer's totals.
   struct WireMark {
-    int64_t sent, recv, comm_ns, calls, sent_across, recv_across;
+    int64_t sent, recv, comm_ns, calls, sent_across, recv_across, packed, unpacked;
   };
   WireMark wire_mark() const;
   void add_wire_since(const WireMark& m);
@@ -176,7 +177,7 @@ class BucketReducer {
   at::Tensor started_sum_;  // a job's sum_first on the transport's device, in flight until finish_sum
   Pending started_pending_;
   std::atomic<int64_t> sent_{0}, recv_{0}, comm_ns_{0}, numel_{0}, buckets_{0}, fp32_bytes_{0}, calls_{0};
-  std::atomic<int64_t> sent_across_{0}, recv_across_{0};
+  std::atomic<int64_t> sent_across_{0}, recv_across_{0}, packed_rounds_{0}, unpacked_rounds_{0};
   std::atomic<int64_t> nonfinite_steps_{0}, nonfinite_buckets_{0}, carry_holds_{0};
   bool step_nonfinite_ = false;
   ReduceTotals step_start_, last_step_;

@@ -25,6 +25,9 @@ struct WireCounters {
   std::atomic<int64_t> bytes_recv_across{0};
   std::atomic<int64_t> comm_ns{0};
   std::atomic<int64_t> calls{0};
+  // Rounds offered for packing (collectives/packing.h) that went packed / raw.
+  std::atomic<int64_t> packed_rounds{0};
+  std::atomic<int64_t> unpacked_rounds{0};
 };
 
 // A collective started by Transport::start_*: wait() returns when its data is
