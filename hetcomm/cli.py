@@ -7,8 +7,8 @@ import json
 import sys
 from typing import List, Optional
 
-from .cliargs import (checked, choices_list, comma_list, mode_list, network, nonneg_int, param_count, positive_float,
-                      positive_int, quotas, rate, size_bytes, writable_path)
+from .cliargs import (burst, checked, choices_list, comma_list, mode_list, network, nonneg_int, param_count,
+                      positive_float, positive_int, quotas, rate, size_bytes, writable_path)
 
 
 def _demo(args) -> None:
@@ -108,7 +108,7 @@ def _testbed(args) -> None:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     sys.exit(testbed.main(args.nodes, args.ranks_per_node, args.inter_node_rate, args.rank_cpu, command, args.timeout,
-                          args.sched))
+                          args.sched, args.inter_node_burst))
 
 
 def _info(args) -> None:
@@ -304,6 +304,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     tb.add_argument("--nodes", type=positive_int, default=2)
     tb.add_argument("--ranks-per-node", type=positive_int, default=2)
     tb.add_argument("--inter-node-rate", type=rate, default=None, help="tc tbf rate of each node's link, e.g. 100mbit")
+    tb.add_argument("--inter-node-burst", type=burst, default=None,
+                    help="tc tbf burst of each node's link, e.g. 400kbit (50 KB): what a message may send at once after "
+                         "the link was idle (default: 1 ms of the rate, at least 64kbit; before 2026-12-06 4 ms)")
     tb.add_argument("--rank-cpu", type=quotas, default=None, help="per-rank CPU quotas in cores, e.g. 0.25,0.75,0.5,0.5")
     tb.add_argument("--timeout", type=positive_float, default=1800,
                     help="seconds before the ranks are stopped (long benchmarks need more)")
@@ -345,6 +348,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     f"got {len(args.rank_cpu)}")
         if not [c for c in args.command if c != "--"]:
             p.error("testbed needs a command after --")
+        if args.inter_node_burst is not None and args.inter_node_rate is None:
+            p.error("--inter-node-burst needs --inter-node-rate (an unshaped link has no token bucket)")
     args.fn(args)
 
 

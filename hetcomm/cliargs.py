@@ -130,6 +130,16 @@ def writable_path(text: str) -> str:
     return text
 
 
+def burst(text: str) -> str:
+    """A tc tbf burst in bits that holds one 1514-byte frame: 400kbit, 1mbit, 12112bit."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit)", text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"burst must look like 400kbit or 1mbit (bits), got {text!r}")
+    if float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6}[m.group(2)] < 8 * 1514:
+        raise argparse.ArgumentTypeError(f"burst must hold one 1514-byte frame (12112bit or more), got {text!r}")
+    return text.strip().lower()
+
+
 def rate(text: str) -> str:
     """A tc rate: 100mbit, 1gbit, 500kbit."""
     if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)", text.strip().lower()):

@@ -132,9 +132,19 @@ def netns_support() -> Tuple[bool, str]:
 
 
 def tbf_burst(rate: str) -> str:
-    """A token-bucket burst that lets tbf reach its rate (measured here: 1gbit needs ~4mbit)."""
+    """The default token-bucket burst of a link of ``rate``: 1 ms of it, at least 8 KB.
+
+    A link's bucket fills while the ranks compute, and a message under the
+    burst then leaves at once, where a real link serializes it at its rate:
+    the burst is time a step gets for free, at most once a step. 1 ms of the
+    rate is the least with which tbf still reaches it here (bulk 1 MiB-16 MiB
+    transfers: 1gbit at 0.97 of it with 1 ms, 0.5 with 0.13 ms; 100mbit at
+    0.9-0.95 with 0.65-1 ms). Until 2026-12-06 the default was 4 ms (50 KB at
+    100mbit): digits' int3 step on 2 nodes x 1 rank read 3.17 ms under it and
+    4.69 under 1.3 ms, PowerSGD's 3.2 and 3.1 (bench/README "The testbed's
+    burst")."""
     bits = _rate_bits(rate)
-    return f"{max(32_000, bits // 250) // 1000}kbit"
+    return f"{max(64_000, bits // 1000) // 1000}kbit"
 
 
 def _rate_bits(rate: str) -> int:
@@ -153,15 +163,21 @@ class Cluster:
 
     SUBNET = "10.77.0"
 
-    def __init__(self, nodes: int, inter_rate: Optional[str] = None) -> None:
+    def __init__(self, nodes: int, inter_rate: Optional[str] = None, inter_burst: Optional[str] = None) -> None:
         if nodes < 2:
             raise ValueError("a testbed cluster needs nodes >= 2 (one node is plain loopback)")
         if nodes > 200:
             raise ValueError("at most 200 nodes")
         if inter_rate is not None:
             _rate_bits(inter_rate)
+        if inter_burst is not None:
+            if inter_rate is None:
+                raise ValueError("inter_burst needs inter_rate: an unshaped link has no token bucket")
+            if _rate_bits(inter_burst) < 8 * 1514:
+                raise ValueError(f"inter_burst must hold one 1514-byte frame (12112bit or more), got {inter_burst!r}")
         self.nodes = nodes
         self.inter_rate = inter_rate
+        self.inter_burst = inter_burst or (tbf_burst(inter_rate) if inter_rate else None)
         tag = f"hc{os.getpid() % 100000}"
         self.bridge_ns = f"{tag}br"
         self.node_ns = [f"{tag}n{i}" for i in range(nodes)]
@@ -187,7 +203,7 @@ class Cluster:
     def _shape(self, ns: str, dev: str) -> None:
         if self.inter_rate:
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.inter_rate,
-                "burst", tbf_burst(self.inter_rate), "latency", "100ms")
+                "burst", self.inter_burst, "latency", "100ms")
 
     def _build(self) -> None:
         _sh("ip", "netns", "add", self.bridge_ns)
@@ -290,7 +306,7 @@ class Cluster:
 
 
 def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: Optional[List[float]],
-         command: List[str], timeout: float, sched: Optional[str] = None) -> int:
+         command: List[str], timeout: float, sched: Optional[str] = None, inter_burst: Optional[str] = None) -> int:
     ok, why = netns_support()
     if not ok:
         print(f"hetcomm testbed: cannot build network namespaces here: {why}", file=sys.stderr)
@@ -305,9 +321,10 @@ def main(nodes: int, ranks_per_node: int, inter_rate: Optional[str], rank_cpu: O
     scheduling = sched or f"{sched_policy()} (this process's)"
     old = signal.signal(signal.SIGTERM, stop)
     try:
-        with Cluster(nodes, inter_rate) as cluster:
+        with Cluster(nodes, inter_rate, inter_burst) as cluster:
+            link = f"{inter_rate} (tbf burst {cluster.inter_burst})" if inter_rate else "unshaped"
             print(f"hetcomm testbed: {nodes} nodes x {ranks_per_node} ranks, inter-node "
-                  f"{inter_rate or 'unshaped'}, CPU quotas {rank_cpu or 'none'}, scheduling {scheduling}",
+                  f"{link}, CPU quotas {rank_cpu or 'none'}, scheduling {scheduling}",
                   file=sys.stderr, flush=True)
             return cluster.run(command, ranks_per_node, rank_cpu, timeout, sched=sched)
     finally:

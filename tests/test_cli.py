@@ -877,6 +877,8 @@ MALFORMED = [
     ["topo", "--ranks", "-1"], ["topo", "--wires", "zip"], ["testbed", "--nodes", "0", "--", "true"],
     ["testbed", "--inter-node-rate", "fast", "--", "true"], ["testbed", "--rank-cpu", "0,0,0,0", "--", "true"],
     ["testbed", "--timeout", "0", "--", "true"], ["testbed", "--sched", "idle", "--", "true"], ["testbed"],
+    ["testbed", "--inter-node-burst", "50kb", "--", "true"], ["testbed", "--inter-node-burst", "400kbit", "--", "true"],
+    ["testbed", "--inter-node-rate", "100mbit", "--inter-node-burst", "8kbit", "--", "true"],
     ["info", "--bogus"], ["--bogus"], [],
 ]
 

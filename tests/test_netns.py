@@ -167,5 +167,13 @@ def test_testbed_rejects_bad_arguments():
         testbed.Cluster(2, "fast")
     with pytest.raises(ValueError, match="nodes >= 2"):
         testbed.Cluster(1)
-    assert testbed.tbf_burst("1gbit") == "4000kbit"
-    assert testbed.tbf_burst("10mbit") == "40kbit"
+    # 1 ms of the rate, at least 8 KB
+    assert testbed.tbf_burst("1gbit") == "1000kbit" and testbed.tbf_burst("100mbit") == "100kbit"
+    assert testbed.tbf_burst("10mbit") == "64kbit"
+    assert testbed.Cluster(2, "100mbit").inter_burst == "100kbit"
+    assert testbed.Cluster(2, "100mbit", "400kbit").inter_burst == "400kbit"
+    assert testbed.Cluster(2).inter_burst is None
+    with pytest.raises(ValueError, match="inter_burst needs inter_rate"):
+        testbed.Cluster(2, None, "400kbit")
+    with pytest.raises(ValueError, match="one 1514-byte frame"):
+        testbed.Cluster(2, "100mbit", "8kbit")
