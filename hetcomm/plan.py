@@ -66,14 +66,14 @@ def wire_of(mode: str, topk_ratio: float, lowrank_fraction: Optional[float] = No
     return planner.Wire(mode)
 
 
-#: ``pack=None`` packs fp8 and int3 across nodes whose link is slower than this, or unmeasured (int3 only where
-#: each node has one rank). zstd level 1 took int3's 422 KB a step of the wide MLP to 0.64-0.68x in 0.8-0.9 ms on
-#: a 2-core Xeon, 0.3-0.4 ms to undo: a third of the bytes saved pays for the host's time below about 0.9 Gbit/s.
-#: On the testbed at 100 Mbit (bench/README "int3's messages packed", "fp8's messages packed"): packed int3 took
-#: 0.84x raw int3's step on digits with a rank a node, and 1.10-1.12x with two (the hierarchy's shards across the
-#: link: 0.88x the bytes, less than the round of lengths and the codec cost four ranks on two cores); packed fp8
-#: took 0.36-0.45x raw fp8's step on digits with a rank a node, 0.73-0.91x with two (0.62x its bytes across),
-#: 0.90x on the wide MLP, and the LSTM's (0.93x the bytes) within its noise.
+#: ``pack=None`` packs fp8 and int3 across nodes whose link is slower than this, or unmeasured. zstd level 1 took
+#: int3's 422 KB a step of the wide MLP to 0.64-0.68x in 0.8-0.9 ms on a 2-core Xeon, 0.3-0.4 ms to undo: a third
+#: of the bytes saved pays for the host's time below about 0.9 Gbit/s. On the testbed at 100 Mbit (bench/README
+#: "int3's messages packed", "fp8's messages packed", "The testbed's burst"): packed int3 took 0.84x raw int3's
+#: step on digits with a rank a node; with two a node (the hierarchy's shards across the link, 0.88x the bytes)
+#: 1.01x and 0.92x (SGD-m, AdamW) on a link of 1 ms of burst, 1.10-1.12x under the old 4 ms one, whose free 50 KB
+#: a step hid the bytes saved; packed fp8 took 0.36-0.45x raw fp8's step on digits with a rank a node, 0.73-0.91x
+#: with two (0.62x its bytes across), 0.90x on the wide MLP, and the LSTM's (0.93x the bytes) within its noise.
 PACK_BELOW_GBIT = 0.5
 #: the codecs whose messages can be packed (collectives/packing.h)
 PACKABLE = ("onebit", "fp8", "int3")
@@ -81,9 +81,9 @@ PACKABLE = ("onebit", "fp8", "int3")
 
 def packed_by_default(topo) -> Tuple[str, ...]:
     """The modes ``pack=None`` packs on topology ``topo``, read once when it is
-    known (the same on every rank): on several nodes, every rank on the host,
-    a link between them under :data:`PACK_BELOW_GBIT` or unmeasured, fp8, and
-    int3 too where each node has one rank."""
+    known (the same on every rank): fp8 and int3 on several nodes, every rank
+    on the host, a link between them under :data:`PACK_BELOW_GBIT` or
+    unmeasured."""
     if topo is None or topo.num_nodes < 2:
         return ()
     if not all(str(d.get("model", "")).startswith("cpu") for d in topo.devices):
@@ -91,7 +91,7 @@ def packed_by_default(topo) -> Tuple[str, ...]:
     inter = topo.links.get("inter")
     if inter is not None and inter.beta > 0 and 8e-9 / inter.beta >= PACK_BELOW_GBIT:
         return ()
-    return ("fp8", "int3") if topo.ranks_per_node() == 1 else ("fp8",)
+    return ("fp8", "int3")
 
 
 def packs(s, p: BucketPlan) -> bool:

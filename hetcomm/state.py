@@ -174,9 +174,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
             nodes on digits 0.62x, on the wide MLP 0.84x), for the codec's time
             and one small all-gather a round. ``None`` (default): on the host
             across nodes, unless the measured link between them is faster than
-            :data:`hetcomm.plan.PACK_BELOW_GBIT`, fp8 buckets, and int3 buckets
-            too where every node has one rank. ``True``: every onebit, fp8 and
-            int3 bucket; ``False``: none.
+            :data:`hetcomm.plan.PACK_BELOW_GBIT`, fp8 and int3 buckets.
+            ``True``: every onebit, fp8 and int3 bucket; ``False``: none.
         timeout: how long a collective of hetcomm's own group may wait before
             it fails (a dead peer is an error, not a hang). ``None`` takes the
             default group's timeout.
