@@ -91,8 +91,8 @@ def probe_next(size: int, one_way_s: float, largest: int, budget_s: float = PROB
     doubling by doubling, not extrapolated from one small message: a link
     shaped by a token bucket (a policer, ``tc tbf``) sends its burst at the
     wire's speed, so a message that fits in it looks fast (the testbed at 100
-    Mbit, a 50 KB burst: 64 KiB in 1-4 ms where the rate needs 5.2, and 1 MiB
-    chosen, 84 ms a transfer, in 3 of 8 probes)."""
+    Mbit with its burst of 50 KB until 2026-12-06: 64 KiB in 1-4 ms where the
+    rate needs 5.2, and 1 MiB chosen, 84 ms a transfer, in 3 of 8 probes)."""
     if one_way_s > budget_s and size // 2 >= smallest:
         return -(size // 2)
     if 2 * size <= largest and one_way_s <= budget_s / 2:
