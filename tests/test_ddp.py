@@ -242,7 +242,7 @@ def test_replicas_bit_identical_in_every_mode(place):
 def _wire_volume(rank, world, mode):
     model = torch.nn.Linear(1000, 1000, bias=False)  # one 1M-element bucket
     ddp = DDP(model, bucket_cap_mb=64)
-    state = hetcomm.HookState(mode)
+    state = hetcomm.HookState(mode, pack=False)  # the raw wire's closed forms (packed: test_packing)
     ddp.register_comm_hook(state, hetcomm.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for step in range(3):
