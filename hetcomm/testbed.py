@@ -139,10 +139,10 @@ def tbf_burst(rate: str) -> str:
     the burst is time a step gets for free, at most once a step. 1 ms of the
     rate is the least with which tbf still reaches it here (bulk 1 MiB-16 MiB
     transfers: 1gbit at 0.97 of it with 1 ms, 0.54 with 0.13 ms; 100mbit at
-    0.89 with 0.65-1.3 ms, 0.94 with 4 ms). Until 2026-12-06 the default was 4 ms (50 KB at
-    100mbit): digits' int3 step on 2 nodes x 1 rank read 3.17 ms under it and
-    4.69 under 1.3 ms, PowerSGD's 3.2 and 3.1 (bench/README "The testbed's
-    burst")."""
+    0.89 with 0.65-1.3 ms, 0.94 with 4 ms). Until 2026-12-06 the default was
+    4 ms (50 KB at 100mbit): digits' int3 step on 2 nodes x 1 rank read 3.17
+    ms under it and 4.69 under 1.3 ms, PowerSGD's 3.2 and 3.1 (bench/README
+    "The testbed's burst")."""
     bits = _rate_bits(rate)
     return f"{max(64_000, bits // 1000) // 1000}kbit"
 
