@@ -132,12 +132,16 @@ def writable_path(text: str) -> str:
 
 def burst(text: str) -> str:
     """A tc tbf burst in bits that holds one 1514-byte frame: 400kbit, 1mbit, 12112bit."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit)", text.strip().lower())
-    if not m:
+    from .testbed import check_burst
+
+    text = text.strip().lower()
+    if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit)", text):
         raise argparse.ArgumentTypeError(f"burst must look like 400kbit or 1mbit (bits), got {text!r}")
-    if float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6}[m.group(2)] < 8 * 1514:
-        raise argparse.ArgumentTypeError(f"burst must hold one 1514-byte frame (12112bit or more), got {text!r}")
-    return text.strip().lower()
+    try:
+        check_burst(text, "burst")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def rate(text: str) -> str:

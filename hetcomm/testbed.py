@@ -147,6 +147,12 @@ def tbf_burst(rate: str) -> str:
     return f"{max(64_000, bits // 1000) // 1000}kbit"
 
 
+def check_burst(burst: str, name: str = "inter_burst") -> None:
+    """ValueError naming ``name`` unless tc burst ``burst`` (bits) holds one 1514-byte frame."""
+    if _rate_bits(burst) < 8 * 1514:
+        raise ValueError(f"{name} must hold one 1514-byte frame (12112bit or more), got {burst!r}")
+
+
 def _rate_bits(rate: str) -> int:
     units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
     for u, m in units.items():
@@ -173,8 +179,7 @@ class Cluster:
         if inter_burst is not None:
             if inter_rate is None:
                 raise ValueError("inter_burst needs inter_rate: an unshaped link has no token bucket")
-            if _rate_bits(inter_burst) < 8 * 1514:
-                raise ValueError(f"inter_burst must hold one 1514-byte frame (12112bit or more), got {inter_burst!r}")
+            check_burst(inter_burst)
         self.nodes = nodes
         self.inter_rate = inter_rate
         self.inter_burst = inter_burst or (tbf_burst(inter_rate) if inter_rate else None)
