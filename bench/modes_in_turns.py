@@ -38,8 +38,9 @@ if __name__ == "__main__":
             total = state.stats()["total"] if state else {}
             sent = (f" sent {total['bytes_sent'] / steps / 1e3:.1f} KB a step, across nodes "
                     f"{total['bytes_sent_across_nodes'] / steps / 1e3:.1f}") if state else ""
+            wire = f" lowrank_wire {state.stats()['lowrank_wire']}" if state and "lowrank_wire" in state.stats() else ""
             print(f"{mode}: mean {means[mode][-1]:.2f} median {1000 * statistics.median(times[40:]):.2f} ms{sent} "
-                  f"{plans}", flush=True)
+                  f"{plans}{wire}", flush=True)
         if state is not None:
             state.close()
     if rank == 0:

@@ -43,8 +43,8 @@ E named(const std::vector<std::pair<const char*, E>>& table, const std::string& 
 inline Algo algo_named(const std::string& name) { return named(kAlgoNames, name, "algorithm"); }
 inline Codec codec_named(const std::string& name) { return named(kCodecNames, name, "codec"); }
 // lowrank's wire dtype by its HookState name (lowrank_wire).
-inline const std::vector<std::pair<const char*, at::ScalarType>> kLowrankWires = {{"fp32", at::kFloat},
-                                                                              {"bf16", at::kBFloat16}};
+inline const std::vector<std::pair<const char*, at::ScalarType>> kLowrankWires = {
+    {"fp32", at::kFloat}, {"bf16", at::kBFloat16}, {"fp8", at::kFloat8_e4m3fn}};
 inline at::ScalarType lowrank_wire_named(const std::string& name) { return named(kLowrankWires, name, "lowrank_wire"); }
 
 // Transport, ProcessGroupTransport and (CUDA builds) NcclTransport.

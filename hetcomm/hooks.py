@@ -367,7 +367,7 @@ class BucketSteps:
                                    server_residual=server, last=bucket.last, layout=layout, q_state=q_state,
                                    algorithm=_ALGOS[p.algorithm], momentum=momentum, beta=self._beta or 0.0,
                                    carry=carry, update_denominator=denominator, pipeline=True,
-                                   lowrank_wire=self.lowrank_wire,
+                                   lowrank_wire=plan.lowrank_wire_of(self),
                                    hold=p.mode == "lowrank" and self._rounds.hold(self.iter),
                                    sum_first=self._sketch.message(self.iter) if bucket.last else None,
                                    pack=plan.packs(self, p))

@@ -22,9 +22,10 @@ or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 at the very end of a hetcomm mode sets HookState's ``algorithm``
 (``fp8@hierarchical``, ``onebit+m-p5@ring``; ``fp8@native`` compresses flat
 where ``fp8``, HookState's default, goes across nodes only on several nodes);
-``-fp32`` / ``-bf16`` at the end of a lowrank mode (before ``@ALGO``) sends its factors in
-float32 / bf16 (HookState's ``lowrank_wire``, bf16 by default; ``lowrank-fp32``, ``lowrank-r8+m-fp32@native``;
-the tables in bench/README before "bf16 by default" ran ``lowrank`` in float32).
+``-fp32`` / ``-bf16`` / ``-fp8`` at the end of a lowrank mode (before ``@ALGO``) sends its factors in
+float32 / bf16 / fp8 (HookState's ``lowrank_wire``; by default bf16, fp8 across a link measured under 40 Mbit/s;
+``lowrank-fp32``, ``lowrank-r8+m-fp32@native``; the tables in bench/README before "bf16 by default" ran
+``lowrank`` in float32).
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
                  "int3 as onebit-cN, fp8-cN, int3-cN: N elements per scale; topk as topk-kN: N per mille of the entries; a +m mode "
                  "as X+m-pN: a warm-up of N % of the run; "
                  "a hetcomm mode as X-sN: compressed from step N (HookState's start_iter), X@ALGO: its algorithm; "
-                 "a lowrank mode as X-fp32 / X-bf16: its factors in float32 / bf16; "
+                 "a lowrank mode as X-fp32 / X-bf16 / X-fp8: its factors in float32 / bf16 / fp8; "
                  "a hetcomm mode as X-zstd / X-raw: its messages packed or not, HookState's pack)"
                  ) if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")

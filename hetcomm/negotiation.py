@@ -236,6 +236,7 @@ class Negotiation:
                          "node, the hierarchical algorithm); algorithm='native' compresses every rank's exchange",
                          self.topology.num_nodes, self.topology.ranks_per_node(), self.compression)
         self._packed_modes = plan.packed_by_default(self.topology)  # once: packs() is per bucket and step
+        self._lowrank_wire_default = plan.lowrank_wire_by_default(self.topology)
         if self.compression == "auto-precision":
             self.resolved_compression = "bf16" if bf16_everywhere else "fp16"
         self._warn_gradient_sign_under_momentum()

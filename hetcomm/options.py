@@ -25,7 +25,7 @@ Algorithm = Literal["native", "ring", "halving_doubling", "tree", "hierarchical"
 # What attach_optimizer saw (the auto mode's safe set depends on it).
 ATTACHED = (None, "sgd", "adam", "hetcomm-adamw")
 WARMUP_WIRES = ("none", "fp8")  # attach_optimizer(warmup_compression=...)
-LOWRANK_WIRES = ("fp32", "bf16")  # HookState(lowrank_wire=...)
+LOWRANK_WIRES = ("fp32", "bf16", "fp8")  # HookState(lowrank_wire=...)
 #: A rank's compute precision as gathered at the first step (None: no hetcomm.amp.GradScaler).
 _PRECISIONS = (None, "bf16", "fp16", "fp32")
 SCALER_NAME = "hetcomm.amp.GradScaler (created before the first step)"
@@ -69,7 +69,8 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
              min_compress_numel: int,
              topk_ratio: float, topk_exact: bool, matrix_approximation_rank: Optional[int], algorithm: Optional[str],
              transport: str, timeout: Optional[timedelta], process_group: Any, rank: Optional[int],
-             candidates: Optional[Sequence[str]], lowrank_wire: str, pack: Optional[bool] = None) -> Dict[str, Any]:
+             candidates: Optional[Sequence[str]], lowrank_wire: Optional[str],
+             pack: Optional[bool] = None) -> Dict[str, Any]:
     """The options after their rules, or a ValueError naming the argument."""
     if rank is not None:
         warnings.warn("HookState(rank=...) is deprecated: it is lowrank's matrix_approximation_rank (rank reads "
@@ -96,8 +97,9 @@ def validate(compression: str, start_iter: Optional[int], error_feedback: bool, 
                                                   matrix_approximation_rank < 1):
         raise ValueError(f"matrix_approximation_rank (lowrank's rank) must be None (lowrank chooses 4, 8 or 16 by "
                          f"measurement) or an int >= 1, got {matrix_approximation_rank!r}")
-    if lowrank_wire not in LOWRANK_WIRES:
-        raise ValueError(f"lowrank_wire must be one of {LOWRANK_WIRES}, got {lowrank_wire!r}")
+    if lowrank_wire is not None and lowrank_wire not in LOWRANK_WIRES:
+        raise ValueError(f"lowrank_wire must be None (bf16, fp8 across a slow link between nodes) or one of "
+                         f"{LOWRANK_WIRES}, got {lowrank_wire!r}")
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
     if not isinstance(topk_exact, bool):
@@ -162,7 +164,7 @@ def config(s) -> List[Tuple[str, int]]:
         ("topk_ratio", float_bits(s.topk_ratio)),
         ("topk_exact", int(s.topk_exact)),
         ("matrix_approximation_rank", s._rank_given or 0),  # 0: lowrank chooses it (RankLadder)
-        ("lowrank_wire", LOWRANK_WIRES.index(s.lowrank_wire)),
+        ("lowrank_wire", -1 if s.lowrank_wire is None else LOWRANK_WIRES.index(s.lowrank_wire)),
         ("pack", -1 if s.pack is None else int(s.pack)),  # every rank packs a bucket's messages, or none does
         # a compressed mode's default decides by the nodes (negotiation.across_nodes), "native" given does not
         ("algorithm", -1 if s._algorithm_default else (("auto",) + ALGORITHMS).index(s.algorithm)),
@@ -186,7 +188,7 @@ _SHOW = {"compression": lambda v: COMPRESSIONS[v],
          "warmup_fraction (attach_optimizer)": bits_float,
          "optimizer kind (attach_optimizer)": lambda v: ATTACHED[v] or "none",
          "warmup_compression (attach_optimizer)": lambda v: WARMUP_WIRES[v],
-         "lowrank_wire": lambda v: LOWRANK_WIRES[v],
+         "lowrank_wire": lambda v: "default" if v < 0 else LOWRANK_WIRES[v],
          FOLLOW_NAME: lambda v: "no" if not v else "yes" if v == 1 else f"yes, {v} optimizers",
          SCALER_NAME: lambda v: "yes" if v else "no",
          "algorithm": lambda v: "default" if v < 0 else (("auto",) + ALGORITHMS)[v],

@@ -104,11 +104,47 @@ def packs(s, p: BucketPlan) -> bool:
     return bool(s.pack) or p.mode in s._packed_modes
 
 
+#: ``lowrank_wire=None`` sends lowrank's factors in fp8 across a link between nodes measured under this many
+#: Mbit/s (bf16 elsewhere). On the 2 x 2 testbed (bench/README "lowrank's factors in fp8 across a slow link") fp8's
+#: step was 0.53-0.69x bf16's at 10 Mbit, 0.72-0.87x at 30, 0.77-0.89x at 50 and 1.0-1.06x at 100 (digits, the wide
+#: model), where bf16's bytes a round fit in the link's burst and fp8's codec and float32 intra-node sums cost CPU;
+#: its steps to fp32's accuracy were bf16's on digits and the regression and up to about a tenth more on the wide
+#: model: so fp8 where its step wins by more than that (30 Mbit and below), not at 50.
+FP8_FACTORS_BELOW_MBIT = 40.0
+
+
+def lowrank_wire_by_default(topo) -> str:
+    """The wire ``lowrank_wire=None`` gives lowrank's factors on topology
+    ``topo``, read once when it is known (the same on every rank): fp8 on
+    several nodes, every rank on the host, whose link between them measured
+    under :data:`FP8_FACTORS_BELOW_MBIT` (compression="auto" measures it; a
+    fixed mode's topology leaves it unmeasured); bf16 otherwise."""
+    if topo is None or topo.num_nodes < 2:
+        return "bf16"
+    if not all(str(d.get("model", "")).startswith("cpu") for d in topo.devices):
+        return "bf16"  # GPU buckets: not measured
+    inter = topo.links.get("inter")
+    if inter is None or inter.beta <= 0 or 8e-6 / inter.beta >= FP8_FACTORS_BELOW_MBIT:
+        return "bf16"
+    return "fp8"
+
+
+def lowrank_wire_of(s) -> str:
+    """The wire of HookState ``s``'s lowrank factors: the option, else its
+    rule on the topology (:func:`lowrank_wire_by_default`)."""
+    return s.lowrank_wire or s._lowrank_wire_default
+
+
+#: the bytes a factor's element costs on lowrank's wire, over float32's (fp8: a byte and a float32 scale per 256)
+LOWRANK_WIRE_SHARE = {"fp32": 1.0, "bf16": 0.5, "fp8": (1 + 4 / 256) / 4}
+
+
 def lowrank_fraction(layout, numel: int, wire: str = "fp32") -> float:
     """The fraction of a bucket's fp32 bytes that lowrank's P, Q and dense parts
-    carry (``wire``: HookState's ``lowrank_wire``; bf16 sends half the bytes)."""
+    carry (``wire``: HookState's ``lowrank_wire``; bf16 sends half the bytes,
+    fp8 about a quarter)."""
     elements = sum((rows + cols) * k if k else rows * cols for _, rows, cols, k in layout.tolist())
-    return elements * (0.5 if wire == "bf16" else 1.0) / max(numel, 1)
+    return elements * LOWRANK_WIRE_SHARE[wire] / max(numel, 1)
 
 
 class Planner:
@@ -179,7 +215,7 @@ class Planner:
         return "w" if WARMUP_FROM <= step < s.start_iter and s._warmup_compression != "none" else "x"
 
     def _wire(self, mode: str, numel: int, layout_of) -> planner.Wire:
-        fraction = lowrank_fraction(layout_of(), numel, self.s.lowrank_wire) if mode == "lowrank" else None
+        fraction = lowrank_fraction(layout_of(), numel, lowrank_wire_of(self.s)) if mode == "lowrank" else None
         return wire_of(mode, self.s.topk_ratio, fraction)
 
     def _dense(self, numel: int, mode: str, why: str, interim: bool = False) -> BucketPlan:

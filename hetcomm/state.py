@@ -116,13 +116,20 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
             (:class:`hetcomm.lowrank_ladder.RankLadder`; ``stats()
             ["lowrank_rank"]``); auto's lowrank candidate has rank 4 (16
             until its first reading: ``candidates``).
-        lowrank_wire: what lowrank's two all-reduces send: ``"bf16"``
-            (default), half of ``"fp32"``'s bytes. The bf16 sums are rounded;
-            each rank's error feedback keeps what its share of the rounded
-            sum missed (on the dense parts too), so nothing is lost, only
-            sent a step later. Measured against ``"fp32"`` on four tasks, no
-            loss of accuracy, and a third off lowrank's step where the link
-            binds (README).
+        lowrank_wire: what lowrank's two all-reduces send: ``"bf16"``,
+            half of ``"fp32"``'s bytes, or ``"fp8"``, about a quarter (8-bit
+            codes and a scale per 256, summed as the fp8 mode sums a bucket:
+            across nodes only on several nodes). The rounded sums lose
+            nothing: each rank's error feedback keeps what its share of them
+            missed (on the dense parts too), sent a step later. Measured
+            against ``"fp32"`` (bf16) and bf16 (fp8) on the tasks of ``bench
+            train``, no loss of accuracy; bf16 takes a third off lowrank's
+            step where the link binds, fp8 up to half again at 10-30 Mbit/s
+            (README). ``None`` (default): bf16, or fp8 across nodes whose
+            link measured under 40 Mbit/s, every rank on the CPU
+            (:func:`hetcomm.plan.lowrank_wire_by_default`; compression="auto"
+            measures the link, a fixed mode does not); ``stats()
+            ["lowrank_wire"]`` says which.
         algorithm: how each bucket's sum is computed. ``None`` (default):
             ``"auto"`` with ``compression="auto"``, else ``"native"``, except
             that with fp8, int3, onebit, topk, lowrank, fp16, bf16 or
@@ -209,7 +216,7 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
         topk_ratio: float = 0.01,
         topk_exact: bool = True,
         matrix_approximation_rank: Optional[int] = None,
-        lowrank_wire: Literal["fp32", "bf16"] = "bf16",
+        lowrank_wire: Optional[Literal["fp32", "bf16", "fp8"]] = None,
         algorithm: Optional[Algorithm] = None,
         transport: Literal["auto", "pg"] = "auto",
         timeout: Optional[timedelta] = None,
@@ -234,7 +241,8 @@ class HookState(OptimizerLink, BucketSteps, Negotiation, StateIO):
                                        self.matrix_approximation_rank)
         #: lowrank's rounds a step, pipelined or together: measured (hetcomm.lowrank_rounds)
         self._rounds = RoundsTrial(self.compression in ("lowrank", "auto"), self.start_iter)
-        self.lowrank_wire: str = opts["lowrank_wire"]
+        self.lowrank_wire: Optional[str] = opts["lowrank_wire"]
+        self._lowrank_wire_default = "bf16"  # lowrank_wire=None's rule on the topology (plan.lowrank_wire_by_default)
         self.pack: Optional[bool] = opts["pack"]
         self._packed_modes: tuple = ()  # pack=None's rule on the topology (negotiation: plan.packed_by_default)
         self.algorithm: str = opts["algorithm"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict
 
-from . import ddpfind, options
+from . import ddpfind, options, plan
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
 log = logging.getLogger("hetcomm")
@@ -171,7 +171,9 @@ class StateIO:
         yet, the ranks' lowest shares at 4 / 8 / 16 and the step they were
         read at); ``lowrank_rounds`` under ``"lowrank"`` and ``"auto"`` (lowrank's
         buckets' rounds a step, pipelined or together, as measured in steps
-        11-30: :mod:`hetcomm.lowrank_rounds`); ``auto`` under
+        11-30: :mod:`hetcomm.lowrank_rounds`) and ``lowrank_wire`` (what
+        its factors are sent as: the option, or its default's choice) under
+        both; ``auto`` under
         ``compression="auto"``, with ``lowrank_guard`` (pending, admitted or
         refused; the ranks' last agreed reading, the one that set the state,
         the first, and how often a reading took a refused lowrank back) where
@@ -193,6 +195,7 @@ class StateIO:
             out["lowrank_rank"] = self._rank_ladder.describe()
         if self._rounds.on:
             out["lowrank_rounds"] = self._rounds.describe()
+            out["lowrank_wire"] = plan.lowrank_wire_of(self)
         if self._sketch.calls:
             out["clip"] = {"calls": self._sketch.calls, "estimated_steps": self._sketch.estimated_steps}
         if self.compression == "auto":

@@ -213,7 +213,8 @@ def test_replicas_bit_identical_after_50_steps_on_4_ranks(mode):
 
 
 REPLICA_CASES = [("none", {}), ("fp16", {}), ("bf16", {}), ("fp8", {}), ("onebit", {}), ("topk", {}),
-                 ("lowrank", {}), ("lowrank", {"lowrank_wire": "fp32", "matrix_approximation_rank": 4}), ("auto", {}), ("none", {"algorithm": "ring"}),
+                 ("lowrank", {}), ("lowrank", {"lowrank_wire": "fp32", "matrix_approximation_rank": 4}),
+                 ("lowrank", {"lowrank_wire": "fp8"}), ("auto", {}), ("none", {"algorithm": "ring"}),
                  ("none", {"algorithm": "tree"}), ("none", {"algorithm": "halving_doubling"}), ("none", {"algorithm": "auto"}),
                  ("onebit", {"transport": "pg"}), ("topk", {"topk_exact": False})]
 

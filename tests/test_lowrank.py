@@ -65,14 +65,17 @@ def _ours(rank, world, layout, steps, divisors, node_of=(), scale=1.0, wire="fp3
     res = torch.zeros(N)
     g = torch.Generator().manual_seed(rank)
     xs, outs, ress = [], [], []
-    sent0 = t.counters()["bytes_sent"]
+    t.set_nodes(list(node_of))
+    before = t.counters()
     for _ in range(steps):
         x = torch.randn(N, generator=g) * scale
         xs.append(x.clone())
         t.allreduce_lowrank(x, divisors[rank], lay, q, res, node_of=list(node_of), wire=wire)
         outs.append(x)
         ress.append(res.clone())
-    return {"xs": xs, "outs": outs, "res": ress, "sent_per_step": (t.counters()["bytes_sent"] - sent0) / steps}
+    after = t.counters()
+    return {"xs": xs, "outs": outs, "res": ress, "sent_per_step": (after["bytes_sent"] - before["bytes_sent"]) / steps,
+            "across_per_step": (after["bytes_sent_across_nodes"] - before["bytes_sent_across_nodes"]) / steps}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -197,17 +200,27 @@ def _books(xs, divisors, residuals_before, out, residuals_after):
     return put_in, owed, ((out + owed - put_in).abs().max() / put_in.abs().max()).item()
 
 
+# per wire: how far a rounded sum may be from the exact one, relative to its largest entry (bf16: 8 bits; fp8: 3
+# mantissa bits, rounded once a rank and, in the two phases on three ranks, once more by the segment's owner), and
+# how far the first step's approximation may be from the float32 wire's
+_WIRE_ERROR = {"bf16": (2 ** -7, 2e-2), "fp8": (2 ** -3, 0.1)}
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8"])
 @pytest.mark.parametrize("world,node_of", [(2, ()), (3, ()), (4, (0, 0, 1, 1))])
-def test_lowrank_in_bf16_rounds_its_sums_and_error_feedback_keeps_what_they_lost(world, node_of):
-    # lowrank_wire="bf16": P with the dense parts, then Q^T, summed in bfloat16, half the bytes. What is delivered
-    # plus what the ranks' residuals hold is still the exact sum of what they put in (their weighted x plus the
-    # residual before), on the matrices and on the dense part alike: the rounding is sent again the next step.
+def test_lowrank_with_rounded_sums_error_feedback_keeps_what_they_lost(world, node_of, wire):
+    # lowrank_wire="bf16": P with the dense parts, then Q^T, summed in bfloat16, half the bytes; "fp8": summed as
+    # the fp8 mode sums a bucket (8-bit codes, a float32 scale per 256, across nodes only in the hierarchy), about
+    # a quarter. What is delivered plus what the ranks' residuals hold is still the exact sum of what they put in
+    # (their weighted x plus the residual before), on the matrices and on the dense part alike: the rounding is
+    # sent again the next step.
     divisors = [float(world)] * world if world != 4 else [10.0 / (r + 1) for r in range(4)]  # shares sum to 1
     exact = run_ranks(_ours, world, LAYOUT, 3, divisors, node_of)
-    rounded = run_ranks(_ours, world, LAYOUT, 3, divisors, node_of, 1.0, "bf16")
+    rounded = run_ranks(_ours, world, LAYOUT, 3, divisors, node_of, 1.0, wire)
     for r in rounded[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["outs"], rounded[0]["outs"]))  # bit-identical on every rank
     dense = slice(960, 990)
+    bound, first_bound = _WIRE_ERROR[wire]
     for step in range(3):
         out = rounded[0]["outs"][step]
         put_in, owed, gap = _books([r["xs"][step] for r in rounded], divisors,
@@ -215,20 +228,44 @@ def test_lowrank_in_bf16_rounds_its_sums_and_error_feedback_keeps_what_they_lost
                                    [r["res"][step] for r in rounded])
         assert gap < 1e-6, step
         assert not torch.equal(out[dense], put_in[dense])  # the dense part's sum was rounded...
-        assert (out[dense] - put_in[dense]).abs().max() < 2 ** -7 * put_in[dense].abs().max()  # ...to bf16
+        assert (out[dense] - put_in[dense]).abs().max() < bound * put_in[dense].abs().max()  # ...to the wire
         assert owed[dense].abs().max() > 0  # ...and the residuals hold what it lost
-    # the first step starts from the same Q and inputs: its approximation is the float32 wire's, to bf16's rounding
+    # the first step starts from the same Q and inputs: its approximation is the float32 wire's, to the rounding
     first, want = rounded[0]["outs"][0], exact[0]["outs"][0]
-    assert ((first - want).norm() / want.norm()).item() < 2e-2
-    for e, r in zip(exact, rounded):  # half the bytes, to the byte: both all-reduces carry 2-byte elements
-        assert r["sent_per_step"] == e["sent_per_step"] / 2
+    assert ((first - want).norm() / want.norm()).item() < first_bound
+    for e, r in zip(exact, rounded):
+        if wire == "bf16":  # half the bytes, to the byte: both all-reduces carry 2-byte elements
+            assert r["sent_per_step"] == e["sent_per_step"] / 2
+        elif not node_of:  # a byte an element, a scale and a flag a message: at this size under 0.4x (at scale 0.25x)
+            assert r["sent_per_step"] < 0.4 * e["sent_per_step"], (r["sent_per_step"], e["sent_per_step"])
+        else:  # the hierarchy sums inside nodes in float32, as the fp8 mode does: the fp8 bytes are the link's
+            assert 0 < r["across_per_step"] < 0.4 * e["across_per_step"], (r, e)
+            assert r["sent_per_step"] - r["across_per_step"] == e["sent_per_step"] - e["across_per_step"]
 
 
-def test_lowrank_wire_must_be_fp32_or_bf16():
-    with pytest.raises(ValueError, match="lowrank_wire must be one of"):
+def test_lowrank_fp8_wire_carries_a_quarter_of_the_float32_bytes_at_scale():
+    # a 2048 x 512 matrix at rank 8: P and Q^T, 20480 floats, in fp8 cost (1 + 4 / 256) / 4 of float32's bytes
+    layout = [[0, 2048, 512, 8]]
+    sent = {w: run_ranks(_big, 2, layout, w)[0] for w in ("fp32", "fp8")}
+    assert abs(sent["fp8"] / sent["fp32"] - (1 + 4 / 256) / 4) < 0.01, sent
+
+
+def _big(rank, world, layout, wire):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    lay = torch.tensor(layout)
+    n = layout[0][1] * layout[0][2]
+    q = torch.randn(_C.lowrank_q_numel(lay), generator=torch.Generator().manual_seed(3))
+    sent0 = t.counters()["bytes_sent"]
+    t.allreduce_lowrank(torch.randn(n, generator=torch.Generator().manual_seed(rank)), 2.0, lay, q, torch.zeros(n),
+                        wire=wire)
+    return t.counters()["bytes_sent"] - sent0
+
+
+def test_lowrank_wire_must_be_fp32_bf16_or_fp8():
+    with pytest.raises(ValueError, match="lowrank_wire must be None .* or one of"):
         hetcomm.HookState("lowrank", lowrank_wire="fp16")
     errors = run_ranks(_bad_wire, 1)[0]
-    assert "lowrank_wire must be one of fp32, bf16, got 'fp16'" in errors
+    assert "lowrank_wire must be one of fp32, bf16, fp8, got 'fp16'" in errors
 
 
 def _bad_wire(rank, world):
@@ -239,7 +276,7 @@ def _bad_wire(rank, world):
         return str(e)
 
 
-def _nonfinite_rank(rank, world, bad, where, device):
+def _nonfinite_rank(rank, world, bad, where, device, wire="fp32"):
     dev = models.rank_device(rank, device)
     t = _C.ProcessGroupTransport(dist.group.WORLD, dev)
     lay = torch.tensor(LAYOUT)
@@ -256,7 +293,7 @@ def _nonfinite_rank(rank, world, bad, where, device):
         x = x.to(dev)
         before = (x.clone(), q.clone(), res.clone())
         calls = t.counters()["calls"]
-        reduced = t.allreduce_lowrank(x, float(world), lay, q, res)
+        reduced = t.allreduce_lowrank(x, float(world), lay, q, res, wire=wire)
         out.append({"reduced": reduced, "calls": t.counters()["calls"] - calls,
                     "untouched": all(torch.equal(a.view(torch.int32), b.view(torch.int32))  # bits: NaN too
                                      for a, b in zip(before, (x, q, res)))})
@@ -264,15 +301,18 @@ def _nonfinite_rank(rank, world, bad, where, device):
 
 
 # where: an entry of the dense part (960..989), of the first matrix, of the second one
+@pytest.mark.parametrize("wire", ["fp32", "fp8"])
 @pytest.mark.parametrize("bad,where", [("inf", 977), ("nan", 5), ("+-inf", 1100)])
-def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(bad, where, device):
+def test_a_lowrank_step_learns_every_ranks_finiteness_from_its_first_all_reduce(bad, where, device, wire):
     # No all-reduce of its own for GradScaler's overflow check: a non-finite entry of M makes its row of P = M Q,
     # or its dense entry, non-finite in the sum every rank receives, so a step is two all-reduces, not three.
     # Where a rank is not finite, every rank stops after the first and leaves the bucket, Q and the residual as
-    # they came (the caller then reduces the bucket exactly, as allreduce_hook would).
-    for ranks in run_ranks(_nonfinite_rank, 3, bad, where, device):
-        assert ranks[0] == {"reduced": False, "calls": 1, "untouched": True}
-        assert ranks[1] == {"reduced": True, "calls": 2, "untouched": False}
+    # they came (the caller then reduces the bucket exactly, as allreduce_hook would). The fp8 wire's sum (two
+    # phases on three ranks: two collectives a round) carries the flag in its messages.
+    calls = 1 if wire == "fp32" else 2
+    for ranks in run_ranks(_nonfinite_rank, 3, bad, where, device, wire):
+        assert ranks[0] == {"reduced": False, "calls": calls, "untouched": True}
+        assert ranks[1] == {"reduced": True, "calls": 2 * calls, "untouched": False}
 
 
 def _engine_steps(rank, world, kinds, pipeline, device, steps=2, wires=None, carry=False):
@@ -408,15 +448,20 @@ def test_held_lowrank_buckets_send_their_rounds_together_and_an_overflow_reduces
         assert torch.equal(carries[1], torch.zeros(N))
 
 
-def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire(device):
-    # bf16, bf16, fp32, bf16: the second bf16 bucket's first all-reduce carries the first one's second; the fp32
-    # bucket cannot join a bf16 one (nor the last bf16 the fp32), so each of those sends its second alone first.
-    kinds, wires = ["lowrank"] * 4, ["bf16", "bf16", "fp32", "bf16"]
+@pytest.mark.parametrize("wire", ["bf16", "fp8"])
+def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire(device, wire):
+    # W, W, fp32, W: the second W bucket's first all-reduce carries the first one's second; the fp32 bucket cannot
+    # join a W one (nor the last W the fp32), so each of those sends its second alone first. (fp8 on two ranks:
+    # one exchange a sum, a collective as bf16's all-reduce.)
+    kinds, wires = ["lowrank"] * 4, [wire, wire, "fp32", wire]
     piped = run_ranks(_engine_steps, 2, kinds, True, device.type, 2, wires)
     alone = run_ranks(_engine_steps, 2, kinds, False, device.type, 2, wires)
     assert [s["collectives"] for s in piped[0]] == [7] * 2 and [s["collectives"] for s in alone[0]] == [8] * 2
-    for s, s0 in zip(piped[0], alone[0]):  # a sum of two: the same bits whichever all-reduce carries it
-        assert all(torch.equal(a, b) for a, b in zip(s["outs"] + s["res"], s0["outs"] + s0["res"]))
+    for s, s0 in zip(piped[0], alone[0]):  # a sum of two: the same bits whichever all-reduce carries it (fp8's
+        same = range(4) if wire == "bf16" else range(2, 4)  # scales are per 256 of what is sent together)
+        assert all(torch.equal(s[k][b], s0[k][b]) for k in ("outs", "res") for b in same)
+    for r in piped[1:]:  # replicas bit-identical
+        assert all(torch.equal(a, b) for s, s0 in zip(r, piped[0]) for a, b in zip(s["outs"], s0["outs"]))
     for b, wire in enumerate(wires):  # every bucket's books balance: delivered + owed = what went in
         for step in range(2):
             gap = _books([r[step]["xs"][b] for r in piped], [2.0, 2.0],
@@ -424,7 +469,7 @@ def test_pipelined_lowrank_buckets_join_only_buckets_of_their_wire(device):
                          [r[step]["res"][b] for r in piped])[2]
             assert gap < 1e-6, (b, wire, step)
         dense_owed = sum(r[1]["res"][b][960:990] for r in piped)
-        assert (dense_owed.abs().max() > 0) == (wire == "bf16")  # only a rounded sum leaves the dense part owed
+        assert (dense_owed.abs().max() > 0) == (wire != "fp32")  # only a rounded sum leaves the dense part owed
 
 
 def _parked_then(rank, world, then, device, hold=False):

@@ -372,13 +372,14 @@ def test_a_wire_suffix_sets_a_lowrank_modes_factors_wire():
     m = hetcomm.modes.get("lowrank-r8+m-fp32@native")
     assert (m.name, m.attach, m.options) == ("lowrank-r8+m-fp32@native", True, {
         "compression": "lowrank", "matrix_approximation_rank": 8, "lowrank_wire": "fp32", "algorithm": "native"})
-    for name, wire in (("lowrank-fp32", "fp32"), ("lowrank-bf16", "bf16"), ("lowrank", "bf16")):
+    for name, wire in (("lowrank-fp32", "fp32"), ("lowrank-bf16", "bf16"), ("lowrank-fp8", "fp8"), ("lowrank", None)):
         state = hetcomm.modes.get(name).comm_hook()[0]
         assert (state.compression, state.lowrank_wire) == ("lowrank", wire), name
         state.close()
-    assert hetcomm.HookState("lowrank").lowrank_wire == "bf16"  # the default
-    for bad in ("fp8-bf16", "torch-powersgd-bf16", "auto-bf16", "onebit-fp32", "none-fp32"):
-        with pytest.raises(ValueError, match=r"-(bf16|fp32) \(the factors' wire\) is for hetcomm's lowrank modes"):
+    state = hetcomm.HookState("lowrank")
+    assert state.lowrank_wire is None and hetcomm.plan.lowrank_wire_of(state) == "bf16"  # the default, one node
+    for bad in ("fp8-bf16", "torch-powersgd-bf16", "auto-bf16", "onebit-fp32", "none-fp32", "int3-fp8"):
+        with pytest.raises(ValueError, match=r"-(bf16|fp32|fp8) \(the factors' wire\) is for hetcomm's lowrank modes"):
             hetcomm.modes.get(bad)
 
 

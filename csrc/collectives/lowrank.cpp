@@ -3,6 +3,7 @@
 #include <ATen/ScalarOps.h>
 
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "collectives/algorithms.h"
@@ -69,8 +70,8 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
       share_(share < 0 ? 1.0 / divisor : share),
       wire_(wire),
       parts_(parse(layout, x.numel())) {
-  TORCH_CHECK_VALUE(wire == at::kFloat || wire == at::kBFloat16,
-                    "hetcomm: lowrank's wire must be float32 or bfloat16, got ", c10::toString(wire));
+  TORCH_CHECK_VALUE(wire == at::kFloat || wire == at::kBFloat16 || wire == at::kFloat8_e4m3fn,
+                    "hetcomm: lowrank's wire must be float32, bfloat16 or float8_e4m3fn, got ", c10::toString(wire));
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 1,
                     "hetcomm: lowrank works on a contiguous 1-D float32 bucket");
   int64_t dense = 0, p_total = 0, q_total = 0;
@@ -130,8 +131,8 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
       qo += p.cols * p.rank;
     }
   }
-  // what is summed: head_ rounded to the wire (a value beyond bf16's range becomes an infinity)
-  if (rounded()) head_wire_ = encoded(head_, wire_);
+  // what is summed: head_ rounded to a bf16 wire (a value beyond bf16's range becomes an infinity)
+  if (cast()) head_wire_ = encoded(head_, wire_);
 }
 
 void LowrankStep::dense_input(const LowrankPart& p, at::Tensor& out) const {
@@ -161,7 +162,7 @@ bool LowrankStep::after_first(Transport& t) {
   // device). Otherwise an orthonormal P (every rank holds the same summed P,
   // so the same basis), then Q^T = P^T M.
   t.synchronize();
-  if (rounded()) ops::cast_decode(head_wire_, 1.0, head_);
+  if (cast()) ops::cast_decode(head_wire_, 1.0, head_);
   const bool finite = head_.is_cpu() ? ops::all_finite(head_) : at::isfinite(head_).all().item<bool>();
   if (!finite) return false;
   ops::orthonormalize_blocks(head_, p_blocks_, 0.0);
@@ -174,13 +175,13 @@ bool LowrankStep::after_first(Transport& t) {
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
-  if (rounded()) qt_wire_ = encoded(qt_, wire_);
+  if (cast()) qt_wire_ = encoded(qt_, wire_);
   return true;
 }
 
 void LowrankStep::finish() {
   Timed _(timer_);
-  if (rounded()) ops::cast_decode(qt_wire_, 1.0, qt_);
+  if (cast()) ops::cast_decode(qt_wire_, 1.0, qt_);
   int64_t d = p_total_, po = 0, qo = 0;
   for (const auto& p : parts_) {
     at::Tensor out = x_.narrow(0, p.offset, p.numel());
@@ -231,6 +232,31 @@ void LowrankStep::finish() {
   ops::orthonormalize_blocks(q, q_blocks_, 0.0);
 }
 
+void sum_lowrank_factors(Transport& t, at::Tensor& b, at::ScalarType wire, const std::vector<int>* node_of,
+                         CodecTimer& timer) {
+  if (wire != at::kFloat8_e4m3fn) {
+    if (node_of == nullptr)
+      t.all_reduce_sum(b);
+    else if (b.numel() > 0)
+      allreduce_hierarchical(t, b, *node_of);
+    return;
+  }
+  TORCH_CHECK_VALUE(b.scalar_type() == at::kFloat, "hetcomm: lowrank's fp8 wire sums float32 factors");
+  Finite finite{node_of != nullptr || ops::all_finite(b)};  // the hierarchy checks its shards itself
+  if (node_of == nullptr) {
+    allreduce_fp8(t, b, 1.0, kLowrankFp8Chunk, at::Tensor(), at::Tensor(), timer, 0, nullptr, &finite);
+  } else if (b.numel() > 0) {
+    InterOptions inter;
+    inter.codec = Codec::kFP8;
+    inter.chunk = kLowrankFp8Chunk;
+    inter.timer = &timer;
+    inter.finite = &finite;
+    allreduce_hierarchical(t, b, *node_of, inter);
+  }
+  // a flagged message leaves b as this rank's own: NaN shows every rank what the sum of P would have
+  if (!finite.everywhere) b.fill_(std::numeric_limits<float>::quiet_NaN());
+}
+
 namespace {
 
 bool lowrank_step(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
@@ -249,16 +275,15 @@ bool lowrank_step(Transport& t, at::Tensor& x, double divisor, const at::Tensor&
 bool allreduce_lowrank(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout, at::Tensor& q_state,
                        const at::Tensor& residual, CodecTimer& timer, double share, at::ScalarType wire) {
   return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, wire,
-                      [&t](at::Tensor& b) { t.all_reduce_sum(b); });
+                      [&](at::Tensor& b) { sum_lowrank_factors(t, b, wire, nullptr, timer); });
 }
 
 bool allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor, const at::Tensor& layout,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
                                     CodecTimer& timer, double share, at::ScalarType wire) {
   hierarchy_of(node_of, t.rank(), t.size());  // checks node_of (equal nodes) before any collective
-  return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, wire, [&](at::Tensor& b) {
-    if (b.numel() > 0) allreduce_hierarchical(t, b, node_of);
-  });
+  return lowrank_step(t, x, divisor, layout, q_state, residual, timer, share, wire,
+                      [&](at::Tensor& b) { sum_lowrank_factors(t, b, wire, &node_of, timer); });
 }
 
 }  // namespace collectives

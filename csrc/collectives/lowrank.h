@@ -22,12 +22,16 @@ namespace collectives {
 // x = sum_i x_i / divisor_i on the dense parts, its rank-r approximation on the matrices.
 // share: this rank's part of the sum's approximation for error feedback
 // (default 1 / divisor; the shares of all ranks sum to 1).
-// wire: the dtype the two all-reduces send (float32, or bfloat16: half the
-// bytes). The bf16 sums are rounded, and each rank's residual then keeps
-// M - share * delivered on the dense parts too (on the matrices it always
-// does), so what the rounding lost is sent again the next step: over the ranks
-// the residuals hold sum(M) - delivered exactly as with float32 (the float32
-// wire sums the dense parts exactly and zeroes their residual).
+// wire: what the two all-reduces send: float32; bfloat16 (half the bytes,
+// summed in bf16); or fp8 (at::kFloat8_e4m3fn: about a quarter, the float32
+// sums taken by sum_lowrank_factors' fp8 all-reduce). The bf16 and fp8 sums
+// are rounded, and each rank's residual then keeps M - share * delivered on
+// the dense parts too (on the matrices it always does), so what the rounding
+// lost is sent again the next step: over the ranks the residuals hold
+// sum(M) - delivered exactly as with float32 (the float32 wire sums the dense
+// parts exactly and zeroes their residual). P's rounding moves the basis a
+// little (every rank orthonormalizes the same delivered P), Q's is in the
+// delivered approximation the residuals are kept against.
 // Returns false when x held a NaN or an infinity on some rank (every rank
 // learns it from the sum of P and the dense parts, so every rank returns the same):
 // x, the residual and Q are then as they came, for the caller to reduce x
@@ -47,6 +51,20 @@ bool allreduce_lowrank_hierarchical(Transport& t, at::Tensor& x, double divisor,
                                     at::Tensor& q_state, const at::Tensor& residual, const std::vector<int>& node_of,
                                     CodecTimer& timer, double share = -1.0, at::ScalarType wire = at::kFloat);
 
+// The elements per scale of lowrank's fp8 wire (fp8's own default chunk).
+constexpr int64_t kLowrankFp8Chunk = 256;
+
+// b becomes the sum over ranks of one of lowrank's rounds (P with the dense
+// parts, or Q^T; float32, or bfloat16 for that wire): the transport's
+// all-reduce (node_of null) or the exact hierarchy by node_of; for the fp8
+// wire (b float32) compressed as the fp8 mode sums a bucket (allreduce_fp8,
+// or across nodes only in the hierarchy), without error feedback of its own
+// (the step's residuals keep what the delivered sums lost) and with the
+// ranks' finiteness carried in its messages: where any rank's b was not
+// finite, b is NaN on every rank. The same bits on every rank.
+void sum_lowrank_factors(Transport& t, at::Tensor& b, at::ScalarType wire, const std::vector<int>* node_of,
+                         CodecTimer& timer);
+
 // A row of the layout.
 struct LowrankPart {
   int64_t offset, rows, cols, rank;
@@ -60,18 +78,21 @@ struct LowrankPart {
 // (false: some rank's x was not finite, nothing was changed; else second()
 // is ready), sum second(), finish(). x, q_state and residual
 // (arguments as above) are kept by reference until finish(). first() and
-// second() are in the wire dtype (float32 or bfloat16).
+// second() are in float32, or bfloat16 for that wire (sum_lowrank_factors
+// takes either).
 class LowrankStep {
  public:
   LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& layout, const at::Tensor& q_state,
               const at::Tensor& residual, CodecTimer& timer, double share = -1.0, at::ScalarType wire = at::kFloat);
-  at::Tensor& first() { return rounded() ? head_wire_ : head_; }
+  at::Tensor& first() { return cast() ? head_wire_ : head_; }
   bool after_first(Transport& t);
-  at::Tensor& second() { return rounded() ? qt_wire_ : qt_; }
+  at::Tensor& second() { return cast() ? qt_wire_ : qt_; }
   void finish();
 
  private:
+  // the sums are rounded (bf16, fp8); a bf16 wire's are cast copies of head_ and qt_
   bool rounded() const { return wire_ != at::kFloat; }
+  bool cast() const { return wire_ == at::kBFloat16; }
   // M of a dense part (x / divisor + residual) into out (its numel)
   void dense_input(const LowrankPart& p, at::Tensor& out) const;
   // out = M other (m_left) or other M for a matrix part, M = x / divisor +

@@ -39,7 +39,7 @@ struct BucketJob {
   at::Tensor server_residual;  // onebit and fp8 only, may be undefined
   at::Tensor layout;           // lowrank only: int64 [k, 4]
   at::Tensor q_state;          // lowrank only: warm-start Q, updated in place
-  at::ScalarType lowrank_wire = at::kFloat;  // lowrank only: what its all-reduces send (float32 or bfloat16)
+  at::ScalarType lowrank_wire = at::kFloat;  // lowrank only: what its all-reduces send (float32, bfloat16, fp8)
   // Momentum compression (HookState.attach_optimizer): the SGD momentum m of
   // the bucket, identical on every rank; float32, may be undefined.
   at::Tensor momentum;
@@ -158,8 +158,8 @@ class BucketReducer {
   void add_wire_since(const WireMark& m);
   // A compressed bucket that is not finite on some rank: reduced exactly.
   void reduce_nonfinite(BucketJob& job, double divisor);
-  // lowrank's sum of a factor buffer with the bucket's algorithm.
-  void sum_by(Algo algo, at::Tensor& b);
+  // lowrank's sum of a factor buffer with the bucket's algorithm and wire.
+  void sum_by(const BucketJob& job, at::Tensor& b);
   // Starts job.sum_first's sum (if any), after waiting for a started one that
   // nobody finished (the ranks started it alike, so it completes).
   void start_sum(BucketJob& job);

@@ -29,11 +29,9 @@ void ParkedBucket::finish() {
   }
 }
 
-void BucketReducer::sum_by(Algo algo, at::Tensor& b) {
-  if (algo != Algo::kHierarchical)
-    transport_->all_reduce_sum(b);
-  else if (b.numel() > 0)
-    collectives::allreduce_hierarchical(*transport_, b, node_of_);
+void BucketReducer::sum_by(const BucketJob& job, at::Tensor& b) {
+  collectives::sum_lowrank_factors(*transport_, b, job.lowrank_wire,
+                                   job.algo == Algo::kHierarchical ? &node_of_ : nullptr, codec_);
 }
 
 namespace {
@@ -60,8 +58,8 @@ void sum_together(const std::vector<at::Tensor*>& ps, const std::function<void(a
 
 void BucketReducer::reduce_group(Parked& group) {
   Transport& t = *transport_;
-  const Algo algo = group.front()->job.algo;
-  const auto sum = [this, algo](at::Tensor& b) { sum_by(algo, b); };
+  const BucketJob& front = group.front()->job;  // every bucket of the group has its algorithm and wire
+  const auto sum = [this, &front](at::Tensor& b) { sum_by(front, b); };
   std::vector<at::Tensor*> firsts;
   for (auto& p : group) firsts.push_back(&p->step->first());
   sum_together(firsts, sum);
@@ -83,7 +81,7 @@ void BucketReducer::reduce_group(Parked& group) {
 void BucketReducer::flush(Parked& out) {
   const WireMark mark = wire_mark();
   if (parked_) {
-    sum_by(parked_->job.algo, parked_->step->second());
+    sum_by(parked_->job, parked_->step->second());
     parked_->finish();
     out.push_back(std::move(parked_));
   }
@@ -134,17 +132,17 @@ void BucketReducer::reduce_pipelined(BucketJob& job, PipelineOutcome& out) {
   } else {
     if (joins) {
       at::Tensor& second = parked_->step->second();
-      sum_together({&second, &step->first()}, [this, &job](at::Tensor& b) { sum_by(job.algo, b); });
+      sum_together({&second, &step->first()}, [this, &job](at::Tensor& b) { sum_by(job, b); });
       parked_->finish();
       out.earlier.push_back(std::move(parked_));
       out.earlier_done = true;
     } else {
-      sum_by(job.algo, step->first());
+      sum_by(job, step->first());
     }
     if (!step->after_first(t)) {
       reduce_nonfinite(job, divisor);
     } else if (job.last) {
-      sum_by(job.algo, step->second());
+      sum_by(job, step->second());
       ParkedBucket{job, std::move(step), input}.finish();
     } else {
       parked_ = std::make_unique<ParkedBucket>(ParkedBucket{job, std::move(step), input});
