@@ -291,7 +291,7 @@ def allreduce_hook_scaler_run():
 _packed = pytest.mark.skipif(not _C.build_info()["zstd"], reason="no libzstd on this machine: nothing is packed")
 
 
-@pytest.mark.parametrize("mode", ["none", "onebit", "topk", "lowrank", "lowrank-fp32",
+@pytest.mark.parametrize("mode", ["none", "onebit", "topk", "lowrank", "lowrank-fp32", "lowrank-fp8",
                                   pytest.param("int3-zstd", marks=_packed), pytest.param("fp8-zstd", marks=_packed)])
 def test_grad_scaler_fp16_keeps_training_through_overflows(mode, allreduce_hook_scaler_run):
     ref = allreduce_hook_scaler_run
