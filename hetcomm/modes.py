@@ -22,7 +22,7 @@ or ``torch-powersgd`` sets the rank (``lowrank-r16+m``, ``torch-powersgd-r8``);
 at the very end of a hetcomm mode sets HookState's ``algorithm``
 (``fp8@hierarchical``, ``onebit+m-p5@ring``; ``fp8@native`` compresses flat
 where ``fp8``, HookState's default, goes across nodes only on several nodes);
-``-fp32`` / ``-bf16`` / ``-fp8`` at the end of a lowrank mode (before ``@ALGO``) sends its factors in
+``-fp32`` / ``-bf16`` / ``-fp8`` at the end of a lowrank or auto mode (before ``@ALGO``) sends lowrank's factors in
 float32 / bf16 / fp8 (HookState's ``lowrank_wire``; by default bf16, fp8 across a link measured under 40 Mbit/s;
 ``lowrank-fp32``, ``lowrank-r8+m-fp32@native``; the tables in bench/README before "bf16 by default" ran
 ``lowrank`` in float32).
@@ -199,8 +199,8 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
     wire = next((w for w in LOWRANK_WIRES if name.endswith(f"-{w}")), None) if choices is None else None
     if wire is not None:
         m = _part(name, name[:-len(wire) - 1])
-        if m.options.get("compression") != "lowrank":
-            raise ValueError(f"mode {name!r}: -{wire} (the factors' wire) is for hetcomm's lowrank modes")
+        if m.options.get("compression") not in ("lowrank", "auto"):
+            raise ValueError(f"mode {name!r}: -{wire} (the factors' wire) is for hetcomm's lowrank and auto modes")
         return replace(m, name=name, options={**m.options, "lowrank_wire": wire})
     start = _START.match(name) if choices is None else None
     if start:
@@ -247,7 +247,7 @@ def get(name: str, choices: Optional[Iterable[str]] = None) -> Mode:
                  "int3 as onebit-cN, fp8-cN, int3-cN: N elements per scale; topk as topk-kN: N per mille of the entries; a +m mode "
                  "as X+m-pN: a warm-up of N % of the run; "
                  "a hetcomm mode as X-sN: compressed from step N (HookState's start_iter), X@ALGO: its algorithm; "
-                 "a lowrank mode as X-fp32 / X-bf16 / X-fp8: its factors in float32 / bf16 / fp8; "
+                 "a lowrank or auto mode as X-fp32 / X-bf16 / X-fp8: lowrank's factors in float32 / bf16 / fp8; "
                  "a hetcomm mode as X-zstd / X-raw: its messages packed or not, HookState's pack)"
                  ) if choices is None else ""
         raise ValueError(f"mode must be one of {', '.join(allowed)}{ranks}; got {name!r}")

@@ -378,8 +378,9 @@ def test_a_wire_suffix_sets_a_lowrank_modes_factors_wire():
         state.close()
     state = hetcomm.HookState("lowrank")
     assert state.lowrank_wire is None and hetcomm.plan.lowrank_wire_of(state) == "bf16"  # the default, one node
-    for bad in ("fp8-bf16", "torch-powersgd-bf16", "auto-bf16", "onebit-fp32", "none-fp32", "int3-fp8"):
-        with pytest.raises(ValueError, match=r"-(bf16|fp32|fp8) \(the factors' wire\) is for hetcomm's lowrank modes"):
+    assert hetcomm.modes.get("auto-bf16").options == {"compression": "auto", "lowrank_wire": "bf16"}  # auto's lowrank
+    for bad in ("fp8-bf16", "torch-powersgd-bf16", "onebit-fp32", "none-fp32", "int3-fp8"):
+        with pytest.raises(ValueError, match=r"-(bf16|fp32|fp8) \(the factors' wire\) is for hetcomm's lowrank and"):
             hetcomm.modes.get(bad)
 
 
