@@ -34,11 +34,12 @@ if __name__ == "__main__":
         means[mode].append(1000 * statistics.mean(times[40:]))
         times_of[mode].append(times)
         if rank == 0:
-            plans = {k: (p["mode"], p["algorithm"]) for k, p in state.stats()["plans"].items()} if state else ""
-            total = state.stats()["total"] if state else {}
+            st = state.stats() if state else {}
+            plans = {k: (p["mode"], p["algorithm"]) for k, p in st["plans"].items()} if state else ""
+            total = st.get("total", {})
             sent = (f" sent {total['bytes_sent'] / steps / 1e3:.1f} KB a step, across nodes "
                     f"{total['bytes_sent_across_nodes'] / steps / 1e3:.1f}") if state else ""
-            wire = f" lowrank_wire {state.stats()['lowrank_wire']}" if state and "lowrank_wire" in state.stats() else ""
+            wire = f" lowrank_wire {st['lowrank_wire']}" if "lowrank_wire" in st else ""
             print(f"{mode}: mean {means[mode][-1]:.2f} median {1000 * statistics.median(times[40:]):.2f} ms{sent} "
                   f"{plans}{wire}", flush=True)
         if state is not None:

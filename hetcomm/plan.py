@@ -79,17 +79,25 @@ PACK_BELOW_GBIT = 0.5
 PACKABLE = ("onebit", "fp8", "int3")
 
 
+def _host_nodes_link_gbit(topo) -> Tuple[bool, Optional[float]]:
+    """What the wire rules below read of topology ``topo``: whether it has
+    several nodes with every rank on the host (GPU buckets: not measured),
+    and the link between the nodes in Gbit/s as measured (None: unmeasured)."""
+    if topo is None or topo.num_nodes < 2:
+        return False, None
+    if not all(str(d.get("model", "")).startswith("cpu") for d in topo.devices):
+        return False, None
+    inter = topo.links.get("inter")
+    return True, (8e-9 / inter.beta if inter is not None and inter.beta > 0 else None)
+
+
 def packed_by_default(topo) -> Tuple[str, ...]:
     """The modes ``pack=None`` packs on topology ``topo``, read once when it is
     known (the same on every rank): fp8 and int3 on several nodes, every rank
     on the host, a link between them under :data:`PACK_BELOW_GBIT` or
     unmeasured."""
-    if topo is None or topo.num_nodes < 2:
-        return ()
-    if not all(str(d.get("model", "")).startswith("cpu") for d in topo.devices):
-        return ()  # GPUs' codes are on the device: no packing there (unmeasured)
-    inter = topo.links.get("inter")
-    if inter is not None and inter.beta > 0 and 8e-9 / inter.beta >= PACK_BELOW_GBIT:
+    host_nodes, gbit = _host_nodes_link_gbit(topo)
+    if not host_nodes or (gbit is not None and gbit >= PACK_BELOW_GBIT):
         return ()
     return ("fp8", "int3")
 
@@ -119,14 +127,8 @@ def lowrank_wire_by_default(topo) -> str:
     several nodes, every rank on the host, whose link between them measured
     under :data:`FP8_FACTORS_BELOW_MBIT` (compression="auto" measures it; a
     fixed mode's topology leaves it unmeasured); bf16 otherwise."""
-    if topo is None or topo.num_nodes < 2:
-        return "bf16"
-    if not all(str(d.get("model", "")).startswith("cpu") for d in topo.devices):
-        return "bf16"  # GPU buckets: not measured
-    inter = topo.links.get("inter")
-    if inter is None or inter.beta <= 0 or 8e-6 / inter.beta >= FP8_FACTORS_BELOW_MBIT:
-        return "bf16"
-    return "fp8"
+    host_nodes, gbit = _host_nodes_link_gbit(topo)
+    return "fp8" if host_nodes and gbit is not None and 1000 * gbit < FP8_FACTORS_BELOW_MBIT else "bf16"
 
 
 def lowrank_wire_of(s) -> str:
