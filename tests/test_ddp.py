@@ -975,3 +975,44 @@ def test_hook_returns_before_the_collective_finishes(place, overlap_runs, mode):
         assert all(not done for _, done, _ in step["calls"]), step["calls"]
         assert max(seconds for seconds, *_ in step["calls"]) < LATE / 2, step["calls"]
         assert step["seconds"] > 0.8 * LATE  # ... and backward waited for the late rank
+
+
+def _chained(rank, world, mode):
+    """A callback chained on the hook's future (``fut.then``) records, where
+    it ran, whether autograd records an op there; rank 1 arrives late at
+    every step, so rank 0's futures complete on hetcomm's comm thread."""
+    import threading
+
+    model = models.mlp()
+    ddp = models.ddp(model, rank, "cpu", bucket_cap_mb=0.01)  # several buckets (lowrank's: pipelined)
+    state = hetcomm.HookState(mode, min_compress_numel=0, start_iter=1)
+    main, seen = threading.get_ident(), []
+
+    def then(fut):
+        w = torch.ones(3, requires_grad=True)
+        out = fut.value()
+        seen.append((threading.get_ident() != main, (w * 2.0).sum().grad_fn is not None, out.is_inference()))
+        return out
+
+    ddp.register_comm_hook(state, lambda st, bucket: hetcomm.hook(st, bucket).then(then))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(3):
+        if rank == 1:
+            time.sleep(0.3)
+        models.train_step(ddp, opt, rank, step, 8)
+    state.close()
+    return {"seen": seen, "params": models.flat_params(model)}
+
+
+def test_callbacks_chained_on_the_hooks_future_run_with_autograd():
+    """The comm thread's tensor work runs below autograd's dispatch keys
+    (csrc/engine/engine.cpp); the futures are completed outside that, so a
+    user's callback on the comm thread records autograd ops as anywhere, and
+    what it is handed is an ordinary tensor (no inference tensor)."""
+    modes = ["onebit", "lowrank"]
+    r0, r1 = run_ranks(each_mode, 2, _chained, modes)
+    for mode in modes:
+        on_comm = [s for s in r0[mode]["seen"] if s[0]]
+        assert len(on_comm) >= 3, (mode, r0[mode]["seen"])  # several buckets a step, late partner
+        assert all(recorded and not inference for _, recorded, inference in r0[mode]["seen"]), (mode, r0[mode])
+        assert torch.equal(r0[mode]["params"], r1[mode]["params"])
