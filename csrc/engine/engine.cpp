@@ -31,9 +31,9 @@ namespace {
 // own, none requires a gradient, and no autograd graph sees them. On the CPU
 // each of a step's ~450 small ops (views of the bucket, its factors and
 // shards) then skips autograd's kernel and the view tracking of
-// ADInplaceOrView (digits on the 2 x 2 testbed: the comm thread's CPU 0.9 ->
-// 0.7 ms a step). Futures are completed outside it: their callbacks (a user's
-// then()) run with the thread's usual dispatch.
+// ADInplaceOrView (digits on the 2 x 2 testbed, in turns: the comm thread's
+// CPU 0.8 -> 0.7 ms a step). Futures are completed outside it: their callbacks
+// (a user's then()) run with the thread's usual dispatch.
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
 
 }  // namespace
