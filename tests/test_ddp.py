@@ -2,6 +2,7 @@
 
 import math
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -981,7 +982,6 @@ def _chained(rank, world, mode):
     """A callback chained on the hook's future (``fut.then``) records, where
     it ran, whether autograd records an op there; rank 1 arrives late at
     every step, so rank 0's futures complete on hetcomm's comm thread."""
-    import threading
 
     model = models.mlp()
     ddp = models.ddp(model, rank, "cpu", bucket_cap_mb=0.01)  # several buckets (lowrank's: pipelined)
