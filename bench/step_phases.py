@@ -154,7 +154,7 @@ def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[f
               f"{skip}-{steps - 1} (main, comm_thr, others, runq: the mean)")
         print("rank " + " ".join(f"{c:>9}" for c in COLUMNS))
         for r, values in enumerate(gathered):
-            print(f"{r:>4} " + " ".join(f"{v:9.1f}" for v in values.tolist()))
+            print(f"{r:>4} " + " ".join(f"{v:9.2f}" for v in values.tolist()))
     if state is not None:
         if rank == 0:
             print("plans at the end:", _plans(state.stats()))

@@ -95,6 +95,28 @@ def test_lowrank_matches_pure_torch_reference(world):
         res = [r["res"][step] for r in results]  # continue from what the ranks hold
 
 
+def _dense_part(rank, world, divisors):
+    t = _C.ProcessGroupTransport(dist.group.WORLD)
+    g = torch.Generator().manual_seed(rank)
+    x, res = torch.randn(N, generator=g) * 3, torch.randn(N, generator=g) * 1e-3
+    sent = (x.clone(), res.clone())
+    t.allreduce_lowrank(x, divisors[rank], torch.tensor(LAYOUT), _q_state(LAYOUT), res)
+    return {"sent": sent, "out": x, "res": res}
+
+
+def test_a_dense_part_sums_each_ranks_x_over_its_divisor_plus_its_residual_to_the_bit():
+    # M of a part sent dense is x / divisor + residual, each rounded as torch's division by a float and addition
+    # round them, and the float32 wire sums it exactly (on two ranks a + b, in either order): torch's bits
+    divisors = [2.5, 5 / 3]
+    results = run_ranks(_dense_part, 2, divisors)
+    dense = slice(960, 990)
+    want = sum((r["sent"][0][dense] / d + r["sent"][1][dense]) for r, d in zip(results, divisors))
+    for r in results:
+        assert torch.equal(r["out"][dense], want)
+        assert torch.equal(r["res"][dense], torch.zeros(30))  # an exact sum leaves nothing owed
+        assert not torch.equal(r["out"][:960], r["sent"][0][:960])  # the matrices were approximated
+
+
 def test_a_small_gradient_is_approximated_as_a_large_one():
     # The step is homogeneous: inputs 1e-6 the size give outputs and residuals 1e-6 the size, step after step, as
     # PowerSGD's (exact normalization, an orthonormal warm-start Q). With Q kept as M^T P, unnormalized, P = M M^T P

@@ -8,11 +8,32 @@
 
 #include "collectives/algorithms.h"
 #include "ops/codecs.h"
+#include "ops/codecs_cpu.h"
 
 namespace hetcomm {
 namespace collectives {
 
 namespace {
+
+// Views of a contiguous 1-D buffer (x, the residual, q_state, head_, qt_): one
+// as_strided each, where narrow(...).view(...) dispatched four ops (narrow,
+// slice, as_strided, view) and .t() two more. A digits step on the 2 x 2
+// testbed ran some 455 ATen ops on the comm thread, 75 of them narrows, and
+// the dispatcher's bookkeeping was half of its CPU (bench/README "lowrank's
+// views of its buffers in one op").
+at::Tensor flat(const at::Tensor& base, int64_t off, int64_t n) {
+  return base.as_strided({n}, {1}, base.storage_offset() + off);
+}
+
+// rows x cols, row-major, at off
+at::Tensor matrix(const at::Tensor& base, int64_t off, int64_t rows, int64_t cols) {
+  return base.as_strided({rows, cols}, {cols, 1}, base.storage_offset() + off);
+}
+
+// the transpose of the row-major rows x cols matrix at off (cols x rows)
+at::Tensor matrix_t(const at::Tensor& base, int64_t off, int64_t rows, int64_t cols) {
+  return base.as_strided({cols, rows}, {1, cols}, base.storage_offset() + off);
+}
 
 // t rounded to the wire dtype, in a new buffer on t's device (what is summed).
 at::Tensor encoded(const at::Tensor& t, at::ScalarType wire) {
@@ -118,15 +139,15 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
   int64_t d = p_total, po = 0, qo = 0;
   for (const auto& p : parts_) {
     if (p.rank == 0) {
-      at::Tensor h = head_.narrow(0, d, p.numel());
+      at::Tensor h = flat(head_, d, p.numel());
       dense_input(p, h);
       d += p.numel();
     } else {
       // M (Q^T)^T with Q^T contiguous: as fast as BLAS goes here (M Q with Q
       // contiguous: 4-5x slower, for the same reason as above)
-      const at::Tensor qt = q_state.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank}).t().contiguous();
-      at::Tensor out = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-      times_m(p, qt.t(), true, out);
+      const at::Tensor qt = matrix_t(q_state, qo, p.cols, p.rank).contiguous();
+      at::Tensor out = matrix(head_, po, p.rows, p.rank);
+      times_m(p, matrix_t(qt, 0, p.rank, p.cols), true, out);
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }
@@ -136,13 +157,21 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
 }
 
 void LowrankStep::dense_input(const LowrankPart& p, at::Tensor& out) const {
+  if (x_.is_cpu() && out.is_contiguous() && (!residual_.defined() || residual_.is_contiguous())) {
+    // the bits of the two kernels below without their dispatch and iterators (on digits' step 6 % of the comm
+    // thread's CPU, for three biases)
+    ops::cpu::dense_input(x_.data_ptr<float>() + p.offset,
+                          residual_.defined() ? residual_.data_ptr<float>() + p.offset : nullptr,
+                          static_cast<float>(divisor_), out.data_ptr<float>(), p.numel());
+    return;
+  }
   // the same division kernel as x.div_(divisor): a dense part sums as the exact all-reduce does
-  at::div_out(out, x_.narrow(0, p.offset, p.numel()), at::native::wrapped_scalar_tensor(divisor_));
-  if (residual_.defined()) out.add_(residual_.narrow(0, p.offset, p.numel()));
+  at::div_out(out, flat(x_, p.offset, p.numel()), at::native::wrapped_scalar_tensor(divisor_));
+  if (residual_.defined()) out.add_(flat(residual_, p.offset, p.numel()));
 }
 
 void LowrankStep::times_m(const LowrankPart& p, const at::Tensor& other, bool m_left, at::Tensor& out) const {
-  const auto view = [&p](const at::Tensor& t) { return t.narrow(0, p.offset, p.numel()).view({p.rows, p.cols}); };
+  const auto view = [&p](const at::Tensor& t) { return matrix(t, p.offset, p.rows, p.cols); };
   const auto mm = [&](const at::Tensor& m) { m_left ? at::mm_out(out, m, other) : at::mm_out(out, other, m); };
   const at::Tensor xm = view(x_);
   if (residual_.defined()) {  // residual (x) other + (xm (x) other) / divisor, accumulated by BLAS
@@ -169,9 +198,8 @@ bool LowrankStep::after_first(Transport& t) {
   int64_t po = 0, qo = 0;
   for (const auto& p : parts_) {
     if (p.rank == 0) continue;
-    at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-    at::Tensor out = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
-    times_m(p, pm.t(), false, out);
+    at::Tensor out = matrix(qt_, qo, p.rank, p.cols);
+    times_m(p, matrix_t(head_, po, p.rows, p.rank), false, out);
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }
@@ -184,10 +212,10 @@ void LowrankStep::finish() {
   if (cast()) ops::cast_decode(qt_wire_, 1.0, qt_);
   int64_t d = p_total_, po = 0, qo = 0;
   for (const auto& p : parts_) {
-    at::Tensor out = x_.narrow(0, p.offset, p.numel());
-    at::Tensor r = residual_.defined() ? residual_.narrow(0, p.offset, p.numel()) : at::Tensor();
     if (p.rank == 0) {
-      const at::Tensor sum = head_.narrow(0, d, p.numel());
+      at::Tensor out = flat(x_, p.offset, p.numel());
+      at::Tensor r = residual_.defined() ? flat(residual_, p.offset, p.numel()) : at::Tensor();
+      const at::Tensor sum = flat(head_, d, p.numel());
       d += p.numel();
       if (r.defined() && rounded()) {
         // The rounded sum stands for the sum over ranks; this rank keeps what
@@ -201,8 +229,8 @@ void LowrankStep::finish() {
       }
       out.copy_(sum);
     } else {
-      at::Tensor pm = head_.narrow(0, po, p.rows * p.rank).view({p.rows, p.rank});
-      at::Tensor qtm = qt_.narrow(0, qo, p.cols * p.rank).view({p.rank, p.cols});
+      at::Tensor pm = matrix(head_, po, p.rows, p.rank);
+      at::Tensor qtm = matrix(qt_, qo, p.rank, p.cols);
       // The warm start for the next step. A zero row of the summed Q^T (M
       // was zero on every rank: a parameter no rank used, its residual held
       // back or zero; or the summed M Q was) keeps the old column: copied,
@@ -211,13 +239,14 @@ void LowrankStep::finish() {
       // 256 layer that no rank used in the first compressed step: its reduced
       // gradient was 0 at every later step, and its residual grew by the
       // whole gradient).
-      at::Tensor qv = q_state_.narrow(0, qo, p.cols * p.rank).view({p.cols, p.rank});
+      at::Tensor qv = matrix(q_state_, qo, p.cols, p.rank);
       ops::take_q(qv, qtm);
       // One pass: x becomes the approximation (identical inputs on every rank
       // -> identical bits: our own fixed-order product, not BLAS), and the
       // residual what this rank's share of it did not deliver of its M.
-      at::Tensor xm = out.view({p.rows, p.cols});
-      ops::lowrank_finish(pm, qtm, xm, r.defined() ? r.view({p.rows, p.cols}) : r, divisor_, share_);
+      at::Tensor xm = matrix(x_, p.offset, p.rows, p.cols);
+      ops::lowrank_finish(pm, qtm, xm, residual_.defined() ? matrix(residual_, p.offset, p.rows, p.cols) : at::Tensor(),
+                          divisor_, share_);
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }

@@ -13,6 +13,8 @@ enum class Wire16 { kHalf = 0, kBFloat16 = 1 };
 
 void cast_encode_cpu(Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t begin, int64_t end);
 void cast_decode_cpu(Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t begin, int64_t end);
+// Whether in[begin, end) holds no infinity and no NaN (no exponent of all ones).
+bool all_finite_cpu(const float* in, int64_t begin, int64_t end);
 
 void cast_encode_cuda(Wire16 fmt, const float* in, float divisor, uint16_t* out, int64_t n, void* stream);
 void cast_decode_cuda(Wire16 fmt, const uint16_t* in, float mul, float* out, int64_t n, void* stream);

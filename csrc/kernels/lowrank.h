@@ -85,6 +85,10 @@ void outer_product_cuda(const float* p, const float* qt, float* out, int64_t row
 // [row_begin, row_end). `row` holds cols floats of scratch.
 void lowrank_finish_cpu(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
                         int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end);
+// A part sent dense: out[i] = x[i] / divisor (+ residual[i] where residual is
+// not null), each rounded: the bits of torch's division by a float scalar,
+// then its addition. Elements [begin, end).
+void dense_input_cpu(const float* x, const float* residual, float divisor, float* out, int64_t begin, int64_t end);
 // The same on the GPU, enqueued on `stream` (a cudaStream_t).
 void lowrank_finish_cuda(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
                          int64_t rows, int64_t cols, int64_t r, void* stream);

@@ -68,5 +68,13 @@ void outer_product_cpu(const float* p, const float* qt, float* out, int64_t rows
   for (int64_t i = row_begin; i < row_end; ++i) outer_row(p + i * r, qt, out + i * cols, cols, r);
 }
 
+void dense_input_cpu(const float* x, const float* residual, float divisor, float* out, int64_t begin, int64_t end) {
+  if (residual == nullptr) {
+    for (int64_t i = begin; i < end; ++i) out[i] = x[i] / divisor;
+  } else {
+    for (int64_t i = begin; i < end; ++i) out[i] = x[i] / divisor + residual[i];
+  }
+}
+
 }  // namespace kernels
 }  // namespace hetcomm

@@ -119,6 +119,17 @@ void orthonormalize_blocks(float* base, const std::vector<k::ColumnBlock>& block
   });
 }
 
+bool all_finite(const float* x, int64_t n) {
+  return at::parallel_reduce(
+      0, n, kGrainElements, true, [&](int64_t b, int64_t e, bool ok) { return ok && k::all_finite_cpu(x, b, e); },
+      [](bool a, bool b) { return a && b; });
+}
+
+void dense_input(const float* x, const float* residual, float divisor, float* out, int64_t n) {
+  at::parallel_for(0, n, kGrainElements,
+                   [&](int64_t b, int64_t e) { k::dense_input_cpu(x, residual, divisor, out, b, e); });
+}
+
 }  // namespace cpu
 }  // namespace ops
 }  // namespace hetcomm
