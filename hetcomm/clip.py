@@ -139,7 +139,10 @@ class NormSketch:
         g = param.grad
         if g is None or g.numel() < kept.numel() or g.device != kept.device:
             return
-        pair = torch.stack([kept, g.detach().reshape(-1)[:kept.numel()]]).double()
+        now = g.detach().reshape(-1)[:kept.numel()]
+        if not now.is_cuda and torch.equal(now, kept):  # not rescaled (every step of most runs): one op, not ten
+            return
+        pair = torch.stack([kept, now]).double()
         event = None
         if pair.is_cuda:
             host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
