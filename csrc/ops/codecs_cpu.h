@@ -37,9 +37,9 @@ void lowrank_finish(const float* p, const float* qt, float* x, float* residual, 
                     int64_t rows, int64_t cols, int64_t r);
 void orthonormalize_blocks(float* base, const std::vector<kernels::ColumnBlock>& blocks, float eps);
 void momentum_fold_in(float* x, const float* m, float alpha, int64_t n);
+void momentum_handoff(float* x, float* m, float beta, int64_t n);
 bool all_finite(const float* x, int64_t n);
 void dense_input(const float* x, const float* residual, float divisor, float* out, int64_t n);
-void momentum_handoff(float* x, float* m, float beta, int64_t n);
 
 }  // namespace cpu
 }  // namespace ops
