@@ -149,6 +149,12 @@ def _bad_layouts(rank, world):
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
+    for residual in (torch.zeros(200)[::2], torch.zeros(100, dtype=torch.float64)):  # strided; not float32
+        try:
+            t.allreduce_lowrank(torch.zeros(100), 1.0, torch.tensor([[0, 10, 10, 2]]), torch.zeros(20), residual)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
     return errors
 
 
@@ -158,6 +164,8 @@ def test_lowrank_layout_errors_are_clear():
     assert errors[1] is None  # a valid layout
     assert "Q state must be contiguous float32 with 20 elements" in errors[2]
     assert "outside the bucket" in errors[3]
+    assert "residual must be a contiguous float32 tensor, got Float (not contiguous)" in errors[4]
+    assert "residual must be a contiguous float32 tensor, got Double" in errors[5]
 
 
 def _many_buckets(rank, world, steps):

@@ -112,6 +112,11 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
                     "hetcomm: lowrank Q state and residual must be on the bucket's device ", x.device());
   TORCH_CHECK_VALUE(!residual.defined() || residual.numel() == x.numel(), "hetcomm: lowrank residual must have the bucket's ",
                     x.numel(), " elements, got ", residual.numel());
+  // (its views are taken by offset: a strided residual would be read at the wrong places)
+  TORCH_CHECK_VALUE(!residual.defined() || (residual.is_contiguous() && residual.scalar_type() == at::kFloat),
+                    "hetcomm: lowrank residual must be a contiguous float32 tensor, got ",
+                    residual.defined() ? c10::toString(residual.scalar_type()) : "none",
+                    residual.defined() && !residual.is_contiguous() ? " (not contiguous)" : "");
   // One all-reduce for P and the dense parts, which also tells every rank
   // whether all x were finite: a non-finite entry of M makes its row of
   // P = M Q non-finite (inf * q is +-inf, inf * 0 and anything with NaN are
