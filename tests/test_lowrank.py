@@ -105,8 +105,8 @@ def _dense_part(rank, world, divisors):
 
 
 def test_a_dense_part_sums_each_ranks_x_over_its_divisor_plus_its_residual_to_the_bit():
-    # M of a part sent dense is x / divisor + residual, each rounded as torch's division by a float and addition
-    # round them, and the float32 wire sums it exactly (on two ranks a + b, in either order): torch's bits
+    # M of a part sent dense is x / divisor + residual with torch's roundings (a division by a float, then an
+    # addition), and the float32 wire sums it exactly (on two ranks a + b, in either order): torch's bits
     divisors = [2.5, 5 / 3]
     results = run_ranks(_dense_part, 2, divisors)
     dense = slice(960, 990)
