@@ -21,13 +21,6 @@ std::vector<int64_t> blocks(int64_t n, int64_t k) {
   return b;
 }
 
-// x[lo:hi]; of a 1-D x of stride 1 (every caller's) one as_strided, where narrow dispatched three ops (narrow,
-// slice, as_strided)
-at::Tensor span(const at::Tensor& x, int64_t lo, int64_t hi) {
-  if (x.dim() != 1 || x.stride(0) != 1) return x.narrow(0, lo, hi - lo);
-  return x.as_strided({hi - lo}, {1}, x.storage_offset() + lo);
-}
-
 int mod(int a, int m) { return ((a % m) + m) % m; }
 
 // Ring reduce-scatter over positions: afterwards position p holds block p,
@@ -80,6 +73,11 @@ void check_x(const at::Tensor& x) {
 }
 
 }  // namespace
+
+at::Tensor span(const at::Tensor& x, int64_t lo, int64_t hi) {
+  if (x.dim() != 1 || x.stride(0) != 1) return x.narrow(0, lo, hi - lo);
+  return x.as_strided({hi - lo}, {1}, x.storage_offset() + lo);
+}
 
 void allreduce_pair(Transport& t, at::Tensor& x) {
   check_x(x);

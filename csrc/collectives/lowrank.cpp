@@ -16,14 +16,11 @@ namespace collectives {
 namespace {
 
 // Views of a contiguous 1-D buffer (x, the residual, q_state, head_, qt_): one
-// as_strided each, where narrow(...).view(...) dispatched four ops (narrow,
-// slice, as_strided, view) and .t() two more. A digits step on the 2 x 2
-// testbed ran some 455 ATen ops on the comm thread, 75 of them narrows, and
-// the dispatcher's bookkeeping was half of its CPU (bench/README "lowrank's
-// views of its buffers in one op").
-at::Tensor flat(const at::Tensor& base, int64_t off, int64_t n) {
-  return base.as_strided({n}, {1}, base.storage_offset() + off);
-}
+// as_strided each (a flat piece: span), where narrow(...).view(...)
+// dispatched four ops (narrow, slice, as_strided, view) and .t() two more. A
+// digits step on the 2 x 2 testbed ran some 455 ATen ops on the comm thread,
+// 75 of them narrows, and the dispatcher's bookkeeping was half of its CPU
+// (bench/README "lowrank's views of its buffers in one op").
 
 // rows x cols, row-major, at off
 at::Tensor matrix(const at::Tensor& base, int64_t off, int64_t rows, int64_t cols) {
@@ -144,7 +141,7 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
   int64_t d = p_total, po = 0, qo = 0;
   for (const auto& p : parts_) {
     if (p.rank == 0) {
-      at::Tensor h = flat(head_, d, p.numel());
+      at::Tensor h = span(head_, d, d + p.numel());
       dense_input(p, h);
       d += p.numel();
     } else {
@@ -162,17 +159,18 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
 }
 
 void LowrankStep::dense_input(const LowrankPart& p, at::Tensor& out) const {
-  if (x_.is_cpu() && out.is_contiguous() && (!residual_.defined() || residual_.is_contiguous())) {
+  if (x_.is_cpu()) {
     // the bits of the two kernels below without their dispatch and iterators (on digits' step 6 % of the comm
-    // thread's CPU, for three biases)
+    // thread's CPU, for three biases); x and the residual are contiguous (the constructor checks), out a piece
+    // of head_ or a new tensor
     ops::cpu::dense_input(x_.data_ptr<float>() + p.offset,
                           residual_.defined() ? residual_.data_ptr<float>() + p.offset : nullptr,
                           static_cast<float>(divisor_), out.data_ptr<float>(), p.numel());
     return;
   }
   // the same division kernel as x.div_(divisor): a dense part sums as the exact all-reduce does
-  at::div_out(out, flat(x_, p.offset, p.numel()), at::native::wrapped_scalar_tensor(divisor_));
-  if (residual_.defined()) out.add_(flat(residual_, p.offset, p.numel()));
+  at::div_out(out, span(x_, p.offset, p.offset + p.numel()), at::native::wrapped_scalar_tensor(divisor_));
+  if (residual_.defined()) out.add_(span(residual_, p.offset, p.offset + p.numel()));
 }
 
 void LowrankStep::times_m(const LowrankPart& p, const at::Tensor& other, bool m_left, at::Tensor& out) const {
@@ -218,9 +216,9 @@ void LowrankStep::finish() {
   int64_t d = p_total_, po = 0, qo = 0;
   for (const auto& p : parts_) {
     if (p.rank == 0) {
-      at::Tensor out = flat(x_, p.offset, p.numel());
-      at::Tensor r = residual_.defined() ? flat(residual_, p.offset, p.numel()) : at::Tensor();
-      const at::Tensor sum = flat(head_, d, p.numel());
+      at::Tensor out = span(x_, p.offset, p.offset + p.numel());
+      at::Tensor r = residual_.defined() ? span(residual_, p.offset, p.offset + p.numel()) : at::Tensor();
+      const at::Tensor sum = span(head_, d, d + p.numel());
       d += p.numel();
       if (r.defined() && rounded()) {
         // The rounded sum stands for the sum over ranks; this rank keeps what
