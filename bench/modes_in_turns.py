@@ -15,12 +15,14 @@ message, repeated for its time; ...; what auto pays over int3, step by step"):
 import statistics
 import sys
 
+import torch
 import torch.distributed as dist
 
 from hetcomm.benchmarks import common, tasks, train
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
+    torch.set_flush_denormal(True)  # as every run of hetcomm bench train (common.denormals_flushed)
     rank = dist.get_rank()
     task_name, optim, steps, reps, modes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
         sys.argv[5].split(",")

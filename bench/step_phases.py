@@ -101,6 +101,7 @@ def _plans(st: dict) -> str:
 def main(mode_name: str, steps: int, task_name: str, skip: int, clip: Optional[float], optim: str = "sgd",
          bucket_mb: Optional[float] = None) -> None:
     dist.init_process_group("gloo")
+    torch.set_flush_denormal(True)  # as every run of hetcomm bench train (common.denormals_flushed)
     rank, world = dist.get_rank(), dist.get_world_size()
     task = tasks.TASKS[task_name]()
     if mode_name in FLOORS:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -265,6 +266,7 @@ def test_bench_train_time_to_accuracy(tmp_path):
         times = [p["time_s"] for p in r["curve"]]
         assert times == sorted(times) and r["s_per_step"] * r["steps"] >= times[-1] * 0.999
         assert isinstance(r["minor_faults_per_step"], float) and r["minor_faults_per_step"] >= 0
+        assert r["denormals_flushed"] is True  # every mode's run alike (common.denormals_flushed)
         within = [p["mse"] <= 1.02 * fp32["final"] for p in r["curve"]]
         if r["reached"]:  # the first evaluation within 2 % of fp32's final MSE
             first = next(p for p in r["curve"] if p["mse"] <= 1.02 * fp32["final"])
@@ -287,6 +289,29 @@ def test_bench_train_time_to_accuracy(tmp_path):
     assert {k.split("/")[0] for k in last} == {"onebit"} and sum(last.values()) >= 1
     assert (tmp_path / "t.png").stat().st_size > 10_000
     assert "vs PowerSGD" in out.stdout and data["meta"]["world_size"] == 2
+
+
+def _subnormal_survives() -> bool:
+    x = torch.tensor([1e-39], dtype=torch.float32)  # subnormal: float32's least normal is 1.18e-38
+    return bool((x * 1.0).item() != 0.0)
+
+
+def test_bench_runs_flush_subnormals_on_the_cpu_and_leave_the_default_after():
+    # a decaying momentum's subnormal entries cost the CPU tens of times a normal one's (bench/README "Subnormal
+    # momenta on the CPU"); inside, a product of a subnormal is zero, on this thread and the threads it starts
+    assert _subnormal_survives()
+    with common.denormals_flushed("cpu") as flushed:
+        if not flushed:
+            pytest.skip("this CPU has no flush-to-zero mode (torch.set_flush_denormal returned False)")
+        assert not _subnormal_survives()
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(_subnormal_survives()))
+        t.start()
+        t.join()
+        assert seen == [False]
+    assert _subnormal_survives()  # the default again: the caller's own arithmetic untouched
+    with common.denormals_flushed("cuda") as flushed:  # a GPU's kernels keep IEEE's subnormals: nothing set
+        assert flushed is False and _subnormal_survives()
 
 
 def _share_on(rank, world, per_node):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -184,6 +185,31 @@ def metadata(world: int, **extra) -> Dict:
             "hetcomm": hetcomm.__version__, "torch": torch.__version__, "build": hetcomm.build_info(),
             "python": platform.python_version(), "host": platform.node(), "gpus": gpus,
             "sched": sched_policy(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **extra}
+
+
+@contextlib.contextmanager
+def denormals_flushed(device: str = "cpu"):
+    """Inside: this thread (and the threads it starts: they inherit its
+    floating-point environment) treats subnormal float32 inputs and results
+    as zero, on the CPU (``torch.set_flush_denormal``; a GPU's kernels are
+    untouched); after: the default again. A momentum that decays where a
+    gradient stays exactly zero (a unit no input reaches, an entry top-k
+    does not send) passes through the subnormal range, where each operation
+    on it takes the CPU tens of times longer: one rank's SGD-momentum step
+    of the wide model went from 1.0 to 8.7 ms between steps 600 and 1600
+    (250 k subnormal entries of 1.1 M; fp32's mean of 4 ranks' gradients: 71
+    k and 2.2 ms, AdamW's 195 k and 4.3 -> 6.6 ms), the 2 x 2 testbed's
+    floor with no gradient exchanged from 8.9 to 23 ms a step over 2500
+    steps. It slows the modes that deliver exact zeros (fp32, top-k) and not
+    the others, so every run of ``hetcomm bench train`` flushes them
+    (bench/README "Subnormal momenta on the CPU"). Threads started before
+    (gloo's) keep the default."""
+    flush = device == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield flush
+    finally:
+        if flush:
+            torch.set_flush_denormal(False)
 
 
 def write_json(path: Optional[str], payload: Dict, meta: Optional[Dict] = None) -> None:
