@@ -200,8 +200,9 @@ def denormals_flushed(device: str = "cpu"):
     (250 k subnormal entries of 1.1 M; fp32's mean of 4 ranks' gradients: 71
     k and 2.2 ms, AdamW's 195 k and 4.3 -> 6.6 ms), the 2 x 2 testbed's
     floor with no gradient exchanged from 8.9 to 23 ms a step over 2500
-    steps. It slows the modes that deliver exact zeros (fp32, top-k) and not
-    the others, so every run of ``hetcomm bench train`` flushes them
+    steps. It slows a mode whose delivered gradient keeps exact zeros for
+    hundreds of steps (fp32's) where another need not be slowed, so every
+    run of ``hetcomm bench train`` flushes them
     (bench/README "Subnormal momenta on the CPU"). Threads started before
     (gloo's) keep the default."""
     flush = device == "cpu" and torch.set_flush_denormal(True)
