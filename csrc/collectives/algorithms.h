@@ -18,13 +18,13 @@
 namespace hetcomm {
 namespace collectives {
 
-// Two ranks: each sends its whole vector to the other once, and both add
-// rank 0's values to rank 1's (one round; a ring of two makes two rounds of
-// halves, the same bytes). Every rank ends with the same bits.
 // x[lo:hi] of a 1-D x: for a stride of 1 one as_strided, where narrow dispatches three ops (narrow, slice,
 // as_strided); else narrow.
 at::Tensor span(const at::Tensor& x, int64_t lo, int64_t hi);
 
+// Two ranks: each sends its whole vector to the other once, and both add
+// rank 0's values to rank 1's (one round; a ring of two makes two rounds of
+// halves, the same bytes). Every rank ends with the same bits.
 void allreduce_pair(Transport& t, at::Tensor& x);
 // Reduce-scatter + all-gather around a ring; order[i] is the rank at ring
 // position i (a permutation of 0..size-1; empty: 0, 1, ..., size-1). On two

@@ -206,35 +206,29 @@ def _worker(rank: int, world: int, tasks: List[str], optims: List[str], modes: L
             eval_every: int, lr_scale: float, partial_path: Optional[str] = None, seeds: int = 1,
             clip: Optional[float] = None, clip_handed: bool = False, schedule: str = "constant",
             device: str = "cpu", bucket_mb: Optional[float] = None, first_seed: int = 0) -> List[Dict]:
-    with common.denormals_flushed(device) as flushed:
-        return _worker_runs(rank, tasks, optims, modes, scale, eval_every, lr_scale, partial_path, seeds, clip,
-                            clip_handed, schedule, device, bucket_mb, first_seed, flushed)
-
-
-def _worker_runs(rank: int, tasks: List[str], optims: List[str], modes: List[str], scale: float, eval_every: int,
-                 lr_scale: float, partial_path: Optional[str], seeds: int, clip: Optional[float], clip_handed: bool,
-                 schedule: str, device: str, bucket_mb: Optional[float], first_seed: int,
-                 flushed: bool) -> List[Dict]:
-    out = []
-    for name in tasks:
-        task = TASKS[name]()
-        steps = max(eval_every, int(task.steps * scale))
-        for optim in optims:
-            for seed in range(first_seed, first_seed + seeds):
-                task.seed = seed
-                for mode in modes:
-                    r = _run(rank, task, optim, mode, steps, eval_every, task_lr(task, optim) * lr_scale, clip,
-                             clip_handed, schedule, device, bucket_mb)
-                    if r is not None:
-                        r["denormals_flushed"] = flushed
-                        plans = r["curve"][-1].get("plans")
-                        print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
-                              f"{1000 * r['s_per_step']:.1f} ms/step  {r['minor_faults_per_step']:.0f} faults/step" +
-                              (f"  last step: {plans}" if plans else ""),
-                              file=sys.stderr, flush=True)
-                        out.append(r)
-                        common.write_json(partial_path, {"partial": True, "runs": out})  # kept if a later run fails
-    return out
+    with common.denormals_flushed(device) as flushed:  # every mode's runs alike
+        out = []
+        for name in tasks:
+            task = TASKS[name]()
+            steps = max(eval_every, int(task.steps * scale))
+            for optim in optims:
+                for seed in range(first_seed, first_seed + seeds):
+                    task.seed = seed
+                    for mode in modes:
+                        r = _run(rank, task, optim, mode, steps, eval_every, task_lr(task, optim) * lr_scale, clip,
+                                 clip_handed, schedule, device, bucket_mb)
+                        if r is not None:
+                            r["denormals_flushed"] = flushed
+                            plans = r["curve"][-1].get("plans")
+                            print(f"  {name:9s} {optim:6s} seed {seed} {mode:15s} {task.metric} {r['final']:.4g}  "
+                                  f"{1000 * r['s_per_step']:.1f} ms/step  "
+                                  f"{r['minor_faults_per_step']:.0f} faults/step" +
+                                  (f"  last step: {plans}" if plans else ""),
+                                  file=sys.stderr, flush=True)
+                            out.append(r)
+                            # kept if a later run fails
+                            common.write_json(partial_path, {"partial": True, "runs": out})
+        return out
 
 
 def plot(runs: List[Dict], path: str) -> bool:
