@@ -22,7 +22,11 @@
    those do not run at all (:meth:`AutoPlanner._skip_hopeless`). After the first
    cycle (each round once) the ranks agree on the rounds that took over
    ``AUTO_SPAN`` times the fastest; those run no more (fp32 at 100 Mbit: 3
-   steps of it cost 25 compressed ones; they could not win).
+   steps of it cost 25 compressed ones; they could not win), nor do those
+   no faster in it than the round the decision keeps (3), which cannot
+   replace it (``AUTO_DROP_SLOWER``; a round with the guarded lowrank
+   against one without it runs on: its margin decides); where only that
+   round is left, the trial ends.
    Each round's *step* time is measured (one period of the training loop:
    what the user waits for, including what the codecs and the intra-node
    traffic take from the compute on a shared CPU); the comm thread also times

@@ -22,6 +22,7 @@ AUTO_HYSTERESIS = 0.9  # a re-check switches only to a candidate this much faste
 AUTO_SPAN = 2.0       # re-checks leave out candidates measured this much slower than the chosen one ...
 AUTO_FULL_EVERY = 4   # ... except every 4th re-check, which measures them all again
 AUTO_LINK_SPAN = 1.25  # the first trial leaves out an fp32 round predicted this much slower than its fastest so far
+AUTO_DROP_SLOWER = True  # ... and, after the first cycle, the rounds no faster than the kept one in it (_cannot_win)
 INF = float("inf")     # a round's time where there is none (not measured, or not allowed)
 
 
@@ -244,11 +245,45 @@ class TrialRounds:
         AUTO_SETTLE steps later measures them again (on the wide model at
         100 Mbit, where lowrank is admitted, repeating them would cost about
         1.4 s: two more steps each of fp8 and bf16 across nodes and of fp8
-        flat, at their measured times)."""
-        _, times, _ = self._gather_round_times(engine)
-        worst = slowest(times)
+        flat, at their measured times). Nor do the rounds that
+        :meth:`_decide` cannot take for having been no faster than the
+        round it keeps in this cycle (:meth:`_cannot_win`); where that
+        leaves the kept round alone, the trial ends here."""
+        _, _, cycles = self._gather_round_times(engine)
+        worst = [max(r[c][0] for r in cycles) for c in range(self._rounds())]  # the cycle's step, slowest rank
         best = min((w for w in worst if w < INF), default=INF)
-        self._kept = [c for c in self._cycle() if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
+        kept = [c for c in self._cycle() if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
+        current = self._current_round()
+        self._kept = [c for c in kept if not (AUTO_DROP_SLOWER and self._cannot_win(c, current, worst))]
+        if AUTO_DROP_SLOWER and self._kept == [current]:
+            self._kept = []
+
+    def _current_round(self) -> Optional[int]:
+        """The round a decision keeps unless another beats it past the
+        hysteresis and in every cycle (:meth:`_decide`): a re-check's
+        running plans (round 0, where they may run), a first trial's best
+        predicted round without the guarded lowrank; None: none."""
+        if self._rechecking:
+            return 0 if self._allowed(0) else None
+        return next((c for c in range(self._rounds()) if self._allowed(c) and not self._runs_guarded(c)), None)
+
+    def _cannot_win(self, c: int, current: Optional[int], worst: Sequence[float]) -> bool:
+        """Whether round ``c``, its step ``worst[c]`` in the trial's first
+        cycle (by the slowest rank) no shorter than ``current``'s, can never
+        be :meth:`_decide`'s choice: a round that replaces the kept one must
+        be faster in every cycle. Not a round with the guarded lowrank
+        against a kept round without it (lowrank's margin decides that, not
+        the cycles; its times serve its admission too). On digits (2 x 2
+        testbed, 100 Mbit) the re-check after step 100 measured lowrank's
+        running round at 5.3-5.8 ms a step and int3 across nodes, int3 flat
+        and fp8 across nodes at 6.9-13 ms in each of three cycles: two cycles
+        of those three, about 30 ms a run (bench/README "A trial's rounds
+        that cannot win")."""
+        if current is None or c == current or worst[current] == INF:
+            return False
+        if self._runs_guarded(c) and not self._runs_guarded(current):
+            return False
+        return worst[c] >= worst[current]
 
     def _gather_round_times(self, engine, head: Sequence[int] = ()):
         """Every rank all-gathers ``head`` and its step time of each trial
@@ -284,12 +319,10 @@ class TrialRounds:
                              "(different topologies or options): construct HookState alike on every rank")
         self.round_times = slowest(times)
         judged = [self._judged(r) for r in times]
-        current = 0 if self._rechecking and self._allowed(0) else None
-        if not self._rechecking:
-            # A first trial keeps the best predicted round (the first, lowrank's aside) unless another was measured
-            # 1 / AUTO_HYSTERESIS faster, as a re-check keeps the running plan: its steps are the run's first and
-            # noisiest, and a choice within the hysteresis sticks at every re-check after.
-            current = next((c for c in range(rounds) if self._allowed(c) and not self._runs_guarded(c)), None)
+        # A first trial keeps the best predicted round (the first, lowrank's aside) unless another was measured
+        # 1 / AUTO_HYSTERESIS faster, as a re-check keeps the running plan: its steps are the run's first and
+        # noisiest, and a choice within the hysteresis sticks at every re-check after.
+        current = self._current_round()
         if current is not None and self._runs_guarded(choose(judged)) and not self._runs_guarded(current):
             # toward the guarded lowrank its margin (0.7) asks more than the hysteresis (0.9), not both: by both it
             # had to take 0.63x the current round, and a wide-model run measuring it at 0.636x kept int3 at 1.6x

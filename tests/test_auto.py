@@ -172,8 +172,9 @@ def _auto_run(rank, world, steps, candidates, first, topk_ratio, big, attach, ca
         os.environ[topology.ENV_NODE] = f"node{rank // 2}"
     if first:
         plan.planner.predict = _rank_predict(first, hopeless, fp32_order)
-    if not cut:  # neither margin leaves a round out (fp32's own, AUTO_LINK_SPAN, against a fast round under load)
-        autotrial.AUTO_SPAN = autotrial.AUTO_LINK_SPAN = INF
+    if not cut:  # no rule leaves a round out (fp32's own, AUTO_LINK_SPAN, against a fast round under load; nor one
+        autotrial.AUTO_SPAN = autotrial.AUTO_LINK_SPAN = INF  # no faster than the kept round in the first cycle)
+        autotrial.AUTO_DROP_SLOWER = False
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)) if big \
         else models.mlp(hidden=96)
@@ -833,6 +834,7 @@ def _held_carry_run(rank, world, cache_dir, last_trial):
     # ... whatever a loaded machine times: every cycle runs both rounds (the trial's length), and fp32 replaces the
     # best predicted round (top-k) without being faster in every cycle (under load it was not, and top-k stayed)
     autotrial.AUTO_SPAN = autotrial.AUTO_LINK_SPAN = INF
+    autotrial.AUTO_DROP_SLOWER = False
     autotrial.faster_in_every_cycle = lambda *args: True
     torch.manual_seed(0)
     model = models.mlp(hidden=96)
@@ -989,12 +991,14 @@ def _clocked_planner(monkeypatch, modes):
 
 def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(monkeypatch):
     """The planner alone, on a clock of its own: fp32 costs 10 per step, fp8
-    1.0 and onebit 1.2. The first trial picks fp8 and finds fp32 hopeless
-    (over AUTO_SPAN x) after one step of it, which it does not repeat; the
-    first re-check comes AUTO_SETTLE steps later and
-    leaves fp32 out; every AUTO_FULL_EVERY-th re-check measures it again. When
-    onebit becomes clearly faster (0.5, past the hysteresis) a re-check
-    switches to it."""
+    1.0 and onebit 1.2. The first trial picks fp8 (faster in every cycle
+    than onebit, its best predicted round) and finds fp32 hopeless (over
+    AUTO_SPAN x) after one step of it, which it does not repeat; the first
+    re-check comes AUTO_SETTLE steps later and leaves fp32 out, and runs
+    onebit once: no faster than fp8 in that first cycle, it cannot win (a
+    switch must be faster in every cycle). Every AUTO_FULL_EVERY-th re-check
+    measures fp32 again. When onebit becomes clearly faster (0.5, past the
+    hysteresis) a re-check measures it in every cycle and switches to it."""
     state, plans, planner, clock, engine = _clocked_planner(monkeypatch, ("none", "fp8", "onebit"))
     cost = {"none": 10.0, "fp8": 1.0, "onebit": 1.2}
     ran = []  # (compressed step, mode, why)
@@ -1011,15 +1015,17 @@ def test_rechecks_settle_early_then_skip_hopeless_candidates_but_remeasure_them(
     assert sorted(m for s, m in trials[:3]) == ["fp8", "none", "onebit"]  # a cycle: each round once
     assert sorted(first) == ["fp8"] * 3 + ["none"] + ["onebit"] * 3  # fp32 once: 10 > AUTO_SPAN x 1.0
     settle = [m for s, m in trials if 7 + autoplan.AUTO_SETTLE <= s < 7 + autoplan.AUTO_SETTLE + 6]
-    assert sorted(settle) == ["fp8"] * 3 + ["onebit"] * 3  # fp32 left out
+    assert settle == ["fp8", "onebit"]  # fp32 left out; onebit, 1.2 against fp8's 1.0 in the first cycle, once
+    assert ran[7 + autoplan.AUTO_SETTLE + 2] == (7 + autoplan.AUTO_SETTLE + 2, "fp8", "measured")
     starts = [s for (s, _), (p, _) in zip(trials[1:], trials) if s != p + 1]  # where each re-check began
     assert starts[0] == 7 + autoplan.AUTO_SETTLE
     assert all(b - a > autoplan.AUTO_RECHECK for a, b in zip(starts, starts[1:]))
     assert len(starts) == autoplan.AUTO_FULL_EVERY
-    counts = [sorted({m for s, m in trials if a <= s < a + 9}) for a in starts]
-    assert counts[:3] == [["fp8", "onebit"]] * 3
-    assert counts[3] == ["fp8", "none", "onebit"]  # every AUTO_FULL_EVERY-th re-check measures every candidate
-    assert [m for s, m in trials if starts[3] <= s < starts[3] + 9].count("none") == 1  # once
+    rounds = [[m for s, m in trials if a <= s < a + 9] for a in starts]
+    assert [sorted(r) for r in rounds[:2]] == [["fp8", "onebit"]] * 2
+    assert sorted(rounds[2]) == ["fp8"] * 3 + ["onebit"] * 3  # onebit at 0.5: faster in the first cycle, measured on
+    assert sorted(rounds[3]) == ["fp8", "none", "onebit"]  # every AUTO_FULL_EVERY-th re-check measures every one,
+    # fp8 (1.0) and fp32 once against onebit's 0.5
     # the third re-check measured onebit's new speed and switched to it; the fourth kept it
     assert ran[-1][1] == "onebit" and ran[-1][2] == "measured"
     assert planner.rechecks == autoplan.AUTO_FULL_EVERY and planner.pruned["0"] == {("none", "native")}
@@ -1555,6 +1561,47 @@ def test_trial_rounds_pair_the_buckets_candidates_by_name(monkeypatch):
     assert auto.pruned == {"3,2": {("none", "native")}, "1,0": {("none", "native")}}
 
 
+_ONE_MATRIX = torch.tensor([[0, 1024, 1024, 16]])  # lowrank's layout of a bucket of one 1024 x 1024 matrix
+
+
+def _guarded_planner(given=None):
+    """The planner alone for one rank, one slow link (12.5 MB/s) between two
+    nodes, auto's modes fp32, bf16, fp8 and the guarded lowrank (``given``:
+    HookState's ``matrix_approximation_rank``)."""
+    from types import SimpleNamespace
+
+    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
+                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
+    state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
+                            min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0, _rank_given=given,
+                            matrix_approximation_rank=4, lowrank_wire="bf16", _compressed_at=lambda step: True)
+    plans = plan.Planner(state)
+    plans.auto.modes = ("none", "bf16", "fp8")
+    plans.auto.offer_guarded()
+    return plans
+
+
+def _clocked_steps(monkeypatch, planner_now, cost):
+    """``steps(n)``: n steps of the Planner ``planner_now()`` returns, one
+    bucket of :data:`_ONE_MATRIX`, each taking ``cost[mode]`` seconds of a
+    clock of its own (``steps.cost``): [(mode, why)] a step."""
+    clock = [0.0]
+    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
+    engine = _OneRankEngine()
+
+    def steps(n):
+        plans, ran = planner_now(), []
+        for step in range(n):
+            plans.auto.begin_step(engine)
+            p = plans.plan(1 << 20, "0", 0, step, lambda r=None: _ONE_MATRIX)
+            ran.append((p.mode, p.why))
+            clock[0] += cost[p.mode]
+            plans.auto.end_step(True)
+        return ran
+    steps.cost = cost
+    return steps
+
+
 def test_the_guarded_lowrank_predicted_fastest_is_the_first_round_and_a_refusal_runs_the_trial_without_it(
         monkeypatch):
     """The planner alone, on a clock of its own, one slow link (12.5 MB/s):
@@ -1563,42 +1610,16 @@ def test_the_guarded_lowrank_predicted_fastest_is_the_first_round_and_a_refusal_
     step (fp8, bf16, fp32) do not run at all: lowrank is chosen, provisionally
     (rank 16). Refused by the guard, the buckets do not fall back to fp32:
     the first trial runs again without lowrank, from the best predicted
-    round (fp8), fp32 hopeless against it; refused while the first trial
+    round (fp8), fp32 hopeless against it, bf16 once (slower than fp8 in the
+    first cycle, it cannot win); refused while the first trial
     still runs, at its end too (not lowrank, all it measured). With a rank
     given (lowrank may not run before its reading) lowrank stays the last
     round."""
-    from types import SimpleNamespace
-
-    topo = topology.Topology(world=2, nodes=["a", "b"], devices=[{}] * 2,
-                             links={"inter": topology.LinkClass(50e-6, 1 / 12.5e6)})
-    layout = torch.tensor([[0, 1024, 1024, 16]])
-
-    def planner_for(given):
-        state = SimpleNamespace(algorithm="native", _forced_algo=None, topology=topo, resolved_compression="auto",
-                                min_compress_numel=0, start_iter=0, topk_ratio=0.01, iter=0, _rank_given=given,
-                                matrix_approximation_rank=4, lowrank_wire="bf16", _compressed_at=lambda step: True)
-        plans = plan.Planner(state)
-        plans.auto.modes = ("none", "bf16", "fp8")
-        plans.auto.offer_guarded()
-        return plans
-
-    plans = planner_for(None)
+    plans = _guarded_planner()
     auto = plans.auto
-    cost = {"lowrank": 0.03, "fp8": 0.1, "bf16": 0.18, "none": 0.35}  # a step, seconds
-    clock = [0.0]
-    monkeypatch.setattr(autoplan.time, "monotonic", lambda: clock[0])
-    engine = _OneRankEngine()
-
-    def steps(n):
-        ran = []
-        for step in range(n):
-            auto.begin_step(engine)
-            p = plans.plan(1 << 20, "0", 0, step, lambda r=None: layout)
-            ran.append((p.mode, p.why))
-            clock[0] += cost[p.mode]
-            auto.end_step(True)
-        return ran
-
+    steps = _clocked_steps(monkeypatch, lambda: plans, {"lowrank": 0.03, "fp8": 0.1, "bf16": 0.18, "none": 0.35})
+    cost = steps.cost
+    layout = _ONE_MATRIX
     preds = {m: t for m, _, t in auto._candidates(1 << 20, lambda r=None: layout)}
     assert preds["lowrank"] < cost["lowrank"] < preds["fp8"] / autoplan.AUTO_SPAN  # the others hopeless
     assert steps(autoplan.AUTO_REPEATS) == [("lowrank", "trial")] * autoplan.AUTO_REPEATS
@@ -1607,19 +1628,41 @@ def test_the_guarded_lowrank_predicted_fastest_is_the_first_round_and_a_refusal_
     auto._repick()
     assert not auto.decided and auto.trial_start is not None  # the first trial again
     again = steps(2 * autoplan.AUTO_REPEATS)
-    assert sorted(again) == [("bf16", "trial")] * 3 + [("fp8", "trial")] * 3 and again[0][0] == "fp8"  # no fp32
-    assert steps(3) == [("fp8", "measured")] * 3
+    # no fp32; bf16, no faster than fp8 in the first cycle, runs once (it cannot win), and the trial ends there
+    assert again == [("fp8", "trial"), ("bf16", "trial")] + [("fp8", "measured")] * (2 * autoplan.AUTO_REPEATS - 2)
     # refused while that first trial still ran: its decision (lowrank, all it measured) is not taken
-    plans = planner_for(None)
+    plans = _guarded_planner()
     auto = plans.auto
     assert steps(1) == [("lowrank", "trial")]
     assert auto.guard.update(lowrank_guard.FIRST_DROP - 0.01, 30)
     auto._repick()  # the running trial decides
     assert steps(autoplan.AUTO_REPEATS - 1) == [("lowrank", "trial")] * (autoplan.AUTO_REPEATS - 1)
     again = steps(2 * autoplan.AUTO_REPEATS + 1)
-    assert again[0] == ("fp8", "trial") and sorted(again[:-1]) == [("bf16", "trial")] * 3 + [("fp8", "trial")] * 3
-    assert again[-1] == ("fp8", "measured")
-    given = planner_for(4).auto
+    assert again == [("fp8", "trial"), ("bf16", "trial")] + [("fp8", "measured")] * (2 * autoplan.AUTO_REPEATS - 1)
+    given = _guarded_planner(4).auto
     cands = given._candidates(1 << 20, lambda r=None: layout)
     given.candidates = {"0": cands}
     assert [cands[j][0] for j in given._order_of("0")] == ["fp8", "bf16", "none", "lowrank"]
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_trial_runs_no_more_of_a_round_no_faster_than_the_kept_one_but_lowrank_runs_on(monkeypatch, drop):
+    """The planner alone, on a clock of its own: lowrank (0.15 s a step) is
+    predicted fastest and runs first; the round a decision keeps is fp8's
+    (0.1 s), the best predicted without lowrank. bf16 (0.18 s), no faster
+    than fp8 in the first cycle, cannot replace it (a switch is faster in
+    every cycle), so it runs no more; lowrank, slower too, runs its cycles,
+    whose times its margin weighs (and its admission later). Without the
+    rule (``AUTO_DROP_SLOWER`` False) bf16 runs AUTO_REPEATS steps, and the
+    decision is the same."""
+    monkeypatch.setattr(autotrial, "AUTO_DROP_SLOWER", drop)
+    plans = _guarded_planner()
+    steps = _clocked_steps(monkeypatch, lambda: plans, {"lowrank": 0.15, "fp8": 0.1, "bf16": 0.18, "none": 0.35})
+    first = steps(3)
+    assert first == [("lowrank", "trial"), ("fp8", "trial"), ("bf16", "trial")]  # fp32 hopeless: not run
+    rest = steps(2 * autoplan.AUTO_REPEATS + 1)
+    trial = first + [r for r in rest if r[1] == "trial"]
+    assert sorted(m for m, _ in trial) == sorted(["lowrank", "fp8"] * autoplan.AUTO_REPEATS +
+                                                 ["bf16"] * (1 if drop else autoplan.AUTO_REPEATS))
+    assert rest[-1] == ("fp8", "measured")
+    assert plans.auto._kept == ([0, 1] if drop else [0, 1, 2])
