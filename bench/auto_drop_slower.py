@@ -39,10 +39,8 @@ def main() -> None:
             state.close()
     if rank == 0:
         for drop, runs in times.items():
-            print("drop" if drop else "keep", "ms a step:", "  ".join(
-                f"{a}-{b}: {1000 * statistics.mean(statistics.mean(t[a:b]) for t in runs):.2f}"
-                for a, b in segments if b <= steps),
-                f" a run: {1000 * statistics.mean(sum(t) for t in runs):.1f} ms;", "ended on:", ends[drop])
+            print("drop" if drop else "keep", "ms a step:", common.segment_ms(runs, segments),
+                  f" a run: {1000 * statistics.mean(sum(t) for t in runs):.1f} ms;", "ended on:", ends[drop])
     dist.destroy_process_group()
 
 

@@ -12,7 +12,6 @@ Xeon"):
         python bench/auto_warm_start.py classify sgd 300 4
 """
 import copy
-import statistics
 import sys
 
 import torch
@@ -56,9 +55,7 @@ def main() -> None:
                 print(kind, "re-checks", state._planner.auto.rechecks, "plans", plans)
     if rank == 0:
         for kind, runs in times.items():
-            print(kind, "ms a step:", "  ".join(
-                f"{a}-{b}: {1000 * statistics.mean(statistics.mean(t[a:b]) for t in runs):.2f}"
-                for a, b in SEGMENTS if b <= steps))
+            print(kind, "ms a step:", common.segment_ms(runs, SEGMENTS))
     dist.destroy_process_group()
 
 

@@ -51,7 +51,5 @@ if __name__ == "__main__":
             print(f"{m:24s} mean of the runs' means {statistics.mean(v):.2f} ms  (runs: {[round(x, 2) for x in v]})")
         for m, runs in times_of.items():
             if segments:
-                print(f"{m:24s} ms a step in steps " + "  ".join(
-                    f"{a}-{b}: {1000 * statistics.mean(statistics.mean(r[a:b]) for r in runs):.2f}"
-                    for a, b in segments if b <= steps))
+                print(f"{m:24s} ms a step in steps " + common.segment_ms(runs, segments))
     dist.destroy_process_group()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,15 @@ def timed_steps(ddp, opt: torch.optim.Optimizer, task, rank: int, steps: int) ->
         opt.step()
         times.append(time.perf_counter() - t)
     return times
+
+
+def segment_ms(runs: Sequence[Sequence[float]], segments: Sequence[Tuple[int, int]]) -> str:
+    """``"A-B: ms  C-D: ms ..."``: per segment of steps [A, B) the mean over
+    ``runs`` (each one's seconds a step, :func:`timed_steps`) of each run's
+    mean ms a step there; segments past the runs' steps left out."""
+    steps = min(len(r) for r in runs)
+    return "  ".join(f"{a}-{b}: {1000 * statistics.mean(statistics.mean(r[a:b]) for r in runs):.2f}"
+                     for a, b in segments if b <= steps)
 
 
 def memory_bandwidth(nbytes: int = 256 << 20, iters: int = 5, device: str = "cpu") -> float:
