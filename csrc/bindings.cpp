@@ -173,6 +173,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("p"), py::arg("qt"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def(
+      "lowrank_project",
+      [](const at::Tensor& x, c10::optional<at::Tensor> residual, double divisor, const at::Tensor& qt) {
+        return ops::lowrank_project(x, opt(residual), divisor, qt, at::Tensor());
+      },
+      py::arg("x"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("qt"),
+      py::call_guard<py::gil_scoped_release>(),
+      "lowrank's P = (x / divisor + residual) @ qt.T (x rows x cols, qt r x cols), M never stored.");
+  m.def(
+      "lowrank_back_project",
+      [](const at::Tensor& x, c10::optional<at::Tensor> residual, double divisor, const at::Tensor& p) {
+        return ops::lowrank_back_project(x, opt(residual), divisor, p, at::Tensor());
+      },
+      py::arg("x"), py::arg("residual") = py::none(), py::arg("divisor") = 1.0, py::arg("p"),
+      py::call_guard<py::gil_scoped_release>(),
+      "lowrank's Q^T = p.T @ (x / divisor + residual) (x rows x cols, p rows x r), M never stored.");
+  m.def(
       "lowrank_finish",
       [](const at::Tensor& p, const at::Tensor& qt, at::Tensor x, c10::optional<at::Tensor> residual, double divisor,
          double share) { ops::lowrank_finish(p, qt, x, opt(residual), divisor, share); },

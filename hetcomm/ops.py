@@ -123,6 +123,24 @@ def lowrank_outer(p: torch.Tensor, qt: torch.Tensor, out: Optional[torch.Tensor]
     return _C.lowrank_outer(p, qt, out)
 
 
+def lowrank_project(x: torch.Tensor, qt: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                    divisor: float = 1.0) -> torch.Tensor:
+    """lowrank's first product, ``(x / divisor + residual) @ qt.T`` (x rows x
+    cols, qt r x cols, residual x's shape or None; contiguous float32 on one
+    device), without storing M = x / divisor + residual: on the CPU one pass
+    over x and the residual (M taken as ``x * (1 / divisor) + residual``), on a
+    GPU cuBLAS. Its bits are its own (not BLAS's): the ranks sum it next."""
+    return _C.lowrank_project(x, residual, float(divisor), qt)
+
+
+def lowrank_back_project(x: torch.Tensor, p: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                         divisor: float = 1.0) -> torch.Tensor:
+    """lowrank's second product, ``p.T @ (x / divisor + residual)`` (p rows x
+    r), as :func:`lowrank_project` takes M; on the CPU each entry sums the
+    rows in order, whatever the number of threads."""
+    return _C.lowrank_back_project(x, residual, float(divisor), p)
+
+
 def lowrank_finish(p: torch.Tensor, qt: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
                    divisor: float = 1.0, share: float = 1.0) -> None:
     """lowrank's step end, in place and in one pass: ``x`` (rows x cols

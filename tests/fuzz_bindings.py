@@ -97,6 +97,8 @@ def fuzz_casts(x, d, wire, h, mul, out):
 def fuzz_lowrank_ops(p, qt, out, eps, blocks):
     call("lowrank_outer", ops.lowrank_outer, p, qt, out)
     call("lowrank_finish", ops.lowrank_finish, p, qt, out, None, 1.0 + abs(eps), 0.5)
+    call("lowrank_project", ops.lowrank_project, p, qt, out, 1.0 + abs(eps))
+    call("lowrank_back_project", ops.lowrank_back_project, p, qt, out, 1.0 + abs(eps))
     call("orthonormalize_columns", ops.orthonormalize_columns, p, eps)
     call("orthonormalize_blocks", ops.orthonormalize_blocks, p, blocks, eps)
 

@@ -308,6 +308,59 @@ def test_lowrank_finish_is_the_outer_product_and_the_residual_in_one_pass(device
     assert torch.equal(xd.cpu(), out)
 
 
+@pytest.mark.parametrize("rows,cols,r", [(1, 1, 1), (33, 7, 3), (300, 517, 4), (65, 1024, 5), (64, 2049, 16)])
+def test_lowrank_products_are_the_products_of_m_without_storing_it(device, rows, cols, r):
+    gen = torch.Generator().manual_seed(rows * r + cols)
+    x, res = torch.randn(rows, cols, generator=gen) * 3, torch.randn(rows, cols, generator=gen)
+    qt, p = torch.randn(r, cols, generator=gen), torch.randn(rows, r, generator=gen)
+    divisor = 3.0
+    for residual in (res, None):
+        # Reference: the products in float64 of M as the CPU forms it, x * (1 / divisor) (+ residual) in float32
+        m = x * torch.tensor(1 / divisor, dtype=torch.float32) + (residual if residual is not None else 0.0)
+        want_p, want_qt = m.double() @ qt.double().t(), p.double().t() @ m.double()
+        on = (lambda t: None if t is None else t.to(device))
+        got_p = ops.lowrank_project(x.to(device), qt.to(device), on(residual), divisor).cpu()
+        got_qt = ops.lowrank_back_project(x.to(device), p.to(device), on(residual), divisor).cpu()
+        assert got_p.shape == (rows, r) and got_qt.shape == (r, cols)
+        # float32 sums of cols (P) and rows (Q^T) products in any order: within the classic bound n u sum|term|
+        # (u = 2^-24), where one term of average size left out or counted twice would be 1 / n of sum|term|
+        bound_p = (cols + 1) * 2.0 ** -24 * (m.abs().double() @ qt.abs().double().t())
+        bound_qt = (rows + 1) * 2.0 ** -24 * (p.abs().double().t() @ m.abs().double())
+        assert ((got_p.double() - want_p).abs() <= bound_p).all()
+        assert ((got_qt.double() - want_qt).abs() <= bound_qt).all()
+
+
+def test_lowrank_products_on_the_cpu_are_the_same_bits_on_any_number_of_threads():
+    gen = torch.Generator().manual_seed(5)
+    x, res = torch.randn(129, 1031, generator=gen), torch.randn(129, 1031, generator=gen)
+    qt, p = torch.randn(6, 1031, generator=gen), torch.randn(129, 6, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)  # other row ranges (P) and column pieces (Q^T) a thread
+            got.append((ops.lowrank_project(x, qt, res, 2.0), ops.lowrank_back_project(x, p, res, 2.0)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, got[0][0]) and torch.equal(b, got[0][1]) for a, b in got)
+
+
+def test_lowrank_products_reject_bad_arguments():
+    x, qt, p = torch.zeros(3, 4), torch.zeros(2, 4), torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="qt must be r x cols \\(4\\)"):
+        ops.lowrank_project(x, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="p must be rows \\(3\\) x r"):
+        ops.lowrank_back_project(x, torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="x must be a contiguous float32 matrix"):
+        ops.lowrank_project(x.t(), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="residual must be a contiguous float32 tensor of x's numel"):
+        ops.lowrank_project(x, qt, torch.zeros(11))
+    with pytest.raises(ValueError, match="p must be a contiguous float32 matrix"):
+        ops.lowrank_back_project(x, p.double())
+    with pytest.raises(ValueError, match="divisor must be finite and > 0"):
+        ops.lowrank_back_project(x, p, None, 0.0)
+
+
 @pytest.mark.parametrize("cols,rank", [(1, 1), (7, 3), (517, 4)])
 def test_take_q_keeps_the_columns_whose_new_value_is_zero(device, cols, rank):
     gen = torch.Generator().manual_seed(cols * rank)

@@ -32,6 +32,11 @@ at::Tensor matrix_t(const at::Tensor& base, int64_t off, int64_t rows, int64_t c
   return base.as_strided({cols, rows}, {1, cols}, base.storage_offset() + off);
 }
 
+// Part p's matrix in t (x or the residual; an undefined residual stays undefined).
+at::Tensor m_part(const at::Tensor& t, const LowrankPart& p) {
+  return t.defined() ? matrix(t, p.offset, p.rows, p.cols) : at::Tensor();
+}
+
 // t rounded to the wire dtype, in a new buffer on t's device (what is summed).
 at::Tensor encoded(const at::Tensor& t, at::ScalarType wire) {
   at::Tensor h = at::empty({t.numel()}, t.options().dtype(wire));
@@ -132,11 +137,10 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
   // rank), the layout checkpoints hold.
   qt_ = at::empty({q_total}, x.options());
   Timed _(timer_);
-  // M = x / divisor + residual (error feedback) is never formed for the
-  // matrices: P = M Q is taken as (x Q) / divisor + residual Q, the same reads
-  // of x and the residual without a pass that writes M, and finish() forms
-  // each entry of M where it writes the new residual. (Its rounding of M and
-  // BLAS's of P differ; P is an approximation's factor, and the residual
+  // M = x / divisor + residual (error feedback) is never stored for the
+  // matrices: each product reads x and the residual (ops::lowrank_project), and
+  // finish() forms each entry of M where it writes the new residual. (Their
+  // roundings of M differ; P is an approximation's factor, and the residual
   // keeps exactly what this rank's share of the result did not deliver of M.)
   int64_t d = p_total, po = 0, qo = 0;
   for (const auto& p : parts_) {
@@ -145,11 +149,11 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
       dense_input(p, h);
       d += p.numel();
     } else {
-      // M (Q^T)^T with Q^T contiguous: as fast as BLAS goes here (M Q with Q
-      // contiguous: 4-5x slower, for the same reason as above)
+      // M (Q^T)^T with Q^T contiguous (for BLAS on a GPU as fast as it goes here: M Q with Q contiguous was 4-5x
+      // slower on the CPU, for the same reason as above)
       const at::Tensor qt = matrix_t(q_state, qo, p.cols, p.rank).contiguous();
-      at::Tensor out = matrix(head_, po, p.rows, p.rank);
-      times_m(p, matrix_t(qt, 0, p.rank, p.cols), true, out);
+      ops::lowrank_project(m_part(x_, p), m_part(residual_, p), divisor_, matrix(qt, 0, p.rank, p.cols),
+                           matrix(head_, po, p.rows, p.rank));
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }
@@ -173,19 +177,6 @@ void LowrankStep::dense_input(const LowrankPart& p, at::Tensor& out) const {
   if (residual_.defined()) out.add_(span(residual_, p.offset, p.offset + p.numel()));
 }
 
-void LowrankStep::times_m(const LowrankPart& p, const at::Tensor& other, bool m_left, at::Tensor& out) const {
-  const auto view = [&p](const at::Tensor& t) { return matrix(t, p.offset, p.rows, p.cols); };
-  const auto mm = [&](const at::Tensor& m) { m_left ? at::mm_out(out, m, other) : at::mm_out(out, other, m); };
-  const at::Tensor xm = view(x_);
-  if (residual_.defined()) {  // residual (x) other + (xm (x) other) / divisor, accumulated by BLAS
-    mm(view(residual_));
-    m_left ? out.addmm_(xm, other, 1.0, 1.0 / divisor_) : out.addmm_(other, xm, 1.0, 1.0 / divisor_);
-  } else {
-    mm(xm);
-    out.div_(divisor_);
-  }
-}
-
 bool LowrankStep::after_first(Transport& t) {
   Timed _(timer_);
   // Whether the summed P and dense parts are finite (see the constructor):
@@ -201,8 +192,8 @@ bool LowrankStep::after_first(Transport& t) {
   int64_t po = 0, qo = 0;
   for (const auto& p : parts_) {
     if (p.rank == 0) continue;
-    at::Tensor out = matrix(qt_, qo, p.rank, p.cols);
-    times_m(p, matrix_t(head_, po, p.rows, p.rank), false, out);
+    ops::lowrank_back_project(m_part(x_, p), m_part(residual_, p), divisor_, matrix(head_, po, p.rows, p.rank),
+                              matrix(qt_, qo, p.rank, p.cols));
     po += p.rows * p.rank;
     qo += p.cols * p.rank;
   }

@@ -95,10 +95,6 @@ class LowrankStep {
   bool cast() const { return wire_ == at::kBFloat16; }
   // M of a dense part (x / divisor + residual) into out (its numel)
   void dense_input(const LowrankPart& p, at::Tensor& out) const;
-  // out = M other (m_left) or other M for a matrix part, M = x / divisor +
-  // residual never formed: the product with the residual, then BLAS adds
-  // the product with x over divisor (without a residual: x's, divided)
-  void times_m(const LowrankPart& p, const at::Tensor& other, bool m_left, at::Tensor& out) const;
   at::Tensor x_;
   double divisor_;
   at::Tensor q_state_, residual_, head_, qt_;

@@ -85,6 +85,21 @@ void outer_product_cuda(const float* p, const float* qt, float* out, int64_t row
 // [row_begin, row_end). `row` holds cols floats of scratch.
 void lowrank_finish_cpu(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
                         int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end);
+// The two products of a step with M = x * inv_divisor + residual (residual
+// null: x * inv_divisor), M formed row by row in scratch, never stored; x,
+// residual: rows x cols, row-major. Summed over the ranks, P and Q^T need no
+// bits in common between processes, only a fixed order here (independent of
+// the row or column range a thread takes): not BLAS, whose products of a
+// matrix with 4-16 columns ran at a third of memory's bandwidth on the CPU
+// (bench/README "lowrank's products in one pass over x and the residual").
+// p (rows x r) = M qt^T, qt (r x cols) = Q^T: rows [row_begin, row_end); `row`
+// holds cols floats of scratch.
+void lowrank_project_cpu(const float* x, const float* residual, float inv_divisor, const float* qt, float* p,
+                         int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end);
+// qt (r x cols) = p^T M, p (rows x r): columns [col_begin, col_end), each entry
+// the sum over rows 0, 1, ... in order; `seg` holds 2 (col_end - col_begin) floats.
+void lowrank_back_project_cpu(const float* x, const float* residual, float inv_divisor, const float* p, float* qt,
+                              int64_t rows, int64_t cols, int64_t r, float* seg, int64_t col_begin, int64_t col_end);
 // A part sent dense: out[i] = x[i] / divisor (+ residual[i] where residual is
 // not null), each rounded: the bits of torch's division by a float scalar,
 // then its addition. Elements [begin, end).

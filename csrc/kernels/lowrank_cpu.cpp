@@ -1,6 +1,8 @@
 #include "kernels/lowrank.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels/codec_math.h"
 
@@ -30,7 +32,143 @@ HC_HD void outer_row(const float* p_row, const float* qt, float* o, int64_t cols
   }
 }
 
+// Eight floats in one register where the clone has them (AVX2: one ymm; the
+// baseline: two xmm), whichever the compiler's loop vectoriser would make.
+typedef float Float8 __attribute__((vector_size(32)));
+constexpr int64_t kF8 = 8;
+
+// (every helper of the clones below is inlined into them: a call out of the AVX2 clone would run the baseline's
+// code and pass its vectors through memory)
+#define HC_INLINE inline __attribute__((always_inline))
+#define HC_LAMBDA_INLINE __attribute__((always_inline))
+
+HC_INLINE Float8 load8(const float* p) {
+  Float8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+HC_INLINE void store8(float* p, Float8 v) { std::memcpy(p, &v, sizeof v); }
+
+HC_INLINE Float8 splat8(float a) { return Float8{a, a, a, a, a, a, a, a}; }
+
+// The lanes of v added in a fixed tree (lane i + width into lane i, width 4, 2, 1).
+HC_INLINE float lanes_sum(Float8 v) {
+  float a[kF8];
+  std::memcpy(a, &v, sizeof a);
+  for (int width = kF8 / 2; width > 0; width >>= 1)
+    for (int l = 0; l < width; ++l) a[l] += a[l + width];
+  return a[0];
+}
+
+// A row (or a piece of one) of M = x * inv_divisor + residual (residual null: x * inv_divisor) into m.
+HC_INLINE void m_row(const float* x, const float* residual, float inv_divisor, float* m, int64_t n) {
+  const int64_t body = n - n % kF8;
+  const Float8 inv = splat8(inv_divisor);
+  if (residual == nullptr) {
+    for (int64_t j = 0; j < body; j += kF8) store8(m + j, load8(x + j) * inv);
+    for (int64_t j = body; j < n; ++j) m[j] = x[j] * inv_divisor;
+  } else {
+    for (int64_t j = 0; j < body; j += kF8) store8(m + j, load8(x + j) * inv + load8(residual + j));
+    for (int64_t j = body; j < n; ++j) m[j] = x[j] * inv_divisor + residual[j];
+  }
+}
+
+// Columns of Q a pass over a row takes together.
+constexpr int64_t kProjectGroup = 4;
+
+// A row of M's products with up to kProjectGroup columns of Q (q: their rows
+// of Q^T), into out[0..count): each in two registers of lanes (the even and
+// the odd chunks of 8: two chains of additions, not one), their sum's lanes in
+// a fixed tree, then the columns past the last chunk in order. The row's M is
+// read from `m` (kFormed), or formed from x and the residual as the products
+// run, as m_row forms it (then `m` holds only what lies past the last chunk).
+template <bool kFormed>
+HC_INLINE void project_row(const float* x, const float* residual, float inv_divisor, float* m,
+                           const float* const* q, int64_t count, int64_t cols, float* out) {
+  const int64_t pairs = cols - cols % (2 * kF8), body = cols - cols % kF8;
+  const Float8 inv = splat8(inv_divisor);
+  const auto chunk = [&](int64_t j) HC_LAMBDA_INLINE {
+    if (kFormed) return load8(m + j);
+    const Float8 a = load8(x + j) * inv;
+    return residual == nullptr ? a : a + load8(residual + j);
+  };
+  Float8 even[kProjectGroup] = {}, odd[kProjectGroup] = {};
+  for (int64_t j = 0; j < pairs; j += 2 * kF8) {
+    const Float8 a = chunk(j), b = chunk(j + kF8);
+    for (int64_t g = 0; g < kProjectGroup; ++g) {
+      even[g] += a * load8(q[g] + j);
+      odd[g] += b * load8(q[g] + j + kF8);
+    }
+  }
+  if (body > pairs) {
+    const Float8 a = chunk(pairs);
+    for (int64_t g = 0; g < kProjectGroup; ++g) even[g] += a * load8(q[g] + pairs);
+  }
+  if (!kFormed) m_row(x + body, residual == nullptr ? nullptr : residual + body, inv_divisor, m + body, cols - body);
+  for (int64_t g = 0; g < count; ++g) {
+    float t = lanes_sum(even[g] + odd[g]);
+    for (int64_t j = body; j < cols; ++j) t += m[j] * q[g][j];
+    out[g] = t;
+  }
+}
+
 }  // namespace
+
+HC_CPU_CLONES
+void lowrank_project_cpu(const float* x, const float* residual, float inv_divisor, const float* qt, float* p,
+                         int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end) {
+  (void)rows;
+  if (r <= 0) return;  // no columns of Q (and none to read)
+  const float* q[kProjectGroup];
+  if (r <= kProjectGroup) {  // one pass a row, M formed as it goes (a short group reads its last column again)
+    for (int64_t g = 0; g < kProjectGroup; ++g) q[g] = qt + std::min<int64_t>(g, r - 1) * cols;
+    for (int64_t i = row_begin; i < row_end; ++i)
+      project_row<false>(x + i * cols, residual == nullptr ? nullptr : residual + i * cols, inv_divisor, row, q, r,
+                         cols, p + i * r);
+    return;
+  }
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    // the row's M once (it stays in the L1 cache for the groups), then up to kProjectGroup columns of Q a pass
+    // (a short last group reads its last column again and drops those sums)
+    m_row(x + i * cols, residual == nullptr ? nullptr : residual + i * cols, inv_divisor, row, cols);
+    for (int64_t k0 = 0; k0 < r; k0 += kProjectGroup) {
+      for (int64_t g = 0; g < kProjectGroup; ++g) q[g] = qt + std::min<int64_t>(k0 + g, r - 1) * cols;
+      project_row<true>(nullptr, nullptr, inv_divisor, row, q, std::min(kProjectGroup, r - k0), cols, p + i * r + k0);
+    }
+  }
+}
+
+HC_CPU_CLONES
+void lowrank_back_project_cpu(const float* x, const float* residual, float inv_divisor, const float* p, float* qt,
+                              int64_t rows, int64_t cols, int64_t r, float* seg, int64_t col_begin, int64_t col_end) {
+  const int64_t w = col_end - col_begin, body = w - w % kF8;
+  for (int64_t k = 0; k < r; ++k)
+    for (int64_t j = 0; j < w; ++j) qt[k * cols + col_begin + j] = 0.0f;
+  // Two rows a pass (their pieces of M in seg, 2 w floats): each entry of Q^T takes row i's product, then row
+  // i + 1's, the order of one row a pass, and is loaded and stored once for both.
+  float* m0 = seg;
+  float* m1 = seg + w;
+  for (int64_t i = 0; i < rows; i += 2) {
+    const bool pair = i + 1 < rows;
+    const int64_t at = i * cols + col_begin;
+    m_row(x + at, residual == nullptr ? nullptr : residual + at, inv_divisor, m0, w);
+    if (pair) m_row(x + at + cols, residual == nullptr ? nullptr : residual + at + cols, inv_divisor, m1, w);
+    for (int64_t k = 0; k < r; ++k) {
+      float* o = qt + k * cols + col_begin;
+      const float a = p[i * r + k], b = pair ? p[(i + 1) * r + k] : 0.0f;
+      const Float8 av = splat8(a), bv = splat8(b);
+      if (pair) {
+        for (int64_t j = 0; j < body; j += kF8)
+          store8(o + j, (load8(o + j) + av * load8(m0 + j)) + bv * load8(m1 + j));
+        for (int64_t j = body; j < w; ++j) o[j] = (o[j] + a * m0[j]) + b * m1[j];
+      } else {
+        for (int64_t j = 0; j < body; j += kF8) store8(o + j, load8(o + j) + av * load8(m0 + j));
+        for (int64_t j = body; j < w; ++j) o[j] += a * m0[j];
+      }
+    }
+  }
+}
 
 void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps) {
   for (int64_t k = 0; k < cols; ++k) {

@@ -78,6 +78,16 @@ at::Tensor lowrank_outer(const at::Tensor& p, const at::Tensor& qt, at::Tensor o
 // share * (p @ qt), from the old x (kernels::lowrank_residual).
 void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, const at::Tensor& residual,
                     double divisor, double share);
+// lowrank's two products of M = x / divisor + residual (x rows x cols, residual
+// undefined or x's numel; all contiguous float32 on one device): P (rows x r) =
+// M qt^T and Q^T (r x cols) = p^T M, into out where given. M is never stored:
+// on the CPU one pass over x and the residual a product (kernels/lowrank.h),
+// on a GPU cuBLAS's product with the residual, then x's accumulated over
+// divisor. Summed over the ranks next, they need no bits in common.
+at::Tensor lowrank_project(const at::Tensor& x, const at::Tensor& residual, double divisor, const at::Tensor& qt,
+                           at::Tensor out);
+at::Tensor lowrank_back_project(const at::Tensor& x, const at::Tensor& residual, double divisor, const at::Tensor& p,
+                                at::Tensor out);
 // q (cols x rank) takes qt's rows (rank x cols) as its columns, except a row
 // of qt that is all zero: that column of q stays as it was. lowrank's next Q
 // where a matrix's new Q^T has a zero row (its M Q was zero on every rank,

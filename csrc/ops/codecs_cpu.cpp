@@ -113,6 +113,31 @@ void lowrank_finish(const float* p, const float* qt, float* x, float* residual, 
   });
 }
 
+void lowrank_project(const float* x, const float* residual, float inv_divisor, const float* qt, float* p, int64_t rows,
+                     int64_t cols, int64_t r) {
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t b, int64_t e) {
+    std::vector<float> row(static_cast<size_t>(cols));
+    k::lowrank_project_cpu(x, residual, inv_divisor, qt, p, rows, cols, r, row.data(), b, e);
+  });
+}
+
+void lowrank_back_project(const float* x, const float* residual, float inv_divisor, const float* p, float* qt,
+                          int64_t rows, int64_t cols, int64_t r) {
+  // Columns a task takes: Q^T's piece of them (r x width floats) stays within 16 KB, and each thread gets one
+  // where it can. Each entry's sum runs over the rows in order whatever the width: the same bits either way.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t fits = std::max<int64_t>(64, 4096 / std::max<int64_t>(r, 1));
+  int64_t width = std::min<int64_t>(fits, (cols + threads - 1) / threads);
+  width = std::max<int64_t>(8, (width + 7) / 8 * 8);
+  const int64_t blocks = (cols + width - 1) / width;
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> seg(static_cast<size_t>(2 * width));
+    for (int64_t c = b; c < e; ++c)
+      k::lowrank_back_project_cpu(x, residual, inv_divisor, p, qt, rows, cols, r, seg.data(), c * width,
+                                  std::min(cols, (c + 1) * width));
+  });
+}
+
 void orthonormalize_blocks(float* base, const std::vector<k::ColumnBlock>& blocks, float eps) {
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) k::orthonormalize_columns_cpu(base + blocks[i].offset, blocks[i].rows, blocks[i].cols, eps);

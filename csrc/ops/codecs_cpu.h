@@ -35,6 +35,11 @@ void cast_decode(kernels::Wire16 fmt, const uint16_t* in, float mul, float* out,
 void lowrank_outer(const float* p, const float* qt, float* out, int64_t rows, int64_t cols, int64_t r);
 void lowrank_finish(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
                     int64_t rows, int64_t cols, int64_t r);
+// lowrank's P = M qt^T and Q^T = p^T M for M = x * inv_divisor + residual (kernels/lowrank.h)
+void lowrank_project(const float* x, const float* residual, float inv_divisor, const float* qt, float* p, int64_t rows,
+                     int64_t cols, int64_t r);
+void lowrank_back_project(const float* x, const float* residual, float inv_divisor, const float* p, float* qt,
+                          int64_t rows, int64_t cols, int64_t r);
 void orthonormalize_blocks(float* base, const std::vector<kernels::ColumnBlock>& blocks, float eps);
 void momentum_fold_in(float* x, const float* m, float alpha, int64_t n);
 void momentum_handoff(float* x, float* m, float beta, int64_t n);

@@ -92,6 +92,69 @@ void lowrank_finish(const at::Tensor& p, const at::Tensor& qt, at::Tensor& x, co
          cuda::lowrank_finish(pp, qp, xp, rp, d, s, rows, cols, r, p.device()));
 }
 
+namespace {
+
+// x and residual (undefined, or x's shape) as a product's M = x / divisor + residual needs them: contiguous float32
+// rows x cols beside `other` (qt or p), which must be contiguous float32 too
+void check_m(const at::Tensor& x, const at::Tensor& residual, double divisor, const at::Tensor& other,
+             const char* other_name) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+                    "hetcomm: x must be a contiguous float32 matrix (rows x cols), got ", x.sizes());
+  TORCH_CHECK_VALUE(!residual.defined() || holds_matrix(residual, x.size(0), x.size(1), x),
+                    "hetcomm: residual must be a contiguous float32 tensor of x's numel on x's device");
+  TORCH_CHECK_VALUE(other.dim() == 2 && other.is_contiguous() && other.scalar_type() == at::kFloat &&
+                        other.device() == x.device(),
+                    "hetcomm: ", other_name, " must be a contiguous float32 matrix on x's device");
+  check_divisor(divisor);
+}
+
+}  // namespace
+
+at::Tensor lowrank_project(const at::Tensor& x, const at::Tensor& residual, double divisor, const at::Tensor& qt,
+                           at::Tensor out) {
+  check_m(x, residual, divisor, qt, "qt");
+  const int64_t rows = x.size(0), cols = x.size(1), r = qt.size(0);
+  TORCH_CHECK_VALUE(qt.size(1) == cols, "hetcomm: qt must be r x cols (", cols, "), got ", qt.sizes());
+  if (!out.defined()) out = at::empty({rows, r}, x.options());
+  TORCH_CHECK_VALUE(holds_matrix(out, rows, r, x), "hetcomm: out must be contiguous float32 with rows * r elements "
+                    "on x's device");
+  at::Tensor p = out.view({rows, r});
+  if (x.is_cpu()) {
+    cpu::lowrank_project(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
+                         static_cast<float>(1.0 / divisor), qt.data_ptr<float>(), p.data_ptr<float>(), rows, cols, r);
+  } else if (residual.defined()) {  // cuBLAS: residual Q + (x Q) / divisor, accumulated
+    at::mm_out(p, residual.view({rows, cols}), qt.t());
+    p.addmm_(x, qt.t(), 1.0, 1.0 / divisor);
+  } else {
+    at::mm_out(p, x, qt.t());
+    p.div_(divisor);
+  }
+  return out;
+}
+
+at::Tensor lowrank_back_project(const at::Tensor& x, const at::Tensor& residual, double divisor, const at::Tensor& p,
+                                at::Tensor out) {
+  check_m(x, residual, divisor, p, "p");
+  const int64_t rows = x.size(0), cols = x.size(1), r = p.size(1);
+  TORCH_CHECK_VALUE(p.size(0) == rows, "hetcomm: p must be rows (", rows, ") x r, got ", p.sizes());
+  if (!out.defined()) out = at::empty({r, cols}, x.options());
+  TORCH_CHECK_VALUE(holds_matrix(out, r, cols, x), "hetcomm: out must be contiguous float32 with r * cols elements "
+                    "on x's device");
+  at::Tensor qt = out.view({r, cols});
+  if (x.is_cpu()) {
+    cpu::lowrank_back_project(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
+                              static_cast<float>(1.0 / divisor), p.data_ptr<float>(), qt.data_ptr<float>(), rows, cols,
+                              r);
+  } else if (residual.defined()) {  // P^T M with P^T's rows contiguous in the output, as the CPU's
+    at::mm_out(qt, p.t(), residual.view({rows, cols}));
+    qt.addmm_(p.t(), x, 1.0, 1.0 / divisor);
+  } else {
+    at::mm_out(qt, p.t(), x);
+    qt.div_(divisor);
+  }
+  return out;
+}
+
 void take_q(at::Tensor& q, const at::Tensor& qt) {
   TORCH_CHECK_VALUE(q.dim() == 2 && qt.dim() == 2 && q.size(0) == qt.size(1) && q.size(1) == qt.size(0) &&
                         q.is_contiguous() && qt.is_contiguous() && q.scalar_type() == at::kFloat &&
