@@ -108,51 +108,62 @@ void check_m(const at::Tensor& x, const at::Tensor& residual, double divisor, co
   check_divisor(divisor);
 }
 
+// out = M other (m_left) or other M by BLAS (cuBLAS on a GPU), M = x / divisor + residual never stored: the
+// product with the residual, then x's accumulated over divisor (without a residual: x's, divided)
+void blas_times_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& residual, double divisor,
+                  const at::Tensor& other, bool m_left) {
+  const auto mm = [&](const at::Tensor& m) { m_left ? at::mm_out(out, m, other) : at::mm_out(out, other, m); };
+  if (residual.defined()) {
+    mm(residual.view(x.sizes()));
+    m_left ? out.addmm_(x, other, 1.0, 1.0 / divisor) : out.addmm_(other, x, 1.0, 1.0 / divisor);
+  } else {
+    mm(x);
+    out.div_(divisor);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// P = M qt^T (m_left: other is qt, r x cols) or Q^T = p^T M (other is p, rows x r) into out, M = x / divisor +
+// residual never stored: on the CPU one pass over x and the residual (kernels/lowrank.h), elsewhere BLAS
+at::Tensor times_m(const at::Tensor& x, const at::Tensor& residual, double divisor, const at::Tensor& other,
+                   bool m_left, at::Tensor out) {
+  check_m(x, residual, divisor, other, m_left ? "qt" : "p");
+  const int64_t rows = x.size(0), cols = x.size(1), r = other.size(m_left ? 0 : 1);
+  TORCH_CHECK_VALUE(m_left ? other.size(1) == cols : other.size(0) == rows, "hetcomm: ",
+                    m_left ? "qt must be r x cols (" : "p must be rows (", m_left ? cols : rows,
+                    m_left ? "), got " : ") x r, got ", other.sizes());
+  const int64_t out_rows = m_left ? rows : r, out_cols = m_left ? r : cols;
+  if (!out.defined()) out = at::empty({out_rows, out_cols}, x.options());
+  TORCH_CHECK_VALUE(holds_matrix(out, out_rows, out_cols, x), "hetcomm: out must be contiguous float32 with ",
+                    m_left ? "rows * r" : "r * cols", " elements on x's device");
+  at::Tensor o = out.view({out_rows, out_cols});
+  if (!x.is_cpu()) {
+    blas_times_m(o, x, residual, divisor, other.t(), m_left);  // Q^T = P^T M: its rows contiguous, as on the CPU
+    return out;
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  const float inv = static_cast<float>(1.0 / divisor);
+  if (m_left)
+    cpu::lowrank_project(xp, rp, inv, other.data_ptr<float>(), o.data_ptr<float>(), rows, cols, r);
+  else
+    cpu::lowrank_back_project(xp, rp, inv, other.data_ptr<float>(), o.data_ptr<float>(), rows, cols, r);
+  return out;
+}
+
 }  // namespace
 
 at::Tensor lowrank_project(const at::Tensor& x, const at::Tensor& residual, double divisor, const at::Tensor& qt,
                            at::Tensor out) {
-  check_m(x, residual, divisor, qt, "qt");
-  const int64_t rows = x.size(0), cols = x.size(1), r = qt.size(0);
-  TORCH_CHECK_VALUE(qt.size(1) == cols, "hetcomm: qt must be r x cols (", cols, "), got ", qt.sizes());
-  if (!out.defined()) out = at::empty({rows, r}, x.options());
-  TORCH_CHECK_VALUE(holds_matrix(out, rows, r, x), "hetcomm: out must be contiguous float32 with rows * r elements "
-                    "on x's device");
-  at::Tensor p = out.view({rows, r});
-  if (x.is_cpu()) {
-    cpu::lowrank_project(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
-                         static_cast<float>(1.0 / divisor), qt.data_ptr<float>(), p.data_ptr<float>(), rows, cols, r);
-  } else if (residual.defined()) {  // cuBLAS: residual Q + (x Q) / divisor, accumulated
-    at::mm_out(p, residual.view({rows, cols}), qt.t());
-    p.addmm_(x, qt.t(), 1.0, 1.0 / divisor);
-  } else {
-    at::mm_out(p, x, qt.t());
-    p.div_(divisor);
-  }
-  return out;
+  return times_m(x, residual, divisor, qt, true, out);
 }
 
 at::Tensor lowrank_back_project(const at::Tensor& x, const at::Tensor& residual, double divisor, const at::Tensor& p,
                                 at::Tensor out) {
-  check_m(x, residual, divisor, p, "p");
-  const int64_t rows = x.size(0), cols = x.size(1), r = p.size(1);
-  TORCH_CHECK_VALUE(p.size(0) == rows, "hetcomm: p must be rows (", rows, ") x r, got ", p.sizes());
-  if (!out.defined()) out = at::empty({r, cols}, x.options());
-  TORCH_CHECK_VALUE(holds_matrix(out, r, cols, x), "hetcomm: out must be contiguous float32 with r * cols elements "
-                    "on x's device");
-  at::Tensor qt = out.view({r, cols});
-  if (x.is_cpu()) {
-    cpu::lowrank_back_project(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
-                              static_cast<float>(1.0 / divisor), p.data_ptr<float>(), qt.data_ptr<float>(), rows, cols,
-                              r);
-  } else if (residual.defined()) {  // P^T M with P^T's rows contiguous in the output, as the CPU's
-    at::mm_out(qt, p.t(), residual.view({rows, cols}));
-    qt.addmm_(p.t(), x, 1.0, 1.0 / divisor);
-  } else {
-    at::mm_out(qt, p.t(), x);
-    qt.div_(divisor);
-  }
-  return out;
+  return times_m(x, residual, divisor, p, false, out);
 }
 
 void take_q(at::Tensor& q, const at::Tensor& qt) {
