@@ -86,8 +86,8 @@ void outer_product_cuda(const float* p, const float* qt, float* out, int64_t row
 void lowrank_finish_cpu(const float* p, const float* qt, float* x, float* residual, float divisor, float share,
                         int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end);
 // The two products of a step with M = x * inv_divisor + residual (residual
-// null: x * inv_divisor), M formed row by row in scratch, never stored; x,
-// residual: rows x cols, row-major. Summed over the ranks, P and Q^T need no
+// null: x * inv_divisor), M formed as they run (in registers, or a row's
+// piece in scratch), never stored; x, residual: rows x cols, row-major. Summed over the ranks, P and Q^T need no
 // bits in common between processes, only a fixed order here (independent of
 // the row or column range a thread takes): not BLAS, whose products of a
 // matrix with 4-16 columns ran at a third of memory's bandwidth on the CPU
