@@ -249,8 +249,8 @@ class TrialRounds:
         :meth:`_decide` cannot take for having been no faster than the
         round it keeps in this cycle (:meth:`_cannot_win`); where that
         leaves the kept round alone, the trial ends here."""
-        _, _, cycles = self._gather_round_times(engine)
-        worst = [max(r[c][0] for r in cycles) for c in range(self._rounds())]  # the cycle's step, slowest rank
+        _, times, _ = self._gather_round_times(engine)
+        worst = slowest(times)  # each round's one step of this first cycle, by its slowest rank
         best = min((w for w in worst if w < INF), default=INF)
         kept = [c for c in self._cycle() if worst[c] == INF or best == INF or worst[c] <= AUTO_SPAN * best]
         current = self._current_round()

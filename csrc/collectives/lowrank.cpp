@@ -152,8 +152,7 @@ LowrankStep::LowrankStep(const at::Tensor& x, double divisor, const at::Tensor& 
       // M (Q^T)^T with Q^T contiguous (for BLAS on a GPU as fast as it goes here: M Q with Q contiguous was 4-5x
       // slower on the CPU, for the same reason as above)
       const at::Tensor qt = matrix_t(q_state, qo, p.cols, p.rank).contiguous();
-      ops::lowrank_project(m_part(x_, p), m_part(residual_, p), divisor_, matrix(qt, 0, p.rank, p.cols),
-                           matrix(head_, po, p.rows, p.rank));
+      ops::lowrank_project(m_part(x_, p), m_part(residual_, p), divisor_, qt, matrix(head_, po, p.rows, p.rank));
       po += p.rows * p.rank;
       qo += p.cols * p.rank;
     }

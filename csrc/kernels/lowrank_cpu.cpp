@@ -37,23 +37,22 @@ HC_HD void outer_row(const float* p_row, const float* qt, float* o, int64_t cols
 typedef float Float8 __attribute__((vector_size(32)));
 constexpr int64_t kF8 = 8;
 
-// (every helper of the clones below is inlined into them: a call out of the AVX2 clone would run the baseline's
-// code and pass its vectors through memory)
-#define HC_INLINE inline __attribute__((always_inline))
+// (every helper of the clones below is inlined into them, HC_HD: a call out of the AVX2 clone would run the
+// baseline's code and pass its vectors through memory)
 #define HC_LAMBDA_INLINE __attribute__((always_inline))
 
-HC_INLINE Float8 load8(const float* p) {
+HC_HD Float8 load8(const float* p) {
   Float8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-HC_INLINE void store8(float* p, Float8 v) { std::memcpy(p, &v, sizeof v); }
+HC_HD void store8(float* p, Float8 v) { std::memcpy(p, &v, sizeof v); }
 
-HC_INLINE Float8 splat8(float a) { return Float8{a, a, a, a, a, a, a, a}; }
+HC_HD Float8 splat8(float a) { return Float8{a, a, a, a, a, a, a, a}; }
 
 // The lanes of v added in a fixed tree (lane i + width into lane i, width 4, 2, 1).
-HC_INLINE float lanes_sum(Float8 v) {
+HC_HD float lanes_sum(Float8 v) {
   float a[kF8];
   std::memcpy(a, &v, sizeof a);
   for (int width = kF8 / 2; width > 0; width >>= 1)
@@ -62,7 +61,7 @@ HC_INLINE float lanes_sum(Float8 v) {
 }
 
 // A row (or a piece of one) of M = x * inv_divisor + residual (residual null: x * inv_divisor) into m.
-HC_INLINE void m_row(const float* x, const float* residual, float inv_divisor, float* m, int64_t n) {
+HC_HD void m_row(const float* x, const float* residual, float inv_divisor, float* m, int64_t n) {
   const int64_t body = n - n % kF8;
   const Float8 inv = splat8(inv_divisor);
   if (residual == nullptr) {
@@ -84,7 +83,7 @@ constexpr int64_t kProjectGroup = 4;
 // read from `m` (kFormed), or formed from x and the residual as the products
 // run, as m_row forms it (then `m` holds only what lies past the last chunk).
 template <bool kFormed>
-HC_INLINE void project_row(const float* x, const float* residual, float inv_divisor, float* m,
+HC_HD void project_row(const float* x, const float* residual, float inv_divisor, float* m,
                            const float* const* q, int64_t count, int64_t cols, float* out) {
   const int64_t pairs = cols - cols % (2 * kF8), body = cols - cols % kF8;
   const Float8 inv = splat8(inv_divisor);
