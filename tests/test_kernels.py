@@ -345,6 +345,28 @@ def test_lowrank_products_on_the_cpu_are_the_same_bits_on_any_number_of_threads(
     assert all(torch.equal(a, got[0][0]) and torch.equal(b, got[0][1]) for a, b in got)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 66])
+def test_lowrank_back_project_on_the_cpu_sums_each_entry_over_the_rows_in_order(rows):
+    # Q^T's entry (k, j) on the CPU is ((0 + p[0,k] M[0,j]) + p[1,k] M[1,j]) + ..., each operation rounded to
+    # float32, whether its rows run four, two or one a pass: the reference adds one row at a time in torch
+    gen = torch.Generator().manual_seed(rows)
+    cols, r, divisor = 37, 6, 3.0
+    x, res = torch.randn(rows, cols, generator=gen), torch.randn(rows, cols, generator=gen)
+    p = torch.randn(rows, r, generator=gen)
+    x[0, :3] = torch.tensor([float("inf"), -0.0, 0.0])  # an infinite M and signed zeros keep their row's order too
+    p[0, 0] = -0.0
+    inv = torch.tensor(1.0 / divisor, dtype=torch.float32)
+    for residual in (res, None):
+        m = x * inv + residual if residual is not None else x * inv
+        want = torch.zeros(r, cols)
+        for i in range(rows):
+            want = want + p[i].unsqueeze(1) * m[i].unsqueeze(0)
+        got = ops.lowrank_back_project(x, p, residual, divisor)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # (-0 times inf is a NaN)
+        numbers = ~want.isnan()
+        assert torch.equal(torch.signbit(got[numbers]), torch.signbit(want[numbers]))
+
+
 def test_lowrank_products_reject_bad_arguments():
     x, qt, p = torch.zeros(3, 4), torch.zeros(2, 4), torch.zeros(3, 2)
     with pytest.raises(ValueError, match="qt must be r x cols \\(4\\)"):

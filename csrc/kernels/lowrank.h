@@ -97,7 +97,8 @@ void lowrank_finish_cpu(const float* p, const float* qt, float* x, float* residu
 void lowrank_project_cpu(const float* x, const float* residual, float inv_divisor, const float* qt, float* p,
                          int64_t rows, int64_t cols, int64_t r, float* row, int64_t row_begin, int64_t row_end);
 // qt (r x cols) = p^T M, p (rows x r): columns [col_begin, col_end), each entry
-// the sum over rows 0, 1, ... in order; `seg` holds 2 (col_end - col_begin) floats.
+// the sum over rows 0, 1, ... in order; `seg` holds kBackProjectRows (col_end - col_begin) floats.
+constexpr int64_t kBackProjectRows = 4;
 void lowrank_back_project_cpu(const float* x, const float* residual, float inv_divisor, const float* p, float* qt,
                               int64_t rows, int64_t cols, int64_t r, float* seg, int64_t col_begin, int64_t col_end);
 // A part sent dense: out[i] = x[i] / divisor (+ residual[i] where residual is

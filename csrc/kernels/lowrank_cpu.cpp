@@ -112,6 +112,39 @@ HC_HD void project_row(const float* x, const float* residual, float inv_divisor,
   }
 }
 
+// kN rows from row i into Q^T's columns [col_begin, col_begin + w): row i + n's piece of M into seg + n w, then
+// each entry o of each row k of Q^T becomes (((o + p[i][k] m_i) + p[i+1][k] m_{i+1}) + ...), rows in order.
+template <int64_t kN>
+HC_HD void back_project_rows(const float* x, const float* residual, float inv_divisor, const float* p, float* qt,
+                             int64_t cols, int64_t r, float* seg, int64_t col_begin, int64_t w, int64_t i) {
+  const int64_t body = w - w % kF8;
+  const float* m[kN];
+  for (int64_t n = 0; n < kN; ++n) {
+    const int64_t at = (i + n) * cols + col_begin;
+    m_row(x + at, residual == nullptr ? nullptr : residual + at, inv_divisor, seg + n * w, w);
+    m[n] = seg + n * w;
+  }
+  for (int64_t k = 0; k < r; ++k) {
+    float* o = qt + k * cols + col_begin;
+    float a[kN];
+    Float8 av[kN];
+    for (int64_t n = 0; n < kN; ++n) {
+      a[n] = p[(i + n) * r + k];
+      av[n] = splat8(a[n]);
+    }
+    for (int64_t j = 0; j < body; j += kF8) {
+      Float8 t = load8(o + j);
+      for (int64_t n = 0; n < kN; ++n) t = t + av[n] * load8(m[n] + j);
+      store8(o + j, t);
+    }
+    for (int64_t j = body; j < w; ++j) {
+      float t = o[j];
+      for (int64_t n = 0; n < kN; ++n) t = t + a[n] * m[n][j];
+      o[j] = t;
+    }
+  }
+}
+
 }  // namespace
 
 HC_CPU_CLONES
@@ -141,32 +174,19 @@ void lowrank_project_cpu(const float* x, const float* residual, float inv_diviso
 HC_CPU_CLONES
 void lowrank_back_project_cpu(const float* x, const float* residual, float inv_divisor, const float* p, float* qt,
                               int64_t rows, int64_t cols, int64_t r, float* seg, int64_t col_begin, int64_t col_end) {
-  const int64_t w = col_end - col_begin, body = w - w % kF8;
+  const int64_t w = col_end - col_begin;
   for (int64_t k = 0; k < r; ++k)
     for (int64_t j = 0; j < w; ++j) qt[k * cols + col_begin + j] = 0.0f;
-  // Two rows a pass (their pieces of M in seg, 2 w floats): each entry of Q^T takes row i's product, then row
-  // i + 1's, the order of one row a pass, and is loaded and stored once for both.
-  float* m0 = seg;
-  float* m1 = seg + w;
-  for (int64_t i = 0; i < rows; i += 2) {
-    const bool pair = i + 1 < rows;
-    const int64_t at = i * cols + col_begin;
-    m_row(x + at, residual == nullptr ? nullptr : residual + at, inv_divisor, m0, w);
-    if (pair) m_row(x + at + cols, residual == nullptr ? nullptr : residual + at + cols, inv_divisor, m1, w);
-    for (int64_t k = 0; k < r; ++k) {
-      float* o = qt + k * cols + col_begin;
-      const float a = p[i * r + k], b = pair ? p[(i + 1) * r + k] : 0.0f;
-      const Float8 av = splat8(a), bv = splat8(b);
-      if (pair) {
-        for (int64_t j = 0; j < body; j += kF8)
-          store8(o + j, (load8(o + j) + av * load8(m0 + j)) + bv * load8(m1 + j));
-        for (int64_t j = body; j < w; ++j) o[j] = (o[j] + a * m0[j]) + b * m1[j];
-      } else {
-        for (int64_t j = 0; j < body; j += kF8) store8(o + j, load8(o + j) + av * load8(m0 + j));
-        for (int64_t j = body; j < w; ++j) o[j] += a * m0[j];
-      }
-    }
+  // Up to kBackProjectRows rows a pass (their pieces of M in seg, w floats each): each entry of Q^T takes row i's
+  // product, then row i + 1's, ..., the order of one row a pass, and is loaded and stored once for them all.
+  int64_t i = 0;
+  for (; i + kBackProjectRows <= rows; i += kBackProjectRows)
+    back_project_rows<kBackProjectRows>(x, residual, inv_divisor, p, qt, cols, r, seg, col_begin, w, i);
+  if (rows - i >= 2) {
+    back_project_rows<2>(x, residual, inv_divisor, p, qt, cols, r, seg, col_begin, w, i);
+    i += 2;
   }
+  if (i < rows) back_project_rows<1>(x, residual, inv_divisor, p, qt, cols, r, seg, col_begin, w, i);
 }
 
 void orthonormalize_columns_cpu(float* p, int64_t rows, int64_t cols, float eps) {

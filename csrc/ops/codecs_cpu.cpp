@@ -131,7 +131,7 @@ void lowrank_back_project(const float* x, const float* residual, float inv_divis
   width = std::max<int64_t>(8, (width + 7) / 8 * 8);
   const int64_t blocks = (cols + width - 1) / width;
   at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> seg(static_cast<size_t>(2 * width));
+    std::vector<float> seg(static_cast<size_t>(k::kBackProjectRows * width));
     for (int64_t c = b; c < e; ++c)
       k::lowrank_back_project_cpu(x, residual, inv_divisor, p, qt, rows, cols, r, seg.data(), c * width,
                                   std::min(cols, (c + 1) * width));
