@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,13 +37,25 @@ __all__ = ["Bucket", "BucketStates", "ParamIndex", "Signature", "from_grad_bucke
 log = logging.getLogger("hetcomm")
 
 
-class Bucket(NamedTuple):
-    """What the hook needs of a bucket: DDP's GradBucket, or a regrouped one."""
-    index: int
-    buffer: torch.Tensor          # flat, reduced in place
-    grads: List[torch.Tensor]     # views of buffer, one per parameter, in order
-    sig: Signature
-    last: bool
+class Bucket:
+    """What the hook needs of a bucket: DDP's GradBucket, or a regrouped one.
+    ``grads``, views of ``buffer`` one per parameter in order, may be given as
+    the callable that makes them (DDP's ``GradBucket.gradients``, which makes
+    new views at every call: about a tenth of the hook's own CPU a bucket),
+    called at the first use: most steps of most buckets use none."""
+
+    __slots__ = ("index", "buffer", "sig", "last", "_grads")
+
+    def __init__(self, index: int, buffer: torch.Tensor,
+                 grads: Union[List[torch.Tensor], Callable[[], Sequence[torch.Tensor]]], sig: Signature,
+                 last: bool) -> None:
+        self.index, self.buffer, self.sig, self.last, self._grads = index, buffer, sig, last, grads
+
+    @property
+    def grads(self) -> List[torch.Tensor]:
+        if callable(self._grads):
+            self._grads = list(self._grads())
+        return self._grads
 
 
 class ParamIndex:
@@ -85,9 +97,12 @@ class ParamIndex:
         return tuple(self.number(p) for p in params)
 
 
-def from_grad_bucket(bucket, params: ParamIndex) -> Bucket:
-    return Bucket(bucket.index(), bucket.buffer(), list(bucket.gradients()), params.signature(bucket.parameters()),
-                  bucket.is_last())
+def from_grad_bucket(bucket, params: ParamIndex, buffer: Optional[torch.Tensor] = None) -> Bucket:
+    """The hook's Bucket of DDP's GradBucket ``bucket`` (``buffer``: its
+    ``buffer()``, where the caller has it); its gradients' views made when
+    first asked for."""
+    return Bucket(bucket.index(), bucket.buffer() if buffer is None else buffer, bucket.gradients,
+                  params.signature(bucket.parameters()), bucket.is_last())
 
 
 class BucketStates(BucketDebts):

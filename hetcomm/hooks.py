@@ -67,7 +67,7 @@ class BucketSteps:
         if not buf.is_floating_point():
             raise ValueError(f"hetcomm.hook: bucket dtype must be floating point, got {buf.dtype}")
         engine = self._ensure_engine(buf.device)
-        bucket = buckets.from_grad_bucket(grad_bucket, self._buckets.params)
+        bucket = buckets.from_grad_bucket(grad_bucket, self._buckets.params, buf)
         if not self._step_open:
             if not self._negotiated:
                 self._check_ddp_group(grad_bucket.parameters())
@@ -202,6 +202,7 @@ class BucketSteps:
         layout (the original run's), so the restored state meets exactly the
         buckets it was made for. One step without overlap."""
         fut: torch.futures.Future = torch.futures.Future()
+        bucket.grads  # its views made now, in the call DDP handed its GradBucket to
         self._replaying.append((bucket, fut))
         if not bucket.last:
             return fut
