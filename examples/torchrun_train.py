@@ -25,6 +25,7 @@ line at the end.
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,9 @@ def main() -> None:
         if scaler is not None:
             scaler.load_state_dict(ck["scaler"])  # the loss scale as the saving run left it (an fp16 backoff)
         start, taken[0] = ck["step"], ck["optimizer_steps"]
+        if start >= args.steps and rank == 0:  # (the last save of a finished run: --save-every's)
+            print(f"the checkpoint is of step {start}, at or past --steps {args.steps}: no step left to run "
+                  "(--save-every 0 saves only at --save-at)", file=sys.stderr)
     for step in range(start, args.steps):
         g = torch.Generator().manual_seed(step * world + rank)  # this rank's batch of this step
         idx = torch.randint(0, len(y), (args.batch,), generator=g)
@@ -138,7 +142,7 @@ def main() -> None:
     if rank == 0:  # plans: what the last step sent per bucket; lowrank_guard: auto's reading of lowrank's rank
         print(json.dumps({"steps": args.steps, "hook_steps": state.iter, "accuracy": acc,
                           "replicas_identical": all(torch.equal(flat, f) for f in every),
-                          "compression_ratio": stats["last_step"]["compression_ratio"],
+                          "compression_ratio": stats.get("last_step", {}).get("compression_ratio"),  # None: none ran
                           "plans": sorted(f"{p['mode']}/{p['algorithm']}" for p in stats["plans"].values()),
                           "lowrank_guard": stats.get("auto", {}).get("lowrank_guard"),
                           "lowrank_share": stats.get("lowrank_share"), "precisions": stats.get("precisions"),

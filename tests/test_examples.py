@@ -44,6 +44,22 @@ def test_torchrun_example_resumes_bit_for_bit(tmp_path):
     assert straight["accuracy"] > 0.8
 
 
+def test_torchrun_example_resumed_from_a_finished_runs_checkpoint_says_so_and_reports(tmp_path):
+    # --save-every's last save is after the run's last step: resumed with the same --steps, no step is left; the
+    # example says so and prints its report of the loaded model (it raised a KeyError on stats()["last_step"])
+    ckpt = str(tmp_path / "a")
+    args = ("--steps", "6", "--save-every", "3", "--ckpt", ckpt, "--compression", "int3")
+    done = _torchrun(tmp_path, *args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "examples", "torchrun_train.py"), *args, "--resume"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    again = _last_json(out)
+    assert "the checkpoint is of step 6, at or past --steps 6: no step left to run" in out.stderr
+    assert again["checksum"] == done["checksum"] and again["replicas_identical"]
+    assert again["compression_ratio"] is None and done["compression_ratio"] > 1
+    assert [k["optimizer_steps"] for k in again["ranks"]] == [6, 6]  # the saved count, none taken since
+
+
 def test_torchrun_example_resumes_mixed_precision_and_adamw_bit_for_bit(tmp_path):
     # a bf16 rank next to an fp16 one whose loss overflows at step 25 (both skip it, the fp16 rank backs off),
     # hetcomm's AdamW with its momentum in onebit; the checkpoint after step 29 holds the backed-off scale
