@@ -71,6 +71,16 @@ py::dict totals_dict(const ReduceTotals& t) {
   return d;
 }
 
+// An engine's stats(): its totals over the run and of its last complete step.
+py::dict stats_dict(const EngineStats& s) {
+  py::dict d;
+  d["nonfinite_steps"] = s.nonfinite_steps;
+  d["nonfinite_buckets"] = s.nonfinite_buckets;
+  d["total"] = totals_dict(s.total);
+  d["last_step"] = totals_dict(s.last_step);
+  return d;
+}
+
 py::dict build_info() {
   py::dict d;
   const std::string cuda = HETCOMM_CUDA_STATE;
@@ -96,6 +106,9 @@ at::ScalarType wire_dtype(const std::string& name) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hetcomm C++ core: torch-free kernels, transports, the comm engine";
   m.def("build_info", &build_info, "What this build of hetcomm contains (cuda, archs, nccl version).");
+  m.def(
+      "stats_before_any_step", [] { return stats_dict(EngineStats{}); },
+      "Engine.stats() of an engine that has reduced nothing: every count 0 (a HookState's before its first bucket)");
   // each HookState's comm thread carries this name (/proc/PID/task/*/comm, top -H, py-spy)
   m.attr("COMM_THREAD_NAME") = Worker::kThreadName;
 
@@ -303,15 +316,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("size", &Engine::size)
       .def("nonfinite_steps", &Engine::nonfinite_steps)
       .def("carry_holds", &Engine::carry_holds)
-      .def("stats",
-           [](const Engine& e) {
-             const EngineStats s = e.stats();
-             py::dict d;
-             d["nonfinite_steps"] = s.nonfinite_steps;
-             d["nonfinite_buckets"] = s.nonfinite_buckets;
-             d["total"] = totals_dict(s.total);
-             d["last_step"] = totals_dict(s.last_step);
-             return d;
-           })
+      .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
       .def("last_step_buckets", &Engine::last_step_buckets);
 }

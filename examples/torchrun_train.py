@@ -142,7 +142,7 @@ def main() -> None:
     if rank == 0:  # plans: what the last step sent per bucket; lowrank_guard: auto's reading of lowrank's rank
         print(json.dumps({"steps": args.steps, "hook_steps": state.iter, "accuracy": acc,
                           "replicas_identical": all(torch.equal(flat, f) for f in every),
-                          "compression_ratio": stats.get("last_step", {}).get("compression_ratio"),  # None: none ran
+                          "compression_ratio": stats["last_step"]["compression_ratio"],
                           "plans": sorted(f"{p['mode']}/{p['algorithm']}" for p in stats["plans"].values()),
                           "lowrank_guard": stats.get("auto", {}).get("lowrank_guard"),
                           "lowrank_share": stats.get("lowrank_share"), "precisions": stats.get("precisions"),

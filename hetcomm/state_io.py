@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict
 
-from . import ddpfind, options, plan
+from . import _C, ddpfind, options, plan
 
 _STATE_DICT_VERSION = options.STATE_DICT_VERSION
 log = logging.getLogger("hetcomm")
@@ -158,7 +158,8 @@ class StateIO:
         native all-reduce, by its share of peers off the node),
         ``packed_rounds`` / ``unpacked_rounds`` (rounds offered for packing,
         ``pack``, that went zstd-packed / raw: raw where a rank lacks libzstd
-        or the packed blocks were no shorter); plus ``iter``
+        or the packed blocks were no shorter), every count 0 before the
+        first bucket (``compression_ratio`` 1.0 where nothing was sent); plus ``iter``
         and the ``compression`` in use; ``attached`` (the kind of optimizer
         whose momentum is compressed: ``"sgd"``, ``"adam"``, ``"hetcomm-adamw"``)
         once :meth:`attach_optimizer` was called; ``join_steps`` once this rank has
@@ -180,8 +181,8 @@ class StateIO:
         auto offers lowrank, and ``lowrank_rank`` (the rank its
         lowrank runs at now) where lowrank is among its modes."""
         out: Dict[str, Any] = {"iter": self.iter, "compression": self.resolved_compression or self.compression}
-        if self._engine is not None:
-            out.update(self._engine.stats())
+        # (before the first bucket there is no engine: its counts are 0, so that stats()["last_step"] reads alike)
+        out.update(self._engine.stats() if self._engine is not None else _C.stats_before_any_step())
         out["precisions"] = self.precisions
         if self._attached is not None:
             out["attached"] = self._attached

@@ -136,6 +136,24 @@ def test_accelerate_register_names_what_it_needs():
         register(object(), torch.nn.Linear(2, 2), hetcomm.HookState())
 
 
+def test_stats_before_the_first_bucket_read_as_after_one_with_every_count_zero():
+    # a loop that prints stats()["last_step"] before its first step, or after resuming a finished run, reads
+    # zeros where it raised a KeyError (no engine yet); the same keys as an engine's after a step
+    s = hetcomm.HookState("int3")
+    before = s.stats()
+    assert before["last_step"]["bytes_sent"] == 0 and before["total"]["buckets"] == 0
+    assert before["last_step"]["compression_ratio"] == 1.0 and before["nonfinite_steps"] == 0
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    ddp.register_comm_hook(s, hetcomm.hook)
+    ddp(torch.randn(8, 64)).sum().backward()
+    after = s.stats()
+    s.close()
+    assert after["total"]["buckets"] == 1 and after["total"]["numel"] == 64 * 64 + 64
+    for part in ("total", "last_step"):
+        assert set(before[part]) == set(after[part])
+    assert set(before) - {"plans"} <= set(after)
+
+
 def test_hook_needs_a_hookstate():
     with pytest.raises(ValueError, match="state must be a hetcomm.HookState"):
         hetcomm.hook(object(), _FakeBucket(torch.zeros(4)))
