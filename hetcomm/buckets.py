@@ -97,12 +97,11 @@ class ParamIndex:
         return tuple(self.number(p) for p in params)
 
 
-def from_grad_bucket(bucket, params: ParamIndex, buffer: Optional[torch.Tensor] = None) -> Bucket:
+def from_grad_bucket(bucket, params: ParamIndex, buffer: torch.Tensor) -> Bucket:
     """The hook's Bucket of DDP's GradBucket ``bucket`` (``buffer``: its
-    ``buffer()``, where the caller has it); its gradients' views made when
+    ``buffer()``, which the hook has read); its gradients' views made when
     first asked for."""
-    return Bucket(bucket.index(), bucket.buffer() if buffer is None else buffer, bucket.gradients,
-                  params.signature(bucket.parameters()), bucket.is_last())
+    return Bucket(bucket.index(), buffer, bucket.gradients, params.signature(bucket.parameters()), bucket.is_last())
 
 
 class BucketStates(BucketDebts):

@@ -21,10 +21,14 @@ def _last_json(out: subprocess.CompletedProcess) -> dict:
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def _torchrun(tmp_path, *args, script="torchrun_train.py"):
+def _torchrun_process(tmp_path, *args, script="torchrun_train.py") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "examples", script), *args]
-    return _last_json(subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+
+
+def _torchrun(tmp_path, *args, script="torchrun_train.py"):
+    return _last_json(_torchrun_process(tmp_path, *args, script=script))
 
 
 def _straight_and_resumed(tmp_path, *args):
@@ -51,9 +55,7 @@ def test_torchrun_example_resumed_from_a_finished_runs_checkpoint_says_so_and_re
     ckpt = str(tmp_path / "a")
     args = ("--steps", "6", "--save-every", "3", "--ckpt", ckpt, "--compression", "int3")
     done = _torchrun(tmp_path, *args)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "examples", "torchrun_train.py"), *args, "--resume"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    out = _torchrun_process(tmp_path, *args, "--resume")
     again = _last_json(out)
     assert "the checkpoint is of step 6, at or past --steps 6: no step left to run" in out.stderr
     assert again["checksum"] == done["checksum"] and again["replicas_identical"]
