@@ -444,6 +444,37 @@ def test_bench_train_plain_sgd_runs_without_momentum_at_its_own_rate(tmp_path):
         train.run(2, ["regress"], ["sgd", "plain"], ["onebit", "onebit+m", "topk+m-p10"])
 
 
+@pytest.mark.parametrize("name", ["sgd-fused", "adamw-fused"])
+def test_bench_train_fused_optimizers_are_torchs_fused_kernels_at_their_optimizers_rate(tmp_path, name):
+    base = name.removesuffix("-fused")
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randn(40, 7, generator=gen)
+    grads = [torch.randn(40, 7, generator=gen) for _ in range(5)]
+    params = {}
+    for n in (name, base):
+        p = torch.nn.Parameter(start.clone())
+        opt = train.make_optimizer(n, [p], 0.05)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        params[n] = p.detach()
+        assert bool(opt.defaults["fused"]) is (n == name)  # (None: torch decides, the loop on the CPU)
+    assert not torch.equal(params[name], start)
+    assert torch.allclose(params[name], params[base], rtol=1e-5, atol=1e-6)  # the same steps as torch's loop
+    task = bench_tasks.TASKS["regress"]()
+    assert train.task_lr(task, name) == train.task_lr(task, base)
+    _run(["bench", "train", "--tasks", "regress", "--optims", name, "--modes", "int3", "--scale", "0.1",
+          "--eval-every", "10", "--json", "f.json"], tmp_path)
+    runs = json.load(open(tmp_path / "f.json"))["runs"]
+    assert [(r["optimizer"], r["mode"]) for r in runs] == [(name, "fp32"), (name, "int3")]
+    assert all(math.isfinite(r["final"]) and r["lr"] == task.lr[base] for r in runs)
+    with pytest.raises(ValueError, match=f"optimizer.s. {name} are torch's fused kernels, and onebit\\+m step "
+                                         "hetcomm's own optimizer"):
+        train.run(2, ["regress"], [name], ["int3", "onebit+m"])
+    with pytest.raises(ValueError, match=f"run it with '{base}'"):
+        train.make_optimizer(name, [torch.nn.Parameter(torch.zeros(3))], 0.2, attach=True)
+
+
 def _synthetic_run(task, mode, seed, values, metric):
     curve = [{"step": 20 * (i + 1), "time_s": 0.1 * (i + 1), metric: v, "loss": 0.0} for i, v in enumerate(values)]
     return {"task": task, "optimizer": "sgd", "mode": mode, "seed": seed, "curve": curve, "final": values[-1],

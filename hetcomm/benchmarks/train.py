@@ -37,9 +37,13 @@ from .tasks import TASKS, Task
 from .train_results import REFERENCE, aggregate, load_reference, summarise
 
 DEFAULT_MODES = ["fp32", "torch-powersgd", "onebit", "onebit+m", "topk+m", "lowrank", "lowrank+m"]
-OPTIMIZERS = ("sgd", "adamw", "nesterov", "plain")
+OPTIMIZERS = ("sgd", "adamw", "nesterov", "plain", "sgd-fused", "adamw-fused")
+#: torch's fused kernels (``fused=True``), not hetcomm's: on CPU ranks AdamW's step in 0.3x-0.1x the time of the loop
+#: torch runs there unless asked (bench/README "torch's fused AdamW"); no +m modes, which step hetcomm's own
+FUSED = "-fused"
 OPTIMIZERS_HELP = ("comma-separated optimizers: sgd (momentum 0.9), adamw (default both), nesterov (SGD, Nesterov "
-                   "momentum 0.9, at sgd's lr), plain (SGD without momentum, at its own lr; no +m modes)")
+                   "momentum 0.9, at sgd's lr), plain (SGD without momentum, at its own lr; no +m modes), "
+                   "sgd-fused / adamw-fused (torch's with fused=True, at sgd's / adamw's lr; no +m modes)")
 DEFAULT_OPTIMIZERS = ["sgd", "adamw"]
 SCHEDULES = ("constant", "warmup", "cosine", "onecycle")
 #: the warmup and cosine schedules' linear warm-up, as a fraction of the run's steps (``warmup:N``: N steps)
@@ -59,7 +63,15 @@ def check_schedule(name: str) -> str:
 
 def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.optim.Optimizer:
     """SGD momentum 0.9 (``nesterov``: Nesterov's; ``plain``: no momentum), or
-    AdamW (hetcomm's where its momentum is compressed: the recommended pairing)."""
+    AdamW (hetcomm's where its momentum is compressed: the recommended pairing);
+    ``sgd-fused`` / ``adamw-fused``: torch's with ``fused=True``."""
+    base, fused = name.removesuffix(FUSED), name.endswith(FUSED)
+    if fused and attach:
+        raise ValueError(f"optimizer {name!r} is torch's fused kernel: a mode that compresses the momentum (+m) "
+                         f"steps hetcomm's own optimizer; run it with {base!r}")
+    if fused:
+        return (torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True) if base == "sgd"
+                else torch.optim.AdamW(params, lr=lr, fused=True))
     if name == "plain":
         return torch.optim.SGD(params, lr=lr)
     if name in ("sgd", "nesterov"):
@@ -98,8 +110,10 @@ def make_schedule(optimizer: torch.optim.Optimizer, name: str, steps: int):
 
 
 def task_lr(task: Task, optim: str) -> float:
-    """fp32's learning rate of ``task`` for ``optim`` (Nesterov runs at SGD-momentum's)."""
-    return task.lr["sgd" if optim == "nesterov" else optim]
+    """fp32's learning rate of ``task`` for ``optim`` (Nesterov runs at SGD-momentum's, a fused kernel at its
+    optimizer's)."""
+    base = optim.removesuffix(FUSED)
+    return task.lr["sgd" if base == "nesterov" else base]
 
 
 def _register(ddp, mode: str, opt: torch.optim.Optimizer, steps: int):
@@ -322,6 +336,10 @@ def run(ranks: int, tasks: List[str], optims: List[str], modes: List[str], scale
     if "plain" in optims and attached:
         raise ValueError(f"optimizer 'plain' (SGD without momentum) has no momentum to compress: run "
                          f"{', '.join(attached)} without it")
+    fused = [o for o in optims if o.endswith(FUSED)]
+    if fused and attached:
+        raise ValueError(f"optimizer(s) {', '.join(fused)} are torch's fused kernels, and {', '.join(attached)} "
+                         "step hetcomm's own optimizer: run them apart")
     common.require_device(device, "hetcomm bench train")
     copied: List[Dict] = []
     if reference is not None:
