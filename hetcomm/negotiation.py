@@ -73,8 +73,9 @@ def inside_c10d() -> bool:
     by the garbage collector from inside it has its group destroyed later,
     not in the middle of c10d's bookkeeping of another. (A CI run once failed
     in ``new_group``'s ``connectFullMesh``, a peer closing the connection,
-    where a collection could have freed a state; not reproduced, so this is a
-    precaution.)"""
+    where a collection could have freed a state; the failure itself was a
+    group destroyed on fast ranks while a slow one still connected, now
+    closed by the barrier in ``_group``.)"""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "torch.distributed.distributed_c10d":
@@ -154,7 +155,15 @@ class Negotiation:
             if not dist.is_initialized():
                 raise RuntimeError("hetcomm: torch.distributed is not initialized (call init_process_group first)")
             destroy_doomed()  # (here, not inside new_group: a state freed meanwhile waits for the next)
-            self._process_group = dist.new_group(timeout=self._timeout or default_group_timeout())
+            group = dist.new_group(timeout=self._timeout or default_group_timeout())
+            if dist.get_backend(group) == "gloo":
+                # A gloo group this state may destroy on its own (destroy_own_group) is connected on every rank
+                # before any rank goes on: new_group returns on a rank once its own pairs connected, and a state
+                # dropped or closed at once (a GradScaler holds it weakly) destroyed the group under a slower
+                # rank still connecting ("Connection closed by peer" in its connectFullMesh; a CI flake, 2 in 40
+                # runs of test_amp's fixture under load, none in 50 with this barrier)
+                dist.barrier(group=group)
+            self._process_group = group
             self._own_group = os.getpid()
             _live_states.add(self)
         return self._process_group
