@@ -160,8 +160,8 @@ class Negotiation:
                 # A gloo group this state may destroy on its own (destroy_own_group) is connected on every rank
                 # before any rank goes on: new_group returns on a rank once its own pairs connected, and a state
                 # dropped or closed at once (a GradScaler holds it weakly) destroyed the group under a slower
-                # rank still connecting ("Connection closed by peer" in its connectFullMesh; a CI flake, 2 in 40
-                # runs of test_amp's fixture under load, none in 50 with this barrier)
+                # rank still connecting ("Connection closed by peer" in its connectFullMesh; a CI flake: 15 in 200
+                # runs of test_amp's fixture with a core kept busy, none in 100 with this barrier)
                 dist.barrier(group=group)
             self._process_group = group
             self._own_group = os.getpid()
