@@ -69,14 +69,12 @@ def make_optimizer(name: str, params, lr: float, attach: bool = False) -> torch.
     if fused and attach:
         raise ValueError(f"optimizer {name!r} is torch's fused kernel: a mode that compresses the momentum (+m) "
                          f"steps hetcomm's own optimizer; run it with {base!r}")
-    if fused:
-        return (torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True) if base == "sgd"
-                else torch.optim.AdamW(params, lr=lr, fused=True))
+    kernel = {"fused": True} if fused else {}  # (left out: torch decides, on the CPU its loop)
     if name == "plain":
         return torch.optim.SGD(params, lr=lr)
-    if name in ("sgd", "nesterov"):
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=name == "nesterov")
-    return hetcomm.optim.AdamW(params, lr=lr) if attach else torch.optim.AdamW(params, lr=lr)
+    if base in ("sgd", "nesterov"):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=base == "nesterov", **kernel)
+    return hetcomm.optim.AdamW(params, lr=lr) if attach else torch.optim.AdamW(params, lr=lr, **kernel)
 
 
 def make_schedule(optimizer: torch.optim.Optimizer, name: str, steps: int):
