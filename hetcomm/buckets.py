@@ -156,10 +156,13 @@ class BucketStates(BucketDebts):
             "lowrank_ranks": {k: r for k, (r, _) in self.layouts.items() if k in self.lowrank_q},
         }
 
-    def load_state_dict(self, sd: Dict[str, Any], keyed_elsewhere: bool = False) -> None:
-        """``keyed_elsewhere``: other per-bucket state was restored too (auto's
-        decisions), so the first step meets the saved buckets even when no
-        tensor was saved."""
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """The first step after it meets the saved layout (replayed) whenever
+        one was saved, whether or not a tensor was: a bucket with no state of
+        its own (mode ``none``, a cast, auto's decisions) is then still summed
+        as the saved run summed it, which on 3 or more ranks is what makes the
+        resumed sum the straight run's to the bit (gloo's ring adds each value
+        in an order set by its offset in the bucket)."""
         def restore(d):
             return {str(k): t.detach().clone().float().contiguous() for k, t in d.items()}
 
@@ -174,7 +177,7 @@ class BucketStates(BucketDebts):
         self._q_ranks = {str(k): int(r) for k, r in sd.get("lowrank_ranks", {}).items()}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
         self.step_layout = layout
-        self.replay_layout = layout if layout and (self.has_state() or keyed_elsewhere) else None
+        self.replay_layout = layout or None
         self._saved_shapes = [tuple(s) for s in sd.get("param_shapes", [])]
         # kept through the first steps of a resumed run
         self.prev_touched = set(self.residuals) | set(self.server_residuals) | set(self.lowrank_q) | \

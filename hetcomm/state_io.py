@@ -92,7 +92,7 @@ class StateIO:
             if sd.get("resolved_compression") is not None:
                 self.resolved_compression = sd["resolved_compression"]
             auto = sd.get("auto", {})  # auto's choices, or its running trial, per bucket key
-            self._buckets.load_state_dict(sd, keyed_elsewhere=bool(auto.get("decided") or auto.get("candidates")))
+            self._buckets.load_state_dict(sd)
             self._planner.auto.load_state_dict(auto)
             self._lowrank_share.load_state_dict(sd.get("lowrank_share", {}))
             self._loose_sd = None if strict else sd
