@@ -36,6 +36,10 @@ __all__ = ["Bucket", "BucketStates", "ParamIndex", "Signature", "from_grad_bucke
 
 log = logging.getLogger("hetcomm")
 
+#: the resumed steps that may run in DDP's initial buckets, each replayed in the saved layout: DDP rebuilds its
+#: buckets in its second step's forward, with ``static_graph=True`` in its third's
+REPLAY_STEPS = 2
+
 
 class Bucket:
     """What the hook needs of a bucket: DDP's GradBucket, or a regrouped one.
@@ -131,8 +135,10 @@ class BucketStates(BucketDebts):
         self._current: List[Signature] = []
         self.touched: set = set()
         self.prev_touched: set = set()
-        #: a restored state's layout, replayed at the first step that differs from it
+        #: a restored state's layout, replayed at the first steps that differ from it (DDP's initial buckets: one
+        #: step, two under ``static_graph=True``, which rebuilds them in its third step's forward)
         self.replay_layout: Optional[List[Signature]] = None
+        self.replays_left = 0
         self._saved_shapes: Optional[List[Tuple[int, ...]]] = None
         #: what a bucket of an earlier layout owed, per parameter number, until a bucket of this step adopts it
         self._loose: Dict[int, torch.Tensor] = {}
@@ -177,7 +183,7 @@ class BucketStates(BucketDebts):
         self._q_ranks = {str(k): int(r) for k, r in sd.get("lowrank_ranks", {}).items()}
         layout = [tuple(int(i) for i in sig) for sig in sd.get("bucket_layout", [])]
         self.step_layout = layout
-        self.replay_layout = layout or None
+        self.replay_layout, self.replays_left = layout or None, REPLAY_STEPS
         self._saved_shapes = [tuple(s) for s in sd.get("param_shapes", [])]
         # kept through the first steps of a resumed run
         self.prev_touched = set(self.residuals) | set(self.server_residuals) | set(self.lowrank_q) | \

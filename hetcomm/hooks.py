@@ -200,7 +200,9 @@ class BucketSteps:
         """The first step after load_state_dict: hold DDP's buckets until the
         step's last one, then reduce the gradients grouped as in the saved
         layout (the original run's), so the restored state meets exactly the
-        buckets it was made for. One step without overlap."""
+        buckets it was made for. One step without overlap; while DDP's layout
+        still differs from the saved one (``static_graph=True`` rebuilds its
+        buckets a step later), the next step too, up to REPLAY_STEPS."""
         fut: torch.futures.Future = torch.futures.Future()
         bucket.grads  # its views made now, in the call DDP handed its GradBucket to
         self._replaying.append((bucket, fut))
@@ -215,6 +217,9 @@ class BucketSteps:
                 f.set_exception(e)
             self._step_open = False
             raise
+        self._buckets.replays_left -= 1
+        if self._buckets.replays_left > 0 and [b.sig for b, _ in collected] != target:
+            self._buckets.replay_layout = target  # DDP's initial buckets again next step, or its rebuilt ones
         for b, f in collected:
             f.set_result(b.buffer)
         return fut

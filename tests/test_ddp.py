@@ -299,13 +299,15 @@ def test_bytes_across_nodes_in_stats():
 
 def _model(kind):
     """one: a single Linear (one bucket in every layout); small: the MLP in
-    several 0.01 MB buckets; default: a 1.6 MB MLP with DDP's default buckets
+    several 0.01 MB buckets (static: the same under static_graph); default: a 1.6 MB MLP with DDP's default buckets
     (the first step's layout is not the rebuilt one in either)."""
     torch.manual_seed(0)
     if kind == "one":
         return torch.nn.Linear(models.IN, models.OUT, bias=False), {}
     if kind == "small":
         return models.mlp(), {"bucket_cap_mb": 0.01}
+    if kind == "static":  # small's buckets, rebuilt a step later (in DDP's third step's forward)
+        return models.mlp(), {"bucket_cap_mb": 0.01, "static_graph": True}
     return models.mlp(hidden=600), {}
 
 
@@ -378,7 +380,8 @@ RESUME_CASES = [("one", "topk", "sgd"), ("small", "onebit", "sgd"), ("small", "t
                 ("small", "onebit", "adamw-attach-beta"),  # Adam's beta1 moved every step: the momentum's units too
                 ("small", "onebit", "sgd-extend"),  # resumed past the warm-up with a longer run: no second warm-up
                 ("small", "onebit", "adamw-extend-late"),  # the same attached after loading: an Adam's exact steps
-                ("default", "int3", "adamw")]  # the gradient in 3 bits, as auto sends it, under torch's AdamW
+                ("default", "int3", "adamw"),  # the gradient in 3 bits, as auto sends it, under torch's AdamW
+                ("static", "lowrank", "adamw"), ("static", "onebit", "sgd-attach")]  # two resumed steps regrouped
 
 
 def _resume_cases(rank, world, ckpt_dir):
@@ -586,8 +589,9 @@ def test_resume_from_state_dict_continues_bit_for_bit(resumed_runs, kind, mode, 
     assert torch.equal(resumed["params"], straight["params"])
     assert torch.equal(resumed1["params"], straight1["params"])
     if kind != "one":  # the case that needs the regrouping really happened
-        assert straight["layouts"][0] != straight["layouts"][1]
-        assert resumed["layouts"][0] == straight["layouts"][8]  # step 8 was reduced in the saved layout
+        rebuilt = 2 if kind == "static" else 1  # (static_graph: DDP's first two steps in its initial buckets)
+        assert straight["layouts"][rebuilt - 1] != straight["layouts"][rebuilt] == straight["layouts"][8]
+        assert resumed["layouts"][:rebuilt] == straight["layouts"][8:8 + rebuilt]  # reduced in the saved layout
     if opt_name.endswith("-warmup"):  # saved and resumed inside the fp8 warm-up, continued past its end
         assert all(straight["wires"][step] == ["fp8"] for step in range(2, 12)), straight["wires"]
         after = ["onebit" in w for w in straight["wires"][12:]]  # (an Adam's exact steps 12, 13, 15 go in fp32)
