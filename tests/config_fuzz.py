@@ -7,9 +7,9 @@ configuration that breaks an invariant).
 A configuration draws a mode, an optimizer (SGD plain / momentum / Nesterov,
 torch's Adam and AdamW, hetcomm's AdamW), a model (an MLP, with frozen or
 per-step unused parameters; a BatchNorm CNN, channels_last or not; a tied
-embedding), 2-4 ranks (4 as two nodes of two), DDP's options (bucket size,
+embedding; in float32, bfloat16 or float64), 2-4 ranks (4 as two nodes of two), DDP's options (bucket size,
 gradient_as_bucket_view, find_unused_parameters, static_graph, torch's Join
-with uneven steps), and what a loop adds (momentum attached, follow_lr,
+with uneven steps), and what a loop adds (two parameter groups, momentum attached, follow_lr,
 per-rank batch sizes, no_sync micro-batches, bf16 autocast,
 hetcomm.amp.GradScaler in a precision per rank with an overflow, clipping
 through the state, an lr schedule, a checkpoint and a resume from it).
@@ -69,7 +69,7 @@ class Net(nn.Module):
             return self.head(torch.tanh(self.l1(self.emb(x)))).mean(1)
         out = self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))) * self.scale)
         if use_unused:
-            out = out + self.unused(torch.ones(1, 7)).sum() * 0.01
+            out = out + self.unused(torch.ones(1, 7, dtype=out.dtype)).sum() * 0.01
         return out
 
 
@@ -90,7 +90,10 @@ def draw(seed: int) -> Dict[str, Any]:
                autocast=r.random() < 0.25, clip=r.random() < 0.3, set_to_none=r.random() < 0.7,
                save_at=r.choice([5, 9]) if r.random() < 0.6 else None,
                static=r.random() < 0.2, join=r.random() < 0.2, nodes=r.random() < 0.3,
-               scaler=r.random() < 0.4, overflow_at=r.choice([None, 3, 7, 11]), sched=r.random() < 0.4)
+               scaler=r.random() < 0.4, overflow_at=r.choice([None, 3, 7, 11]), sched=r.random() < 0.4,
+               dtype=r.choice(["float32"] * 4 + ["bfloat16", "float64"]), groups=r.random() < 0.4)
+    if cfg["dtype"] != "float32":  # a model in another dtype: no autocast, no loss scaling (torch's rules)
+        cfg.update(autocast=False, scaler=False)
     if cfg["nodes"]:
         cfg["world"] = 4
         cfg["batch"] = [5, 9, 3, 6] if len(cfg["batch"]) == 3 else cfg["batch"]
@@ -101,6 +104,14 @@ def draw(seed: int) -> Dict[str, Any]:
     if cfg["static"]:  # DDP's static graph runs neither no_sync nor unused parameters that change
         cfg.update(unused=False, micro=1)
     return cfg
+
+
+def _param_groups(model: nn.Module) -> List[Dict[str, Any]]:
+    """Two groups as recipes make them: weights, and biases and norms without weight decay at half the rate
+    (each optimizer's own ``lr`` and ``weight_decay`` scaled by the group's factors below)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() > 1]},
+            {"params": [p for p in params if p.dim() <= 1], "decay": 0.0, "rate": 0.5}]
 
 
 def _optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -126,6 +137,7 @@ class Run:
         self.model = Net(cfg["model"], cfg["unused"])
         if cfg["model"] == "conv" and cfg["channels_last"]:
             self.model = self.model.to(memory_format=torch.channels_last)
+        self.model = self.model.to(getattr(torch, cfg["dtype"]))
         if cfg["frozen"] and cfg["model"] == "mlp":
             self.model.l1.bias.requires_grad_(False)
         kw: Dict[str, Any] = dict(find_unused_parameters=cfg["unused"], gradient_as_bucket_view=cfg["gabv"],
@@ -133,7 +145,10 @@ class Run:
         if cfg["bucket_mb"]:
             kw["bucket_cap_mb"] = cfg["bucket_mb"]
         self.ddp = DDP(self.model, **kw)
-        self.opt = _optimizer(cfg["optim"], self.ddp.parameters())
+        self.opt = _optimizer(cfg["optim"], _param_groups(self.model) if cfg["groups"] else self.ddp.parameters())
+        for group in self.opt.param_groups:  # the second group's factors, on the optimizer's own settings
+            group["lr"] *= group.pop("rate", 1.0)
+            group["weight_decay"] *= group.pop("decay", 1.0)
         self.state: Optional[hetcomm.HookState] = None
         self.scaler: Optional[hetcomm.amp.GradScaler] = None
         if cfg["mode"] != "ddp":
@@ -167,6 +182,7 @@ class Run:
             state.set_local_batch_size(n * micro)
         for m in range(micro):
             x, y = self._batch(g, n)
+            x = x.to(getattr(torch, cfg["dtype"])) if x.is_floating_point() else x
             with self.ddp.no_sync() if m < micro - 1 else _Nothing():
                 cast = scaler.autocast() if scaler is not None else torch.autocast(
                     "cpu", dtype=torch.bfloat16, enabled=cfg["autocast"])
