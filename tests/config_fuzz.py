@@ -17,7 +17,8 @@ through the state, an lr schedule, a checkpoint and a resume from it).
 The invariants: no rank fails; every rank ends with the same weights, all
 finite; a run resumed from its checkpoint (model, optimizer, state, scaler,
 scheduler) ends on the straight run's weights to the bit (under ``auto``,
-whose choices follow measured times, with the same weights on every rank).
+whose choices follow measured times, or resumed in another compression
+through ``strict=False``, with the same weights on every rank).
 The mode ``ddp`` is DDP's own all-reduce (no hook), the reference
 ``none`` must equal to the bit on 2 ranks.
 """
@@ -91,7 +92,8 @@ def draw(seed: int) -> Dict[str, Any]:
                save_at=r.choice([5, 9]) if r.random() < 0.6 else None,
                static=r.random() < 0.2, join=r.random() < 0.2, nodes=r.random() < 0.3,
                scaler=r.random() < 0.4, overflow_at=r.choice([None, 3, 7, 11]), sched=r.random() < 0.4,
-               dtype=r.choice(["float32"] * 4 + ["bfloat16", "float64"]), groups=r.random() < 0.4)
+               dtype=r.choice(["float32"] * 4 + ["bfloat16", "float64"]), groups=r.random() < 0.4,
+               resume_as=r.choice(MODES) if r.random() < 0.15 else None)
     if cfg["dtype"] != "float32":  # a model in another dtype: no autocast, no loss scaling (torch's rules)
         cfg.update(autocast=False, scaler=False)
     if cfg["nodes"]:
@@ -101,6 +103,8 @@ def draw(seed: int) -> Dict[str, Any]:
         cfg.update(autocast=False, join=False)
     if cfg["join"]:  # a joined rank shadows no clipping, no checkpoint and no micro-batches
         cfg.update(save_at=None, clip=False, micro=1)
+    if cfg["resume_as"] == "lowrank" or (cfg["resume_as"] and not cfg["save_at"]):
+        cfg["resume_as"] = None  # (lowrank takes no algorithm= of those drawn; no checkpoint, nothing to resume)
     if cfg["static"]:  # DDP's static graph runs neither no_sync nor unused parameters that change
         cfg.update(unused=False, micro=1)
     return cfg
@@ -218,12 +222,16 @@ class Run:
         return buf.getvalue()
 
     def load(self, saved: bytes) -> None:
+        """A checkpoint of this configuration, or (``resume_as``: this run in another compression) of the one it
+        was saved in, through ``strict=False``."""
         ck = torch.load(io.BytesIO(saved), weights_only=True)
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["opt"])
-        for part, key in ((self.state, "hetcomm"), (self.scaler, "scaler"), (self.sched, "sched")):
+        for part, key in ((self.scaler, "scaler"), (self.sched, "sched")):
             if part is not None:
                 part.load_state_dict(ck[key])
+        if self.state is not None:
+            self.state.load_state_dict(ck["hetcomm"], strict=not self.cfg.get("resume_as"))
 
     def weights(self) -> List[torch.Tensor]:
         return [p.detach().clone() for p in self.model.parameters()]
@@ -261,7 +269,7 @@ def rank_body(rank: int, world: int, cfg: Dict[str, Any], cache: str) -> Dict[st
         out: Dict[str, Any] = {"weights": run.weights(), "resumed": None}
         run.close()
         if saved is not None:
-            again = Run(cfg, rank)
+            again = Run(dict(cfg, mode=cfg["resume_as"]) if cfg["resume_as"] else cfg, rank)
             again.load(saved)
             for i in range(cfg["save_at"], cfg["steps"]):
                 again.step(i)
@@ -297,7 +305,7 @@ def problems(cfg: Dict[str, Any], ranks: List[Optional[Dict[str, Any]]]) -> List
     if first["resumed"] is not None:
         if not all(same(r["resumed"], first["resumed"]) for r in ranks):
             out.append("the resumed replicas differ")
-        elif cfg["mode"] != "auto" and not same(first["resumed"], first["weights"]):
+        elif cfg["mode"] != "auto" and not cfg["resume_as"] and not same(first["resumed"], first["weights"]):
             d = max((x - y).abs().max().item() for x, y in zip(first["resumed"], first["weights"]))
             out.append(f"the resumed run ends off the straight run (max |difference| {d:.3g})")
     return out
