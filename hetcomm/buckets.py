@@ -146,9 +146,6 @@ class BucketStates(BucketDebts):
         #: bucket sharing one of their parameters searches, a release or a load
         self._adopted: set = set()
 
-    def has_state(self) -> bool:
-        return bool(self.residuals or self.server_residuals or self.lowrank_q or self.momentum or self.carry)
-
     def state_dict(self) -> Dict[str, Any]:
         return {
             "param_shapes": [list(s) for s in self.params.shapes],
