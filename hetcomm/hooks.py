@@ -211,20 +211,21 @@ class BucketSteps:
         collected, self._replaying = self._replaying, None
         target, self._buckets.replay_layout = self._buckets.replay_layout, None
         try:
-            self._replay(collected, target, engine)
+            regrouped = self._replay(collected, target, engine)
         except BaseException as e:
             for _, f in collected[:-1]:
                 f.set_exception(e)
             self._step_open = False
             raise
         self._buckets.replays_left -= 1
-        if self._buckets.replays_left > 0 and [b.sig for b, _ in collected] != target:
+        if self._buckets.replays_left > 0 and regrouped:
             self._buckets.replay_layout = target  # DDP's initial buckets again next step, or its rebuilt ones
         for b, f in collected:
             f.set_result(b.buffer)
         return fut
 
-    def _replay(self, collected, target, engine) -> None:
+    def _replay(self, collected, target, engine) -> bool:
+        """Reduces the collected step in the ``target`` layout; whether its buckets had to be regrouped."""
         self._buckets.check_saved_shapes()
         real = [b for b, _ in collected]
         if [b.sig for b in real] == target:
@@ -251,6 +252,7 @@ class BucketSteps:
             for b in virtual:
                 for p, g in zip(b.sig, b.grads):
                     views[p].copy_(g)
+        return virtual is not real
 
     def _own_step(self, bucket: buckets.Bucket, numel: int) -> int:
         """The step the schedule reads for this bucket: its parameters' own

@@ -25,6 +25,7 @@ The mode ``ddp`` is DDP's own all-reduce (no hook), the reference
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -39,6 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcomm
 from hetcomm import topology
+
+from . import models
 
 MODES = ["none", "fp16", "bf16", "fp8", "int3", "onebit", "topk", "lowrank", "auto"]
 OPTIMS = ["sgd", "sgdm", "nesterov", "adam", "adamw", "hetcomm-adamw"]
@@ -187,7 +190,7 @@ class Run:
         for m in range(micro):
             x, y = self._batch(g, n)
             x = x.to(getattr(torch, cfg["dtype"])) if x.is_floating_point() else x
-            with self.ddp.no_sync() if m < micro - 1 else _Nothing():
+            with self.ddp.no_sync() if m < micro - 1 else contextlib.nullcontext():
                 cast = scaler.autocast() if scaler is not None else torch.autocast(
                     "cpu", dtype=torch.bfloat16, enabled=cfg["autocast"])
                 with cast:
@@ -233,20 +236,9 @@ class Run:
         if self.state is not None:
             self.state.load_state_dict(ck["hetcomm"], strict=not self.cfg.get("resume_as"))
 
-    def weights(self) -> List[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
-
     def close(self) -> None:
         if self.state is not None:
             self.state.close()
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def rank_body(rank: int, world: int, cfg: Dict[str, Any], cache: str) -> Dict[str, Any]:
@@ -266,14 +258,14 @@ def rank_body(rank: int, world: int, cfg: Dict[str, Any], cache: str) -> Dict[st
                 if i == cfg["save_at"]:
                     saved = run.save()
                 run.step(i)
-        out: Dict[str, Any] = {"weights": run.weights(), "resumed": None}
+        out: Dict[str, Any] = {"weights": models.flat_params(run.model), "resumed": None}
         run.close()
         if saved is not None:
             again = Run(dict(cfg, mode=cfg["resume_as"]) if cfg["resume_as"] else cfg, rank)
             again.load(saved)
             for i in range(cfg["save_at"], cfg["steps"]):
                 again.step(i)
-            out["resumed"] = again.weights()
+            out["resumed"] = models.flat_params(again.model)
             again.close()
         return out
     except Exception as e:  # reported with the configuration
@@ -285,10 +277,6 @@ def run_config(cfg: Dict[str, Any], spawn) -> List[Dict[str, Any]]:
         return spawn(rank_body, cfg["world"], cfg, cache, timeout=300, check=False)
 
 
-def same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def problems(cfg: Dict[str, Any], ranks: List[Optional[Dict[str, Any]]]) -> List[str]:
     """What the ranks' results break of the invariants (empty: nothing)."""
     if any(r is None for r in ranks):
@@ -298,15 +286,15 @@ def problems(cfg: Dict[str, Any], ranks: List[Optional[Dict[str, Any]]]) -> List
         return ["error: " + errors[0]]
     out = []
     first = ranks[0]
-    if not all(same(r["weights"], first["weights"]) for r in ranks):
+    if not all(torch.equal(r["weights"], first["weights"]) for r in ranks):
         out.append("the replicas differ")
-    if not all(torch.isfinite(w).all() for w in first["weights"]):
+    if not torch.isfinite(first["weights"]).all():
         out.append("a weight is not finite")
     if first["resumed"] is not None:
-        if not all(same(r["resumed"], first["resumed"]) for r in ranks):
+        if not all(torch.equal(r["resumed"], first["resumed"]) for r in ranks):
             out.append("the resumed replicas differ")
-        elif cfg["mode"] != "auto" and not cfg["resume_as"] and not same(first["resumed"], first["weights"]):
-            d = max((x - y).abs().max().item() for x, y in zip(first["resumed"], first["weights"]))
+        elif cfg["mode"] != "auto" and not cfg["resume_as"] and not torch.equal(first["resumed"], first["weights"]):
+            d = (first["resumed"] - first["weights"]).abs().max().item()
             out.append(f"the resumed run ends off the straight run (max |difference| {d:.3g})")
     return out
 
